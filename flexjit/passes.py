@@ -1,0 +1,392 @@
+"""Analysis and rewrite passes over the IR, and the pipeline that runs them.
+
+Pipeline (``lower``), in order:
+  1. ``relocate``  -- give the mask_mod's buffers/scalars slots after the score_mod's.
+  2. ``simplify``  -- constant folding and algebraic identities, to a fixed point.
+  3. ``derivative``-- reverse-mode d(score_mod)/d(score) and d(score_mod)/d(load) for
+                      every load of a captured tensor that requires grad.
+  4. ``simplify``  -- again, on the derivative graphs.
+
+The result, a :class:`Program`, is everything a backend renders. Its ``key`` is
+the structural digest of all its graphs: the compile-cache key.
+
+``to_sympy`` converts an arithmetic graph to sympy; tests use it as an
+independent oracle for ``derivative`` and ``simplify``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+from typing import Callable
+
+import torch
+
+from . import ir
+from .interp import Env, evaluate
+from .ir import DType, Node, Op
+from .trace import MASK_MOD, SCORE_MOD, TracedMod, cast
+
+LN2 = math.log(2.0)
+
+
+# --------------------------------------------------------------------------- rewriting
+
+
+def rewrite(roots: list[Node], fn: Callable[[Node, tuple[Node, ...]], Node]) -> list[Node]:
+    """Rebuild graphs bottom-up: ``fn(old_node, new_srcs)`` returns the replacement."""
+    new: dict[int, Node] = {}
+    for n in ir.toposort(roots):
+        srcs = tuple(new[id(s)] for s in n.src)
+        new[id(n)] = fn(n, srcs)
+    return [new[id(r)] for r in roots]
+
+
+def relocate(root: Node, buffer_offset: int, scalar_offset: int) -> Node:
+    """Shift BUFFER and SCALAR slot numbers (to merge two mods' captures)."""
+    def fn(n: Node, srcs):
+        if n.op is Op.BUFFER:
+            slot, ndim, storage = n.arg
+            return ir.node(Op.BUFFER, n.dtype, (), (slot + buffer_offset, ndim, storage))
+        if n.op is Op.SCALAR:
+            return ir.node(Op.SCALAR, n.dtype, (), n.arg + scalar_offset)
+        return ir.node(n.op, n.dtype, srcs, n.arg)
+    return rewrite([root], fn)[0]
+
+
+# --------------------------------------------------------------------------- simplify
+
+
+def _is_const(n: Node, value=None) -> bool:
+    return n.op is Op.CONST and (value is None or n.arg == value)
+
+
+def _fold(n: Node, srcs: tuple[Node, ...]) -> Node:
+    """Evaluate an op on constant operands with float32 semantics, like a kernel would."""
+    out = evaluate(ir.node(n.op, n.dtype, srcs, n.arg), Env(float_dtype=torch.float32))
+    return ir.const(out.item(), n.dtype)
+
+
+def _simplify_node(n: Node, srcs: tuple[Node, ...]) -> Node:
+    op = n.op
+    if op in ir.LEAVES or op is Op.LOAD:
+        return ir.node(op, n.dtype, srcs, n.arg)
+    if srcs and all(s.op is Op.CONST for s in srcs):
+        return _fold(n, srcs)
+    if op is Op.CAST:
+        return cast(srcs[0], n.arg)
+    a = srcs[0]
+    b = srcs[1] if len(srcs) > 1 else None
+    if op is Op.ADD:
+        if _is_const(b, 0):
+            return a
+        if _is_const(a, 0):
+            return b
+    elif op is Op.SUB and _is_const(b, 0):
+        return a
+    elif op is Op.MUL:
+        if _is_const(b, 1):
+            return a
+        if _is_const(a, 1):
+            return b
+        if n.dtype.is_int and (_is_const(a, 0) or _is_const(b, 0)):
+            return ir.const(0, n.dtype)
+    elif op is Op.DIV and _is_const(b, 1):
+        return a
+    elif op is Op.NEG and a.op is Op.NEG:
+        return a.src[0]
+    elif op is Op.NOT and a.op is Op.NOT:
+        return a.src[0]
+    elif op in (Op.AND, Op.OR) and n.dtype is DType.BOOL:
+        absorbing, neutral = (False, True) if op is Op.AND else (True, False)
+        for x, y in ((a, b), (b, a)):
+            if _is_const(x, neutral):
+                return y
+            if _is_const(x, absorbing):
+                return ir.const(absorbing)
+        if a is b:
+            return a
+    elif op is Op.WHERE:
+        c, x, y = srcs
+        if _is_const(c, True):
+            return x
+        if _is_const(c, False):
+            return y
+        if x is y:
+            return x
+    elif op in (Op.MAX, Op.MIN) and a is b:
+        return a
+    return ir.node(op, n.dtype, srcs, n.arg)
+
+
+def simplify(root: Node) -> Node:
+    """Constant folding and algebraic identities that hold for every input."""
+    while True:
+        new = rewrite([root], _simplify_node)[0]
+        if new is root:
+            return new
+        root = new
+
+
+# --------------------------------------------------------------------------- derivative
+
+
+def _c(v: float) -> Node:
+    return ir.const(v, DType.FLOAT32)
+
+
+def _mul(a: Node, b: Node) -> Node:
+    return ir.node(Op.MUL, DType.FLOAT32, (a, b))
+
+
+def _add(a: Node | None, b: Node) -> Node:
+    return b if a is None else ir.node(Op.ADD, DType.FLOAT32, (a, b))
+
+
+def _neg(a: Node) -> Node:
+    return ir.node(Op.NEG, DType.FLOAT32, (a,))
+
+
+def _div(a: Node, b: Node) -> Node:
+    return ir.node(Op.DIV, DType.FLOAT32, (a, b))
+
+
+def _where(c: Node, a: Node, b: Node) -> Node:
+    return ir.node(Op.WHERE, DType.FLOAT32, (c, a, b))
+
+
+def _cmp(op: Op, a: Node, b: Node) -> Node:
+    return ir.node(op, DType.BOOL, (a, b))
+
+
+def _local_grads(n: Node, g: Node) -> list[Node | None]:
+    """Gradient of ``n`` w.r.t. each operand, given the gradient ``g`` of n.
+
+    Ties and kinks follow torch autograd (max/min split ties; abs'(0) = 0)."""
+    op, s = n.op, n.src
+    zero = _c(0.0)
+    if op is Op.ADD:
+        return [g, g]
+    if op is Op.SUB:
+        return [g, _neg(g)]
+    if op is Op.MUL:
+        return [_mul(g, s[1]), _mul(g, s[0])]
+    if op is Op.DIV:
+        return [_div(g, s[1]), _neg(_div(_mul(g, n), s[1]))]
+    if op is Op.NEG:
+        return [_neg(g)]
+    if op is Op.ABS:
+        return [_where(_cmp(Op.GT, s[0], zero), g, _where(_cmp(Op.LT, s[0], zero), _neg(g), zero))]
+    if op is Op.EXP:
+        return [_mul(g, n)]
+    if op is Op.EXP2:
+        return [_mul(g, _mul(n, _c(LN2)))]
+    if op is Op.LOG:
+        return [_div(g, s[0])]
+    if op is Op.LOG2:
+        return [_div(g, _mul(s[0], _c(LN2)))]
+    if op is Op.TANH:
+        return [_mul(g, ir.node(Op.SUB, DType.FLOAT32, (_c(1.0), _mul(n, n))))]
+    if op is Op.SIGMOID:
+        return [_mul(g, _mul(n, ir.node(Op.SUB, DType.FLOAT32, (_c(1.0), n))))]
+    if op is Op.SQRT:
+        return [_div(_mul(g, _c(0.5)), n)]
+    if op is Op.RSQRT:
+        return [_div(_mul(g, _mul(_c(-0.5), n)), s[0])]
+    if op is Op.SIN:
+        return [_mul(g, ir.node(Op.COS, DType.FLOAT32, (s[0],)))]
+    if op is Op.COS:
+        return [_neg(_mul(g, ir.node(Op.SIN, DType.FLOAT32, (s[0],))))]
+    if op is Op.POW:
+        a, b = s
+        da = _mul(g, _mul(b, ir.node(Op.POW, DType.FLOAT32, (a, ir.node(Op.SUB, DType.FLOAT32, (b, _c(1.0)))))))
+        db = _mul(g, _mul(n, ir.node(Op.LOG, DType.FLOAT32, (a,))))
+        return [da, db]
+    if op in (Op.MAX, Op.MIN):
+        a, b = s
+        win = Op.GT if op is Op.MAX else Op.LT
+        half = _mul(g, _c(0.5))
+        eq = _cmp(Op.EQ, a, b)
+        return [_where(_cmp(win, a, b), g, _where(eq, half, zero)),
+                _where(_cmp(win, b, a), g, _where(eq, half, zero))]
+    if op is Op.WHERE:
+        return [None, _where(s[0], g, zero), _where(s[0], zero, g)]
+    if op is Op.MOD:  # remainder: a - floor(a/b) * b
+        return [g, _neg(_mul(g, ir.node(Op.FLOOR, DType.FLOAT32, (_div(s[0], s[1]),))))]
+    if op is Op.CAST:
+        return [g if s[0].dtype.is_float else None]
+    # floor, ceil, float floordiv: zero almost everywhere; comparisons/logic: not differentiable
+    return [None] * len(s)
+
+
+def derivative(out: Node, wrt: list[Node]) -> list[Node]:
+    """d(out)/d(w) for each node w in ``wrt`` (leaves or loads), as graphs over forward nodes."""
+    grads: dict[int, Node] = {id(out): _c(1.0)}
+    targets = {id(w) for w in wrt}
+    for n in reversed(ir.toposort([out])):
+        g = grads.get(id(n))
+        if g is None or not n.dtype.is_float or id(n) in targets and n.op in (Op.SCORE, Op.LOAD):
+            continue
+        for s, gs in zip(n.src, _local_grads(n, g)):
+            if gs is not None and s.dtype.is_float:
+                grads[id(s)] = _add(grads.get(id(s)), gs)
+    return [simplify(grads.get(id(w), _c(0.0))) for w in wrt]
+
+
+# --------------------------------------------------------------------------- program
+
+
+@dataclasses.dataclass(frozen=True)
+class GradLoad:
+    """A load of a captured tensor that requires grad, and d(score_mod)/d(that load)."""
+    load: Node
+    grad: Node
+
+    @property
+    def slot(self) -> int:
+        return self.load.src[0].arg[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What a backend needs to render a kernel: the graphs and their captures.
+
+    score: the score_mod output, or None for the identity.
+    mask:  the mask_mod output, or None for no mask_mod (every listed block is full).
+    dscore: d(score)/d(SCORE) (None when there is no score_mod, meaning 1).
+    grad_loads: d(score)/d(load) for every load of a buffer that requires grad.
+    buffers/scalars: run-time captures; mask captures come after score captures.
+    """
+    score: Node | None
+    mask: Node | None
+    dscore: Node | None
+    grad_loads: tuple[GradLoad, ...]
+    buffers: tuple[torch.Tensor, ...]
+    scalars: tuple[float | int, ...]
+    score_name: str = "identity"
+    mask_name: str = "noop"
+
+    @property
+    def scalar_dtypes(self) -> tuple[DType, ...]:
+        return tuple(ir.dtype_of_python(v) for v in self.scalars)
+
+    @property
+    def buffer_requires_grad(self) -> tuple[bool, ...]:
+        return tuple(bool(t.requires_grad) for t in self.buffers)
+
+    @property
+    def key(self) -> str:
+        """Structural digest of everything that shapes the generated code."""
+        roots = [r for r in (self.score, self.mask, self.dscore) if r is not None]
+        roots += [g.grad for g in self.grad_loads] + [g.load for g in self.grad_loads]
+        layout = (self.score is not None, self.mask is not None, self.dscore is not None,
+                  len(self.grad_loads), [d.value for d in self.scalar_dtypes], len(self.buffers))
+        text = ir.serialize(roots) + "\n" + repr(layout)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _loads(root: Node) -> list[Node]:
+    return [n for n in ir.walk(root) if n.op is Op.LOAD]
+
+
+def lower(score: TracedMod | None, mask: TracedMod | None) -> Program:
+    """Run the pass pipeline on a traced score_mod and mask_mod."""
+    buffers: list[torch.Tensor] = []
+    scalars: list = []
+    score_out = mask_out = dscore = None
+    grad_loads: list[GradLoad] = []
+    if score is not None:
+        score_out = simplify(score.out)
+        buffers += score.buffers
+        scalars += score.scalars
+    if mask is not None:
+        mask_out = simplify(relocate(mask.out, len(buffers), len(scalars)))
+        buffers += mask.buffers
+        scalars += mask.scalars
+        if mask_out.op is Op.CONST and mask_out.arg is True:
+            mask_out = None
+    if score_out is not None:
+        if score_out.op is Op.SCORE:
+            score_out = None
+        else:
+            learnable = [n for n in _loads(score_out) if buffers[n.src[0].arg[0]].requires_grad
+                         and n.dtype.is_float]
+            score_leaf = ir.node(Op.SCORE, DType.FLOAT32)
+            grads = derivative(score_out, [score_leaf] + learnable)
+            dscore = grads[0]
+            grad_loads = [GradLoad(ld, g) for ld, g in zip(learnable, grads[1:])
+                          if not _is_const(g, 0.0)]
+    program = Program(score_out, mask_out, dscore, tuple(grad_loads), tuple(buffers), tuple(scalars),
+                      score.name if score else "identity", mask.name if mask else "noop")
+    if os.environ.get("FLEXJIT_DEBUG"):
+        print("[flexjit] lowered program\n" + describe(program))
+    return program
+
+
+def describe(p: Program) -> str:
+    roots = {}
+    if p.score is not None:
+        roots[f"score ({p.score_name})"] = p.score
+    if p.mask is not None:
+        roots[f"mask ({p.mask_name})"] = p.mask
+    if p.dscore is not None:
+        roots["dscore/dscore"] = p.dscore
+    for g in p.grad_loads:
+        roots[f"dscore/dbuf{g.slot}"] = g.grad
+    if not roots:
+        return "  (identity score, no mask)"
+    return ir.format_graph(roots)
+
+
+# --------------------------------------------------------------------------- sympy bridge
+
+
+def to_sympy(root: Node):
+    """A sympy expression for an arithmetic/transcendental graph (for tests and docs).
+
+    Leaves become symbols (score, b, h, q_idx, kv_idx, scalar<i>), loads become
+    symbols named after their node, WHERE becomes Piecewise.
+    """
+    import sympy as sp
+
+    syms: dict[int, object] = {}
+    table = {
+        Op.ADD: lambda a, b: a + b, Op.SUB: lambda a, b: a - b, Op.MUL: lambda a, b: a * b,
+        Op.DIV: lambda a, b: a / b, Op.POW: lambda a, b: a ** b, Op.NEG: lambda a: -a,
+        Op.EXP: sp.exp, Op.EXP2: lambda a: 2 ** a, Op.LOG: sp.log, Op.LOG2: lambda a: sp.log(a, 2),
+        Op.TANH: sp.tanh, Op.SIGMOID: lambda a: 1 / (1 + sp.exp(-a)), Op.SQRT: sp.sqrt,
+        Op.RSQRT: lambda a: 1 / sp.sqrt(a), Op.SIN: sp.sin, Op.COS: sp.cos, Op.ABS: sp.Abs,
+        Op.MAX: sp.Max, Op.MIN: sp.Min,
+        Op.LT: lambda a, b: a < b, Op.LE: lambda a, b: a <= b, Op.GT: lambda a, b: a > b,
+        Op.GE: lambda a, b: a >= b, Op.EQ: sp.Eq, Op.NE: sp.Ne,
+        Op.AND: sp.And, Op.OR: sp.Or, Op.NOT: sp.Not,
+    }
+    for n in ir.toposort([root]):
+        args = [syms[id(s)] for s in n.src]
+        if n.op in (Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX):
+            syms[id(n)] = sp.Symbol(n.op.value, real=True)
+        elif n.op is Op.SCALAR:
+            syms[id(n)] = sp.Symbol(f"scalar{n.arg}", real=True)
+        elif n.op is Op.CONST:
+            syms[id(n)] = sp.Float(n.arg) if isinstance(n.arg, float) else sp.sympify(n.arg)
+        elif n.op is Op.BUFFER:
+            syms[id(n)] = None
+        elif n.op is Op.LOAD:
+            syms[id(n)] = load_symbol(n)
+        elif n.op is Op.CAST:
+            syms[id(n)] = args[0]
+        elif n.op is Op.WHERE:
+            syms[id(n)] = sp.Piecewise((args[1], args[0]), (args[2], True))
+        elif n.op in table:
+            syms[id(n)] = table[n.op](*args)
+        else:
+            raise NotImplementedError(f"no sympy form for {n.op.value}")
+    return syms[id(root)]
+
+
+def load_symbol(n: Node):
+    """The sympy symbol standing for a LOAD node: named by its structure, so it is the
+    same symbol in every graph that contains that load."""
+    import sympy as sp
+    return sp.Symbol(f"load{n.src[0].arg[0]}_{ir.digest([n])[:8]}", real=True)
