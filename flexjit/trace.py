@@ -726,6 +726,7 @@ class _Rewriter:
             return self.done[id(fn)]
         if _is_library_function(fn):
             return fn
+        self.done[id(fn)] = fn  # while recursing: a self-reference keeps the original
         code = fn.__code__
         new_globals = fn.__globals__
         names = _global_names(code)
@@ -740,19 +741,18 @@ class _Rewriter:
             new_globals = dict(fn.__globals__)
             new_globals.update(replaced)
         closure = fn.__closure__
-        new_fn = types.FunctionType(code, new_globals, fn.__name__, fn.__defaults__, None)
-        self.done[id(fn)] = new_fn  # before recursing: recursion through cells terminates
         if closure:
             cells = []
-            for i, cell in enumerate(closure):
+            for cell in closure:
                 try:
                     content = cell.cell_contents
                 except ValueError:  # an empty cell (not yet assigned)
                     cells.append(cell)
                     continue
                 cells.append(types.CellType(self.value(content, (id(cell), 0))))
-            new_fn = types.FunctionType(code, new_globals, fn.__name__, fn.__defaults__, tuple(cells))
-            self.done[id(fn)] = new_fn
+            closure = tuple(cells)
+        new_fn = types.FunctionType(code, new_globals, fn.__name__, fn.__defaults__, closure)
+        self.done[id(fn)] = new_fn
         new_fn.__kwdefaults__ = fn.__kwdefaults__
         new_fn.__qualname__ = fn.__qualname__
         return new_fn

@@ -1,0 +1,195 @@
+"""flex_attention: torch's signature and semantics, our compiler underneath.
+
+The call path is: validate the inputs -> trace the mods and lower them to a
+:class:`~flexjit.passes.Program` -> pick a backend (``dispatch``) -> run it.
+Every bad input raises here with a message that says how to fix it; nothing
+reaches a kernel that could give a silently wrong answer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+from . import dispatch
+from .block_mask import BlockMask
+from .passes import Program, lower
+from .trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
+from .ir import Op, uses
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs to return (torch's AuxRequest)."""
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """Auxiliary outputs; a field is None unless requested."""
+    lse: torch.Tensor | None = None
+    max_scores: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Call:
+    """One validated flex_attention call, as every backend receives it."""
+    q: torch.Tensor  # (B, Hq, L, E)
+    k: torch.Tensor  # (B, Hkv, S, E)
+    v: torch.Tensor  # (B, Hkv, S, Ev)
+    program: Program
+    block_mask: BlockMask | None
+    scale: float
+    kernel_options: dict
+
+    @property
+    def shape(self):
+        B, Hq, L, E = self.q.shape
+        return B, Hq, self.k.shape[1], L, self.k.shape[2], E, self.v.shape[-1]
+
+    @property
+    def needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and (
+            any(t.requires_grad for t in (self.q, self.k, self.v))
+            or any(b.requires_grad for b in self.program.buffers))
+
+
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   score_mod: Callable | None = None, block_mask: BlockMask | None = None,
+                   scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
+                   kernel_options: dict | None = None, *, return_aux: AuxRequest | None = None,
+                   backend: str = "auto"):
+    """Attention with a traced ``score_mod`` and a block-sparse ``block_mask``.
+
+    query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev) -> out (B, Hq, L, Ev).
+    ``scale`` defaults to 1/sqrt(E). Hq != Hkv needs ``enable_gqa=True``.
+    With ``return_lse`` (or ``return_aux=AuxRequest(lse=True)``) the log-sum-exp
+    over kv is returned too: float32 (float64 for float64 inputs), natural log,
+    shape (B, Hq, L), -inf on a fully masked row (whose output is 0).
+    ``backend``: "auto", "cute", "triton" or "reference"; see :func:`flexjit.explain`.
+    """
+    if return_aux is not None and return_lse:
+        raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
+    if return_aux is not None and not isinstance(return_aux, AuxRequest):
+        raise TypeError(f"return_aux must be an AuxRequest, got {type(return_aux).__name__}")
+    if return_aux is not None and return_aux.max_scores:
+        raise NotImplementedError("AuxRequest(max_scores=True) is not supported by flexjit yet")
+    call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    choice = dispatch.select(backend, call)
+    if os.environ.get("FLEXJIT_DEBUG"):
+        print(f"[flexjit] backend={choice.name}: {choice.reason}")
+    out, lse = dispatch.run(choice.name, call)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None)
+    if return_lse:
+        return out, lse
+    return out
+
+
+def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+            kernel_options=None, *, backend: str = "auto") -> "dispatch.Choice":
+    """Which backend flex_attention would run for these arguments, and why. Runs nothing."""
+    call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    return dispatch.select(backend, call)
+
+
+def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options) -> Call:
+    _check_tensors(query, key, value, enable_gqa)
+    if score_mod is not None:
+        check_arity(score_mod, SCORE_MOD)
+    if block_mask is not None:
+        _check_block_mask(block_mask, query, key)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    elif isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError("kernel_options must be a dict")
+    traced_score = trace_mod(score_mod, SCORE_MOD) if score_mod is not None else None
+    traced_mask = None
+    if block_mask is not None and not _is_noop(block_mask.mask_mod):
+        traced_mask = trace_mod(block_mask.mask_mod, MASK_MOD)
+    program = lower(traced_score, traced_mask)
+    if block_mask is not None and program.mask is not None:
+        _check_broadcast(block_mask, program, query)
+    return Call(query, key, value, program, block_mask, float(scale), dict(kernel_options or {}))
+
+
+def _is_noop(fn) -> bool:
+    from .block_mask import noop_mask
+    return fn is noop_mask or getattr(fn, "__name__", "") == "noop_mask" and \
+        getattr(fn, "__module__", "").startswith("torch.nn.attention")
+
+
+def _check_tensors(q, k, v, enable_gqa: bool) -> None:
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, seq, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; flex_attention takes float16, bfloat16, "
+                            "float32 or float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, Hq, L, E = q.shape
+    Bk, Hkv, S, Ek = k.shape
+    Bv, Hv, Sv, _ = v.shape
+    if not (B == Bk == Bv):
+        raise ValueError(f"batch sizes differ: query {B}, key {Bk}, value {Bv}")
+    if Hkv != Hv or S != Sv:
+        raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} must agree on heads and length")
+    if E != Ek:
+        raise ValueError(f"query head dim {E} != key head dim {Ek}")
+    if min(L, S, E, v.shape[-1], B, Hq, Hkv) == 0:
+        raise ValueError(f"empty input: query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}")
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise ValueError(f"query has {Hq} heads but key/value have {Hkv}; pass enable_gqa=True "
+                             "for grouped-query attention")
+        if Hq % Hkv:
+            raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+
+
+def _check_block_mask(bm, q, k) -> None:
+    if not isinstance(bm, BlockMask):
+        raise TypeError(f"block_mask must be a flexjit BlockMask (from flexjit.create_block_mask), "
+                        f"got {type(bm).__module__}.{type(bm).__name__}")
+    L, S = q.shape[2], k.shape[2]
+    if tuple(bm.seq_lengths) != (L, S):
+        raise ValueError(f"block_mask was created for (Q_LEN, KV_LEN) = {tuple(bm.seq_lengths)} but the "
+                         f"inputs have ({L}, {S}); create it with Q_LEN={L}, KV_LEN={S}")
+    if bm.kv_num_blocks.dim() != 3:
+        raise ValueError(f"block_mask must have (batch, head, query-block) dims, got kv_num_blocks of "
+                         f"shape {tuple(bm.kv_num_blocks.shape)}")
+    bq, bkv = bm.BLOCK_SIZE
+    nq, nkv = -(-L // bq), -(-S // bkv)
+    if bm.kv_num_blocks.shape[2] != nq or bm.kv_indices.shape[3] != nkv:
+        raise ValueError(f"block_mask has {bm.kv_num_blocks.shape[2]}x{bm.kv_indices.shape[3]} blocks, but "
+                         f"BLOCK_SIZE={bm.BLOCK_SIZE} over ({L}, {S}) needs {nq}x{nkv}")
+    Bm, Hm = bm.kv_num_blocks.shape[:2]
+    B, Hq = q.shape[:2]
+    if Bm not in (1, B):
+        raise ValueError(f"block_mask batch size {Bm} must be 1 or the query's {B}")
+    if Hm not in (1, Hq):
+        raise ValueError(f"block_mask head count {Hm} must be 1 or the query's {Hq}")
+    if bm.kv_num_blocks.device != q.device:
+        raise ValueError(f"block_mask is on {bm.kv_num_blocks.device} but query is on {q.device}; "
+                         f"call block_mask.to({str(q.device)!r})")
+
+
+def _check_broadcast(bm: BlockMask, program: Program, q) -> None:
+    """A mask planned for one batch/head must not depend on b/h when it is broadcast."""
+    Bm, Hm = bm.kv_num_blocks.shape[:2]
+    if Bm == 1 and q.shape[0] > 1 and uses(program.mask, Op.B):
+        raise ValueError(f"mask_mod `{program.mask_name}` depends on the batch index b, but the block_mask "
+                         f"was created with B=1/None; create it with B={q.shape[0]}")
+    if Hm == 1 and q.shape[1] > 1 and uses(program.mask, Op.H):
+        raise ValueError(f"mask_mod `{program.mask_name}` depends on the head index h, but the block_mask "
+                         f"was created with H=1/None; create it with H={q.shape[1]}")

@@ -1,0 +1,172 @@
+"""The reference backend: attention in plain torch, built from the same IR.
+
+It defines what every kernel must compute:
+
+    s      = (q @ kᵀ) · scale                       (float32, or float64 for float64 inputs)
+    s      = score_mod(s, b, h, q_idx, kv_idx)       (the IR, through the interpreter)
+    keep   = block listed as full, or listed as partial and mask_mod(b, h, q_idx, kv_idx)
+    p      = softmax over kv of s where keep, else -inf
+    out    = p @ v;  lse = logsumexp over kv (natural log)
+    A row with nothing kept gives out = 0 and lse = -inf (and zero, not NaN, gradients).
+
+It runs on any device, chunked over query rows so memory stays bounded (S = 16k
+on the CPU), and its backward recomputes each chunk under autograd, so gradients
+reach q, k, v and every captured tensor that requires grad.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..interp import Env, evaluate
+from ..passes import Program
+
+# Bytes of live float intermediates allowed per chunk (about six (B, H, rows, S) tensors).
+_CHUNK_BYTES = 512 << 20
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything about one call that is not a tensor input."""
+    program: Program
+    scale: float
+    kinds: torch.Tensor | None  # (Bm, Hm, nQ, nKV) int8 block kinds, or None for no block mask
+    block_size: tuple[int, int]
+    n_buffers: int
+
+
+def _chunk_rows(B: int, H: int, S: int, bq: int, elem: int) -> int:
+    rows = _CHUNK_BYTES // max(1, B * H * S * elem * 6)
+    return max(bq, (rows // bq) * bq)
+
+
+def _forward_chunk(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r0: int,
+                   buffers: tuple, compute: torch.dtype):
+    """out (B, Hq, rows, Ev) and lse (B, Hq, rows) for query rows [r0, r0 + rows)."""
+    B, Hq, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    qc = q.to(compute).view(B, Hkv, g, L, E)
+    s = torch.matmul(qc, k.to(compute).unsqueeze(2).transpose(-1, -2)).view(B, Hq, L, S) * plan.scale
+    dev = q.device
+    env = Env(b=torch.arange(B, device=dev).view(-1, 1, 1, 1), h=torch.arange(Hq, device=dev).view(1, -1, 1, 1),
+              q_idx=(torch.arange(L, device=dev) + r0).view(1, 1, -1, 1),
+              kv_idx=torch.arange(S, device=dev).view(1, 1, 1, -1), score=s, buffers=buffers,
+              scalars=plan.program.scalars, float_dtype=compute, device=dev)
+    if plan.program.score is not None:
+        s = evaluate(plan.program.score, env).expand(B, Hq, L, S)
+    keep = _keep(plan, env, r0, L, S)
+    if keep is not None:
+        s = torch.where(keep, s, torch.tensor(float("-inf"), dtype=compute, device=dev))
+    m = s.amax(-1, keepdim=True).detach()  # softmax is shift-invariant: no gradient through m
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    denom = e.sum(-1, keepdim=True)
+    empty = denom == 0
+    p = e / torch.where(empty, torch.ones_like(denom), denom)
+    out = torch.matmul(p.view(B, Hkv, g, L, S), v.to(compute).unsqueeze(2)).view(B, Hq, L, -1)
+    lse = torch.where(empty, torch.full_like(denom, float("-inf")),
+                      torch.log(torch.where(empty, torch.ones_like(denom), denom)) + m).squeeze(-1)
+    return out, lse
+
+
+def _keep(plan: Plan, env: Env, r0: int, L: int, S: int) -> torch.Tensor | None:
+    """Element mask (broadcastable to (B, H, L, S)) from block kinds and mask_mod."""
+    if plan.kinds is None:
+        if plan.program.mask is None:
+            return None
+        return evaluate(plan.program.mask, env)
+    bq, bkv = plan.block_size
+    rows = plan.kinds[:, :, r0 // bq: (r0 + L - 1) // bq + 1]
+    kinds = rows.repeat_interleave(bq, 2).repeat_interleave(bkv, 3)
+    off = r0 - (r0 // bq) * bq
+    kinds = kinds[:, :, off:off + L, :S]
+    keep = kinds == 2
+    if plan.program.mask is not None:
+        keep = keep | ((kinds == 1) & evaluate(plan.program.mask, env))
+    else:
+        keep = keep | (kinds == 1)
+    return keep
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _rows(plan: Plan, q, k):
+    B, Hq, L, _ = q.shape
+    bq = plan.block_size[0]
+    step = _chunk_rows(B, Hq, k.shape[2], bq, 8 if q.dtype == torch.float64 else 4)
+    return [(r, min(L, r + step)) for r in range(0, L, step)]
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: Plan, q, k, v, *buffers):
+        compute = _compute_dtype(q)
+        B, Hq, L, _ = q.shape
+        out = torch.empty(B, Hq, L, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, Hq, L, dtype=compute, device=q.device)
+        for r0, r1 in _rows(plan, q, k):
+            o, l_ = _forward_chunk(plan, q[:, :, r0:r1], k, v, r0, buffers, compute)
+            out[:, :, r0:r1] = o.to(q.dtype)
+            lse[:, :, r0:r1] = l_
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, *buffers)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        plan: Plan = ctx.plan
+        q, k, v, *buffers = ctx.saved_tensors
+        compute = _compute_dtype(q)
+        kd = k.detach().requires_grad_(True)
+        vd = v.detach().requires_grad_(True)
+        bufs = [b.detach().requires_grad_(b.requires_grad and b.is_floating_point()) for b in buffers]
+        learn = [b for b in bufs if b.requires_grad]
+        dq = torch.zeros_like(q)
+        dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+        dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+        dbufs = [torch.zeros(b.shape, dtype=compute, device=b.device) for b in learn]
+        for r0, r1 in _rows(plan, q, k):
+            qc = q[:, :, r0:r1].detach().requires_grad_(True)
+            with torch.enable_grad():
+                o, l_ = _forward_chunk(plan, qc, kd, vd, r0, tuple(bufs), compute)
+                outs, grads_in = [o], [dout[:, :, r0:r1].to(compute)]
+                if dlse is not None:
+                    outs.append(l_)
+                    grads_in.append(torch.where(torch.isfinite(l_), dlse[:, :, r0:r1].to(compute),
+                                                torch.zeros_like(l_)))
+                grads = torch.autograd.grad(outs, [qc, kd, vd, *learn], grads_in, allow_unused=True)
+            dq[:, :, r0:r1] = _or_zero(grads[0], qc).to(q.dtype)
+            dk += _or_zero(grads[1], kd)
+            dv += _or_zero(grads[2], vd)
+            for acc, g in zip(dbufs, grads[3:]):
+                if g is not None:
+                    acc += g
+        it = iter(dbufs)
+        dbuf_out = [next(it).to(b.dtype) if b.requires_grad else None for b in bufs]
+        return (None, dq, dk.to(k.dtype), dv.to(v.dtype), *dbuf_out)
+
+
+def _or_zero(g, like):
+    return g if g is not None else torch.zeros_like(like)
+
+
+def attention(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and LSE, differentiable in q, k, v and captured tensors."""
+    return _Attention.apply(plan, q, k, v, *plan.program.buffers)
+
+
+def supports(call) -> tuple[bool, str]:
+    return True, "pure torch on any device: the definition of correct, not fast"
+
+
+def run(call):
+    bm = call.block_mask
+    kinds = bm.block_kinds() if bm is not None else None
+    block_size = bm.BLOCK_SIZE if bm is not None else (128, 128)
+    plan = Plan(call.program, call.scale, kinds, block_size, len(call.program.buffers))
+    out, lse = attention(plan, call.q, call.k, call.v)
+    return out, lse if call.q.dtype == torch.float64 else lse.float()
