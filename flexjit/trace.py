@@ -248,7 +248,8 @@ def _concrete(p: "Proxy"):
     leaves = {n.op for n in ir.walk(p.node)}
     if leaves & (ir.INDEX_LEAVES | {Op.SCORE, Op.LOAD}):
         return None
-    return eval_constant(p.node, p.ctx.scalars)
+    with torch._C.DisableTorchFunction():  # our own evaluation is not the user's code
+        return eval_constant(p.node, p.ctx.scalars)
 
 
 class Proxy:

@@ -1,0 +1,115 @@
+"""The core test list of mods, shared by every backend's tests.
+
+Each entry builds (score_mod, mask_mod, learnable tensors) for a shape, with
+fresh random captured tensors. The mods are plain Python, written as a user
+would; the oracle calls them eagerly and flexjit traces them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from flexjit import and_masks, or_masks
+from flexjit import mods
+
+
+@dataclasses.dataclass
+class Case:
+    score_mod: Callable | None
+    mask_mod: Callable | None
+    learnable: tuple = ()  # captured tensors that require grad
+
+
+def _doc_ids(S, device, lo=8, hi=80):
+    lengths = []
+    while sum(lengths) < S:
+        lengths.append(int(torch.randint(lo, hi, ()).item()))
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:S]
+    return ids.to(device)
+
+
+def _natten(L, S):
+    # 2-D neighbourhood attention over an image of W columns: tokens are pixels in
+    # row-major order; each pixel sees a (2r+1)x(2r+1) window clamped at the borders.
+    W, r = 8, 2
+    Hgt_q, Hgt_kv = -(-L // W), -(-S // W)
+
+    def natten_mask(b, h, q_idx, kv_idx):
+        qr, qc = q_idx // W, q_idx % W
+        kr, kc = kv_idx // W, kv_idx % W
+        cr = torch.clamp(qr, r, Hgt_kv - 1 - r)
+        cc = torch.clamp(qc, r, W - 1 - r)
+        return (torch.abs(kr - cr) <= r) & (torch.abs(kc - cc) <= r)
+    return natten_mask
+
+
+def _make(name: str, B: int, H: int, L: int, S: int, device, dt) -> Case:
+    if name == "full":
+        return Case(None, None)
+    if name == "causal":
+        return Case(None, mods.causal())
+    if name == "sliding_window":
+        return Case(None, mods.sliding_window(max(8, S // 5)))
+    if name == "prefix_lm":
+        return Case(None, mods.prefix_lm(S // 3))
+    if name == "prefix_lm_per_batch":
+        return Case(None, mods.prefix_lm(torch.randint(1, S, (B,), device=device)))
+    if name == "document":
+        return Case(None, mods.document(_doc_ids(max(L, S), device)))
+    if name == "alibi":
+        return Case(mods.alibi(mods.alibi_slopes(H).to(device, dt)), mods.causal())
+    if name == "softcap":
+        return Case(mods.softcap(0.5 + 20 * torch.rand(()).item()), mods.causal())
+    if name == "relative_bias":
+        return Case(mods.relative_bias(torch.randn(H, 2 * 16 + 1, device=device, dtype=dt)), None)
+    if name == "t5_bias":
+        # max_distance=100 keeps bucket boundaries off exact float ties (log ratios of powers of 2)
+        return Case(mods.t5_bias(torch.randn(H, 32, device=device, dtype=dt), max_distance=100), None)
+    if name == "head_dependent":
+        def head_window(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= 8 + 16 * h)
+        return Case(None, head_window)
+    if name == "batch_dependent":
+        lengths = torch.randint(1, S + 1, (B,), device=device)
+
+        def padding_mask(b, h, q_idx, kv_idx):
+            return kv_idx < lengths[b]
+        return Case(None, padding_mask)
+    if name == "causal_or_global":
+        def global_tokens(b, h, q_idx, kv_idx):
+            return kv_idx < 4
+        return Case(None, or_masks(mods.causal(), global_tokens))
+    if name == "dilated_window":
+        def dilated(b, h, q_idx, kv_idx):
+            d = q_idx - kv_idx
+            return (d >= 0) & (d <= 64) & (d % 3 == 0)
+        return Case(None, dilated)
+    if name == "natten_2d":
+        return Case(None, _natten(L, S))
+    if name == "learnable_bias":
+        table = torch.randn(H, 2 * 16 + 1, device=device, dtype=dt).mul_(0.5).requires_grad_(True)
+        return Case(mods.relative_bias(table), mods.causal(), (table,))
+    if name == "learnable_alibi":
+        slopes = torch.rand(H, device=device, dtype=dt).requires_grad_(True)
+        return Case(mods.alibi(slopes), mods.causal(), (slopes,))
+    if name == "softcap_alibi_window":
+        slopes = mods.alibi_slopes(H).to(device, dt)
+
+        def softcap_alibi(score, b, h, q_idx, kv_idx):
+            s = 20.0 * torch.tanh(score / 20.0)
+            return s + slopes[h] * (kv_idx - q_idx)
+        return Case(softcap_alibi, and_masks(mods.causal(), mods.sliding_window(S // 4)))
+    raise KeyError(name)
+
+
+CORE = ["full", "causal", "sliding_window", "prefix_lm", "prefix_lm_per_batch", "document", "alibi",
+        "softcap", "relative_bias", "t5_bias", "head_dependent", "batch_dependent", "causal_or_global",
+        "dilated_window", "natten_2d", "learnable_bias", "learnable_alibi", "softcap_alibi_window"]
+
+
+def make_case(name: str, B: int, H: int, L: int, S: int, device="cpu", dtype=torch.float32) -> Case:
+    """``dtype``: of captured floating tensors (float64 for a float64 end-to-end test, where
+    eager torch would otherwise round a float32 bias product before adding it)."""
+    return _make(name, B, H, L, S, device, dtype)
