@@ -1,0 +1,106 @@
+"""Bad input gets a clear error, never a wrong answer."""
+import pytest
+import torch
+
+from flexjit import AuxOutput, AuxRequest, create_block_mask, explain, flex_attention, mods
+
+
+def qkv(B=1, Hq=2, Hkv=2, L=64, S=64, E=16, dtype=torch.float32):
+    return (torch.randn(B, Hq, L, E, dtype=dtype), torch.randn(B, Hkv, S, E, dtype=dtype),
+            torch.randn(B, Hkv, S, E, dtype=dtype))
+
+
+@pytest.mark.parametrize("mutate,err,msg", [
+    (lambda q, k, v: (q[0], k, v), ValueError, "must be 4-D"),
+    (lambda q, k, v: (q.int(), k, v), TypeError, "dtype"),
+    (lambda q, k, v: (q, k.double(), v), TypeError, "share a dtype"),
+    (lambda q, k, v: (q, k[:, :, :, :8], v), ValueError, "head dim"),
+    (lambda q, k, v: (q, k, v[:, :, :32]), ValueError, "agree on heads and length"),
+    (lambda q, k, v: (q.expand(2, -1, -1, -1), k, v), ValueError, "batch sizes differ"),
+    (lambda q, k, v: (q, k[:, :1], v[:, :1]), ValueError, "enable_gqa=True"),
+    (lambda q, k, v: ("q", k, v), TypeError, "torch.Tensor"),
+    (lambda q, k, v: (q[:, :, :0], k, v), ValueError, "empty input"),
+])
+def test_bad_tensors(mutate, err, msg):
+    q, k, v = mutate(*qkv())
+    with pytest.raises(err, match=msg):
+        flex_attention(q, k, v)
+
+
+def test_gqa_heads_must_divide():
+    q, k, v = qkv(Hq=3, Hkv=2)
+    with pytest.raises(ValueError, match="multiple"):
+        flex_attention(q, k, v, enable_gqa=True)
+
+
+def test_block_mask_for_other_lengths_is_refused():
+    q, k, v = qkv(L=64, S=64)
+    bm = create_block_mask(mods.causal(), 1, 1, 128, 128, device="cpu")
+    with pytest.raises(ValueError, match=r"created for \(Q_LEN, KV_LEN\) = \(128, 128\)"):
+        flex_attention(q, k, v, block_mask=bm)
+
+
+def test_block_mask_with_wrong_batch_or_heads_is_refused():
+    q, k, v = qkv(B=2)
+    bm = create_block_mask(mods.causal(), 3, 1, 64, 64, device="cpu")
+    with pytest.raises(ValueError, match="batch size 3"):
+        flex_attention(q, k, v, block_mask=bm)
+
+
+def test_broadcast_mask_that_depends_on_batch_is_refused():
+    q, k, v = qkv(B=2)
+    lengths = torch.tensor([10, 60])
+
+    def pad(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[b]
+    bm = create_block_mask(pad, None, None, 64, 64, device="cpu")
+    with pytest.raises(ValueError, match="depends on the batch index"):
+        flex_attention(q, k, v, block_mask=bm)
+
+
+def test_torch_block_mask_is_refused_with_advice():
+    from torch.nn.attention.flex_attention import create_block_mask as torch_cbm
+    q, k, v = qkv()
+    bm = torch_cbm(lambda b, h, q, kv: q >= kv, 1, 1, 64, 64, device="cpu")
+    with pytest.raises(TypeError, match="flexjit.create_block_mask"):
+        flex_attention(q, k, v, block_mask=bm)
+
+
+def test_mod_arity_is_checked_before_running():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="must take 5 arguments"):
+        flex_attention(q, k, v, score_mod=lambda b, h, q, kv: q >= kv)
+
+
+def test_unknown_and_missing_backends():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        flex_attention(q, k, v, backend="cuda")
+    # on a CPU tensor the GPU backends say plainly why they cannot run
+    for name in ("cute", "triton"):
+        with pytest.raises(NotImplementedError, match=f"backend='{name}' cannot run this call"):
+            flex_attention(q, k, v, backend=name)
+
+
+def test_explain_answers_without_running():
+    q, k, v = qkv()
+    choice = explain(q, k, v, score_mod=mods.softcap(20.0))
+    assert choice.name == "reference" and "pure torch" in choice.reason
+
+
+def test_return_aux_and_lse():
+    q, k, v = qkv()
+    out, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True))
+    assert isinstance(aux, AuxOutput) and aux.lse.shape == (1, 2, 64) and aux.lse.dtype == torch.float32
+    out2, lse = flex_attention(q, k, v, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(aux.lse, lse)
+    with pytest.raises(ValueError, match="not both"):
+        flex_attention(q, k, v, return_lse=True, return_aux=AuxRequest(lse=True))
+    with pytest.raises(NotImplementedError, match="max_scores"):
+        flex_attention(q, k, v, return_aux=AuxRequest(max_scores=True))
+
+
+def test_scale_must_be_a_number():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="scale"):
+        flex_attention(q, k, v, scale=torch.tensor(0.1))

@@ -1,0 +1,259 @@
+"""Tracing, the IR and the passes: CPU only, no kernels."""
+import os
+import subprocess
+import sys
+
+import pytest
+import sympy as sp
+import torch
+
+from flexjit import ir, mods
+from flexjit.interp import Env, evaluate
+from flexjit.ir import Op
+from flexjit.passes import derivative, lower, simplify, to_sympy
+from flexjit.trace import MASK_MOD, SCORE_MOD, TraceError, trace_mod
+
+
+def _idx(L=7, S=9, B=2, H=3):
+    return dict(b=torch.arange(B).view(-1, 1, 1, 1), h=torch.arange(H).view(1, -1, 1, 1),
+                q_idx=torch.arange(L).view(1, 1, -1, 1), kv_idx=torch.arange(S).view(1, 1, 1, -1))
+
+
+def _eval_vs_eager(fn, kind, float_dtype=torch.float32):
+    """The interpreter on the traced IR equals the mod run eagerly on tensors (both in float32:
+    eager torch rounds `.float()` and float32 buffers to float32, as the IR's float32 does)."""
+    t = trace_mod(fn, kind)
+    idx = _idx()
+    score = torch.randn(2, 3, 7, 9, dtype=float_dtype)
+    args = ([score] if kind == SCORE_MOD else []) + [idx["b"], idx["h"], idx["q_idx"], idx["kv_idx"]]
+    eager = torch.as_tensor(fn(*args))
+    got = evaluate(t.out, Env(**idx, score=score, buffers=tuple(t.buffers), scalars=tuple(t.scalars),
+                              float_dtype=float_dtype))
+    eager, got = torch.broadcast_tensors(eager, got)
+    if eager.dtype == torch.bool:
+        assert torch.equal(got, eager)
+    else:
+        assert torch.allclose(got.double(), eager.double(), rtol=1e-5, atol=1e-5), (got - eager).abs().max()
+    return t
+
+
+def test_every_supported_op_matches_eager():
+    table = torch.randn(3, 16)
+    doc = torch.randint(0, 3, (9,))
+
+    def everything(score, b, h, q_idx, kv_idx):
+        d = q_idx - kv_idx
+        x = torch.exp(score) + torch.exp2(score) * 0.5 + torch.log(torch.abs(score) + 1)
+        x = x + torch.tanh(score) - torch.sigmoid(score) + torch.sqrt(score * score + 1)
+        x = x + torch.rsqrt(score * score + 2) + torch.sin(score) * torch.cos(score) + torch.log2(score.abs() + 2)
+        x = torch.where(d > 0, x, -x) + torch.minimum(score, d.float()) - torch.maximum(score, torch.zeros_like(score))
+        x = x + torch.clamp(score, -0.5, 0.5) + (d // 3).float() + (d % 4).float() + (-d // 3).float()
+        x = x + ((d & 3) | 1).float() + (~(d > 2)).float() + (d ^ 5).float() + score ** 2 + abs(d)
+        x = x + table[h, (q_idx * 2 + kv_idx) % 16] + table[doc[q_idx], kv_idx]
+        x = x + torch.floor(score * 3) + torch.ceil(score * 3) + (score / 7.0) + d.to(torch.float32) / 3
+        x = x + score.float() * (1 - (b == 1).int()) + math_pi
+        return x
+    _eval_vs_eager(everything, SCORE_MOD)
+
+
+math_pi = 3.141592653589793
+
+
+def test_floor_division_and_remainder_follow_python():
+    def signs(b, h, q_idx, kv_idx):
+        d = q_idx - kv_idx  # negative and positive values
+        return ((d // 4) * 4 + d % 4 == d) & (d % -3 <= 0) & ((d // -3) * -3 + d % -3 == d)
+    t = _eval_vs_eager(signs, MASK_MOD)
+    got = evaluate(t.out, Env(**_idx()))
+    assert got.all()
+
+
+def test_nested_indexing_and_partial_views():
+    # Chained indexing (bias[h][q][kv]) has per-element meaning in a mod (as under torch's
+    # vmap), which eager broadcasting does not share; compare with the tuple form.
+    bias = torch.randn(3, 7, 9)
+    doc = torch.randint(0, 3, (7,))
+
+    def nested(score, b, h, q_idx, kv_idx):
+        return score + bias[doc[q_idx]][q_idx, kv_idx] + bias[h][q_idx][kv_idx]
+
+    def flat(score, b, h, q_idx, kv_idx):
+        return score + bias[doc[q_idx], q_idx, kv_idx] + bias[h, q_idx, kv_idx]
+    t = trace_mod(nested, SCORE_MOD)
+    assert t.out is trace_mod(flat, SCORE_MOD).out
+    assert len(t.buffers) == 2  # bias captured once, doc once
+    _eval_vs_eager(flat, SCORE_MOD)
+
+
+def test_captured_scalars_are_runtime_arguments():
+    def make(w):
+        def window(b, h, q_idx, kv_idx):
+            return q_idx - kv_idx <= w
+        return window
+    a, b = trace_mod(make(16), MASK_MOD), trace_mod(make(1024), MASK_MOD)
+    assert a.out is b.out  # same IR node: same compiled kernel
+    assert a.scalars == [16] and b.scalars == [1024]
+    pa = lower(None, a)
+    pb = lower(None, b)
+    assert pa.key == pb.key and pa.scalars != pb.scalars
+
+
+def test_global_scalars_and_softcap_factory():
+    t1, t2 = trace_mod(mods.softcap(30.0), SCORE_MOD), trace_mod(mods.softcap(50.0), SCORE_MOD)
+    assert t1.out is t2.out and t1.scalars == [30.0] and t2.scalars == [50.0]
+
+
+def test_python_control_flow_on_captured_scalars_resolves_each_trace():
+    def make(w):
+        def m(b, h, q_idx, kv_idx):
+            if w > 0:
+                return q_idx - kv_idx <= w
+            return q_idx >= kv_idx
+        return m
+    assert trace_mod(make(5), MASK_MOD).out is not trace_mod(make(0), MASK_MOD).out
+
+
+def test_interning_and_stable_digest_across_processes():
+    t = trace_mod(mods.sliding_window(64), MASK_MOD)
+    t2 = trace_mod(mods.sliding_window(64), MASK_MOD)
+    assert t.out is t2.out
+    here = ir.digest([t.out])
+    code = ("from flexjit import ir, mods; from flexjit.trace import trace_mod; "
+            "print(ir.digest([trace_mod(mods.sliding_window(7), 'mask_mod').out]))")
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert other.stdout.strip() == here
+
+
+@pytest.mark.parametrize("fn,needle", [
+    (lambda b, h, q, kv: True if q > kv else False, "Python control flow"),
+    (lambda b, h, q, kv: q.item() > 0, "`.item()`"),
+    (lambda b, h, q, kv: torch.arange(4)[q] > 0, "a tensor is created inside the mod"),
+    (lambda b, h, q, kv: (q + kv).sum() > 0, "reduction"),
+    (lambda b, h, q, kv: q.add_(1) > 0, "in-place"),
+    (lambda b, h, q, kv: q, "must return a bool"),
+    (lambda b, h, q, kv: min(q, kv) > 0, "Python control flow"),
+    (lambda b, h, q, kv: torch.zeros(3)[q:] > 0, "indexing a captured tensor with slice"),
+    (lambda b, h, q, kv: torch.max(q) > 0, "reduction"),
+])
+def test_untraceable_mods_name_the_reason(fn, needle):
+    with pytest.raises(TraceError, match=None) as info:
+        trace_mod(fn, MASK_MOD)
+    assert needle in str(info.value), str(info.value)
+
+
+def test_trace_error_names_mod_and_user_line():
+    def my_mask(b, h, q_idx, kv_idx):
+        if q_idx > kv_idx:  # the offending line
+            return True
+        return False
+    with pytest.raises(TraceError) as info:
+        trace_mod(my_mask, MASK_MOD)
+    msg = str(info.value)
+    assert "`my_mask`" in msg and "test_trace.py" in msg and "if q_idx > kv_idx:  # the offending line" in msg
+    assert "hint: use torch.where" in msg
+
+
+def test_math_function_on_traced_value_suggests_torch():
+    import math
+
+    def bad(score, b, h, q_idx, kv_idx):
+        return math.tanh(score)
+    with pytest.raises(TraceError, match="use torch functions"):
+        trace_mod(bad, SCORE_MOD)
+
+
+def test_wrong_arity_is_a_type_error_with_advice():
+    with pytest.raises(TypeError, match="must take 5 arguments.*looks like a mask_mod"):
+        trace_mod(lambda b, h, q, kv: q >= kv, SCORE_MOD)
+    with pytest.raises(TypeError, match="must take 4 arguments"):
+        trace_mod(lambda b, h, q: q >= 0, MASK_MOD)
+
+
+def test_score_mod_returning_bool_is_refused():
+    with pytest.raises(TraceError, match="returns a bool"):
+        trace_mod(lambda s, b, h, q, kv: q >= kv, SCORE_MOD)
+
+
+def test_debug_prints_ir(capsys, monkeypatch):
+    monkeypatch.setenv("FLEXJIT_DEBUG", "1")
+    trace_mod(mods.softcap(20.0), SCORE_MOD)
+    out = capsys.readouterr().out
+    assert "tanh(" in out and "scalar0" in out
+
+
+# ------------------------------------------------------------------ passes
+
+
+def test_simplify_folds_constants_and_identities():
+    def m(score, b, h, q_idx, kv_idx):
+        return (score * 1.0 + 0.0) * (2.0 * 3.0) + torch.where(q_idx >= 0 * kv_idx + q_idx, 0.0, 1.0) * 0.0
+    t = trace_mod(m, SCORE_MOD)
+    s = simplify(t.out)
+    nodes = list(ir.walk(s))
+    assert not any(n.op is Op.MUL and any(x.op is Op.CONST and x.arg == 1.0 for x in n.src) for n in nodes)
+    assert any(n.op is Op.CONST and n.arg == 6.0 for n in nodes)
+    # and it still computes the same function
+    idx = _idx()
+    score = torch.randn(2, 3, 7, 9)
+    a = evaluate(t.out, Env(**idx, score=score))
+    b = evaluate(s, Env(**idx, score=score))
+    assert torch.allclose(a, b)
+
+
+@pytest.mark.parametrize("mod", [
+    mods.softcap(30.0),
+    lambda s, b, h, q, kv: torch.sigmoid(s) * torch.exp(-s * s / 7.0) + torch.log(1 + s * s),
+    lambda s, b, h, q, kv: torch.sqrt(s * s + 1) / (2 + torch.tanh(s)) + s ** 3,
+    lambda s, b, h, q, kv: torch.exp2(s) - torch.rsqrt(s * s + 4) + torch.sin(s) * torch.cos(2 * s),
+])
+def test_derivative_matches_sympy(mod):
+    t = trace_mod(mod, SCORE_MOD)
+    score = ir.node(Op.SCORE, ir.DType.FLOAT32)
+    (d,) = derivative(t.out, [score])
+    sym = sp.Symbol("score", real=True)
+    want = sp.diff(to_sympy(t.out), sym)
+    got = to_sympy(d)
+    # compare numerically at several points (sympy's simplify on tanh/exp forms is slow)
+    for x in (-1.7, -0.3, 0.4, 2.2):
+        subs = {sym: x}
+        subs.update({s: 30.0 for s in got.free_symbols if s.name.startswith("scalar")})
+        subs.update({s: 30.0 for s in want.free_symbols if s.name.startswith("scalar")})
+        assert abs(float(want.subs(subs)) - float(got.subs(subs))) < 1e-9
+
+
+def test_derivative_of_where_max_and_loads():
+    slopes = torch.rand(3, requires_grad=True)
+
+    def m(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, torch.maximum(score, 0.5 * score) * slopes[h], -score)
+    p = lower(trace_mod(m, SCORE_MOD), None)
+    assert p.dscore is not None and len(p.grad_loads) == 1
+    # check against autograd on the interpreter
+    idx = _idx()
+    score = torch.randn(2, 3, 7, 9, dtype=torch.float64, requires_grad=True)
+    sl = slopes.detach().double().requires_grad_(True)
+    out = evaluate(p.score, Env(**idx, score=score, buffers=(sl,), float_dtype=torch.float64))
+    gs, gsl = torch.autograd.grad(out.sum(), [score, sl])
+    env = Env(**idx, score=score.detach(), buffers=(sl.detach(),), float_dtype=torch.float64)
+    ds = evaluate(p.dscore, env).expand_as(score)
+    assert torch.allclose(ds, gs)
+    dl = evaluate(p.grad_loads[0].grad, env).expand_as(score)
+    hidx = idx["h"].expand_as(score)
+    acc = torch.zeros(3, dtype=torch.float64).index_add_(0, hidx.reshape(-1), dl.reshape(-1))
+    assert torch.allclose(acc, gsl)
+
+
+def test_identity_score_and_noop_mask_lower_to_nothing():
+    p = lower(trace_mod(lambda s, b, h, q, kv: s, SCORE_MOD), trace_mod(lambda b, h, q, kv: True, MASK_MOD))
+    assert p.score is None and p.mask is None and p.dscore is None
+
+
+def test_mask_captures_follow_score_captures():
+    bias = torch.randn(4)
+    doc = torch.randint(0, 2, (8,))
+    p = lower(trace_mod(lambda s, b, h, q, kv: s + bias[h], SCORE_MOD),
+              trace_mod(lambda b, h, q, kv: doc[q] == doc[kv], MASK_MOD))
+    assert p.buffers[0] is bias and p.buffers[1] is doc
+    slots = {n.src[0].arg[0] for n in ir.walk(p.mask) if n.op is Op.LOAD}
+    assert slots == {1}
