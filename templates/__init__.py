@@ -1,0 +1,1 @@
+"""Hand-written kernel skeletons with holes; installed as ``flexjit.templates``."""
