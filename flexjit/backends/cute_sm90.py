@@ -1,0 +1,279 @@
+"""The CuTeDSL Hopper backend: render a Program into the sm90 kernel's holes, compile, cache, launch.
+
+What this module holds
+----------------------
+* The renderer: an op→code table over the IR gives straight-line CuTeDSL code for two
+  functions, ``score_mod(score, b, h, q_idx, kv_idx, aux)`` and
+  ``mask_mod(b, h, q_idx, kv_idx, aux)``, the holes of ``templates/cute_sm90_fwd.py``. They
+  are plain Python over DSL values (no control flow), inlined into the kernel when it is
+  traced. Captured tensors are ``aux.tensors[i]`` and runtime scalars ``aux.scalars[j]``.
+* The cache: generated modules live in ``$FLEXJIT_CACHE_DIR/cute/<key>.py``; compiled
+  kernels are kept in memory per (key, dtypes, head dims, block-mask presence).
+* ``supports(call)`` / ``run(call)``: the forward runs here; the backward runs on the Triton
+  backend's kernels from the saved (out, lse) until the sm90 backward lands (issue #6).
+
+Semantics follow ``flexjit.interp``: integer ``//`` floors (the DSL's ``//`` lowers to
+``arith.floordivsi``), ``%`` is written as ``a - (a // b) * b`` so it takes the divisor's sign,
+indices wrap when negative and are clamped into range, and loads widen to float32.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import threading
+
+import torch
+
+from .. import cache, ir
+from ..ir import DType, Node, Op
+from ..passes import Program
+
+_TYPES = {DType.FLOAT32: "Float32", DType.INT32: "Int32", DType.INT64: "Int64", DType.BOOL: "Boolean"}
+_HEAD_DIMS = (64, 128, 256)
+
+
+# --------------------------------------------------------------------------- renderer
+
+
+def _const(n: Node) -> str:
+    if n.dtype is DType.BOOL:
+        return f"Boolean({bool(n.arg)})"
+    if n.dtype.is_float:
+        v = float(n.arg)
+        text = repr(v) if math.isfinite(v) else f"float({str(v)!r})"
+        return f"Float32({text})"
+    return f"{_TYPES[n.dtype]}({int(n.arg)})"
+
+
+def _binary(fmt: str):
+    return lambda n, a: fmt.format(*a)
+
+
+def _unary_math(name: str):
+    return lambda n, a: f"cute.math.{name}({a[0]})"
+
+
+def _logic(fn: str, py: str):
+    def render(n, a):
+        if n.dtype is DType.BOOL:
+            return f"cutlass.{fn}({a[0]}, {a[1]})"
+        return f"({a[0]} {py} {a[1]})"
+    return render
+
+
+def _cast(n: Node, a: list[str]) -> str:
+    src = n.src[0].dtype
+    if n.dtype is DType.BOOL:
+        zero = "Float32(0.0)" if src.is_float else f"{_TYPES[src]}(0)"
+        return f"({a[0]} != {zero})"
+    return f"{_TYPES[n.dtype]}({a[0]})" if src is DType.BOOL else f"{a[0]}.to({_TYPES[n.dtype]})"
+
+
+def _minmax(fn: str):
+    return lambda n, a: f"{_TYPES[n.dtype]}(cutlass.{fn}({a[0]}, {a[1]}))"
+
+
+_OPS = {
+    Op.ADD: _binary("({} + {})"), Op.SUB: _binary("({} - {})"), Op.MUL: _binary("({} * {})"),
+    Op.DIV: _binary("({} / {})"), Op.NEG: lambda n, a: f"(-{a[0]})",
+    Op.FLOORDIV: lambda n, a: (f"cute.math.floor({a[0]} / {a[1]})" if n.dtype.is_float
+                               else f"({a[0]} // {a[1]})"),
+    Op.MOD: lambda n, a: (f"({a[0]} - cute.math.floor({a[0]} / {a[1]}) * {a[1]})" if n.dtype.is_float
+                          else f"({a[0]} - ({a[0]} // {a[1]}) * {a[1]})"),
+    Op.POW: lambda n, a: f"cute.math.pow({a[0]}, {a[1]})",
+    Op.MAX: _minmax("max"), Op.MIN: _minmax("min"),
+    Op.LT: _binary("({} < {})"), Op.LE: _binary("({} <= {})"), Op.GT: _binary("({} > {})"),
+    Op.GE: _binary("({} >= {})"), Op.EQ: _binary("({} == {})"), Op.NE: _binary("({} != {})"),
+    Op.AND: _logic("and_", "&"), Op.OR: _logic("or_", "|"),
+    Op.XOR: lambda n, a: f"({a[0]} != {a[1]})" if n.dtype is DType.BOOL else f"({a[0]} ^ {a[1]})",
+    Op.NOT: lambda n, a: f"cutlass.not_({a[0]})" if n.dtype is DType.BOOL else f"(~{a[0]})",
+    Op.ABS: lambda n, a: (f"cute.math.abs({a[0]})" if n.dtype.is_float
+                          else f"{_TYPES[n.dtype]}(cutlass.select_({a[0]} < 0, -{a[0]}, {a[0]}))"),
+    Op.EXP: _unary_math("exp"), Op.EXP2: _unary_math("exp2"), Op.LOG: _unary_math("log"),
+    Op.LOG2: _unary_math("log2"), Op.TANH: _unary_math("tanh"), Op.SQRT: _unary_math("sqrt"),
+    Op.RSQRT: _unary_math("rsqrt"), Op.SIN: _unary_math("sin"), Op.COS: _unary_math("cos"),
+    Op.FLOOR: _unary_math("floor"), Op.CEIL: _unary_math("ceil"),
+    Op.SIGMOID: lambda n, a: f"(Float32(1.0) / (Float32(1.0) + cute.math.exp(-{a[0]})))",
+    Op.WHERE: lambda n, a: f"{_TYPES[n.dtype]}(cutlass.select_({a[0]}, {a[1]}, {a[2]}))",
+    Op.CAST: _cast,
+}
+
+
+def _load(n: Node, a: list[str]) -> str:
+    slot = n.src[0].arg[0]
+    t = f"aux.tensors[{slot}]"
+    if not a[1:]:
+        idx = "0"  # a 0-d captured tensor arrives as a 1-element tensor
+    else:
+        idx = ", ".join(f"_index({i}, {t}.shape[{d}])" for d, i in enumerate(a[1:]))
+    value = f"{t}[({idx},)]" if len(a[1:]) <= 1 else f"{t}[{idx}]"
+    if n.dtype is DType.BOOL:
+        return value
+    return f"{value}.to({_TYPES[n.dtype]})"
+
+
+_LEAVES = {Op.SCORE: "score", Op.B: "b", Op.H: "h", Op.Q_IDX: "q_idx", Op.KV_IDX: "kv_idx"}
+
+
+def render_function(name: str, params: str, root: Node) -> str:
+    """One straight-line function computing ``root``; each non-leaf node is one statement."""
+    names: dict[int, str] = {}
+    body: list[str] = []
+    for n in ir.toposort([root]):
+        if n.op in _LEAVES:
+            names[id(n)] = _LEAVES[n.op]
+        elif n.op is Op.CONST:
+            names[id(n)] = _const(n)
+        elif n.op is Op.SCALAR:
+            names[id(n)] = f"aux.scalars[{n.arg}]"
+        elif n.op is Op.BUFFER:
+            names[id(n)] = ""
+        else:
+            args = [names[id(s)] for s in n.src]
+            expr = _load(n, args) if n.op is Op.LOAD else _OPS[n.op](n, args)
+            var = f"t{len(body)}"
+            body.append(f"    {var} = {expr}")
+            names[id(n)] = var
+    body.append(f"    return {names[id(root)]}")
+    return f"def {name}({params}):\n" + "\n".join(body) + "\n"
+
+
+_HEADER = '''"""Generated by flexjit (CuTeDSL sm90). score_mod `{score}`, mask_mod `{mask}`.
+Program key {key}."""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64
+
+
+def _index(i, n):
+    # Python semantics for a negative index, then clamped: never an out-of-bounds read.
+    j = Int32(cutlass.select_(i < 0, i + n, i))
+    return Int32(cutlass.min(cutlass.max(j, Int32(0)), n - 1))
+
+'''
+
+
+def render(program: Program) -> str:
+    """The generated module's source: ``score_mod`` and ``mask_mod`` (either may be absent)."""
+    parts = [_HEADER.format(score=program.score_name, mask=program.mask_name, key=program.key)]
+    if program.score is not None:
+        parts.append(render_function("score_mod", "score, b, h, q_idx, kv_idx, aux", program.score))
+    else:
+        parts.append("score_mod = None\n")
+    parts.append("\n")
+    if program.mask is not None:
+        parts.append(render_function("mask_mod", "b, h, q_idx, kv_idx, aux", program.mask))
+    else:
+        parts.append("mask_mod = None\n")
+    return "".join(parts)
+
+
+_MODULES: dict[str, object] = {}
+_LOCK = threading.Lock()
+
+
+def load_mods(program: Program):
+    """Import (generating once) the module holding this program's score_mod / mask_mod."""
+    key = program.key
+    with _LOCK:
+        if key in _MODULES:
+            return _MODULES[key]
+        path = cache.cache_dir("cute") / f"mods_{key[:24]}.py"
+        src = render(program)
+        if not path.exists() or path.read_text() != src:
+            cache.atomic_write(path, src)
+        if os.environ.get("FLEXJIT_DEBUG"):
+            print(f"[flexjit] cute mods for {program.score_name}/{program.mask_name}: {path}")
+        spec = importlib.util.spec_from_file_location(f"flexjit_cute_mods_{key[:24]}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        _MODULES[key] = module
+        return module
+
+
+# --------------------------------------------------------------------------- backend interface
+
+
+def _template():
+    return cache.load_template("cute_sm90_fwd")
+
+
+def supports(call) -> tuple[bool, str]:
+    q, k, v = call.q, call.k, call.v
+    if q.device.type != "cuda":
+        return False, f"needs a CUDA tensor, got {q.device.type}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if (major, minor) != (9, 0):
+        return False, f"the sm90 kernel needs Hopper (sm_90), this GPU is sm_{major}{minor}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False, f"dtype {q.dtype} (the sm90 kernel takes fp16/bf16)"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D != Dv or D not in _HEAD_DIMS:
+        return False, f"head dims ({D}, {Dv}); the sm90 kernel takes equal head dims in {_HEAD_DIMS}"
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False, f"{name} needs a contiguous last dim and 16-byte aligned strides for TMA"
+    bm = call.block_mask
+    if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
+        return False, f"block size {bm.BLOCK_SIZE}; the sm90 kernel's tiles are 128x128"
+    if call.needs_grad:
+        try:
+            from . import triton as triton_backend
+        except ImportError as e:
+            return False, f"training needs the Triton backward, unavailable: {e}"
+        ok, why = triton_backend.supports(call)
+        if not ok:
+            return False, f"training needs the Triton backward, which cannot run this: {why}"
+    try:
+        _template()
+    except ImportError as e:
+        return False, f"nvidia-cutlass-dsl is not importable ({e})"
+    return True, "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)"
+
+
+def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
+    tpl = _template()
+    mods = load_mods(call.program)
+    prog = call.program
+    bm = call.block_mask
+    sparse = None
+    if bm is not None:
+        sparse = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    aux_tensors = tuple(_aux_tensor(t, call.q.device) for t in prog.buffers)
+    return tpl.flex_fwd_sm90(call.q, call.k, call.v, score_mod=mods.score_mod, mask_mod=mods.mask_mod,
+                             block_mask=sparse, softmax_scale=call.scale, aux_tensors=aux_tensors,
+                             aux_scalars=tuple(prog.scalars), mod_key=prog.key)
+
+
+def _aux_tensor(t: torch.Tensor, device) -> torch.Tensor:
+    t = t.detach()
+    if t.device != device:
+        t = t.to(device)
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, q, k, v, *buffers):
+        out, lse = forward(call)
+        ctx.call = call
+        ctx.save_for_backward(q, k, v, out, lse, *buffers)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from . import triton as triton_backend
+        q, k, v, out, lse, *buffers = ctx.saved_tensors
+        grads = triton_backend.backward(ctx.call, q, k, v, out, lse, dout, dlse)
+        return (None, *grads)
+
+
+def run(call):
+    if not call.needs_grad:
+        return forward(call)
+    return _Attention.apply(call, call.q, call.k, call.v, *call.program.buffers)

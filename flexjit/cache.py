@@ -1,0 +1,115 @@
+"""The compile cache's identity and its disk folder.
+
+A compiled kernel is identified by :func:`kernel_key`: the Program's structural
+key, the backend's frozen config, the GPU architecture, and the versions of
+everything that shapes generated code (flexjit's own templates and renderers by
+content hash, torch, triton, nvidia-cutlass-dsl, Python). Nothing is keyed on a
+``repr`` of a closure.
+
+The disk folder is ``$FLEXJIT_CACHE_DIR`` or ``~/.cache/flexjit``. Writes are
+atomic (write a temporary file, then ``os.replace``), so processes sharing the
+folder never read a half-written entry; ``FLEXJIT_CACHE=0`` turns it off.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+
+def enabled() -> bool:
+    return os.environ.get("FLEXJIT_CACHE", "1") != "0"
+
+
+def cache_dir(kind: str) -> Path:
+    root = Path(os.environ.get("FLEXJIT_CACHE_DIR") or Path.home() / ".cache" / "flexjit")
+    path = root / kind
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        try:  # a package carried without dist-info (e.g. on PYTHONPATH)
+            mod = __import__(dist.replace("-", "_").replace("nvidia_cutlass_dsl", "cutlass"))
+            return getattr(mod, "__version__", "unknown")
+        except Exception:
+            return "absent"
+
+
+@functools.lru_cache(maxsize=None)
+def toolchain_fingerprint() -> str:
+    """Versions of Python, torch, triton, cutlass-dsl and a hash of flexjit's sources."""
+    import torch
+    here = Path(__file__).resolve().parent
+    templates = templates_dir()
+    h = hashlib.sha256()
+    for path in sorted(list(here.rglob("*.py")) + list(templates.glob("*.py"))):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    parts = [f"python={platform.python_version()}", f"torch={torch.__version__}",
+             f"triton={_version('triton')}", f"cutlass-dsl={_version('nvidia-cutlass-dsl')}",
+             f"flexjit-src={h.hexdigest()[:16]}"]
+    return ";".join(parts)
+
+
+def kernel_key(program_key: str, backend: str, config: tuple, arch: str) -> str:
+    """The compile-cache key of one kernel."""
+    text = "\n".join([program_key, backend, repr(config), arch, toolchain_fingerprint()])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    mode = "wb" if isinstance(data, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode) as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@functools.lru_cache(maxsize=None)
+def templates_dir() -> Path:
+    """The kernel skeletons: installed as ``flexjit.templates``, or ``<repo>/templates``."""
+    try:
+        from importlib.resources import files
+        path = Path(str(files("flexjit.templates")))
+        if path.is_dir():
+            return path
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parent.parent / "templates"
+
+
+def load_template(name: str):
+    """Import the kernel skeleton ``templates/<name>.py`` as ``flexjit.templates.<name>``,
+    whether flexjit is installed or run from a source tree (e.g. PYTHONPATH=. on the GPU box)."""
+    import importlib
+    import importlib.util
+    import sys
+    full = f"flexjit.templates.{name}"
+    if full in sys.modules:
+        return sys.modules[full]
+    try:
+        return importlib.import_module(full)
+    except ModuleNotFoundError:
+        pass
+    path = templates_dir() / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(full, path)
+    if spec is None or not path.exists():
+        raise ImportError(f"flexjit template {name!r} not found at {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[full] = module
+    spec.loader.exec_module(module)
+    return module
