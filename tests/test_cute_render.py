@@ -1,0 +1,39 @@
+"""Golden snapshots of the CuTeDSL code rendered for the core mods (CPU only).
+
+A refactor that claims no behaviour change must leave these files unchanged. To accept an
+intended change, run with FLEXJIT_UPDATE_GOLDEN=1 and review the diff.
+"""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexjit.backends.cute_sm90 import render
+from flexjit.passes import lower
+from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
+from mods_catalog import CORE, make_case
+
+GOLDEN = Path(__file__).parent / "golden" / "cute_sm90"
+
+
+def _program(name):
+    torch.manual_seed(0)  # captured tensors' values don't reach the code, only dtypes/ranks do
+    case = make_case(name, 2, 4, 256, 256)
+    return lower(trace_mod(case.score_mod, SCORE_MOD) if case.score_mod else None,
+                 trace_mod(case.mask_mod, MASK_MOD) if case.mask_mod else None)
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_rendered_mods_match_golden(name):
+    src = render(_program(name))
+    path = GOLDEN / f"{name}.py.txt"
+    if os.environ.get("FLEXJIT_UPDATE_GOLDEN") == "1":
+        path.write_text(src)
+    assert path.exists(), f"no golden file {path}; create it with FLEXJIT_UPDATE_GOLDEN=1"
+    assert src == path.read_text(), f"rendered code for {name} changed; see {path}"
+
+
+def test_rendered_source_is_valid_python():
+    for name in CORE:
+        compile(render(_program(name)), name, "exec")
