@@ -19,10 +19,12 @@ indices wrap when negative and are clamped into range, and loads widen to float3
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
 import os
 import sys
 import threading
+import time
 
 import torch
 
@@ -32,6 +34,12 @@ from ..passes import Program
 
 _TYPES = {DType.FLOAT32: "Float32", DType.INT32: "Int32", DType.INT64: "Int64", DType.BOOL: "Boolean"}
 _HEAD_DIMS = (64, 128, 256)
+_CUTLASS_DTYPES = {}
+
+
+def _cutlass_dtypes():
+    import cutlass
+    _CUTLASS_DTYPES.update({torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16})
 
 
 # --------------------------------------------------------------------------- renderer
@@ -198,7 +206,10 @@ def load_mods(program: Program):
 
 
 def _template():
-    return cache.load_template("cute_sm90_fwd")
+    tpl = cache.load_template("cute_sm90_fwd")
+    if not _CUTLASS_DTYPES:
+        _cutlass_dtypes()
+    return tpl
 
 
 def supports(call) -> tuple[bool, str]:
@@ -234,27 +245,67 @@ def supports(call) -> tuple[bool, str]:
     return True, "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)"
 
 
-def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
-    tpl = _template()
-    mods = load_mods(call.program)
-    prog = call.program
-    bm = call.block_mask
-    sparse = None
-    if bm is not None:
-        sparse = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-    aux_tensors = tuple(_aux_tensor(t, call.q.device) for t in prog.buffers)
-    return tpl.flex_fwd_sm90(call.q, call.k, call.v, score_mod=mods.score_mod, mask_mod=mods.mask_mod,
-                             block_mask=sparse, softmax_scale=call.scale, aux_tensors=aux_tensors,
-                             aux_scalars=tuple(prog.scalars), mod_key=prog.key)
+_COMPILED: dict[tuple, object] = {}
+log = logging.getLogger("flexjit")
 
 
 def _aux_tensor(t: torch.Tensor, device) -> torch.Tensor:
     t = t.detach()
     if t.device != device:
         t = t.to(device)
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return t
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = ""):
+    """Compile (or find in memory) the sm90 forward for this program and these input kinds.
+
+    Only dtypes, head dims, ranks and block-mask presence shape the kernel: lengths, batch,
+    heads, strides and scalar values are runtime arguments. Works on the CPU with
+    CUTE_DSL_ARCH=sm_90a (for compile-only tests)."""
+    tpl = _template()
+    D, Dv = q.shape[-1], v.shape[-1]
+    sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
+    key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options)
+    fn = _COMPILED.get(key)
+    if fn is not None:
+        return fn
+    mods = load_mods(program)
+    cfg = tpl.FwdConfig(D, Dv, _CUTLASS_DTYPES[q.dtype], mods.score_mod, mods.mask_mod,
+                        has_block_mask=block_mask is not None)
+    o = torch.empty(*q.shape[:-1], Dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
+    log.info("flexjit: compiling the sm90 forward for %s ...", what)
+    t0 = time.perf_counter()
+    fn = tpl.compile_fwd(cfg, q, k, v, o, lse, block_mask, aux_tensors, program.scalars, options=options)
+    secs = time.perf_counter() - t0
+    log.info("flexjit: compiled %s in %.1f s", what, secs)
+    if os.environ.get("FLEXJIT_DEBUG"):
+        print(f"[flexjit] compiled sm90 forward for {what} in {secs:.1f} s")
+    _COMPILED[key] = fn
+    return fn
+
+
+def block_sparse_args(bm):
+    """The kernel's four block lists (a mask without separate full blocks lists none full)."""
+    if bm is None:
+        return None
+    full_num, full_idx = bm.full_kv_num_blocks, bm.full_kv_indices
+    if full_num is None:
+        full_num, full_idx = torch.zeros_like(bm.kv_num_blocks), torch.zeros_like(bm.kv_indices)
+    return (bm.kv_num_blocks, bm.kv_indices, full_num, full_idx)
+
+
+def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
+    prog = call.program
+    q, k, v = call.q, call.k, call.v
+    bm = call.block_mask
+    sparse = block_sparse_args(bm)
+    aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
+    fn = compile_program(prog, q, k, v, sparse, aux)
+    o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    return fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars)
 
 
 class _Attention(torch.autograd.Function):
