@@ -10,8 +10,9 @@ be false is full; the rest are evaluated densely by the planner.
 Soundness is the contract: a block called empty or full must be so for every
 element. Where a rule is not sure it widens to "unknown" (±inf, or both truth
 values), which is always sound and only costs a dense evaluation. Loads of a
-1-D captured tensor over an index range use a sparse table of range min/max,
-so document masks classify exactly off the document boundaries.
+captured tensor over a range of its last index (the others fixed) use a sparse
+table of range min/max, so document masks classify exactly off the document
+boundaries, for (S,) and (B, S) document ids alike.
 
 Bounds are float64 (exact for integers below 2**53). An int32 node whose
 interval leaves the int32 range widens to unknown, since kernels wrap there.
@@ -77,9 +78,10 @@ class _Buffers:
                 self._global[slot] = (t.min().item(), t.max().item())
         return self._global[slot]
 
-    def range_1d(self, slot: int) -> _Range:
+    def range_flat(self, slot: int) -> _Range:
+        """Range min/max over the row-major flattened tensor."""
         if slot not in self._ranges:
-            self._ranges[slot] = _Range(self.buffers[slot])
+            self._ranges[slot] = _Range(self.buffers[slot].reshape(-1))
         return self._ranges[slot]
 
 
@@ -299,12 +301,21 @@ def _load(n: Node, idx: list, env: dict):
             vals = t[tuple(l[point].long() for l in los)].to(torch.float64)
             lo[point] = vals
             hi[point] = vals
-        if ndim == 1:
-            rng = in_range & ~point
-            if rng.any():
-                mn, mx = bufs.range_1d(slot).query(los[0][rng], his[0][rng])
-                lo[rng] = mn
-                hi[rng] = mx
+        # A range along the last dim with points elsewhere (doc_ids[b, q_idx]) is a contiguous
+        # run of the flattened tensor: one range query.
+        lead_points = torch.ones(shape, dtype=torch.bool)
+        for l, h in zip(los[:-1], his[:-1]):
+            lead_points &= l == h
+        rng = in_range & lead_points & ~point
+        if rng.any():
+            base = torch.zeros(shape, dtype=torch.float64)
+            stride = 1
+            for d in range(ndim - 2, -1, -1):
+                stride *= t.shape[d + 1]
+                base = base + los[d] * stride
+            mn, mx = bufs.range_flat(slot).query(base[rng] + los[-1][rng], base[rng] + his[-1][rng])
+            lo[rng] = mn
+            hi[rng] = mx
         out = _num(lo, hi)
     if n.dtype is DType.BOOL:
         return _bool(out[1] <= 0, out[2] >= 1)
