@@ -55,6 +55,7 @@ def toolchain_fingerprint() -> str:
         h.update(path.read_bytes())
     parts = [f"python={platform.python_version()}", f"torch={torch.__version__}",
              f"triton={_version('triton')}", f"cutlass-dsl={_version('nvidia-cutlass-dsl')}",
+             f"tvm-ffi={_version('apache-tvm-ffi')}",
              f"flexjit-src={h.hexdigest()[:16]}"]
     return ";".join(parts)
 

@@ -9,7 +9,10 @@ What this module holds
   ``mma`` (one per consumer warpgroup: both GEMMs plus the online softmax) and ``epilogue``.
 * A small host API: ``compile_fwd`` returns a ``CompiledFwd`` (cache it, call it again with new
   shapes: sequence lengths, batch, heads and strides are runtime values) and ``flex_fwd_sm90``
-  (compile-or-reuse + launch on the current torch stream).
+  (compile-or-reuse + launch on the current torch stream). By default the kernel is compiled
+  for TVM-FFI and called with the torch tensors themselves (a few microseconds of host time
+  per call instead of ~100 µs of per-call DLPack wrapping), and ``CompiledFwd.export`` writes
+  it to an object file another process can load; see "Host API" below.
 
 Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pipelining)
 -------------------------------------------------------------------------------------
@@ -906,6 +909,18 @@ class _MmaCtx(NamedTuple):
 
 # ---------------------------------------------------------------------------------------------
 # Host API
+#
+# Two launch paths, one kernel:
+# * TVM-FFI (default when ``import tvm_ffi`` works; ``FLEXJIT_TVM_FFI=0`` turns it off): the
+#   kernel is compiled once against placeholder tensors (``make_fake_tensor``: dtype, rank,
+#   alignment and stride divisibility only, so a compile needs no data) with
+#   ``--enable-tvm-ffi``, and is then called with the torch tensors themselves and plain Python
+#   floats/ints. The generated C wrapper checks every argument (rank, dtype, device, 16-byte
+#   base alignment, the stride-1 last dim, strides divisible by 8 elements) and launches on
+#   torch's current stream (the "environment stream"), so no Python object is built per call.
+#   The compiled function can be exported to an object file and loaded by another process.
+# * DLPack (the fallback): ``from_dlpack(...).mark_layout_dynamic(...)`` per tensor per call,
+#   checks in Python, and an explicit CUstream.
 # ---------------------------------------------------------------------------------------------
 def _cutlass_dtype(torch_dtype):
     import torch
@@ -940,28 +955,153 @@ def _hb_per_section(seqlen_k: int, head_dim: int, head_dim_v: int, elem_bytes: i
     return int(max(1, min(num_hb, n * q_per_kv)))
 
 
-class CompiledFwd:
-    """A compiled kernel plus the facts needed to launch it again on new shapes."""
+def _default_hb_per_section(cfg, q, k, block_mask) -> int:
+    # Dense: every q-tile costs the same, so walk one head's q-tiles together (they stream
+    # the same K/V in lockstep; measured 643 vs 618 TFLOP/s against 8-head sections, H200).
+    # Block-sparse: longest-first over L2-sized head sections (573 vs 559 for causal).
+    if block_mask is None:
+        return 1
+    b, hq = q.shape[0], q.shape[1]
+    return _hb_per_section(k.shape[2], cfg.head_dim, cfg.head_dim_v, q.element_size(), b * hq,
+                           hq // k.shape[1])
 
-    def __init__(self, cfg: FwdConfig, compiled, signature):
+
+def tvm_ffi_enabled() -> bool:
+    """Whether compiles use the TVM-FFI launch path (``tvm_ffi`` importable and the DSL has the
+    placeholder API; ``FLEXJIT_TVM_FFI=0`` forces the DLPack path)."""
+    import os
+
+    if os.environ.get("FLEXJIT_TVM_FFI", "1") == "0":
+        return False
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(cute.runtime, n) for n in ("make_fake_tensor", "make_fake_stream"))
+
+
+def _aux_cutlass_dtype(torch_dtype):
+    import torch
+
+    table = {torch.float32: Float32, torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
+             torch.float64: cutlass.Float64, torch.int32: Int32, torch.int64: cutlass.Int64,
+             torch.int16: cutlass.Int16, torch.int8: cutlass.Int8, torch.uint8: cutlass.Uint8,
+             torch.bool: cutlass.Boolean}
+    if torch_dtype not in table:
+        raise TypeError(f"cute_sm90_fwd: unsupported aux tensor dtype {torch_dtype}")
+    return table[torch_dtype]
+
+
+def _placeholder(dtype, ndim: int, align: int, stride_div: int = 1):
+    """A compile-time stand-in for a torch tensor of this dtype and rank: every size is a runtime
+    Int32, every stride a runtime Int64 (divisible by ``stride_div``) but the last, which is 1 —
+    the same type ``from_dlpack(t).mark_layout_dynamic(leading_dim=ndim - 1)`` gives a CUDA
+    tensor (global memory), plus the divisibility the TMA contract already requires."""
+    shape = tuple(cute.sym_int32() for _ in range(ndim))
+    stride = tuple(cute.sym_int64(divisibility=stride_div) for _ in range(ndim - 1)) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
+
+
+def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
+    """The compile-time arguments of the TVM-FFI path, in ``FlexAttentionFwdSm90.__call__``'s
+    order (without the stream)."""
+    q, k, v, o = [_placeholder(cfg.dtype, 4, 16, 8) for _ in range(4)]  # TMA: 16 B, 8 elems
+    lse = _placeholder(Float32, 3, 4)
+    blocks = None
+    if cfg.has_block_mask:
+        blocks = BlockSparse(*[_placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
+    tensors = tuple(_placeholder(_aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
+                    for t in aux_tensors)
+    scalars = tuple(_as_scalar(x) for x in aux_scalars)
+    return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks, tensors or None, scalars or None)
+
+
+def _ffi_function(compiled):
+    """The bare ``tvm_ffi.Function`` of a TVM-FFI compile: positional arguments, no stream (the
+    environment stream is implicit), no Python wrapper. A function loaded from an exported
+    object file is already one."""
+    get = getattr(compiled, "__tvm_ffi_object__", None)
+    fn = get() if get is not None else compiled
+    if fn is None:
+        raise RuntimeError("the TVM-FFI function was not created (compiled for another arch?)")
+    return fn
+
+
+def _stream_context(stream):
+    """Run under ``stream`` (a torch stream, a CUstream or a raw handle) as torch's current
+    stream, which the TVM-FFI wrapper launches on."""
+    import torch
+
+    if isinstance(stream, torch.cuda.Stream):
+        return torch.cuda.stream(stream)
+    return torch.cuda.stream(torch.cuda.ExternalStream(int(stream)))
+
+
+class CompiledFwd:
+    """A compiled kernel plus the facts needed to launch it again on new shapes.
+
+    ``compiled`` is what ``cute.compile`` returned (``None`` for a function loaded from disk);
+    ``ffi_fn`` is set on the TVM-FFI path: the bare function that ``__call__`` invokes."""
+
+    def __init__(self, cfg: FwdConfig, compiled, signature, ffi_fn=None):
         self.cfg = cfg
         self.compiled = compiled
         self.signature = signature  # what the compile was specialised on (for cache checks)
+        self.ffi_fn = ffi_fn
+
+    @property
+    def tvm_ffi(self) -> bool:
+        return self.ffi_fn is not None
+
+    def export(self, object_file_path: str, function_name: str) -> None:
+        """Write the compiled function to an object file (TVM-FFI path only);
+        ``cute.runtime.load_module(path, enable_tvm_ffi=True).<function_name>`` loads it back."""
+        if not self.tvm_ffi or self.compiled is None:
+            raise RuntimeError("only a function compiled here through TVM-FFI can be exported")
+        self.compiled.export_to_c(object_file_path=object_file_path, function_name=function_name)
 
     def __call__(self, q, k, v, o, lse, softmax_scale: float, block_mask=None, aux_tensors=(),
                  aux_scalars=(), stream=None, hb_per_section: Optional[int] = None):
-        import torch
+        if self.ffi_fn is None:
+            import torch
 
+            if stream is None:
+                stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+            args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors,
+                                aux_scalars, hb_per_section)
+            self.compiled(*args, stream)
+            return o, lse
+        args = _ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors,
+                                aux_scalars, hb_per_section)
         if stream is None:
-            stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors,
-                            aux_scalars, hb_per_section)
-        self.compiled(*args, stream)
+            self.ffi_fn(*args)
+        else:
+            with _stream_context(stream):
+                self.ffi_fn(*args)
         return o, lse
+
+
+def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
+                     hb_per_section=None) -> tuple:
+    """TVM-FFI call arguments: the torch tensors themselves. The C wrapper checks what the old
+    Python checks did (alignment, last-dim stride, strides % 8, dtypes, block-mask presence);
+    only the copies that make block lists / aux buffers contiguous happen here."""
+    blocks = None
+    if block_mask is not None:
+        blocks = BlockSparse(*[t if t.is_contiguous() else t.contiguous() for t in block_mask])
+    if hb_per_section is None:
+        hb_per_section = _default_hb_per_section(cfg, q, k, block_mask)
+    tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in aux_tensors) or None
+    for x in aux_scalars:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
+    return (q, k, v, o, lse, float(softmax_scale), int(hb_per_section), blocks, tensors,
+            tuple(aux_scalars) or None)
 
 
 def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
                  hb_per_section=None):
+    """DLPack-path call arguments (the fallback): cute tensors built per call."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
             raise ValueError(f"{name}: last dim must be contiguous and the base 16-byte aligned")
@@ -972,14 +1112,8 @@ def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, a
     blocks = None
     if block_mask is not None:
         blocks = BlockSparse(*[_as_cute(t.contiguous(), align=4) for t in block_mask])
-    b, hq, _, _ = q.shape
-    hkv, s_k = k.shape[1], k.shape[2]
     if hb_per_section is None:
-        # Dense: every q-tile costs the same, so walk one head's q-tiles together (they stream
-        # the same K/V in lockstep; measured 643 vs 618 TFLOP/s against 8-head sections, H200).
-        # Block-sparse: longest-first over L2-sized head sections (573 vs 559 for causal).
-        hb_per_section = 1 if block_mask is None else _hb_per_section(
-            s_k, cfg.head_dim, cfg.head_dim_v, q.element_size(), b * hq, hq // hkv)
+        hb_per_section = _default_hb_per_section(cfg, q, k, block_mask)
     hb = hb_per_section
     tensors = tuple(_as_cute(t.contiguous(), align=t.element_size()) for t in aux_tensors)
     scalars = tuple(_as_scalar(x) for x in aux_scalars)
@@ -988,17 +1122,29 @@ def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, a
 
 
 def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=(),
-                aux_scalars=(), options: str = "") -> CompiledFwd:
+                aux_scalars=(), options: str = "", use_tvm_ffi: Optional[bool] = None) -> CompiledFwd:
     """Compile for the given example tensors (their dtypes/ranks matter, their sizes and strides
     do not: those stay runtime values). Works on a CPU-only machine with CUTE_DSL_ARCH=sm_90a and
-    CPU tensors; read ``result.compiled.__ptx__`` with ``options='--keep-ptx'``."""
-    args = _launch_args(cfg, q, k, v, o, lse, 1.0, block_mask, aux_tensors, aux_scalars)
-    stream = cuda.CUstream(0)
-    compiled = cute.compile(FlexAttentionFwdSm90(cfg), *args, stream, options=options)
+    CPU tensors; read ``result.compiled.__ptx__`` with ``options='--keep-ptx'``.
+    ``use_tvm_ffi``: None picks TVM-FFI when available (``tvm_ffi_enabled()``)."""
+    if use_tvm_ffi is None:
+        use_tvm_ffi = tvm_ffi_enabled()
     signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
         type(_as_scalar(x)).__name__ for x in aux_scalars
     )
-    return CompiledFwd(cfg, compiled, signature)
+    kernel = FlexAttentionFwdSm90(cfg)
+    if not use_tvm_ffi:
+        args = _launch_args(cfg, q, k, v, o, lse, 1.0, block_mask, aux_tensors, aux_scalars)
+        compiled = cute.compile(kernel, *args, cuda.CUstream(0), options=options)
+        return CompiledFwd(cfg, compiled, signature)
+    if _cutlass_dtype(q.dtype) is not cfg.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError("q/k/v dtype does not match the config")
+    if (block_mask is not None) != cfg.has_block_mask:
+        raise ValueError("block_mask presence must match FwdConfig.has_block_mask")
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    compiled = cute.compile(kernel, *_placeholder_args(cfg, aux_tensors, aux_scalars), stream,
+                            options=f"{options} --enable-tvm-ffi".strip())
+    return CompiledFwd(cfg, compiled, signature, ffi_fn=_ffi_function(compiled))
 
 
 _CACHE = {}

@@ -25,7 +25,10 @@ cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32  # noqa: E402
 
-from templates.cute_sm90_fwd import FwdConfig, compile_fwd  # noqa: E402
+from flexjit.cache import load_template  # noqa: E402
+
+_tpl = load_template("cute_sm90_fwd")
+FwdConfig, compile_fwd = _tpl.FwdConfig, _tpl.compile_fwd
 
 
 # Test mods, hand-written in CuTeDSL until the code generator emits them.

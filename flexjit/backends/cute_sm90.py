@@ -7,8 +7,10 @@ What this module holds
   ``mask_mod(b, h, q_idx, kv_idx, aux)``, the holes of ``templates/cute_sm90_fwd.py``. They
   are plain Python over DSL values (no control flow), inlined into the kernel when it is
   traced. Captured tensors are ``aux.tensors[i]`` and runtime scalars ``aux.scalars[j]``.
-* The cache: generated modules live in ``$FLEXJIT_CACHE_DIR/cute/<key>.py``; compiled
-  kernels are kept in memory per (key, dtypes, head dims, block-mask presence).
+* The cache: generated modules live in ``$FLEXJIT_CACHE_DIR/cute/mods_<key>.py``; compiled
+  kernels are kept in memory per (key, dtypes, head dims, block-mask presence) and, when
+  launched through TVM-FFI, on disk as ``$FLEXJIT_CACHE_DIR/cute/<kernel_key>.o``
+  (``flexjit.cute_cache``), so a second process loads them instead of compiling.
 * ``supports(call)`` / ``run(call)``: the forward runs here; the backward runs on the Triton
   backend's kernels from the saved (out, lse) until the sm90 backward lands (issue #6).
 
@@ -18,6 +20,7 @@ indices wrap when negative and are clamped into range, and loads widen to float3
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -28,7 +31,7 @@ import time
 
 import torch
 
-from .. import cache, ir
+from .. import cache, cute_cache, ir
 from ..ir import DType, Node, Op
 from ..passes import Program
 
@@ -256,12 +259,54 @@ def _aux_tensor(t: torch.Tensor, device) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t
 
 
+_ARTIFACT_FLAGS = ("--keep-ptx", "--keep-cubin")
+
+
+def _key_options(options: str) -> str:
+    """The compile options that can change the code: all but asking for PTX/cubin files and
+    where to dump them."""
+    words, kept = options.split(), []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w == "--dump-dir":
+            skip = True
+        elif w not in _ARTIFACT_FLAGS and not w.startswith("--dump-dir="):
+            kept.append(w)
+    return " ".join(kept)
+
+
+def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
+    """Everything besides the program that shapes the compiled kernel (the disk-cache key
+    material; sizes, strides and scalar values are runtime arguments)."""
+    import tvm_ffi  # the exported object calls into its C ABI: a new version must not reuse it
+
+    return (cfg.dtype.__name__, cfg.head_dim, cfg.head_dim_v, cfg.has_block_mask,
+            tuple((str(t.dtype), t.dim()) for t in aux_tensors),
+            tuple(d.value for d in program.scalar_dtypes), float(cfg.rescale_threshold),
+            dataclasses.astuple(cfg.tiling), f"launch=tvm-ffi {tvm_ffi.__version__}",
+            _key_options(options))
+
+
+def _announce(msg: str) -> None:
+    log.info("flexjit: %s", msg)
+    if os.environ.get("FLEXJIT_DEBUG"):
+        print(f"[flexjit] {msg}")
+
+
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = ""):
-    """Compile (or find in memory) the sm90 forward for this program and these input kinds.
+    """Compile (or find in memory, or load from disk) the sm90 forward for this program and
+    these input kinds.
 
     Only dtypes, head dims, ranks and block-mask presence shape the kernel: lengths, batch,
     heads, strides and scalar values are runtime arguments. Works on the CPU with
-    CUTE_DSL_ARCH=sm_90a (for compile-only tests)."""
+    CUTE_DSL_ARCH=sm_90a (for compile-only tests).
+
+    Disk cache (TVM-FFI launches only, ``flexjit.cute_cache``): a compiled kernel is exported to
+    ``cache_dir("cute")/<kernel_key>.o`` and a later process loads it instead of compiling. A
+    caller asking for ``--keep-ptx``/``--keep-cubin`` always compiles (a loaded kernel has no
+    PTX to show); its kernel is still exported."""
     tpl = _template()
     D, Dv = q.shape[-1], v.shape[-1]
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
@@ -272,16 +317,29 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     mods = load_mods(program)
     cfg = tpl.FwdConfig(D, Dv, _CUTLASS_DTYPES[q.dtype], mods.score_mod, mods.mask_mod,
                         has_block_mask=block_mask is not None)
+    what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
+    disk_key = None
+    if tpl.tvm_ffi_enabled() and cute_cache.available():
+        disk_key = cache.kernel_key(program.key, "cute_sm90_fwd",
+                                    _frozen_config(cfg, aux_tensors, program, options), "sm90")
+        wants_artifacts = any(f in options.split() for f in _ARTIFACT_FLAGS)
+        t0 = time.perf_counter()
+        loaded = None if wants_artifacts else cute_cache.load(disk_key)
+        if loaded is not None:
+            signature = sig + tuple(type(tpl._as_scalar(x)).__name__ for x in program.scalars)
+            fn = tpl.CompiledFwd(cfg, None, signature, ffi_fn=loaded)
+            _announce(f"sm90 forward for {what}: loaded from disk in "
+                      f"{time.perf_counter() - t0:.3f} s ({disk_key}.o)")
+            _COMPILED[key] = fn
+            return fn
     o = torch.empty(*q.shape[:-1], Dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
     log.info("flexjit: compiling the sm90 forward for %s ...", what)
     t0 = time.perf_counter()
     fn = tpl.compile_fwd(cfg, q, k, v, o, lse, block_mask, aux_tensors, program.scalars, options=options)
-    secs = time.perf_counter() - t0
-    log.info("flexjit: compiled %s in %.1f s", what, secs)
-    if os.environ.get("FLEXJIT_DEBUG"):
-        print(f"[flexjit] compiled sm90 forward for {what} in {secs:.1f} s")
+    _announce(f"sm90 forward for {what}: compiled in {time.perf_counter() - t0:.1f} s")
+    if disk_key is not None and fn.tvm_ffi:
+        cute_cache.store(disk_key, fn.export)
     _COMPILED[key] = fn
     return fn
 
