@@ -394,7 +394,8 @@ _GPU_CHILD = """
     q = torch.randn(B, Hq, L, D, device="cuda", dtype=torch.bfloat16)
     k, v = [torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cuda") if case.mask_mod else None
-    assert explain(q, k, v, case.score_mod, bm, enable_gqa=True).name == "cute"
+    choice = explain(q, k, v, case.score_mod, bm, enable_gqa=True)
+    assert choice.name == "cute", str(choice)
     with torch.no_grad():
         out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=True, return_lse=True)
     torch.cuda.synchronize()
@@ -413,8 +414,9 @@ _GPU_CHILD = """
 
 
 def _gpu_child(role, name, out_file, cache_root):
-    env = dict(os.environ, FLEXJIT_CACHE_DIR=str(cache_root),
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    # keep the caller's PYTHONPATH (on the GPU box it carries cutlass-dsl from the device bundle)
+    paths = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, FLEXJIT_CACHE_DIR=str(cache_root), PYTHONPATH=os.pathsep.join(p for p in paths if p))
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(_GPU_CHILD), role, name, str(out_file)],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, f"{role} failed:\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}"

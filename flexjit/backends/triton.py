@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import logging
 import math
 import os
 import re
@@ -45,6 +46,7 @@ from ..ir import DType, Node, Op
 from ..passes import Program
 
 LOG2E = 1.4426950408889634
+log = logging.getLogger("flexjit")
 _INTERPRET_ENV = "TRITON_INTERPRET"
 
 STATS = {"render": 0, "import": 0, "fwd_launch": 0, "bwd_launch": 0}
@@ -849,9 +851,32 @@ def _even(length: int, block: int, sparse, axis: int) -> bool:
     return length % block == 0 and (sparse is None or length % sparse[axis] == 0)
 
 
+_STAGES_THAT_FIT: dict[tuple, int] = {}
+
+
 def _run(plan: Plan, launch: Launch) -> None:
+    """Launch; if Triton's real shared-memory use exceeds the estimate (a mod's loads can add
+    layout-conversion buffers), retry with fewer pipeline stages and remember what fit."""
     mod = load_module(plan.program, launch.which, plan.interpret)
-    getattr(mod, launch.kernel)[launch.grid](*launch.args, **launch.constexprs, **launch.options)
+    kernel = getattr(mod, launch.kernel)
+    key = (plan.program.key, launch.kernel, tuple(sorted(launch.constexprs.items())),
+           tuple(sorted(launch.options.items())))
+    stages = _STAGES_THAT_FIT.get(key, launch.options["num_stages"])
+    while True:
+        consts = dict(launch.constexprs)
+        if "NUM_STAGES" in consts:
+            consts["NUM_STAGES"] = stages
+        try:
+            kernel[launch.grid](*launch.args, **consts, **dict(launch.options, num_stages=stages))
+        except Exception as e:  # triton.runtime.errors.OutOfResources (its module moved across versions)
+            if type(e).__name__ != "OutOfResources" or stages <= 1:
+                raise
+            stages -= 1
+            log.info("flexjit: %s needs more shared memory than it has; retrying with %d stages",
+                     launch.kernel, stages)
+            continue
+        _STAGES_THAT_FIT[key] = stages
+        return
 
 
 def forward(plan: Plan, q, k, v, bufs) -> tuple[torch.Tensor, torch.Tensor]:
