@@ -234,6 +234,24 @@ def derivative(out: Node, wrt: list[Node]) -> list[Node]:
     return [simplify(grads.get(id(w), _c(0.0))) for w in wrt]
 
 
+# --------------------------------------------------------------------------- precision analysis
+
+_DISCONTINUOUS = frozenset({Op.FLOOR, Op.CEIL, Op.FLOORDIV, Op.MOD, Op.LOAD}) | ir.COMPARE
+
+
+def exact_float_nodes(roots: list[Node]) -> set[int]:
+    """Float nodes whose rounding can change a discrete result (a comparison, floor, an int
+    cast, an index): they render with correctly rounded ops so masks match the interpreter."""
+    exact: set[int] = set()
+    for n in reversed(ir.toposort(roots)):
+        sink = n.op in _DISCONTINUOUS or (n.op is Op.CAST and not n.dtype.is_float)
+        if sink or id(n) in exact:
+            for s in n.src:
+                if s.dtype.is_float:
+                    exact.add(id(s))
+    return exact
+
+
 # --------------------------------------------------------------------------- program
 
 

@@ -33,7 +33,7 @@ import torch
 
 from .. import cache, cute_cache, ir
 from ..ir import DType, Node, Op
-from ..passes import Program
+from ..passes import Program, exact_float_nodes
 
 _TYPES = {DType.FLOAT32: "Float32", DType.INT32: "Int32", DType.INT64: "Int64", DType.BOOL: "Boolean"}
 _HEAD_DIMS = (64, 128, 256)
@@ -63,7 +63,15 @@ def _binary(fmt: str):
 
 
 def _unary_math(name: str):
-    return lambda n, a: f"cute.math.{name}({a[0]})"
+    return lambda n, a, fast=False: f"cute.math.{name}({a[0]}{_FAST.get(name, '') if fast else ''})"
+
+
+# Hardware approximations (MUFU): tanh.approx, ex2.approx, lg2.approx, ... Used unless the
+# value feeds a discrete result (a comparison, floor, an index), where rounding must match
+# the interpreter (passes.exact_float_nodes).
+_FAST = {"tanh": ", approx=True", "exp": ", fastmath=True", "exp2": ", fastmath=True",
+         "log": ", fastmath=True", "log2": ", fastmath=True", "sqrt": ", fastmath=True",
+         "rsqrt": ", fastmath=True", "sin": ", fastmath=True", "cos": ", fastmath=True"}
 
 
 def _logic(fn: str, py: str):
@@ -106,7 +114,8 @@ _OPS = {
     Op.LOG2: _unary_math("log2"), Op.TANH: _unary_math("tanh"), Op.SQRT: _unary_math("sqrt"),
     Op.RSQRT: _unary_math("rsqrt"), Op.SIN: _unary_math("sin"), Op.COS: _unary_math("cos"),
     Op.FLOOR: _unary_math("floor"), Op.CEIL: _unary_math("ceil"),
-    Op.SIGMOID: lambda n, a: f"(Float32(1.0) / (Float32(1.0) + cute.math.exp(-{a[0]})))",
+    Op.SIGMOID: lambda n, a, fast=False: (f"(Float32(1.0) / (Float32(1.0) + cute.math.exp(-{a[0]}"
+                                          f"{', fastmath=True' if fast else ''})))"),
     Op.WHERE: lambda n, a: f"{_TYPES[n.dtype]}(cutlass.select_({a[0]}, {a[1]}, {a[2]}))",
     Op.CAST: _cast,
 }
@@ -132,6 +141,7 @@ def render_function(name: str, params: str, root: Node) -> str:
     """One straight-line function computing ``root``; each non-leaf node is one statement."""
     names: dict[int, str] = {}
     body: list[str] = []
+    exact = exact_float_nodes([root])
     for n in ir.toposort([root]):
         if n.op in _LEAVES:
             names[id(n)] = _LEAVES[n.op]
@@ -143,7 +153,14 @@ def render_function(name: str, params: str, root: Node) -> str:
             names[id(n)] = ""
         else:
             args = [names[id(s)] for s in n.src]
-            expr = _load(n, args) if n.op is Op.LOAD else _OPS[n.op](n, args)
+            if n.op is Op.LOAD:
+                expr = _load(n, args)
+            elif n.op in ir.TRANSCENDENTAL:
+                expr = _OPS[n.op](n, args, fast=id(n) not in exact)
+            elif n.op is Op.DIV and id(n) not in exact:  # div.full.f32: 2 ulp, no slow path
+                expr = f"cute.math.div({args[0]}, {args[1]}, full=True)"
+            else:
+                expr = _OPS[n.op](n, args)
             var = f"t{len(body)}"
             body.append(f"    {var} = {expr}")
             names[id(n)] = var

@@ -43,7 +43,7 @@ import torch
 
 from .. import cache, ir
 from ..ir import DType, Node, Op
-from ..passes import Program
+from ..passes import Program, exact_float_nodes
 
 LOG2E = 1.4426950408889634
 log = logging.getLogger("flexjit")
@@ -95,22 +95,6 @@ def _nonneg(n: Node, memo: dict) -> bool:
 
 def _positive_const(n: Node) -> bool:
     return n.op is Op.CONST and not isinstance(n.arg, bool) and n.arg > 0
-
-
-_DISCONTINUOUS = frozenset({Op.FLOOR, Op.CEIL, Op.FLOORDIV, Op.MOD, Op.LOAD}) | ir.COMPARE
-
-
-def _exact_nodes(roots: list[Node]) -> set[int]:
-    """Float nodes whose rounding can change a discrete result (a comparison, floor, an int
-    cast, an index): they render with correctly rounded ops so masks match the interpreter."""
-    exact: set[int] = set()
-    for n in reversed(ir.toposort(roots)):
-        sink = n.op in _DISCONTINUOUS or (n.op is Op.CAST and not n.dtype.is_float)
-        if sink or id(n) in exact:
-            for s in n.src:
-                if s.dtype.is_float:
-                    exact.add(id(s))
-    return exact
 
 
 def _depends(n: Node, memo: dict) -> frozenset:
@@ -167,7 +151,7 @@ class _Lowering:
         self.names: dict[int, str] = {}
         self.loads: dict[int, _Load] = {}
         self.prefix = prefix
-        self.exact = _exact_nodes(roots)
+        self.exact = exact_float_nodes(roots)
         self.sign: dict = {}
         self.clamped: dict[tuple[int, int, int], str] = {}  # (slot, dim, index node) -> name
         self._count = 0

@@ -1,0 +1,192 @@
+"""Each implementation behind one adapter: `setup(variant, case, device)` -> `fn(q, k, v) -> out`.
+
+An adapter builds everything that is not the attention call itself (block masks, compiled
+callables, keyword arguments) in `setup`, outside the timed region. It raises `Skip` with a reason
+where it cannot run here: a package that does not import, a variant the library has no way to
+express, no GPU. `fn` takes and returns tensors in the adapter's `layout`:
+"bhsd" ([B, H, S, D], FlexAttention and SDPA) or "bshd" ([B, S, H, D], FA4); the runner makes
+each layout's copies and transposes the results back, outside the timed region.
+
+| impl               | what runs                                                              |
+|--------------------|------------------------------------------------------------------------|
+| flexjit-<backend>  | flexjit.flex_attention(..., backend=<backend>), flexjit's block mask   |
+| torch-flex-triton  | torch.compile(flex_attention), torch's block mask, Triton kernels      |
+| torch-flex-flash   | the same with kernel_options={"BACKEND": "FLASH"} (FA4 underneath)     |
+| fa4                | flash_attn.cute.flash_attn_func with the variant's built-in arguments  |
+| cudnn              | F.scaled_dot_product_attention under SDPBackend.CUDNN_ATTENTION        |
+| torch-flex-eager   | flex_attention without compile: for CPU smoke runs only                |
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Callable
+
+import torch
+
+from .variants import Case, Variant
+
+FLEXJIT_IMPLS = ("flexjit-cute", "flexjit-triton", "flexjit-reference")
+BASELINE_IMPLS = ("torch-flex-triton", "torch-flex-flash", "fa4", "cudnn")
+DEFAULT_IMPLS = FLEXJIT_IMPLS + BASELINE_IMPLS
+EXTRA_IMPLS = ("torch-flex-eager",)
+
+# Generous enough for every (variant, shape, pass) of one process: at torch's default of 8,
+# FlexAttention silently falls back to its unfused eager path after 8 recompiles.
+DYNAMO_LIMIT = 4096
+
+
+class Skip(Exception):
+    """The implementation cannot run this case here; the message says why."""
+
+
+def raise_dynamo_limits() -> None:
+    """Lift dynamo's recompile limits and make hitting one an error, never a silent fallback."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, DYNAMO_LIMIT)
+    for name in ("accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, 8 * DYNAMO_LIMIT)
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True
+
+
+def _import(module: str):
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # a broken install raises more than ImportError
+        raise Skip(f"`import {module}` failed: {type(e).__name__}: {e}") from None
+
+
+def _need_cuda(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise Skip("needs a CUDA GPU")
+
+
+class FlexjitImpl:
+    layout = "bhsd"
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.name = f"flexjit-{backend}"
+
+    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+        fj = _import("flexjit")
+        for attr in ("flex_attention", "create_block_mask"):
+            if not hasattr(fj, attr):
+                raise Skip(f"flexjit has no `{attr}` yet")
+        block_mask = None
+        if variant.mask_mod is not None:
+            B = case.B if variant.mask_uses_batch else None
+            block_mask = fj.create_block_mask(variant.mask_mod, B, None, case.S, case.S, device=device)
+        attend, score_mod, gqa, backend = fj.flex_attention, variant.score_mod, case.gqa, self.backend
+
+        def fn(q, k, v):
+            return attend(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
+                          backend=backend)
+
+        return fn
+
+
+class TorchFlexImpl:
+    """torch's FlexAttention; compiled once per impl, recompiled by dynamo per variant and shape."""
+
+    layout = "bhsd"
+
+    def __init__(self, name: str, kernel_options: dict | None, compiled: bool):
+        self.name, self.kernel_options, self.compiled = name, kernel_options, compiled
+        self._fn = None
+
+    def _flex(self):
+        if self._fn is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            # dynamic=False: a kernel specialised to each shape, as the users who tune do;
+            # fullgraph=True: a graph break is an error, never a silent eager fallback.
+            self._fn = torch.compile(flex_attention, dynamic=False, fullgraph=True) if self.compiled \
+                else flex_attention
+        return self._fn
+
+    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+        if self.compiled:
+            _need_cuda(device)
+        if self.kernel_options and self.kernel_options.get("BACKEND") == "FLASH":
+            _import("flash_attn.cute")
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        block_mask = None
+        if variant.mask_mod is not None:
+            B = case.B if variant.mask_uses_batch else None
+            block_mask = create_block_mask(variant.mask_mod, B, None, case.S, case.S, device=device)
+        flex, score_mod, gqa = self._flex(), variant.score_mod, case.gqa
+        opts = dict(self.kernel_options) if self.kernel_options else None
+
+        def fn(q, k, v):
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
+                        kernel_options=opts)
+
+        return fn
+
+
+class FA4Impl:
+    name = "fa4"
+    layout = "bshd"
+
+    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+        _need_cuda(device)
+        if variant.fa4_kwargs is None:
+            raise Skip(f"FA4 has no built-in {variant.name}")
+        flash_attn_func = _import("flash_attn.cute").flash_attn_func
+        # The bundle pins one FA4 version; check the keywords rather than trust this file.
+        params = inspect.signature(flash_attn_func).parameters
+        missing = [k for k in variant.fa4_kwargs if k not in params]
+        if missing:
+            raise Skip(f"flash_attn_func takes no {missing}; its signature: {inspect.signature(flash_attn_func)}")
+        kwargs = dict(variant.fa4_kwargs)
+
+        def fn(q, k, v):
+            out = flash_attn_func(q, k, v, **kwargs)
+            return out[0] if isinstance(out, tuple) else out  # (out, lse) in 4.0
+
+        return fn
+
+
+class CudnnImpl:
+    name = "cudnn"
+    layout = "bhsd"
+
+    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+        _need_cuda(device)
+        if variant.sdpa_kwargs is None:
+            raise Skip(f"SDPA has no built-in {variant.name}")
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        kwargs, gqa = dict(variant.sdpa_kwargs), case.gqa
+
+        def fn(q, k, v):
+            # Only cuDNN is allowed: where it cannot run the case, SDPA raises instead of
+            # quietly timing another backend.
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return sdpa(q, k, v, enable_gqa=gqa, **kwargs)
+
+        return fn
+
+
+def make(name: str):
+    """The adapter for an impl name (see the module table)."""
+    if name in FLEXJIT_IMPLS:
+        return FlexjitImpl(name.removeprefix("flexjit-"))
+    table = {
+        "torch-flex-triton": lambda: TorchFlexImpl(name, None, compiled=True),
+        "torch-flex-flash": lambda: TorchFlexImpl(name, {"BACKEND": "FLASH"}, compiled=True),
+        "torch-flex-eager": lambda: TorchFlexImpl(name, None, compiled=False),
+        "fa4": FA4Impl,
+        "cudnn": CudnnImpl,
+    }
+    if name not in table:
+        raise ValueError(f"unknown impl {name!r}; known: {', '.join(DEFAULT_IMPLS + EXTRA_IMPLS)}")
+    return table[name]()

@@ -1,0 +1,459 @@
+"""The GPU benchmark harness: `python -m benchmarks.run --out DIR` (README.md has the flags).
+
+For each pass, shape and variant, every implementation is
+1. set up outside the timed region (block masks, torch.compile, keyword arguments), or skipped
+   with a printed reason;
+2. run once on fresh random inputs and checked against the chunked reference (`reference.py`):
+   a wrong answer is reported as wrong and not timed;
+3. timed with `triton.testing.do_bench` (median of events around each call), inputs rotating
+   through enough copies that they cannot sit in the 60 MB L2 (do_bench also flushes L2
+   before every call, so the rotation is belt and braces).
+All baselines run in the same process as flexjit, on the same GPU, minutes apart.
+
+DIR/meta.json (versions, clocks) is written first and DIR/results.json after each measurement,
+so a run cut short still leaves its data; DIR/results.md (the table) and DIR/results.png (the
+chart) come at the end, DIR/log.txt holds everything printed, and the table is printed last.
+A wall-clock budget (--budget-s) stops starting new measurements in time to write them: the rest
+are recorded as skipped for the budget, and `--resume` measures them in a later call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from . import impls as impl_mod
+from . import report
+from .reference import attention_reference, check, mask_density
+from .variants import VARIANTS, Case, attention_flops, build, default_scale
+
+ALL_S = (1024, 2048, 4096, 8192, 16384, 32768)
+DEFAULT_S = (2048, 8192)
+# Run the trusted baselines first: a kernel that corrupts the CUDA context ends the run's GPU
+# work, and then at least the baselines it came after are in.
+RUN_ORDER = ("cudnn", "fa4", "torch-flex-triton", "torch-flex-flash",
+             "flexjit-triton", "flexjit-cute", "flexjit-reference", "torch-flex-eager")
+FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
+              "misaligned address", "illegal instruction", "CUDA error: an illegal")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'2k,8192' -> [2048, 8192]."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+    return out
+
+
+def parse_list(text: str, known) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in items if x not in known]
+    if unknown:
+        raise SystemExit(f"unknown {unknown}; known: {', '.join(known)}")
+    return items
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for results.json/.md/.png and log.txt")
+    p.add_argument("--S", default=None, help="sequence lengths, e.g. 2k,8k (default 2k,8k)")
+    p.add_argument("--hkv", default=None, help="KV heads, e.g. 16,4 (default 16)")
+    p.add_argument("--d", default=None, help="head dims, e.g. 64,128 (default 128)")
+    p.add_argument("--hq", type=int, default=16, help="query heads (default 16)")
+    p.add_argument("--tokens", type=int, default=16384, help="B*S per case (default 16384)")
+    p.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default both)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="default: all seven")
+    known_impls = impl_mod.DEFAULT_IMPLS + impl_mod.EXTRA_IMPLS
+    p.add_argument("--impls", default=",".join(impl_mod.DEFAULT_IMPLS),
+                   help=f"default: {','.join(impl_mod.DEFAULT_IMPLS)}")
+    p.add_argument("--all", action="store_true",
+                   help="every shape of issue #3: S 1k..32k, Hkv 16 and 4, D 64 and 128 "
+                        "(explicit --S/--hkv/--d still win)")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu (smoke runs)")
+    p.add_argument("--budget-s", type=float, default=450.0,
+                   help="start no measurement after this many seconds from start (0: no limit)")
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (default 25)")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (default 100)")
+    p.add_argument("--seed", type=int, default=None, help="default: drawn fresh and printed")
+    p.add_argument("--max-errors", type=int, default=4,
+                   help="skip an impl for the rest of the run after this many errors in a row (0: never)")
+    p.add_argument("--no-png", action="store_true", help="skip the chart")
+    p.add_argument("--resume", default=None, metavar="RESULTS_JSON",
+                   help="keep that run's rows and measure only what it left out (budget, errors in a row, lost context)")
+    args = p.parse_args(argv)
+    args.S = parse_sizes(args.S) if args.S else list(ALL_S if args.all else DEFAULT_S)
+    args.hkv = parse_sizes(args.hkv) if args.hkv else ([16, 4] if args.all else [16])
+    args.d = parse_sizes(args.d) if args.d else ([64, 128] if args.all else [128])
+    args.passes = parse_list(args.passes, ("fwd", "fwdbwd"))
+    args.variants = parse_list(args.variants, VARIANTS)
+    args.impls = parse_list(args.impls, known_impls)
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(2**31)
+    for S in args.S:
+        if args.tokens % S:
+            raise SystemExit(f"--tokens {args.tokens} is not a multiple of S={S}")
+    for hkv in args.hkv:
+        if args.hq % hkv:
+            raise SystemExit(f"--hq {args.hq} is not a multiple of Hkv={hkv}")
+    return args
+
+
+class Tee:
+    """Copy what the run prints into DIR/log.txt as well."""
+
+    def __init__(self, stream, path: Path):
+        self.stream, self.file = stream, open(path, "a", buffering=1)
+
+    def write(self, text):
+        self.stream.write(text)
+        self.file.write(text)
+
+    def flush(self):
+        self.stream.flush()
+        self.file.flush()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        return None
+
+
+def environment(args) -> dict:
+    """What the rows were measured on, for results.md's header."""
+    dev = args.device
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=10).stdout.strip() or None
+    except Exception:
+        sha = None
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu,
+        "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.run"] + sys.argv[1:]),
+        "seed": args.seed,
+        "git": sha,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "flash-attn-4": _version("flash-attn-4"),
+        "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl"),
+        "cudnn": torch.backends.cudnn.version() if dev.type == "cuda" else None,
+    }
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        env["sm_count"] = props.multi_processor_count
+        env["l2_bytes"] = getattr(props, "L2_cache_size", None)
+        env["nvidia-smi"] = _nvidia_smi()
+    return env
+
+
+def _nvidia_smi() -> str | None:
+    """Clocks, load and memory in use at the start: the GPU is shared, so note its state."""
+    query = "clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu,memory.used,driver_version"
+    try:
+        p = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        return f"{query}: {p.stdout.strip()}" if p.returncode == 0 else None
+    except Exception:
+        return None
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+
+def rotation_count(case: Case, device: torch.device, l2_bytes: int | None) -> int:
+    """Input sets to cycle through so that the bytes read between two uses of one set exceed 2× L2."""
+    if device.type != "cuda":
+        return 1
+    itemsize = torch.tensor([], dtype=case.dtype).element_size()
+    one_set = case.B * case.S * case.D * (2 * case.Hq + 2 * case.Hkv) * itemsize  # q, dout, k, v
+    return max(1, min(8, math.ceil(2 * (l2_bytes or 60 << 20) / one_set)))
+
+
+def make_inputs(case: Case, device, n_sets: int) -> list[dict]:
+    """n_sets of fresh random q, k, v (leaves that require grad) and dout, all [B, H, S, D]."""
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(case.B, case.Hq, case.S, case.D, device=device, dtype=case.dtype)
+        k = torch.randn(case.B, case.Hkv, case.S, case.D, device=device, dtype=case.dtype)
+        v = torch.randn(case.B, case.Hkv, case.S, case.D, device=device, dtype=case.dtype)
+        do = torch.randn_like(q)
+        sets.append({"q": q.requires_grad_(), "k": k.requires_grad_(), "v": v.requires_grad_(), "do": do})
+    return sets
+
+
+def in_layout(sets: list[dict], layout: str) -> list[dict]:
+    """The same values as new leaves in `layout` ("bhsd" as made, or "bshd"), copied outside timing."""
+    if layout == "bhsd":
+        return sets
+    return [{n: (t.detach().transpose(1, 2).contiguous().requires_grad_(n != "do")) for n, t in s.items()}
+            for s in sets]
+
+
+def to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout == "bhsd" else t.transpose(1, 2)
+
+
+# ---- one measurement ---------------------------------------------------------------------------
+
+
+def poison_allocator(case: Case, device) -> None:
+    """Leave NaN in the caching allocator's free blocks of the output's and gradients' sizes.
+
+    The next implementation's outputs are likely to land in these blocks (best fit), so an
+    element its kernel never writes reads as NaN and fails the check, instead of showing the
+    previous implementation's right answer from the same memory.
+    """
+    if device.type != "cuda":
+        return
+    q_shape, kv_shape = (case.B, case.Hq, case.S, case.D), (case.B, case.Hkv, case.S, case.D)
+    blocks = [torch.full(shape, float("nan"), dtype=dt, device=device)
+              for shape in (q_shape, q_shape, kv_shape, kv_shape) for dt in (case.dtype, torch.float32)]
+    del blocks
+
+
+def call_once(fn, s: dict, pass_: str, layout: str) -> dict:
+    """One call on input set `s`; the output (and gradients) back in [B, H, S, D]."""
+    if pass_ == "fwd":
+        with torch.no_grad():
+            got = {"out": fn(s["q"], s["k"], s["v"])}
+    else:
+        out = fn(s["q"], s["k"], s["v"])
+        dq, dk, dv = torch.autograd.grad(out, (s["q"], s["k"], s["v"]), s["do"])
+        got = {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+    if s["q"].is_cuda:
+        torch.cuda.synchronize()  # surface asynchronous launch errors here, not in the timer
+    return {n: to_bhsd(t, layout) for n, t in got.items()}
+
+
+def make_step(fn, sets: list[dict], pass_: str):
+    """The timed closure: one call (fwd) or one call and its backward (fwdbwd), rotating sets."""
+    cycle = itertools.cycle(sets)
+    if pass_ == "fwd":
+        def step():
+            s = next(cycle)
+            fn(s["q"], s["k"], s["v"])
+    else:
+        def step():
+            s = next(cycle)
+            out = fn(s["q"], s["k"], s["v"])
+            torch.autograd.grad(out, (s["q"], s["k"], s["v"]), s["do"])
+    return step
+
+
+def time_ms(step, device, warmup_ms: float, rep_ms: float) -> float:
+    """Median milliseconds per call: do_bench on the GPU, a wall clock on the CPU (smoke runs)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    step()
+    times = []
+    t_end = time.perf_counter() + rep_ms / 1e3
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 100):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+class Refs:
+    """The float32 and test-dtype references of one (pass, case, variant), computed on first need."""
+
+    def __init__(self, s: dict, variant, scale: float, pass_: str, dtype):
+        self.s, self.variant, self.scale, self.pass_, self.dtype = s, variant, scale, pass_, dtype
+        self._pair = None
+
+    def pair(self):
+        if self._pair is None:
+            dout = self.s["do"] if self.pass_ == "fwdbwd" else None
+            args = (self.s["q"], self.s["k"], self.s["v"], self.variant, self.scale)
+            self._pair = (attention_reference(*args, torch.float32, dout),
+                          attention_reference(*args, self.dtype, dout))
+        return self._pair
+
+
+def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: Refs, args) -> dict:
+    """One row: set up, check, time. Never raises: failures become the row's status and error."""
+    row = {"status": "ok", "ms": None, "tflops": None, "correct": False, "error": None}
+    try:
+        fn = impl.setup(variant, case, args.device)
+    except (impl_mod.Skip, NotImplementedError) as e:
+        return {**row, "status": "skipped", "error": f"skipped: {e}"}
+    except Exception as e:
+        return {**row, "status": "error", "error": f"setup: {type(e).__name__}: {e}"}
+    if impl.layout not in sets_by_layout:
+        sets_by_layout[impl.layout] = in_layout(sets_by_layout["bhsd"], impl.layout)
+    sets = sets_by_layout[impl.layout]
+    if pass_ == "fwd":  # leaves that need no grad, as in inference (torch Flex on CPU insists)
+        sets = [{n: t.detach() for n, t in s.items()} for s in sets]
+    poison_allocator(case, args.device)
+    t0 = time.perf_counter()
+    try:
+        got = call_once(fn, sets[0], pass_, impl.layout)
+    except NotImplementedError as e:
+        return {**row, "status": "skipped", "error": f"skipped: {e}"}
+    except Exception as e:
+        return {**row, "status": "error", "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=6)}
+    row["first_call_s"] = round(time.perf_counter() - t0, 3)
+    ref, low = refs.pair()
+    verdict = check(got, ref, low)
+    del got
+    row["check"] = verdict.detail
+    if not verdict.ok:
+        return {**row, "status": "wrong", "error": f"wrong: {verdict.message}"}
+    step = make_step(fn, sets, pass_)
+    try:
+        with torch.set_grad_enabled(pass_ == "fwdbwd"):
+            ms = time_ms(step, args.device, args.warmup_ms, args.rep_ms)
+    except Exception as e:
+        return {**row, "status": "error", "error": f"timing: {type(e).__name__}: {e}"}
+    return {**row, "correct": True, "ms": ms}
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+
+ROW_KEY = ("impl", "variant", "S", "B", "Hq", "Hkv", "D", "dtype", "pass")
+
+
+def _never_tried(row: dict) -> bool:
+    """Skipped for the run's own reasons (budget, errors in a row, lost context), not the case's."""
+    err = row["error"] or ""
+    return err.startswith(("skipped: time budget", "skipped: CUDA context lost")) or " errors in a row, the last: " in err
+
+
+def previous_rows(path: str | None) -> dict:
+    """Rows of an earlier run worth keeping, by ROW_KEY: all but those it never got to."""
+    if not path:
+        return {}
+    rows = json.loads(Path(path).read_text())
+    return {tuple(r[k] for k in ROW_KEY): r for r in rows if not _never_tried(r)}
+
+
+class Runner:
+    """The run's state across cases: rows so far, the budget, errors in a row, a lost context."""
+
+    def __init__(self, args, env: dict, out: Path):
+        self.args, self.env, self.out = args, env, out
+        self.start = time.monotonic()
+        self.order = [n for n in RUN_ORDER if n in args.impls]
+        self.adapters = {n: impl_mod.make(n) for n in self.order}
+        self.gen = torch.Generator().manual_seed(args.seed)
+        self.built: dict = {}  # (case, variant name) -> (variant, density): one instance for both passes
+        self.kept = previous_rows(args.resume)
+        self.rows: list[dict] = []
+        self.fatal = None
+        self.failing: dict[str, list[str]] = {n: [] for n in self.order}  # errors since the last result
+
+    def run_case(self, pass_: str, case: Case, vname: str) -> None:
+        """Every impl on one (pass, case, variant); inputs and references are made on first need."""
+        args = self.args
+        keys = {n: (n, vname, case.S, case.B, case.Hq, case.Hkv, case.D, args.dtype, pass_) for n in self.order}
+        self.rows += [self.kept[keys[n]] for n in self.order if keys[n] in self.kept]
+        prep = None
+        for name in (n for n in self.order if keys[n] not in self.kept):
+            res = self.reason_not_to_run(name)
+            if res is None:
+                prep = prep or self.prepare(pass_, case, vname)
+                res = prep.get("error") or measure(self.adapters[name], prep["variant"], case, pass_,
+                                                   prep["sets"], prep["refs"], args)
+            self.record({"impl": name, "variant": vname, "S": case.S, "B": case.B, "Hq": case.Hq,
+                         "Hkv": case.Hkv, "D": case.D, "dtype": args.dtype, "pass": pass_, "ms": None,
+                         "tflops": None, "correct": False, **res, "date": self.env["date"],
+                         "gpu": self.env["gpu"], "density": (prep or {}).get("density"),
+                         "flops": (prep or {}).get("flops"), "seed": args.seed})
+        del prep
+        if args.device.type == "cuda" and not self.fatal:
+            torch.cuda.empty_cache()
+
+    def reason_not_to_run(self, name: str) -> dict | None:
+        if self.fatal:
+            return {"status": "skipped", "error": f"skipped: CUDA context lost earlier ({self.fatal})"}
+        if self.args.budget_s and time.monotonic() - self.start > self.args.budget_s:
+            return {"status": "skipped", "error": f"skipped: time budget of {self.args.budget_s:.0f} s spent"}
+        errors = self.failing[name]
+        if self.args.max_errors and len(errors) >= self.args.max_errors:
+            # A compile that fails still costs its compile time: stop paying it.
+            return {"status": "skipped", "error": f"skipped: {len(errors)} errors in a row, the last: {errors[-1][:300]}"}
+        return None
+
+    def prepare(self, pass_: str, case: Case, vname: str) -> dict:
+        """The variant, its density and FLOPs, rotating inputs and lazy references; or an error row."""
+        args = self.args
+        try:
+            if (case, vname) not in self.built:
+                v = build(vname, case, args.device, self.gen)
+                self.built[(case, vname)] = (v, mask_density(v, case.B, case.Hq, case.S, args.device))
+            variant, density = self.built[(case, vname)]
+            sets = {"bhsd": make_inputs(case, args.device, rotation_count(case, args.device, self.env.get("l2_bytes")))}
+            refs = Refs(sets["bhsd"][0], variant, default_scale(case), pass_, case.dtype)
+        except Exception as e:
+            return {"error": {"status": "error", "error": f"case setup: {type(e).__name__}: {e}"}}
+        return {"variant": variant, "density": density, "flops": attention_flops(case, density, pass_),
+                "sets": sets, "refs": refs}
+
+    def record(self, row: dict) -> None:
+        if row["ms"]:
+            row["tflops"] = row["flops"] / row["ms"] / 1e9
+        self.rows.append(row)
+        print(report.row_line(row), flush=True)
+        name = row["impl"]
+        if row["status"] == "error":
+            self.failing[name].append(row["error"])
+            if any(m in row["error"] for m in FATAL_CUDA):
+                self.fatal = f"{name} {row['variant']} S={row['S']} {row['pass']}"
+        elif row["status"] in ("ok", "wrong"):
+            self.failing[name].clear()
+        (self.out / "results.json").write_text(json.dumps(self.rows, indent=1))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.stdout = Tee(sys.__stdout__, out / "log.txt")
+    sys.stderr = Tee(sys.__stderr__, out / "log.txt")
+    torch.manual_seed(args.seed)
+    impl_mod.raise_dynamo_limits()
+    env = environment(args)
+    (out / "meta.json").write_text(json.dumps(env, indent=1))
+    print("benchmarks.run:", json.dumps(env))
+    runner = Runner(args, env, out)
+    cases = [Case(args.tokens // S, S, args.hq, hkv, d, DTYPES[args.dtype])
+             for S, hkv, d in itertools.product(args.S, args.hkv, args.d)]
+    for pass_, case, vname in itertools.product(args.passes, cases, args.variants):
+        runner.run_case(pass_, case, vname)
+    rows = runner.rows
+    report.write(rows, env, out, png=not args.no_png)
+    print(f"\nbenchmarks.run: {len(rows)} rows in {time.monotonic() - runner.start:.0f} s -> {out}")
+    print(report.notes(rows))
+    print(report.table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
