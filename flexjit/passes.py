@@ -16,6 +16,7 @@ independent oracle for ``derivative`` and ``simplify``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -293,7 +294,7 @@ class Program:
     def buffer_requires_grad(self) -> tuple[bool, ...]:
         return tuple(bool(t.requires_grad) for t in self.buffers)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         """Structural digest of everything that shapes the generated code."""
         roots = [r for r in (self.score, self.mask, self.dscore) if r is not None]
@@ -309,37 +310,54 @@ def _loads(root: Node) -> list[Node]:
 
 
 def lower(score: TracedMod | None, mask: TracedMod | None) -> Program:
-    """Run the pass pipeline on a traced score_mod and mask_mod."""
-    buffers: list[torch.Tensor] = []
-    scalars: list = []
-    score_out = mask_out = dscore = None
-    grad_loads: list[GradLoad] = []
-    if score is not None:
-        score_out = simplify(score.out)
-        buffers += score.buffers
-        scalars += score.scalars
-    if mask is not None:
-        mask_out = simplify(relocate(mask.out, len(buffers), len(scalars)))
-        buffers += mask.buffers
-        scalars += mask.scalars
-        if mask_out.op is Op.CONST and mask_out.arg is True:
-            mask_out = None
-    if score_out is not None:
-        if score_out.op is Op.SCORE:
-            score_out = None
-        else:
-            learnable = [n for n in _loads(score_out) if buffers[n.src[0].arg[0]].requires_grad
-                         and n.dtype.is_float]
-            score_leaf = ir.node(Op.SCORE, DType.FLOAT32)
-            grads = derivative(score_out, [score_leaf] + learnable)
-            dscore = grads[0]
-            grad_loads = [GradLoad(ld, g) for ld, g in zip(learnable, grads[1:])
-                          if not _is_const(g, 0.0)]
-    program = Program(score_out, mask_out, dscore, tuple(grad_loads), tuple(buffers), tuple(scalars),
-                      score.name if score else "identity", mask.name if mask else "noop")
+    """Run the pass pipeline on a traced score_mod and mask_mod.
+
+    The graph work depends only on the traced IR (interned, so identity is structure), the
+    number of captures before the mask's and which loads are learnable; it is memoised on
+    exactly that, so a call with the same mods costs a dictionary lookup."""
+    buffers = tuple((score.buffers if score else []) + (mask.buffers if mask else []))
+    scalars = tuple((score.scalars if score else []) + (mask.scalars if mask else []))
+    n_score_bufs = len(score.buffers) if score else 0
+    n_score_scalars = len(score.scalars) if score else 0
+    learnable = tuple(bool(t.requires_grad and t.is_floating_point()) for t in buffers)
+    key = (score.out if score else None, mask.out if mask else None, n_score_bufs, n_score_scalars,
+           learnable)
+    graphs = _LOWERED.get(key)
+    if graphs is None:
+        graphs = _lower_graphs(*key)
+        if len(_LOWERED) > 4096:
+            _LOWERED.clear()
+        _LOWERED[key] = graphs
+    program = Program(*graphs, buffers, scalars, score.name if score else "identity",
+                      mask.name if mask else "noop")
     if os.environ.get("FLEXJIT_DEBUG"):
         print("[flexjit] lowered program\n" + describe(program))
     return program
+
+
+_LOWERED: dict[tuple, tuple] = {}
+
+
+def _lower_graphs(score: Node | None, mask: Node | None, n_score_bufs: int, n_score_scalars: int,
+                  learnable: tuple[bool, ...]):
+    """(score, mask, dscore, grad_loads): the pipeline proper, in order."""
+    score_out = mask_out = dscore = None
+    grad_loads: list[GradLoad] = []
+    if score is not None:
+        score_out = simplify(score)
+    if mask is not None:
+        mask_out = simplify(relocate(mask, n_score_bufs, n_score_scalars))
+        if mask_out.op is Op.CONST and mask_out.arg is True:
+            mask_out = None
+    if score_out is not None and score_out.op is Op.SCORE:
+        score_out = None
+    if score_out is not None:
+        loads = [n for n in _loads(score_out) if learnable[n.src[0].arg[0]] and n.dtype.is_float]
+        score_leaf = ir.node(Op.SCORE, DType.FLOAT32)
+        grads = derivative(score_out, [score_leaf] + loads)
+        dscore = grads[0]
+        grad_loads = [GradLoad(ld, g) for ld, g in zip(loads, grads[1:]) if not _is_const(g, 0.0)]
+    return score_out, mask_out, dscore, tuple(grad_loads)
 
 
 def describe(p: Program) -> str:

@@ -26,6 +26,7 @@ import inspect
 import linecache
 import os
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -800,8 +801,75 @@ def check_arity(fn: Callable, kind: str) -> None:
                     f"but it takes {len(required)}.{hint}")
 
 
+# --------------------------------------------------------------------------- trace cache
+
+
+class _Unknown(Exception):
+    """A captured value the fingerprint cannot vouch for: trace again every call."""
+
+
+def fingerprint(v, depth: int = 0):
+    """Everything a trace of ``v`` can depend on, as a hashable value.
+
+    Functions by code, defaults, closure contents and the globals they name; numbers, bools,
+    strings and None by value; tensors by identity, dtype, rank and requires_grad (their
+    values are read at run time, not traced); modules by name; tuples/lists by contents.
+    Anything else (an object whose attributes a mod might read) raises _Unknown.
+    """
+    if depth > 16:
+        raise _Unknown
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return (type(v).__name__, v)
+    if isinstance(v, torch.Tensor):
+        return ("T", id(v), v.dtype, v.dim(), v.requires_grad)
+    if isinstance(v, types.ModuleType):
+        return ("M", v.__name__)
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(fingerprint(x, depth + 1) for x in v))
+    if isinstance(v, functools.partial):
+        return ("P", fingerprint(v.func, depth + 1), fingerprint(v.args, depth + 1),
+                tuple(sorted((k, fingerprint(x, depth + 1)) for k, x in v.keywords.items())))
+    if isinstance(v, types.FunctionType):
+        if _is_library_function(v):
+            return ("LF", v.__module__, v.__qualname__, fingerprint(v.__closure__ and
+                    tuple(c.cell_contents for c in v.__closure__), depth + 1))
+        cells = tuple(c.cell_contents for c in v.__closure__ or ())
+        g = v.__globals__
+        named = tuple((n, fingerprint(g[n], depth + 1)) for n in sorted(_global_names(v.__code__))
+                      if n in g)
+        return ("F", v.__code__, fingerprint(v.__defaults__, depth + 1),
+                fingerprint(cells, depth + 1), named)
+    module = (getattr(v, "__module__", None) or "").split(".")[0]
+    if module in ("torch", "math", "builtins", "operator", "flexjit") and (
+            isinstance(v, (type, types.BuiltinFunctionType)) or callable(v)):
+        return ("C", id(v))  # library classes and functions: fixed for the process's life
+    raise _Unknown
+
+
+_TRACES: "weakref.WeakKeyDictionary[Callable, tuple]" = weakref.WeakKeyDictionary()
+
+
 def trace_mod(fn: Callable, kind: str) -> TracedMod:
-    """Trace ``fn`` (a score_mod or mask_mod) into IR. Raises TraceError/TypeError."""
+    """Trace ``fn`` (a score_mod or mask_mod) into IR. Raises TraceError/TypeError.
+
+    A trace is reused while the function's fingerprint (its code and everything it captures)
+    is unchanged; a function capturing something we cannot fingerprint is traced every call."""
+    try:
+        fp = (kind, fingerprint(fn))
+    except (_Unknown, ValueError, TypeError):  # ValueError: an empty closure cell
+        return _trace(fn, kind)
+    hit = _TRACES.get(fn)
+    if hit is not None and hit[0] == fp:
+        return hit[1]
+    traced = _trace(fn, kind)
+    try:
+        _TRACES[fn] = (fp, traced)
+    except TypeError:  # not weak-referenceable
+        pass
+    return traced
+
+
+def _trace(fn: Callable, kind: str) -> TracedMod:
     check_arity(fn, kind)
     ctx = _Context(fn, kind)
     target = fn

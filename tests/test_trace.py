@@ -257,3 +257,49 @@ def test_mask_captures_follow_score_captures():
     assert p.buffers[0] is bias and p.buffers[1] is doc
     slots = {n.src[0].arg[0] for n in ir.walk(p.mask) if n.op is Op.LOAD}
     assert slots == {1}
+
+
+# ------------------------------------------------------------------ trace cache
+
+WINDOW = 5
+
+
+def test_trace_cache_follows_globals_closures_and_tensors():
+    global WINDOW
+
+    def by_global(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= WINDOW
+    first = trace_mod(by_global, MASK_MOD)
+    assert trace_mod(by_global, MASK_MOD) is first  # unchanged: the cached trace
+    WINDOW = 7
+    try:
+        again = trace_mod(by_global, MASK_MOD)
+        assert again is not first and again.scalars == [7]
+    finally:
+        WINDOW = 5
+
+    table = [torch.randn(4)]
+    flag = [True]
+
+    def by_closure(score, b, h, q_idx, kv_idx):
+        return score + table[0][h] if flag[0] else score
+    t1 = trace_mod(by_closure, SCORE_MOD)
+    assert t1.buffers[0] is table[0]
+    table[0] = torch.randn(4)  # a new tensor object: traced again, capturing it
+    t2 = trace_mod(by_closure, SCORE_MOD)
+    assert t2.buffers[0] is table[0]
+    flag[0] = False  # Python control flow on a captured value: traced again
+    assert trace_mod(by_closure, SCORE_MOD).out.op is Op.SCORE
+
+
+def test_unfingerprintable_captures_are_traced_every_call():
+    class Holder:
+        scale = 2.0
+    holder = Holder()
+
+    def by_attribute(score, b, h, q_idx, kv_idx):
+        return score * holder.scale
+    a = trace_mod(by_attribute, SCORE_MOD)
+    holder.scale = 3.0
+    b = trace_mod(by_attribute, SCORE_MOD)
+    assert a is not b and any(n.op is Op.CONST and n.arg == 3.0 for n in ir.walk(b.out))
