@@ -50,6 +50,15 @@ def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=to
     return out, lse
 
 
+def random_qkv(B, Hq, Hkv, L, S, E, Ev, dtype, seed):
+    """Fresh random q (B,Hq,L,E), k (B,Hkv,S,E), v (B,Hkv,S,Ev) that require grad (CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, L, E, generator=g).to(dtype).requires_grad_(True)
+    k = torch.randn(B, Hkv, S, E, generator=g).to(dtype).requires_grad_(True)
+    v = torch.randn(B, Hkv, S, Ev, generator=g).to(dtype).requires_grad_(True)
+    return q, k, v
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Max abs difference, treating matching infinities (e.g. lse = -inf) as equal."""
     a, b = a.double(), b.double()

@@ -6,16 +6,10 @@ import pytest
 import torch
 
 from flexjit import create_block_mask, flex_attention
-from oracle import FLOOR, assert_close_to_oracle, dense_attention
+from oracle import FLOOR, assert_close_to_oracle, dense_attention, random_qkv
 from mods_catalog import CORE, make_case
 
 
-def _inputs(B, Hq, Hkv, L, S, E, Ev, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, L, E, generator=g).to(dtype).requires_grad_(True)
-    k = torch.randn(B, Hkv, S, E, generator=g).to(dtype).requires_grad_(True)
-    v = torch.randn(B, Hkv, S, Ev, generator=g).to(dtype).requires_grad_(True)
-    return q, k, v
 
 
 def _grads(out, lse, inputs, g_out, g_lse):
@@ -27,7 +21,7 @@ def _grads(out, lse, inputs, g_out, g_lse):
 def check_against_oracle(name, B, Hq, Hkv, L, S, E, Ev, dtype, block_size, backend="reference", seed=0):
     torch.manual_seed(seed)
     case = make_case(name, B, Hq, L, S, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    q, k, v = _inputs(B, Hq, Hkv, L, S, E, Ev, dtype, seed)
+    q, k, v = random_qkv(B, Hq, Hkv, L, S, E, Ev, dtype, seed)
     bm = None
     if case.mask_mod is not None:
         bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cpu", BLOCK_SIZE=block_size)
@@ -77,7 +71,7 @@ def test_block_sizes(name, block_size):
 
 def test_fully_masked_rows_give_zero_and_no_nan():
     B, H, L, S, E = 1, 2, 96, 96, 16
-    q, k, v = _inputs(B, H, H, L, S, E, E, torch.float32, 3)
+    q, k, v = random_qkv(B, H, H, L, S, E, E, torch.float32, 3)
 
     def only_even_rows(b, h, q_idx, kv_idx):
         return (q_idx % 2 == 0) & (kv_idx <= q_idx)
@@ -95,7 +89,7 @@ def test_fully_masked_rows_give_zero_and_no_nan():
 def test_lse_merge_of_disjoint_masks_equals_union():
     # Property: attention over A ∪ B equals the LSE-weighted merge of attention over A and over B.
     B, H, L, S, E = 1, 2, 128, 160, 16
-    q, k, v = [t.detach() for t in _inputs(B, H, H, L, S, E, E, torch.float64, 4)]
+    q, k, v = [t.detach() for t in random_qkv(B, H, H, L, S, E, E, torch.float64, 4)]
 
     def left(b, h, q_idx, kv_idx):
         return kv_idx < 70
@@ -117,7 +111,7 @@ def test_long_sequence_runs_in_bounded_memory():
     # a slice of rows against the oracle run on the same slice.
     L = S = 16384
     E = 16
-    q, k, v = [t.detach() for t in _inputs(1, 1, 1, L, S, E, E, torch.float32, 5)]
+    q, k, v = [t.detach() for t in random_qkv(1, 1, 1, L, S, E, E, torch.float32, 5)]
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, S, device="cpu")
     out = flex_attention(q, k, v, block_mask=bm)
     rows = slice(L - 64, L)
@@ -126,7 +120,7 @@ def test_long_sequence_runs_in_bounded_memory():
 
 
 def test_scale_and_default_scale():
-    q, k, v = [t.detach() for t in _inputs(1, 2, 2, 64, 64, 32, 32, torch.float64, 6)]
+    q, k, v = [t.detach() for t in random_qkv(1, 2, 2, 64, 64, 32, 32, torch.float64, 6)]
     for scale in (None, 0.37):
         out = flex_attention(q, k, v, scale=scale)
         ref, _ = dense_attention(q, k, v, scale=scale)

@@ -26,7 +26,7 @@ from flexjit.ir import Op, uses
 from flexjit.passes import lower
 from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
 from mods_catalog import CORE, make_case
-from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err
+from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err, random_qkv
 
 GOLDEN = Path(__file__).parent / "golden" / "triton_mods"
 
@@ -58,12 +58,6 @@ def interp(monkeypatch):
 # --------------------------------------------------------------------------- helpers
 
 
-def _inputs(B, Hq, Hkv, L, S, E, Ev, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Hq, L, E, generator=g).to(dtype).requires_grad_(True)
-    k = torch.randn(B, Hkv, S, E, generator=g).to(dtype).requires_grad_(True)
-    v = torch.randn(B, Hkv, S, Ev, generator=g).to(dtype).requires_grad_(True)
-    return q, k, v
 
 
 def _block_mask(mask_mod, B, H, L, S, block_size):
@@ -86,7 +80,7 @@ def _loss_grads(out, lse, inputs, g_out, g_lse):
 def check(case, B, Hq, Hkv, L, S, E, Ev, dtype, block_size, seed=0, kernel_options=None,
           qkv=None, bm=None):
     """Triton (interpreter) vs the float64 oracle: out, lse and every gradient."""
-    q, k, v = qkv or _inputs(B, Hq, Hkv, L, S, E, Ev, dtype, seed)
+    q, k, v = qkv or random_qkv(B, Hq, Hkv, L, S, E, Ev, dtype, seed)
     if bm is None:
         bm = _block_mask(case.mask_mod, B, Hq, L, S, block_size)
     out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
@@ -201,7 +195,7 @@ def test_fully_masked_rows_give_zero_and_no_nan(interp):
 def test_lse_merge_of_disjoint_masks_equals_union(interp):
     # Attention over A ∪ B is the LSE-weighted merge of attention over A and over B.
     torch.manual_seed(9)
-    q, k, v = _inputs(1, 2, 2, 64, 64, 32, 32, torch.float32, 9)
+    q, k, v = random_qkv(1, 2, 2, 64, 64, 32, 32, torch.float32, 9)
 
     def even(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (kv_idx % 2 == 0)
@@ -259,7 +253,7 @@ def test_new_scalar_or_buffer_shape_reuses_the_kernel(interp):
     # Captured numbers and captured tensors' shapes are run-time arguments: one generated
     # module serves them all, and Triton is told not to specialise on them.
     torch.manual_seed(11)
-    q, k, v = _inputs(1, 2, 2, 64, 64, 16, 16, torch.float32, 11)
+    q, k, v = random_qkv(1, 2, 2, 64, 64, 16, 16, torch.float32, 11)
     cap = 7.0
 
     def capped(score, b, h, q_idx, kv_idx):
@@ -289,7 +283,7 @@ def test_captured_tensor_no_graph_reads_is_not_passed(interp):
     # `ids[...] * 0` folds away: the tensor stays captured but no graph reads it, so its rank
     # (1-D, then 2-D) is not in the cache key and must not shape the kernel's parameters.
     torch.manual_seed(12)
-    q, k, v = _inputs(1, 2, 2, 32, 32, 16, 16, torch.float32, 12)
+    q, k, v = random_qkv(1, 2, 2, 32, 32, 16, 16, torch.float32, 12)
     ids = [torch.arange(4, dtype=torch.int32)]
 
     def folded(score, b, h, q_idx, kv_idx):
