@@ -121,10 +121,26 @@ def _simplify_node(n: Node, srcs: tuple[Node, ...]) -> Node:
     return ir.node(op, n.dtype, srcs, n.arg)
 
 
-def simplify(root: Node) -> Node:
-    """Constant folding and algebraic identities that hold for every input."""
+def _cancel_node(n: Node, srcs: tuple[Node, ...]) -> Node:
+    """(a·x)/a -> x and (x·a)/a -> x for a scalar or nonzero constant a (float only)."""
+    if n.op is Op.DIV and n.dtype.is_float:
+        num, den = srcs
+        if num.op is Op.MUL and den.op in (Op.SCALAR, Op.CONST) and not _is_const(den, 0.0):
+            if num.src[0] is den:
+                return num.src[1]
+            if num.src[1] is den:
+                return num.src[0]
+    return _simplify_node(n, srcs)
+
+
+def simplify(root: Node, cancel: bool = False) -> Node:
+    """Constant folding and algebraic identities that hold for every input.
+
+    ``cancel`` also applies (a·x)/a -> x, exact in real arithmetic but not bit for bit in
+    floating point: used on derivative graphs, which feed no comparison."""
+    rule = _cancel_node if cancel else _simplify_node
     while True:
-        new = rewrite([root], _simplify_node)[0]
+        new = rewrite([root], rule)[0]
         if new is root:
             return new
         root = new
@@ -232,7 +248,7 @@ def derivative(out: Node, wrt: list[Node]) -> list[Node]:
         for s, gs in zip(n.src, _local_grads(n, g)):
             if gs is not None and s.dtype.is_float:
                 grads[id(s)] = _add(grads.get(id(s)), gs)
-    return [simplify(grads.get(id(w), _c(0.0))) for w in wrt]
+    return [simplify(grads.get(id(w), _c(0.0)), cancel=True) for w in wrt]
 
 
 # --------------------------------------------------------------------------- precision analysis

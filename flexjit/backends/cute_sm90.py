@@ -137,12 +137,13 @@ def _load(n: Node, a: list[str]) -> str:
 _LEAVES = {Op.SCORE: "score", Op.B: "b", Op.H: "h", Op.Q_IDX: "q_idx", Op.KV_IDX: "kv_idx"}
 
 
-def render_function(name: str, params: str, root: Node) -> str:
-    """One straight-line function computing ``root``; each non-leaf node is one statement."""
+def render_function(name: str, params: str, *roots: Node) -> str:
+    """One straight-line function computing ``roots`` (a tuple if several, sharing common
+    subexpressions); each non-leaf node is one statement."""
     names: dict[int, str] = {}
     body: list[str] = []
-    exact = exact_float_nodes([root])
-    for n in ir.toposort([root]):
+    exact = exact_float_nodes(list(roots))
+    for n in ir.toposort(list(roots)):
         if n.op in _LEAVES:
             names[id(n)] = _LEAVES[n.op]
         elif n.op is Op.CONST:
@@ -164,7 +165,7 @@ def render_function(name: str, params: str, root: Node) -> str:
             var = f"t{len(body)}"
             body.append(f"    {var} = {expr}")
             names[id(n)] = var
-    body.append(f"    return {names[id(root)]}")
+    body.append(f"    return {', '.join(names[id(r)] for r in roots)}")
     return f"def {name}({params}):\n" + "\n".join(body) + "\n"
 
 
@@ -184,7 +185,8 @@ def _index(i, n):
 
 
 def render(program: Program) -> str:
-    """The generated module's source: ``score_mod`` and ``mask_mod`` (either may be absent)."""
+    """The generated module's source: ``score_mod``, ``mask_mod`` and ``score_mod_and_grad``
+    (each may be None)."""
     parts = [_HEADER.format(score=program.score_name, mask=program.mask_name, key=program.key)]
     if program.score is not None:
         parts.append(render_function("score_mod", "score, b, h, q_idx, kv_idx, aux", program.score))
@@ -195,6 +197,14 @@ def render(program: Program) -> str:
         parts.append(render_function("mask_mod", "b, h, q_idx, kv_idx, aux", program.mask))
     else:
         parts.append("mask_mod = None\n")
+    parts.append("\n")
+    # For a backward kernel: the modded score and d(score_mod)/d(score) together, sharing work
+    # (softcap's tanh serves both). Gradients of captured tensors are not rendered here.
+    if program.score is not None:
+        parts.append(render_function("score_mod_and_grad", "score, b, h, q_idx, kv_idx, aux",
+                                     program.score, program.dscore))
+    else:
+        parts.append("score_mod_and_grad = None\n")
     return "".join(parts)
 
 
