@@ -1,0 +1,1248 @@
+"""Hopper (sm_90a) FlashAttention backward template with two holes: ``score_mod_and_grad`` and ``mask_mod``.
+
+What this module holds
+----------------------
+* ``BwdConfig`` / ``choose_bwd_tiling``: the frozen compile-time configuration and the tile table.
+* Three kernels, run in this order on one stream:
+  - ``FlexAttentionBwdPreSm90`` (preprocess): ``delta = rowsum(dO∘O) − dLSE`` and
+    ``lse2 = LSE·log2 e`` (0 on a row with nothing kept), fp32, padded to whole mask blocks; it
+    zeroes the fp32 dQ accumulator (and the dQ semaphores in deterministic mode).
+  - ``FlexAttentionBwdSm90`` (main): one CTA per (kv tile, kv head, batch); dK and dV in
+    registers, dQ partial sums added into the fp32 accumulator by TMA reduce-add.
+  - ``FlexAttentionBwdPostSm90`` (postprocess): ``dQ = accumulator · softmax_scale`` in the
+    input dtype.
+* A host API like the forward's: ``compile_bwd`` (fake tensors + TVM-FFI) returns a
+  ``CompiledBwd``; calling it runs the three kernels on torch's current stream.
+
+Out of scope here: gradients of captured tensors that require grad (the backend keeps using the
+Triton backward for those programs: it accumulates ``dS · d score_mod / d load`` with atomics),
+head dims other than 64 and 128, and sm100.
+
+Algorithm (FlashAttention-2 §3.2 backward; FlashAttention-3 §3 Hopper pipelining)
+--------------------------------------------------------------------------------
+Math, with s = score_mod(q·k·scale) (natural units), P = softmax(s) recomputed from the saved LSE::
+
+    P = exp2(s·c − lse2)          (c = scale·log2 e without a score_mod, log2 e with one)
+    dP = dO Vᵀ      dS = P ∘ (dP − delta) ∘ dscore      dscore = d score_mod / d score
+    dV = Σ Pᵀ dO    dK = scale · Σ dSᵀ Q                 dQ = scale · Σ dS K
+
+Masked and out-of-range elements get P = 0 and dS = 0, never NaN (dscore may be anything there);
+a row with nothing kept has lse2 = 0 and all scores −inf, so its gradients are 0.
+
+Roles (384 threads, ``min_blocks_per_mp=1`` so that ``setmaxnreg`` takes effect):
+* warpgroup 0 (``setmaxnreg.dec`` to 24): warp 0 = TMA producer (K and V once, then Q + lse2 and
+  dO + delta through two ``num_stages``-deep mbarrier pipelines); warps 1 and 2 = dQ writers,
+  one per MMA warpgroup (TMA reduce-add of its dQ box into the fp32 accumulator; the
+  semaphores of deterministic mode); warp 3 idles.
+* warpgroups 1, 2 (``setmaxnreg.inc`` to 240): MMA. Each owns 64 of the tile's 128 keys.
+
+Per Q tile, in each MMA warpgroup (the S/dP GEMMs are "swapped": keys are M, so that Pᵀ and dSᵀ
+come out already in the A-operand layout of the dV/dK GEMMs, which read them from registers)::
+
+    Sᵀ = K Qᵀ  [and dPᵀ = V dOᵀ when overlap_dp]       SS wgmma
+    wait Sᵀ: score_mod_and_grad, mask_mod, bounds, P = exp2(..) -> P (bf16, registers), P∘dscore
+    [dPᵀ = V dOᵀ when not overlap_dp]  ·  dV += Pᵀ dO (RS: needs only P)
+    wait dPᵀ: dS = P∘dscore∘(dP − delta) (bf16, registers)
+    dSᵀ → smem (stmatrix.trans) · named barrier: both halves of dS are needed by each dQ GEMM
+    dQ = dS K (SS) · dK += dSᵀ Q (RS) · dQ → smem box · signal the warpgroup's dQ writer
+``overlap_dp`` (``choose_bwd_tiling``) forms P while the dP GEMM runs; for D = 128 it fits the
+registers only without mods or with light ones, so by default heavier mods issue dP after P.
+
+Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for D = 128 and 64. The kv tile is
+one mask block, so a CTA reads exactly one column of the transposed block lists; a listed q mask
+block is two Q tiles. Smem 194 KB (D = 128) / 114 KB (D = 64).
+
+dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
+swizzle: see ``_dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
+warpgroup, 160 threads); the writer issues ``cp.reduce.async.bulk.tensor...add.f32`` of the box
+into the accumulator (B, Hq, Lpad, D) and frees the box once the bulk copy has read it. The
+accumulator has the natural row-major layout, so the postprocess is a plain scale-and-convert.
+
+GQA: query head h reads kv head h // g. A CTA loops over the g query heads of its kv head and
+keeps accumulating dK/dV in registers (FlashAttention-2's choice). Why: dK/dV need no fp32
+accumulator, no reduction kernel and no atomics, and are deterministic for free; K and V are
+loaded once for g heads. The price is g× fewer CTAs (B·Hkv·⌈S/128⌉ of them), which only hurts when
+that number is below the SM count, i.e. on problems whose whole backward is short.
+
+Deterministic mode (``BwdConfig.deterministic``): each dQ box (b, h, q tile, half) receives one
+reduce-add from every kv block that lists its q block, in increasing kv-block order. A semaphore
+per box counts the reduce-adds done; kv block n's dQ writer waits until it equals n's rank (how
+many listed kv blocks n' < n add into that q block: ``dq_ranks``, a host-side table shaped like
+the q lists, computed once per BlockMask; n itself without a block mask), adds, waits for the
+add to complete, and increments it (acquire/release at gpu scope, async-proxy fences on both
+sides). The MMA warpgroups keep working meanwhile (one tile ahead at most). No deadlock: a CTA
+waits only for CTAs of the same (kv head, batch) with a smaller kv block, i.e. a smaller linear
+block index, dispatched earlier. dK/dV are deterministic by construction (see GQA).
+
+The holes
+---------
+``score_mod_and_grad(score, b, h, q_idx, kv_idx, aux) -> (modded, d modded / d score)`` and
+``mask_mod(b, h, q_idx, kv_idx, aux) -> Boolean``, both compile-time callables (or None), inlined
+per element exactly as in ``cute_sm90_fwd`` (same ``Aux``; ``h`` is the QUERY head; rows q >= L
+and columns kv >= S can reach them and their results are discarded).
+
+Block lists (FlexAttention's BlockMask, mask block 128×128, int32, Bm ∈ {1, B}, Hm ∈ {1, Hq}):
+``q_num_blocks`` (Bm, Hm, nKV) + ``q_indices`` (Bm, Hm, nKV, nQ) list the PARTIAL q blocks of
+each kv block (mask_mod applied), ``full_q_*`` the FULL ones (mask_mod skipped; bounds still
+checked on a tile that crosses L or S). The host API takes all 8 BlockMask tensors (the forward
+lists feed ``dq_ranks``). Without a block mask every q tile is visited (partial with a mask_mod,
+else full).
+
+Shapes: q (B, Hq, L, D), k/v (B, Hkv, S, D), out/dout (B, Hq, L, D), lse/dlse (B, Hq, L) fp32;
+dq/dk/dv like q/k/v. Last dims contiguous, other strides multiples of 8 elements (TMA), bf16 or
+fp16, ragged L and S, L != S, Hq = g·Hkv.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory.smem import SmemAllocator
+
+from flexjit.cache import load_template
+
+# Shared with the forward: the aux container the generated mods index, layout helpers, the
+# placeholder/TVM-FFI plumbing. (Both templates are part of the toolchain fingerprint.)
+_fwd = load_template("cute_sm90_fwd")
+Aux = _fwd.Aux
+_smem_layout, _permute, _transposed = _fwd._smem_layout, _fwd._permute, _fwd._transposed
+_placeholder, _ffi_function, _stream_context = _fwd._placeholder, _fwd._ffi_function, _fwd._stream_context
+_as_scalar, _aux_cutlass_dtype = _fwd._as_scalar, _fwd._aux_cutlass_dtype
+tvm_ffi_enabled = _fwd.tvm_ffi_enabled
+
+MASK_BLOCK = 128  # FlexAttention BlockMask granularity, rows and columns
+LOG2_E = math.log2(math.e)
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_MMA = 1  # the 256 MMA threads: dS tile complete in smem; epilogue
+_BAR_DQ_EMPTY = 2  # + warpgroup: its dQ warp lets the warpgroup write its dQ box
+_BAR_DQ_FULL = 4  # + warpgroup: the warpgroup's dQ box is written
+_DQ_BAR_THREADS = 128 + 32
+
+
+class QBlockLists(NamedTuple):
+    """Transposed lists, int32: counts (Bm, Hm, nKV), indices (Bm, Hm, nKV, nQ)."""
+
+    q_num_blocks: cute.Tensor
+    q_indices: cute.Tensor
+    full_q_num_blocks: cute.Tensor
+    full_q_indices: cute.Tensor
+
+
+class QRanks(NamedTuple):
+    """Deterministic block-sparse launches: for each entry of the q lists, how many kv blocks
+    before this one add into that q block (``dq_ranks``), int32, shaped like q_indices."""
+
+    q_rank: cute.Tensor
+    full_q_rank: cute.Tensor
+
+
+@dataclass(frozen=True)
+class BwdTiling:
+    tile_m: int  # query rows per iteration (the N of the swapped S GEMM)
+    tile_n: int  # keys per CTA (M of the swapped GEMMs), = MASK_BLOCK
+    num_stages: int  # Q/dO (and dS) pipeline depth
+    dq_split: str  # how the two warpgroups split the dQ tile: "cols" (D) or "rows" (tile_m)
+    overlap_dp: bool  # issue dP with S and form P under it (needs Sᵀ and dPᵀ live together)
+    mma_regs: int
+    load_regs: int
+
+
+def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -> BwdTiling:
+    """Tile table: a 64-row Q tile against a 128-key tile (one mask block) for D = 128 and 64.
+
+    Per MMA warpgroup (64 keys) and thread, fp32 registers: Sᵀ and dPᵀ tile_m/2 = 32 each, dV
+    and dK D/2 each, dQ D/4 (its 64 × D/2 half), plus bf16 P and dS 16 each.
+    * D = 128, 64 × 128: dV + dK alone hold 128 registers for the whole CTA. With
+      ``overlap_dp`` (P formed while the dP GEMM runs) the elementwise step has Sᵀ, dPᵀ, P live:
+      208 + the mods' temporaries under the 240 cap. Fine without mods or with light ones
+      (comparisons: causal, windows); mods with loads or transcendentals (document ids, ALiBi
+      slopes, softcap's tanh) spill 20-64 bytes there, so they issue dP after P instead (176
+      live while the mods run; measured spill-free). An 80-row tile (FA3's non-causal choice)
+      would not divide the 128-row mask block, so a CTA would straddle two rows of the block
+      lists, and 80 is no wgmma M (the dQ GEMM would have to be swapped); 64 divides it.
+      Smem: Q, dO, dS 2 stages × 16 KB, K, V 32 KB each, dQ boxes 32 KB = 192 KB.
+    * D = 64, 64 × 128 too (dV + dK = 64 registers, so overlap always fits). FA3 uses 128 × 128
+      here (longer Q tiles amortise the per-tile work of the short K=64 GEMMs); with it Sᵀ, dPᵀ
+      (64 each), P (32) and dV, dK (32 each) reach the cap: ptxas serialises the wgmmas
+      (advisory C7512: a wait after every wgmma), with or without overlap_dp
+      (``BwdTiling(128, 128, 2, "rows", ..)`` builds). FA4 sheds registers there by holding each
+      LSE/delta value in one thread of 8 and shuffling; that is the next step for speed.
+    Registers: 2 MMA warpgroups at 240 + the producer warpgroup at 24 = 64512 (the launch's
+    168 per thread × 384): setmaxnreg.inc can only take what .dec released, so 240/24 is the
+    largest split (240/32 would leave the MMA warpgroups waiting forever).
+    """
+    if head_dim != head_dim_v:
+        raise NotImplementedError("cute_sm90_bwd: head_dim_v must equal head_dim")
+    if head_dim not in (64, 128):
+        raise NotImplementedError(f"cute_sm90_bwd: head_dim {head_dim} not in (64, 128)")
+    return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim == 64, 240, 24)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Frozen compile-time configuration. Everything not here is a runtime argument."""
+
+    head_dim: int
+    head_dim_v: int
+    dtype: type  # cutlass.BFloat16 or cutlass.Float16
+    score_mod_and_grad: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+    has_block_mask: bool = False
+    deterministic: bool = False
+    # Form P under the dP GEMM (faster, more registers). None: only when there are no mods;
+    # the backend passes True for light mods (no loads, no transcendentals in the IR).
+    overlap_dp: Optional[bool] = None
+    tiling: BwdTiling = field(default=None)
+
+    def __post_init__(self):
+        if self.tiling is None:
+            overlap = self.overlap_dp
+            if overlap is None:
+                overlap = self.score_mod_and_grad is None and self.mask_mod is None
+            object.__setattr__(self, "tiling",
+                               choose_bwd_tiling(self.head_dim, self.head_dim_v, overlap))
+
+
+def padded_len(seqlen_q: int) -> int:
+    """Rows of the lse2 / delta / dQ-accumulator workspaces: whole mask blocks, so that every
+    Q tile's TMA box is in bounds and every row stride is a multiple of 16 bytes."""
+    return max(1, -(-seqlen_q // MASK_BLOCK)) * MASK_BLOCK
+
+
+def _transposed_2d(s: cute.Tensor) -> cute.Tensor:
+    """(rows, cols) smem tensor viewed as (cols, rows): Kᵀ for the dQ GEMM."""
+    return cute.composition(s, cute.make_ordered_layout((s.shape[1], s.shape[0]), order=(1, 0)))
+
+
+@cute.jit
+def _bcast(i: Int32, n: Int32) -> Int32:
+    """Index ``i`` into a block-list dim of size ``n`` ∈ {1, full}: a size-1 dim broadcasts.
+    (A select, where ``i % n`` would cost an integer division per list.)"""
+    return Int32(cutlass.select_(n == 1, Int32(0), i))
+
+
+@dsl_user_op
+def _opaque_thread_idx(*, loc=None, ip=None) -> Int32:
+    """%tid.x through a volatile asm statement: a value the compiler cannot merge with (or
+    hoist above) earlier thread-index arithmetic."""
+    value = llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
+                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(value)
+
+
+def _tma_tiles(atom: cute.CopyAtom, s: cute.Tensor, g: cute.Tensor):
+    """TMA partition of a 2-D tile (its two modes grouped into the TMA box mode): (smem, gmem)."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                 cute.group_modes(g, 0, 2))
+
+
+def _as_acc_layout(frag_a: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
+    """The RS A-operand fragment ``frag_a`` ((2, 2, 2), MMA_M, K/16) viewed with the accumulator
+    layout ((2, 2, V), MMA_M, MMA_N) of ``acc``: both are compact and enumerate (column pair,
+    row half, 8-column group) in the same order (the forward's ``_acc_as_operand_a`` is a pure
+    regrouping), so
+    P and dS are written straight into the registers the dV/dK GEMMs read: no second copy."""
+    return cute.make_tensor(frag_a.iterator, cute.make_layout(acc.shape))
+
+
+def _dq_smem_layout(box_rows: int, box_cols: int):
+    """Two box_rows × box_cols fp32 boxes (one per MMA warpgroup), each stored as column groups
+    of (box_rows × 8 columns) row-major, no swizzle: (rows, (8, cols/8), 2) : (8, (1, 8·rows),
+    rows·cols).
+
+    Why not a swizzled 128-byte layout: a thread's accumulator pairs sit at several column
+    groups × 2 row halves; with a swizzle their smem addresses differ by non-constant amounts,
+    and the compiler hoists all of them (16 for D = 128) out of the Q-tile loop, live across it:
+    spills at the 240-register cap. Here every address is one base + a constant, and a warp's
+    store covers 256 contiguous bytes (8 rows × 32 B), which is conflict-free. The TMA unit
+    reduces the box as cols/8 boxes of 8 × rows (32-byte rows: the L2 sector size)."""
+    return cute.make_layout((box_rows, (8, box_cols // 8), 2),
+                            stride=(8, (1, 8 * box_rows), box_rows * box_cols))
+
+
+# ---------------------------------------------------------------------------------------------
+# Main kernel
+# ---------------------------------------------------------------------------------------------
+class FlexAttentionBwdSm90:
+    """Warp-specialised FlashAttention-3 style backward for sm_90a with score/mask holes."""
+
+    def __init__(self, cfg: BwdConfig):
+        t = cfg.tiling
+        self.cfg = cfg
+        self.dtype = cfg.dtype
+        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
+        self.tile_m, self.tile_n = t.tile_m, t.tile_n
+        self.num_stages = t.num_stages
+        self.dq_split = t.dq_split
+        self.overlap_dp = t.overlap_dp
+        self.num_mma_threads = 256
+        self.num_threads = 128 + self.num_mma_threads
+        self.mma_regs, self.load_regs = t.mma_regs, t.load_regs
+        self.score_mod = cfg.score_mod_and_grad
+        self.mask_mod = cfg.mask_mod
+        self.sparse = cfg.has_block_mask
+        self.deterministic = cfg.deterministic
+        assert self.tile_n == MASK_BLOCK and MASK_BLOCK % self.tile_m == 0
+        self.tiles_per_mask_block = MASK_BLOCK // self.tile_m
+        # Each MMA warpgroup owns one fp32 dQ box: half the columns or half the rows.
+        assert self.tile_m % 64 == 0 and self.head_dim % 16 == 0
+        if self.dq_split == "cols":
+            self.dq_box = (self.tile_m, self.head_dim // 2)
+        else:
+            self.dq_box = (self.tile_m // 2, self.head_dim)
+        assert self.dq_box[0] == 64
+
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Hq, L, D)
+        mK: cute.Tensor,  # (B, Hkv, S, D)
+        mV: cute.Tensor,  # (B, Hkv, S, Dv)
+        mdO: cute.Tensor,  # (B, Hq, L, Dv)
+        mLSE2: cute.Tensor,  # (B, Hq, Lpad) fp32, log2 units
+        mDelta: cute.Tensor,  # (B, Hq, Lpad) fp32
+        mdQacc: cute.Tensor,  # (B, Hq, Lpad, D) fp32, zeroed
+        mdK: cute.Tensor,  # (B, Hkv, S, D)
+        mdV: cute.Tensor,  # (B, Hkv, S, Dv)
+        softmax_scale: Float32,
+        q_per_kv: Int32,  # Hq // Hkv (a kernel parameter: read from the constant bank, no register)
+        qblocks: Optional[QBlockLists],
+        qranks: Optional[QRanks],  # deterministic block-sparse launches only
+        mSem: Optional[cute.Tensor],  # (B, Hq, 2·Lpad/tile_m) int32 per dQ box, zeroed (deterministic)
+        aux_tensors: Optional[tuple],
+        aux_scalars: Optional[tuple],
+        stream: cuda.CUstream,
+    ):
+        if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
+            raise TypeError("q/k dtype does not match the config")
+        # Sequence-major views: (seq, dim, head, batch) and (Lpad, head, batch).
+        q, k, v, do, dk, dv, dqacc = [_permute(t, [2, 3, 1, 0])
+                                      for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+        lse2, delta = [_permute(t, [2, 1, 0]) for t in (mLSE2, mDelta)]
+
+        D, Dv, tm, tn, st = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.num_stages
+        sQ_layout = _smem_layout(self.dtype, tm, D, st)
+        sdO_layout = _smem_layout(self.dtype, tm, Dv, st)
+        sK_layout = _smem_layout(self.dtype, tn, D)
+        sV_layout = _smem_layout(self.dtype, tn, Dv)
+        sdS_layout = _smem_layout(self.dtype, tm, tn, st)
+        sdQ_layout = _dq_smem_layout(*self.dq_box)
+        sRow_layout = cute.make_layout((tm, st))  # lse2 / delta stages
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, q, cute.select(sQ_layout, mode=[0, 1]), (tm, D))
+        tma_do, tdO = cpasync.make_tiled_tma_atom(g2s, do, cute.select(sdO_layout, mode=[0, 1]), (tm, Dv))
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, k, sK_layout, (tn, D))
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, v, sV_layout, (tn, Dv))
+        tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, lse2, cute.make_layout(tm), (tm,))
+        tma_delta, tDelta = cpasync.make_tiled_tma_atom(g2s, delta, cute.make_layout(tm), (tm,))
+        tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, dk, sK_layout, (tn, D))
+        tma_dv, tdV = cpasync.make_tiled_tma_atom(s2g, dv, sV_layout, (tn, Dv))
+        tma_dq, tdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), dqacc,
+            cute.select(sdQ_layout, mode=[0, 1]), self.dq_box)
+        row_bytes = tm * 4
+        self.tx_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + row_bytes
+        self.tx_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + row_bytes
+        self.tx_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+
+        K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: keys along M, the two warpgroups 64 keys each.
+        mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (2, 1, 1), (64, tm))
+        # dV += Pᵀ dO, dK += dSᵀ Q: A from registers (the Sᵀ/dPᵀ accumulators' own rows).
+        mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, D),
+            warpgroup.OperandSource.RMEM)
+        # dQ = dS K: each warpgroup one dq_box piece.
+        dq_atoms = (1, 2, 1) if const_expr(self.dq_split == "cols") else (2, 1, 1)
+        mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, dq_atoms, (64, self.dq_box[1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        # Grid (kv tile, kv head, batch): kv tile fastest, so that in deterministic mode every
+        # CTA a CTA waits for has a smaller linear index (dispatched earlier).
+        num_n = cute.ceil_div(k.shape[0], tn)
+        self.kernel(
+            tQ, tK, tV, tdO, tLSE, tDelta, tdQ, tdK, tdV,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv,
+            mma_sdp, mma_dkv, mma_dq, softmax_scale, q_per_kv, qblocks, qranks, mSem,
+            aux_tensors, aux_scalars,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
+        ).launch(
+            grid=[num_n, k.shape[2], k.shape[3]],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA view (L, D, Hq, B)
+        mK: cute.Tensor,  # TMA view (S, D, Hkv, B)
+        mV: cute.Tensor,  # TMA view (S, Dv, Hkv, B)
+        mdO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
+        mLSE2: cute.Tensor,  # TMA view (Lpad, Hq, B)
+        mDelta: cute.Tensor,  # TMA view (Lpad, Hq, B)
+        mdQacc: cute.Tensor,  # TMA view (Lpad, D, Hq, B)
+        mdK: cute.Tensor,  # TMA view (S, D, Hkv, B)
+        mdV: cute.Tensor,  # TMA view (S, Dv, Hkv, B)
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        tma_do: cute.CopyAtom,
+        tma_lse: cute.CopyAtom,
+        tma_delta: cute.CopyAtom,
+        tma_dq: cute.CopyAtom,
+        tma_dk: cute.CopyAtom,
+        tma_dv: cute.CopyAtom,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        softmax_scale: Float32,
+        q_per_kv: Int32,
+        qblocks: Optional[QBlockLists],
+        qranks: Optional[QRanks],
+        mSem: Optional[cute.Tensor],
+        aux_tensors: Optional[tuple],
+        aux_scalars: Optional[tuple],
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.Layout,
+        sRow_layout: cute.Layout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta):
+                cpasync.prefetch_descriptor(atom)
+        if warp_idx == 1:
+            cpasync.prefetch_descriptor(tma_dq)  # (warps 1 and 2 issue the dQ reduces)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        pipe_kv, pipe_q, pipe_do = self._make_pipelines(storage)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        sLSE = storage.sLSE.get_tensor(sRow_layout)
+        sDelta = storage.sDelta.get_tensor(sRow_layout)
+
+        aux = Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
+                  tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            sched = self._schedule(mQ, mK, q_per_kv)  # per role: nothing crosses the setmaxnreg boundary
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+                          tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta,
+                          pipe_kv, pipe_q, pipe_do, sched, qblocks)
+            if warp_idx == 1:
+                self.dq_writer(mdQacc, sdQ, tma_dq, sched, qblocks, qranks, mSem, 0)
+            if warp_idx == 2:
+                self.dq_writer(mdQacc, sdQ, tma_dq, sched, qblocks, qranks, mSem, 1)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            sched = self._schedule(mQ, mK, q_per_kv)
+            self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
+                     tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, aux)
+
+    @cute.jit
+    def _schedule(self, mQ: cute.Tensor, mK: cute.Tensor, q_per_kv: Int32):
+        n_block, head_kv, batch = cute.arch.block_idx()
+        return _BwdSchedule(n_block, head_kv, batch, q_per_kv, mQ.shape[0], mK.shape[0],
+                            cute.ceil_div(mQ.shape[0], self.tile_m))
+
+    def _make_pipelines(self, storage):
+        """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each. TMA producer
+        = 1 thread; consumers arrive once per MMA warp."""
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        make = pipeline.PipelineTmaAsync.create
+        pipe_kv = make(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
+                       producer_group=producer, consumer_group=consumers, tx_count=self.tx_kv,
+                       defer_sync=True)
+        pipe_q = make(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
+                      producer_group=producer, consumer_group=consumers, tx_count=self.tx_q,
+                      defer_sync=True)
+        pipe_do = make(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
+                       producer_group=producer, consumer_group=consumers, tx_count=self.tx_do,
+                       defer_sync=True)
+        return pipe_kv, pipe_q, pipe_do
+
+    # -----------------------------------------------------------------------------------------
+    # Scheduling: which q tiles, in which order. Every role walks the same sequence:
+    # for each query head of the group, the partial list, then the full list (dense: 0..nQ-1).
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def _q_lists(self, qblocks: QBlockLists, sched, head: Int32):
+        """(partial tile count, full tile count, partial row, full row) of this kv block for
+        query head ``head`` (broadcast dims of the lists resolved here)."""
+        per = self.tiles_per_mask_block
+        n = sched.n_block
+        cnt, idx = qblocks.q_num_blocks, qblocks.q_indices
+        b, h = _bcast(sched.batch, cnt.shape[0]), _bcast(head, cnt.shape[1])
+        n_part = cnt[b, h, n] * per
+        part_row = idx[b, h, n, None]
+        cnt, idx = qblocks.full_q_num_blocks, qblocks.full_q_indices
+        n_full = cnt[b, h, n] * per
+        full_row = idx[b, h, n, None]
+        return n_part, n_full, part_row, full_row
+
+    @cute.jit
+    def _listed_tile(self, row: cute.Tensor, j: Int32) -> Int32:
+        per = self.tiles_per_mask_block
+        return row[j // per] * per + j % per
+
+    # -----------------------------------------------------------------------------------------
+    # Producer warp
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta,
+             pipe_kv: pipeline.PipelineAsync, pipe_q: pipeline.PipelineAsync,
+             pipe_do: pipeline.PipelineAsync, sched, qblocks):
+        """K and V once, then per q tile: Q + lse2 on the Q pipeline, dO + delta on the dO
+        pipeline (separate barriers so the S GEMM can start before dO lands)."""
+        one = cute.make_layout(1)
+        gK = cute.local_tile(mK[None, None, sched.head_kv, sched.batch], (self.tile_n, self.head_dim),
+                             (sched.n_block, 0))
+        gV = cute.local_tile(mV[None, None, sched.head_kv, sched.batch], (self.tile_n, self.head_dim_v),
+                             (sched.n_block, 0))
+        tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = _tma_tiles(tma_v, sV, gV)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        g = sched.group
+        for gi in cutlass.range(g, unroll=1):
+            head = sched.head_kv * g + gi
+            b, tm = sched.batch, self.tile_m
+            gQ = cute.local_tile(mQ[None, None, head, b], (tm, self.head_dim), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, b], (tm, self.head_dim_v), (None, 0))
+            gL = cute.local_tile(mLSE2[None, head, b], (tm,), (None,))
+            gD = cute.local_tile(mDelta[None, head, b], (tm,), (None,))
+            tQsQ, tQgQ = _tma_tiles(tma_q, sQ, gQ)
+            tOsO, tOgO = _tma_tiles(tma_do, sdO, gdO)
+            tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one, sLSE, gL)
+            tDsD, tDgD = cpasync.tma_partition(tma_delta, 0, one, sDelta, gD)
+            tiles = (tQsQ, tQgQ, tOsO, tOgO, tLsL, tLgL, tDsD, tDgD)
+            if const_expr(self.sparse):
+                n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
+                for j in cutlass.range(n_part, unroll=1):
+                    state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
+                                              pipe_do, state, self._listed_tile(part_row, j))
+                for j in cutlass.range(n_full, unroll=1):
+                    state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
+                                              pipe_do, state, self._listed_tile(full_row, j))
+            else:
+                for m in cutlass.range(sched.n_q_tiles, unroll=1):
+                    state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
+                                              pipe_do, state, m)
+
+    @cute.jit
+    def _load_q_tile(self, tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q, pipe_do, state,
+                     m: Int32):
+        tQsQ, tQgQ, tOsO, tOgO, tLsL, tLgL, tDsD, tDgD = tiles
+        pipe_q.producer_acquire(state)
+        bar = pipe_q.producer_get_barrier(state)
+        cute.copy(tma_q, tQgQ[None, m], tQsQ[None, state.index], tma_bar_ptr=bar)
+        cute.copy(tma_lse, tLgL[None, m], tLsL[None, state.index], tma_bar_ptr=bar)
+        pipe_do.producer_acquire(state)
+        bar = pipe_do.producer_get_barrier(state)
+        cute.copy(tma_do, tOgO[None, m], tOsO[None, state.index], tma_bar_ptr=bar)
+        cute.copy(tma_delta, tDgD[None, m], tDsD[None, state.index], tma_bar_ptr=bar)
+        state.advance()
+        return state
+
+    # -----------------------------------------------------------------------------------------
+    # dQ writer warp
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def dq_writer(self, mdQacc: cute.Tensor, sdQ: cute.Tensor, tma_dq: cute.CopyAtom, sched,
+                  qblocks, qranks, mSem, box: cutlass.Constexpr):
+        """Warp 1 + ``box`` serves MMA warpgroup ``box``. Per q tile: free its box (once the
+        previous bulk reduce from it has read it), wait for the warpgroup to fill it, add it into
+        the fp32 accumulator by TMA reduce-add. One warp per box halves each warp's TMA issue
+        and keeps it within the producer warpgroup's 24 registers.
+        Deterministic mode: the box's semaphore orders the adds by kv block (rank = how many kv
+        blocks add before this one: all smaller ones when dense, the table when sparse)."""
+        g = sched.group
+        per = self.tiles_per_mask_block
+        for gi in cutlass.range(g, unroll=1):
+            head = sched.head_kv * g + gi
+            gdQ = cute.local_tile(mdQacc[None, None, head, sched.batch], self.dq_box, (None, None))
+            tSs, tSg = _tma_tiles(tma_dq, sdQ, gdQ)
+            sem_row = mSem[sched.batch, head, None] if const_expr(self.deterministic) else None
+            if const_expr(self.sparse):
+                n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
+                part_rank = full_rank = None
+                if const_expr(self.deterministic):
+                    part_rank, full_rank = self._rank_rows(qranks, sched, head)
+                for j in cutlass.range(n_part, unroll=1):
+                    rank = part_rank[j // per] if const_expr(self.deterministic) else None
+                    self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(part_row, j), box,
+                                       sem_row, rank)
+                for j in cutlass.range(n_full, unroll=1):
+                    rank = full_rank[j // per] if const_expr(self.deterministic) else None
+                    self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(full_row, j), box,
+                                       sem_row, rank)
+            else:
+                for m in cutlass.range(sched.n_q_tiles, unroll=1):
+                    self._store_dq_box(tma_dq, tSs, tSg, m, box, sem_row, sched.n_block)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _rank_rows(self, qranks: QRanks, sched, head: Int32):
+        t = qranks.q_rank
+        b, h = _bcast(sched.batch, t.shape[0]), _bcast(head, t.shape[1])
+        return qranks.q_rank[b, h, sched.n_block, None], qranks.full_q_rank[b, h, sched.n_block, None]
+
+    @cute.jit
+    def _store_dq_box(self, tma_dq, tSs, tSg, m: Int32, box: cutlass.Constexpr, sem_row, rank):
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last reduce has read the box
+        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + box, number_of_threads=_DQ_BAR_THREADS)
+        sem_ptr = None
+        if const_expr(self.deterministic):
+            sem_ptr = sem_row.iterator + (2 * m + box)
+            if cute.arch.lane_idx() == 0:
+                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                while seen != rank:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            cute.arch.sync_warp()
+            # The generic-proxy acquire must be ordered before our async-proxy reduce.
+            cute.arch.fence_proxy("async.global")
+        cute.arch.barrier(barrier_id=_BAR_DQ_FULL + box, number_of_threads=_DQ_BAR_THREADS)
+        if const_expr(self.dq_split == "cols"):
+            cute.copy(tma_dq, tSs[None, box], tSg[None, m, box])
+        else:
+            cute.copy(tma_dq, tSs[None, box], tSg[None, 2 * m + box, 0])
+        cute.arch.cp_async_bulk_commit_group()
+        if const_expr(self.deterministic):
+            # Full completion (not just the smem read), then publish it to the next kv block.
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")
+            if cute.arch.lane_idx() == 0:
+                cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
+            cute.arch.sync_warp()
+
+    # -----------------------------------------------------------------------------------------
+    # MMA warpgroups
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
+            mdK: cute.Tensor, mdV: cute.Tensor, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
+            tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, pipe_kv: pipeline.PipelineAsync,
+            pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
+            softmax_scale: Float32, sched, qblocks, aux: Aux):
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_sdp = mma_sdp.get_slice(wg * 128)
+        wg_dkv = mma_dkv.get_slice(wg * 128)
+        wg_dq = mma_dq.get_slice(wg * 128)
+        thr_sdp = mma_sdp.get_slice(tidx)
+        tm, tn = self.tile_m, self.tile_n
+        # Operands. B operands of dV/dK/dQ are the same smem viewed transposed (MN-major).
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO)))
+        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed_2d(sK)))
+        tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim_v)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # Per-register (kv, q) coordinates and lse2 / delta (smem rows broadcast over keys).
+        tScS = thr_sdp.partition_C(cute.make_identity_tensor((tn, tm)))
+        bcast = cute.make_layout((tn, tm, self.num_stages), stride=(0, 1, tm))
+        tSsLSE = thr_sdp.partition_C(cute.make_tensor(sLSE.iterator, bcast))
+        tSsDelta = thr_sdp.partition_C(cute.make_tensor(sDelta.iterator, bcast))
+        # dS (registers, transposed) -> smem as the dQ GEMM's K-major A operand.
+        st_t = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(tidx)
+        tSsdS = thr_st_t.partition_D(_transposed(sdS))
+        # dQ accumulator -> this warpgroup's fp32 box, viewed as the whole (tm, D) tile.
+        if const_expr(self.dq_split == "cols"):
+            sdQ_tile = cute.group_modes(sdQ, 1, 3)  # (64, ((8, 8), 2)): D = 128 split by columns
+        else:
+            rows_first = cute.make_tensor(sdQ.iterator, cute.select(sdQ.layout, mode=[0, 2, 1]))
+            sdQ_tile = cute.group_modes(rows_first, 0, 2)  # ((64, 2), (8, 8)): D = 64 split by rows
+        tQsdQ = mma_dq.get_slice(tidx).partition_C(sdQ_tile)
+
+        c = Float32(LOG2_E)
+        if const_expr(self.score_mod is None):
+            c = softmax_scale * LOG2_E
+        ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdO, tKrQ, tQrdS, tQrK,
+                      tVrP, tKrdS, acc_dV, acc_dK, tScS, tSsLSE, tSsDelta, thr_st_t, st_t, tSsdS,
+                      tQsdQ, wg_sdp.partition_shape_C((tn, tm)),
+                      wg_dq.partition_shape_C((tm, self.head_dim)), c, softmax_scale, sched, aux, wg)
+
+        # K and V must have landed even when no q tile is listed: the epilogue overwrites them.
+        pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        g = sched.group
+        kv_ragged = (sched.n_block + 1) * tn > sched.seqlen_k
+        for gi in cutlass.range(g, unroll=1):
+            head = sched.head_kv * g + gi
+            if const_expr(self.sparse):
+                n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
+                for j in cutlass.range(n_part, unroll=1):
+                    state = self._q_tile(ctx, pipe_q, pipe_do, state, head,
+                                         self._listed_tile(part_row, j), "partial")
+                for j in cutlass.range(n_full, unroll=1):
+                    state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head,
+                                              self._listed_tile(full_row, j), kv_ragged)
+            else:
+                for m in cutlass.range(sched.n_q_tiles, unroll=1):
+                    if const_expr(self.mask_mod is not None):
+                        state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "partial")
+                    else:
+                        state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head, m, kv_ragged)
+        self.epilogue(ctx, mdK, mdV, sK, sV, tma_dk, tma_dv, tidx)
+
+    @cute.jit
+    def _full_q_tile(self, ctx, pipe_q, pipe_do, state, head: Int32, m: Int32, kv_ragged):
+        """A full tile skips mask_mod; it checks bounds only when it crosses L or S. Decided
+        before any GEMM is issued (a branch between the waits would serialise the GEMMs)."""
+        if kv_ragged or (m + 1) * self.tile_m > ctx.sched.seqlen_q:
+            state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "bounded")
+        else:
+            state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "full")
+        return state
+
+    @cute.jit
+    def _q_tile(self, ctx, pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
+                state, head: Int32, m: Int32, kind: cutlass.Constexpr):
+        """One Q tile (see the module docstring for the order). The dS smem buffer uses the Q
+        stage's index: both warpgroups pass this tile's barrier only after finishing the
+        previous tile, whose dQ GEMM was the last reader of the other buffer."""
+        idx = state.index
+        pipe_q.consumer_wait(state)
+        acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        self._gemm(ctx.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, idx], zero_init=True)
+        acc_dP = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        if const_expr(self.overlap_dp):
+            pipe_do.consumer_wait(state)
+            self._gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
+            warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under the elementwise work below
+        else:
+            warpgroup.wait_group(0)
+        # Branch-free from here to the dPᵀ wait (a branch would make ptxas wait at its join).
+        self._probabilities(ctx, acc_S, _as_acc_layout(ctx.tVrP, acc_S),
+                            ctx.tSsLSE[None, None, None, idx], head, m, kind)
+        if const_expr(not self.overlap_dp):
+            pipe_do.consumer_wait(state)
+        # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
+        self._gemm(ctx.mma_dkv, ctx.acc_dV, ctx.tVrP, ctx.tVrdO[None, None, None, idx], zero_init=False)
+        if const_expr(self.overlap_dp):
+            warpgroup.wait_group(1)  # dPᵀ done (dV may still run)
+        else:
+            # After dV, which reads P: ptxas keeps wgmmas in order, so it cannot hoist this one
+            # above the elementwise work (it does hoist a dP GEMM issued right after P, and
+            # the register peak comes back: 44 bytes of spills for softcap at D = 128).
+            self._gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
+            warpgroup.wait_group(0)
+        tSsDelta = ctx.tSsDelta[None, None, None, idx]
+        for i in cutlass.range_constexpr(cute.size(acc_dP)):
+            acc_dP[i] = acc_S[i] * (acc_dP[i] - tSsDelta[i])
+        rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
+        rdS.store(acc_dP.load().to(self.dtype))
+        # dSᵀ -> smem; both warpgroups' halves are needed by each dQ GEMM.
+        cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+        acc_dQ = cute.make_rmem_tensor(ctx.dq_shape, Float32)
+        self._gemm(ctx.mma_dq, acc_dQ, ctx.tQrdS[None, None, None, idx], ctx.tQrK, zero_init=True)
+        warpgroup.wait_group(1)  # dV done: dO is free
+        pipe_do.consumer_release(state)
+        self._gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ctx.tKrQ[None, None, None, idx], zero_init=False)
+        warpgroup.wait_group(1)  # dQ done
+        cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
+        cute.autovec_copy(acc_dQ, ctx.tQsdQ)
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
+        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
+        warpgroup.wait_group(0)  # dK done: Q is free
+        pipe_q.consumer_release(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def _gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+              zero_init: cutlass.Constexpr):
+        """Issue one warpgroup GEMM over all k-blocks and commit it as one wgmma group."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE field is mutated
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
+            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _probabilities(self, ctx, acc_S: cute.Tensor, rP: cute.Tensor, tLSE: cute.Tensor,
+                       head: Int32, m: Int32, kind: cutlass.Constexpr):
+        """In place: Sᵀ -> P ∘ dscore (fp32, for dS), and P (bf16) into ``rP`` (for dV).
+        kind: "partial" = mask_mod and bounds; "bounded" = bounds; "full" = neither."""
+        use_mask = kind == "partial" and self.mask_mod is not None
+        use_bound = kind != "full"
+        sched = ctx.sched
+        q0 = m * self.tile_m
+        k0 = sched.n_block * self.tile_n
+        neg_inf = -Float32.inf
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            kv_idx = k0 + ctx.tScS[i][0]
+            q_idx = q0 + ctx.tScS[i][1]
+            s = acc_S[i]
+            ds = Float32(1.0)
+            if const_expr(self.score_mod is not None):
+                s, ds = self.score_mod(s * ctx.softmax_scale, sched.batch, head, q_idx, kv_idx, ctx.aux)
+            ok = None
+            if const_expr(use_mask):
+                ok = self.mask_mod(sched.batch, head, q_idx, kv_idx, ctx.aux)
+            if const_expr(use_bound):
+                inb = cutlass.and_(q_idx < sched.seqlen_q, kv_idx < sched.seqlen_k)
+                ok = inb if const_expr(ok is None) else cutlass.and_(ok, inb)
+            if const_expr(ok is not None):
+                s = s if ok else neg_inf
+            p = cute.math.exp2(cute.fma(s, ctx.c, -tLSE[i]), fastmath=True)
+            if const_expr(self.score_mod is not None):
+                rP[i] = p.to(self.dtype)
+                pd = p * ds
+                if const_expr(ok is not None):
+                    pd = pd if ok else Float32(0.0)  # dscore may be inf/NaN where masked
+                acc_S[i] = pd
+            else:
+                acc_S[i] = p
+        if const_expr(self.score_mod is None):
+            rP.store(acc_S.load().to(self.dtype))  # vectorised conversion
+
+    # -----------------------------------------------------------------------------------------
+    # Epilogue
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def epilogue(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                 tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, tidx: Int32):
+        """dK ·= scale; dK, dV -> smem over K, V (stmatrix) -> gmem (TMA store; rows >= S are
+        clipped by the TMA unit)."""
+        # A fresh thread index the compiler cannot merge with the loop's: otherwise the index
+        # arithmetic shared with the prologue stays live across the whole Q-tile loop.
+        tidx = _opaque_thread_idx() - 128
+        rdK = cute.make_rmem_tensor_like(ctx.acc_dK, self.dtype)
+        rdK.store((ctx.acc_dK.load() * ctx.softmax_scale).to(self.dtype))
+        rdV = cute.make_rmem_tensor_like(ctx.acc_dV, self.dtype)
+        rdV.store(ctx.acc_dV.load().to(self.dtype))
+        # Both warpgroups must be done reading K and V (their last GEMMs were waited for).
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+        st_atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, ctx.mma_dkv).get_slice(tidx)
+        cute.copy(st_atom, thr_st.retile(rdK), thr_st.partition_D(sK))
+        cute.copy(st_atom, thr_st.retile(rdV), thr_st.partition_D(sV))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 4:
+            sched = ctx.sched
+            for which in cutlass.range_constexpr(2):
+                mX = mdK if const_expr(which == 0) else mdV
+                sX = sK if const_expr(which == 0) else sV
+                atom = tma_dk if const_expr(which == 0) else tma_dv
+                gX = cute.local_tile(mX[None, None, sched.head_kv, sched.batch],
+                                     (self.tile_n, self.head_dim), (sched.n_block, 0))
+                tXsX, tXgX = _tma_tiles(atom, sX, gX)
+                cute.copy(atom, tXsX, tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+class _BwdSchedule(NamedTuple):
+    """Per-CTA work description (trace-time container of DSL values)."""
+
+    n_block: object  # kv tile = kv mask block
+    head_kv: object
+    batch: object
+    group: object  # query heads per kv head
+    seqlen_q: object
+    seqlen_k: object
+    n_q_tiles: object  # ceil(L / tile_m): dense launches
+
+
+class _BwdCtx(NamedTuple):
+    """Per-CTA MMA-warpgroup state threaded through the per-tile helpers (trace-time)."""
+
+    mma_sdp: object
+    mma_dkv: object
+    mma_dq: object
+    tSrK: object
+    tSrQ: object
+    tPrV: object
+    tPrdO: object
+    tVrdO: object
+    tKrQ: object
+    tQrdS: object
+    tQrK: object
+    tVrP: object
+    tKrdS: object
+    acc_dV: object
+    acc_dK: object
+    tScS: object
+    tSsLSE: object
+    tSsDelta: object
+    thr_st_t: object
+    st_t: object
+    tSsdS: object
+    tQsdQ: object
+    s_shape: object
+    dq_shape: object
+    c: object
+    softmax_scale: object
+    sched: object
+    aux: object
+    wg: object
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocess and postprocess (memory-bound; one 16-byte vector per thread per row chunk)
+# ---------------------------------------------------------------------------------------------
+class FlexAttentionBwdPreSm90:
+    """delta = rowsum(dO∘O) − dLSE, lse2 = LSE·log2 e (both 0 on a row with nothing kept and
+    on padding rows), dQ accumulator (and semaphores) zeroed. A row is handled by Dv/8 lanes."""
+
+    def __init__(self, cfg: BwdConfig):
+        self.dtype = cfg.dtype
+        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
+        self.tile_m = cfg.tiling.tile_m
+        self.deterministic = cfg.deterministic
+        self.lanes_per_row = self.head_dim_v // 8
+        self.rows_per_cta = 128 // self.lanes_per_row
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
+                 has_dlse: Int32, mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
+                 mSem: Optional[cute.Tensor], stream: cuda.CUstream):
+        grid = [cute.ceil_div(mLSE2.shape[2], self.rows_per_cta), mO.shape[1], mO.shape[0]]
+        self.kernel(mO, mdO, mLSE, mdLSE, has_dlse, mLSE2, mDelta, mdQacc, mSem).launch(
+            grid=grid, block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
+               has_dlse: Int32, mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
+               mSem: Optional[cute.Tensor]):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        lpr = self.lanes_per_row
+        row = bx * self.rows_per_cta + tidx // lpr
+        part = tidx % lpr
+        seqlen_q = mO.shape[2]
+        dot = Float32(0.0)
+        if row < seqlen_q:
+            rO = cute.make_rmem_tensor((8,), self.dtype)
+            rdO = cute.make_rmem_tensor((8,), self.dtype)
+            cute.autovec_copy(cute.local_tile(mO[batch, head, row, None], (8,), (part,)), rO)
+            cute.autovec_copy(cute.local_tile(mdO[batch, head, row, None], (8,), (part,)), rdO)
+            for i in cutlass.range_constexpr(8):
+                dot += rO[i].to(Float32) * rdO[i].to(Float32)
+        for off in cutlass.range_constexpr(int(math.log2(lpr))):
+            dot += cute.arch.shuffle_sync_bfly(dot, offset=(lpr // 2) >> off)
+        if row < mLSE2.shape[2]:
+            if part == 0:
+                lse2 = Float32(0.0)
+                delta = Float32(0.0)
+                if row < seqlen_q:
+                    lse = mLSE[batch, head, row]
+                    kept = lse != -Float32.inf
+                    lse2 = lse * LOG2_E if kept else Float32(0.0)
+                    delta = dot
+                    if has_dlse != 0:
+                        # d lse / d s = P, so an LSE gradient only shifts delta.
+                        dlse = mdLSE[batch, head, row]
+                        delta = delta - (dlse if kept else Float32(0.0))
+                mLSE2[batch, head, row] = lse2
+                mDelta[batch, head, row] = delta
+                if const_expr(self.deterministic):
+                    if row % self.tile_m == 0:  # one semaphore per dQ box: 2 per q tile
+                        mSem[batch, head, 2 * (row // self.tile_m)] = Int32(0)
+                        mSem[batch, head, 2 * (row // self.tile_m) + 1] = Int32(0)
+            per = self.head_dim // lpr
+            zeros = cute.make_rmem_tensor((per,), Float32)
+            zeros.fill(0.0)
+            cute.autovec_copy(zeros, cute.local_tile(mdQacc[batch, head, row, None], (per,), (part,)))
+
+
+class FlexAttentionBwdPostSm90:
+    """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only)."""
+
+    def __init__(self, cfg: BwdConfig):
+        self.dtype = cfg.dtype
+        self.head_dim = cfg.head_dim
+        self.lanes_per_row = self.head_dim // 8
+        self.rows_per_cta = 128 // self.lanes_per_row
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+                 stream: cuda.CUstream):
+        grid = [cute.ceil_div(mdQ.shape[2], self.rows_per_cta), mdQ.shape[1], mdQ.shape[0]]
+        self.kernel(mdQacc, mdQ, softmax_scale).launch(grid=grid, block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        lpr = self.lanes_per_row
+        row = bx * self.rows_per_cta + tidx // lpr
+        part = tidx % lpr
+        if row < mdQ.shape[2]:
+            acc = cute.make_rmem_tensor((8,), Float32)
+            cute.autovec_copy(cute.local_tile(mdQacc[batch, head, row, None], (8,), (part,)), acc)
+            out = cute.make_rmem_tensor((8,), self.dtype)
+            out.store((acc.load() * softmax_scale).to(self.dtype))
+            cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (8,), (part,)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host API (TVM-FFI only: compiled once against placeholders, called with torch tensors)
+# ---------------------------------------------------------------------------------------------
+class _Part:
+    """One compiled kernel of the backward: ``cute.compile``'s result (None when loaded from
+    disk) and the bare TVM-FFI function that is called."""
+
+    def __init__(self, compiled, ffi_fn):
+        self.compiled = compiled
+        self.ffi_fn = ffi_fn
+
+    def export(self, object_file_path: str, function_name: str) -> None:
+        if self.compiled is None:
+            raise RuntimeError("only a function compiled in this process can be exported")
+        self.compiled.export_to_c(object_file_path=object_file_path, function_name=function_name)
+
+
+PARTS = ("pre", "main", "post")
+
+
+def dq_ranks(block_lists) -> tuple:
+    """For deterministic block-sparse launches: (q_rank, full_q_rank), int32, shaped like
+    q_indices / full_q_indices (Bm, Hm, nKV, nQ). Entry [b, h, n, j] = how many kv blocks n' < n
+    list the q block q_indices[b, h, n, j] (partial or full) in the forward lists, i.e. how many
+    reduce-adds into that dQ tile come before kv block n's. Torch ops on the lists' device; cache
+    it with the BlockMask."""
+    import torch
+
+    kv_num, kv_idx, fkv_num, fkv_idx, _, q_idx, _, fq_idx = block_lists
+    n_kv = kv_idx.shape[-1]
+
+    def dense(num, idx):  # (Bm, Hm, nQ, nKV) 0/1
+        valid = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+        out = torch.zeros(*idx.shape[:-1], n_kv + 1, dtype=torch.int32, device=idx.device)
+        out.scatter_(-1, torch.where(valid, idx.long(), n_kv), 1)
+        return out[..., :n_kv]
+
+    listed = (dense(kv_num, kv_idx) + dense(fkv_num, fkv_idx)).clamp_(max=1)
+    before = (torch.cumsum(listed, -1, dtype=torch.int32) - listed).transpose(-1, -2)  # [n, m]
+
+    def at(idx):  # entries past a list's count are never read; clamp them into range
+        idx = idx.long().clamp(0, before.shape[-1] - 1)
+        return torch.gather(before, -1, idx).to(torch.int32).contiguous()
+
+    return at(q_idx), at(fq_idx)
+
+
+def _block_args(cfg: BwdConfig, block_lists, q_ranks):
+    """(QBlockLists, QRanks or None) from the 8 BlockMask tensors (kv lists first, as in
+    ``BlockMask._TENSOR_ATTRS``; zeros for absent full lists); (None, None) without a mask."""
+    import torch
+
+    if (block_lists is not None) != cfg.has_block_mask:
+        raise ValueError("block_lists presence must match BwdConfig.has_block_mask")
+    if block_lists is None:
+        return None, None
+    if len(block_lists) != 8 or any(t is None for t in block_lists):
+        raise ValueError("block_lists: kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, "
+                         "full_q_num, full_q_idx (zeros for absent full lists)")
+    qlists = tuple(t.to(torch.int32).contiguous() for t in block_lists[4:])  # no-op if int32
+    ranks = None
+    if cfg.deterministic:
+        ranks = tuple(q_ranks) if q_ranks is not None else dq_ranks(block_lists)
+    return qlists, ranks
+
+
+def _tma_ready(t) -> bool:
+    """What the TVM-FFI wrapper checks for a TMA operand: unit last stride, other strides
+    multiples of 16 bytes, a 16-byte aligned base."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all((x * t.element_size()) % 16 == 0 for x in t.stride()[:-1]))
+
+
+def _placeholder_main_args(cfg: BwdConfig, aux_tensors, aux_scalars) -> tuple:
+    q, k, v, do, dk, dv = [_placeholder(cfg.dtype, 4, 16, 8) for _ in range(6)]
+    lse2, delta = [_placeholder(Float32, 3, 16, 4) for _ in range(2)]
+    dqacc = _placeholder(Float32, 4, 16, 4)
+    qblocks = qranks = None
+    if cfg.has_block_mask:
+        qblocks = QBlockLists(*[_placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
+        if cfg.deterministic:
+            qranks = QRanks(*[_placeholder(Int32, 4, 4) for _ in range(2)])
+    sem = _placeholder(Int32, 3, 4) if cfg.deterministic else None
+    tensors = tuple(_placeholder(_aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
+                    for t in aux_tensors)
+    scalars = tuple(_as_scalar(x) for x in aux_scalars)
+    return (q, k, v, do, lse2, delta, dqacc, dk, dv, Float32(1.0), Int32(1), qblocks, qranks, sem,
+            tensors or None, scalars or None)
+
+
+def _placeholder_pre_args(cfg: BwdConfig) -> tuple:
+    o, do = [_placeholder(cfg.dtype, 4, 16, 8) for _ in range(2)]
+    lse, dlse = [_placeholder(Float32, 3, 4) for _ in range(2)]
+    lse2, delta = [_placeholder(Float32, 3, 16, 4) for _ in range(2)]
+    dqacc = _placeholder(Float32, 4, 16, 4)
+    sem = _placeholder(Int32, 3, 4) if cfg.deterministic else None
+    return (o, do, lse, dlse, Int32(0), lse2, delta, dqacc, sem)
+
+
+def _placeholder_post_args(cfg: BwdConfig) -> tuple:
+    return (_placeholder(Float32, 4, 16, 4), _placeholder(cfg.dtype, 4, 16, 8), Float32(1.0))
+
+
+class CompiledBwd:
+    """The three compiled kernels of one backward and the facts needed to launch them.
+
+    ``__call__`` allocates the fp32 workspaces (lse2, delta, dQ accumulator, semaphores) from
+    torch's caching allocator and runs preprocess → main → postprocess on the current stream
+    (or ``stream``)."""
+
+    def __init__(self, cfg: BwdConfig, parts: dict, signature):
+        self.cfg = cfg
+        self.parts = parts  # "pre" / "main" / "post" -> _Part
+        self.signature = signature
+
+    def __call__(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale: float,
+                 block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_ranks=None):
+        """Write dq, dk, dv (preallocated like q, k, v) and return them.
+
+        ``lse`` is the forward's natural-log LSE (B, Hq, L) fp32; ``dlse`` its gradient or None;
+        ``dout`` None means zeros (autograd passes None when only the LSE was used).
+        ``block_lists``: the 8 BlockMask tensors (kv lists, then q lists) or None.
+        ``q_ranks``: ``dq_ranks(block_lists)`` if already computed (deterministic mode only)."""
+        if stream is None:
+            return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
+                                block_lists, aux_tensors, aux_scalars, q_ranks)
+        with _stream_context(stream):
+            return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
+                                block_lists, aux_tensors, aux_scalars, q_ranks)
+
+    def _launch(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale, block_lists,
+                aux_tensors, aux_scalars, q_ranks):
+        import torch
+
+        cfg = self.cfg
+        B, Hq, L, D = q.shape
+        Hkv = k.shape[1]
+        if dout is None:
+            dout = torch.zeros_like(out)
+        elif not _tma_ready(dout):  # e.g. the expanded (stride 0) gradient of out.sum()
+            dout = dout.contiguous()
+        if (out.shape != q.shape or dout.shape != q.shape or dq.shape != q.shape
+                or dk.shape != k.shape or dv.shape != v.shape or v.shape != k.shape
+                or tuple(lse.shape) != (B, Hq, L) or k.shape[0] != B or Hq % Hkv):
+            raise ValueError("cute_sm90_bwd: inconsistent shapes")
+        lpad = padded_len(L)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        lse2 = torch.empty(B, Hq, lpad, **f32)
+        delta = torch.empty(B, Hq, lpad, **f32)
+        dqacc = torch.empty(B, Hq, lpad, D, **f32)  # zeroed by the preprocess
+        sem = None
+        if cfg.deterministic:  # zeroed by the preprocess
+            sem = torch.empty(B, Hq, 2 * (lpad // cfg.tiling.tile_m), dtype=torch.int32,
+                              device=q.device)
+        has_dlse = dlse is not None
+        dlse = dlse.float().contiguous() if has_dlse else lse  # autograd may hand a stride-0 grad
+        qblocks, qranks = _block_args(cfg, block_lists, q_ranks)
+        tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in aux_tensors) or None
+        for x in aux_scalars:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
+        self.parts["pre"].ffi_fn(out, dout, lse, dlse, int(has_dlse), lse2, delta, dqacc, sem)
+        self.parts["main"].ffi_fn(q, k, v, dout, lse2, delta, dqacc, dk, dv, float(softmax_scale),
+                                  Hq // Hkv, qblocks, qranks, sem, tensors,
+                                  tuple(aux_scalars) or None)
+        self.parts["post"].ffi_fn(dqacc, dq, float(softmax_scale))
+        return dq, dk, dv
+
+
+def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "",
+                parts=PARTS) -> CompiledBwd:
+    """Compile the backward's kernels for this config and these aux kinds (dtypes and ranks of
+    the captured tensors, types of the scalars). Sizes, strides, batch and heads are runtime
+    values, so no example q/k/v are needed. Works on a CPU-only machine with
+    CUTE_DSL_ARCH=sm_90a; with ``options='--keep-ptx'`` each part's ``compiled.__ptx__`` holds
+    its PTX. ``parts``: which kernels to compile (the others are left out of the result)."""
+    if not tvm_ffi_enabled():
+        raise RuntimeError("cute_sm90_bwd launches through TVM-FFI only (import tvm_ffi failed "
+                           "or FLEXJIT_TVM_FFI=0)")
+    signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
+        type(_as_scalar(x)).__name__ for x in aux_scalars)
+    opts = f"{options} --enable-tvm-ffi".strip()
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    built = {}
+    for name in parts:
+        if name == "pre":
+            kernel, args = FlexAttentionBwdPreSm90(cfg), _placeholder_pre_args(cfg)
+        elif name == "main":
+            kernel, args = FlexAttentionBwdSm90(cfg), _placeholder_main_args(cfg, aux_tensors, aux_scalars)
+        elif name == "post":
+            kernel, args = FlexAttentionBwdPostSm90(cfg), _placeholder_post_args(cfg)
+        else:
+            raise ValueError(f"unknown part {name!r}")
+        compiled = cute.compile(kernel, *args, stream, options=opts)
+        built[name] = _Part(compiled, _ffi_function(compiled))
+    return CompiledBwd(cfg, built, signature)
+
+
+def load_bwd(cfg: BwdConfig, ffi_fns: dict, signature=()) -> CompiledBwd:
+    """A ``CompiledBwd`` from functions loaded from exported object files (``_Part.export``)."""
+    return CompiledBwd(cfg, {name: _Part(None, fn) for name, fn in ffi_fns.items()}, signature)

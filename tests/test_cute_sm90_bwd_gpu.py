@@ -1,0 +1,199 @@
+"""The sm90 CuTeDSL backward on the GPU: dQ, dK, dV against float64 autograd, and determinism.
+
+    python -m pytest -q -m gpu tests/test_cute_sm90_bwd_gpu.py
+
+Runs only on a Hopper GPU (marker ``gpu``). The backward is called directly through the template
+(``compile_bwd``; the backend does not dispatch to it yet), on the out/LSE of the sm90 forward.
+* Gradients: the float64 oracle (``tests/oracle.py``'s ``dense_attention`` + autograd) of the loss
+  Σ out·dO + Σ lse·dLSE; tolerance err <= 2·err(the same math in bf16 with plain torch) + floor,
+  the floor scaled by the gradient's magnitude (as ``tests/test_triton_gpu.py``).
+* dq/dk/dv are filled with NaN first, so an element the kernels never write fails.
+* D = 128 runs both GEMM orders: light masks (causal, windows) form P under the dP GEMM, mods
+  with loads or transcendentals issue dP after P (``BwdConfig.overlap_dp``).
+* Shapes: L = S = 1000 (ragged against the 64-row Q tile and the 128-key tile), GQA 16/4
+  (each CTA loops over 4 query heads), head dims 128 and 64; L != S once; 2k tokens for the
+  determinism checks (16 kv blocks add into every causal dQ tile's last rows).
+Compiles: ~2-6 s per new (mods, head dim, mode) on the H200 host.
+"""
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("needs a Hopper GPU", allow_module_level=True)
+
+import cutlass  # noqa: E402
+
+from flexjit import create_block_mask, flex_attention  # noqa: E402
+from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, load_mods  # noqa: E402
+from flexjit.block_mask import _transpose_ordered  # noqa: E402
+from flexjit.cache import load_template  # noqa: E402
+from flexjit import ir  # noqa: E402
+from flexjit.ir import Op, uses  # noqa: E402
+from flexjit.passes import lower  # noqa: E402
+from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
+from mods_catalog import make_case  # noqa: E402
+from oracle import FLOOR, assert_close_to_oracle, dense_attention  # noqa: E402
+
+tpl = load_template("cute_sm90_bwd")
+DEV = "cuda"
+_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+_COMPILED = {}
+
+
+def bwd_block_lists(bm):
+    """The 8 int32 tensors the backward takes: kv lists, then q lists (zeros for absent full
+    lists, transposed lists derived when the BlockMask lacks them)."""
+    kv = block_sparse_args(bm)
+    qn, qi, fqn, fqi = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
+    if qn is None:
+        qn, qi = _transpose_ordered(bm.kv_num_blocks, bm.kv_indices)
+    if fqn is None:
+        if bm.full_kv_num_blocks is not None:
+            fqn, fqi = _transpose_ordered(bm.full_kv_num_blocks, bm.full_kv_indices)
+        else:
+            fqn, fqi = torch.zeros_like(qn), torch.zeros_like(qi)
+    return tuple(t.to(torch.int32).contiguous() for t in (*kv, qn, qi, fqn, fqi))
+
+
+def _block_mask(mask_mod, B, H, L, S):
+    if mask_mod is None:
+        return None
+    traced = trace_mod(mask_mod, MASK_MOD).out
+    return create_block_mask(mask_mod, B if uses(traced, Op.B) else None,
+                             H if uses(traced, Op.H) else None, L, S, device=DEV)
+
+
+def light_mods(program) -> bool:
+    """The backend's rule for ``overlap_dp`` (as in test_cute_sm90_bwd_compile): no loads and
+    no transcendentals in the score, its derivative or the mask."""
+    roots = [r for r in (program.score, program.dscore, program.mask) if r is not None]
+    return not any(n.op is Op.LOAD or n.op in ir.TRANSCENDENTAL for n in ir.toposort(roots))
+
+
+def _compiled(case, D, dtype, sparse, deterministic):
+    program = lower(trace_mod(case.score_mod, SCORE_MOD) if case.score_mod else None,
+                    trace_mod(case.mask_mod, MASK_MOD) if case.mask_mod else None)
+    aux = tuple(_aux_tensor(t, torch.device(DEV)) for t in program.buffers)
+    key = (program.key, D, dtype, sparse, deterministic)
+    if key not in _COMPILED:
+        mods = load_mods(program)
+        cfg = tpl.BwdConfig(D, D, _DTYPES[dtype], mods.score_mod_and_grad, mods.mask_mod,
+                            has_block_mask=sparse, deterministic=deterministic,
+                            overlap_dp=True if light_mods(program) else None)
+        _COMPILED[key] = tpl.compile_bwd(cfg, aux, program.scalars)
+    return _COMPILED[key], aux, program.scalars
+
+
+def _inputs(B, Hq, Hkv, L, S, D, dtype, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(B, Hq, L, D, generator=g, device=DEV).to(dtype)
+    k = torch.randn(B, Hkv, S, D, generator=g, device=DEV).to(dtype)
+    v = torch.randn(B, Hkv, S, D, generator=g, device=DEV).to(dtype)
+    dout = torch.randn(B, Hq, L, D, generator=g, device=DEV).to(dtype)
+    dlse = torch.randn(B, Hq, L, generator=g, device=DEV)
+    return q, k, v, dout, dlse
+
+
+def run_backward(case, q, k, v, dout, dlse, bm, sparse=True, deterministic=False):
+    """Forward on the sm90 kernel, then the sm90 backward; returns (dq, dk, dv)."""
+    B, Hq, L, D = q.shape
+    with torch.no_grad():
+        out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=Hq != k.shape[1],
+                                  return_lse=True, backend="cute")
+    fn, aux, scalars = _compiled(case, D, q.dtype, sparse and bm is not None, deterministic)
+    dq, dk, dv = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    lists = bwd_block_lists(bm) if (sparse and bm is not None) else None
+    fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, 1.0 / math.sqrt(D), lists, aux, scalars)
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+def _oracle_grads(case, q, k, v, dout, dlse, dtype):
+    qq, kk, vv = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    out, lse = dense_attention(qq, kk, vv, case.score_mod, case.mask_mod, dtype=dtype)
+    finite = torch.isfinite(lse)
+    loss = (out.double() * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(finite, lse, torch.zeros_like(lse)).double() * dlse.double()).sum()
+    return torch.autograd.grad(loss, (qq, kk, vv))
+
+
+def check(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, sparse=True, with_dlse=True, seed=0):
+    torch.manual_seed(seed)
+    case = make_case(name, B, Hq, L, S, device=DEV)
+    q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, dtype, seed)
+    dlse = dlse if with_dlse else None
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    got = run_backward(case, q, k, v, dout, dlse, bm, sparse=sparse)
+    want = _oracle_grads(case, q, k, v, dout, dlse, torch.float64)
+    low = _oracle_grads(case, q, k, v, dout, dlse, dtype)
+    for label, a, b, c in zip(("dq", "dk", "dv"), got, want, low):
+        assert_close_to_oracle(f"{name} {label}", a, b, c, FLOOR[dtype] * max(1.0, b.abs().max().item()))
+    return got
+
+
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("name", ["causal", "alibi", "document", "softcap", "sliding_window"])
+def test_mods_ragged_gqa(name, D):
+    check(name, B=2, Hq=16, Hkv=4, L=1000, S=1000, D=D)
+
+
+@pytest.mark.parametrize("D", [128, 64])
+def test_no_mods_dense(D):
+    # No block mask: every q tile is a full tile; the last one is ragged (bounded).
+    check("full", B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D)
+
+
+def test_mask_mod_without_block_lists():
+    # The backward visits every q tile as partial (mask_mod per element).
+    check("causal", B=1, Hq=4, Hkv=4, L=1000, S=1000, D=128, sparse=False)
+
+
+def test_q_len_differs_from_kv_len_no_dlse():
+    check("prefix_lm", B=2, Hq=8, Hkv=2, L=700, S=1500, D=128, with_dlse=False)
+
+
+def test_fp16_and_head_dependent():
+    check("head_dependent", B=1, Hq=4, Hkv=2, L=1000, S=1000, D=128, dtype=torch.float16)
+
+
+def test_softcap_alibi_window():
+    check("softcap_alibi_window", B=1, Hq=8, Hkv=2, L=1000, S=1000, D=128)
+
+
+@pytest.mark.parametrize("name,sparse", [("causal", True), ("document", True), ("full", False)])
+def test_deterministic_bit_identical(name, sparse):
+    B, Hq, Hkv, L, S, D = 2, 8, 2, 2048, 2048, 128
+    torch.manual_seed(3)
+    case = make_case(name, B, Hq, L, S, device=DEV)
+    q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 3)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    runs = []
+    for _ in range(5):
+        dq, dk, dv = run_backward(case, q, k, v, dout, dlse, bm, sparse, deterministic=True)
+        runs.append((dq, dk, dv))
+    for dq, dk, dv in runs[1:]:
+        for label, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), runs[0]):
+            assert torch.equal(a, b), f"{name} {label}: deterministic runs differ"
+    # ... and it is the right answer (same tolerance as the default mode).
+    want = _oracle_grads(case, q, k, v, dout, dlse, torch.float64)
+    low = _oracle_grads(case, q, k, v, dout, dlse, torch.bfloat16)
+    for label, a, b, c in zip(("dq", "dk", "dv"), runs[0], want, low):
+        assert_close_to_oracle(f"{name} det {label}", a, b, c,
+                               FLOOR[torch.bfloat16] * max(1.0, b.abs().max().item()))
+
+
+def test_empty_kv_blocks_get_zero_gradients():
+    # Causal with S > L: kv blocks past the last query are listed for no q block; their dK/dV
+    # must be written as zeros, not left as the NaN poison.
+    B, Hq, Hkv, L, S, D = 1, 2, 2, 256, 1024, 128
+    case = make_case("causal", B, Hq, L, S, device=DEV)
+    q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 5)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    dq, dk, dv = run_backward(case, q, k, v, dout, dlse, bm)
+    assert torch.count_nonzero(dk[:, :, L:]) == 0 and torch.count_nonzero(dv[:, :, L:]) == 0
+    assert not torch.isnan(dq).any()
