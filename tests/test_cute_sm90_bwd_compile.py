@@ -21,9 +21,6 @@ count, and the launch path's marshalling with recording stand-ins for the kernel
 
 import os
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -41,6 +38,7 @@ from flexjit.ir import Op  # noqa: E402
 from flexjit.passes import lower  # noqa: E402
 from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
 from mods_catalog import CORE, make_case  # noqa: E402
+from ptx_checks import assert_no_spills  # noqa: E402
 
 tpl = load_template("cute_sm90_bwd")
 
@@ -81,22 +79,8 @@ def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False,
     return ptx
 
 
-def _ptxas(tmp_path, ptx: str) -> str:
-    ptxas = Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas"
-    if not ptxas.exists() and shutil.which("ptxas") is None:
-        pytest.skip("no ptxas to check register use")
-    exe = str(ptxas) if ptxas.exists() else "ptxas"
-    src = tmp_path / "k.ptx"
-    src.write_text(ptx)
-    return subprocess.run([exe, "-arch=sm_90a", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
-                          capture_output=True, text=True, check=True).stderr
-
-
 def _assert_clean_registers(tmp_path, ptx):
-    out = _ptxas(tmp_path, ptx)
-    assert "0 bytes spill stores, 0 bytes spill loads" in out, out
-    assert "0 bytes stack frame" in out, out
-    assert "serialized" not in out, out  # C7512: wgmma serialised for lack of registers
+    assert_no_spills(tmp_path, ptx, no_serialised_wgmma=True)
 
 
 def _assert_main_machinery(ptx):

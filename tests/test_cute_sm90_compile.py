@@ -12,9 +12,6 @@ values, so they do not change the generated code.
 """
 
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -26,6 +23,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32  # noqa: E402
 
 from flexjit.cache import load_template  # noqa: E402
+from ptx_checks import assert_no_spills  # noqa: E402
 
 _tpl = load_template("cute_sm90_fwd")
 FwdConfig, compile_fwd = _tpl.FwdConfig, _tpl.compile_fwd
@@ -87,31 +85,18 @@ def _assert_hopper_path(ptx):
     assert "ex2.approx" in ptx, "softmax is not in the exp2 domain"
 
 
-def _assert_no_spills(tmp_path, ptx):
-    ptxas = Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas"
-    if not ptxas.exists() and shutil.which("ptxas") is None:
-        pytest.skip("no ptxas to check register use")
-    exe = str(ptxas) if ptxas.exists() else "ptxas"
-    src = tmp_path / "k.ptx"
-    src.write_text(ptx)
-    out = subprocess.run([exe, "-arch=sm_90a", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
-                         capture_output=True, text=True, check=True).stderr
-    assert "0 bytes spill stores, 0 bytes spill loads" in out, out
-    assert "0 bytes stack frame" in out, out
-
-
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_no_mods(tmp_path, head_dim):
     ptx = _compile(tmp_path, head_dim)
     _assert_hopper_path(ptx)
-    _assert_no_spills(tmp_path, ptx)
+    assert_no_spills(tmp_path, ptx)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_causal_block_sparse(tmp_path, head_dim):
     ptx = _compile(tmp_path, head_dim, mask_mod=causal_mask, sparse=True)
     _assert_hopper_path(ptx)
-    _assert_no_spills(tmp_path, ptx)
+    assert_no_spills(tmp_path, ptx)
 
 
 def test_causal_dense_mask_mod(tmp_path):
@@ -126,7 +111,7 @@ def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
     ptx = _compile(tmp_path, head_dim, alibi_softcap_score, document_mask, sparse=True,
                    aux=(slopes, docs), scalars=(30.0,))
     _assert_hopper_path(ptx)
-    _assert_no_spills(tmp_path, ptx)
+    assert_no_spills(tmp_path, ptx)
     # The softcap is a runtime kernel parameter, not a constant folded into the code.
     assert "tanh" in ptx or "ex2" in ptx
     assert "30.0" not in ptx and "0f41F00000" not in ptx, "runtime scalar was baked in"
