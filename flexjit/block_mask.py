@@ -35,16 +35,16 @@ def noop_mask(b, h, q_idx, kv_idx):
     return True
 
 
-def _identity(score, b, h, q_idx, kv_idx):
-    return score
-
-
-def and_masks(*mask_mods: Callable) -> Callable:
-    """The intersection of mask_mods."""
+def _check_mask_mods(mask_mods) -> None:
     if not all(callable(m) for m in mask_mods):
         raise RuntimeError(f"All inputs should be callable mask_mods: {mask_mods}")
     for m in mask_mods:
         check_arity(m, MASK_MOD)
+
+
+def and_masks(*mask_mods: Callable) -> Callable:
+    """The intersection of mask_mods."""
+    _check_mask_mods(mask_mods)
 
     def and_mask(b, h, q_idx, kv_idx):
         result = True
@@ -56,10 +56,7 @@ def and_masks(*mask_mods: Callable) -> Callable:
 
 def or_masks(*mask_mods: Callable) -> Callable:
     """The union of mask_mods."""
-    if not all(callable(m) for m in mask_mods):
-        raise RuntimeError(f"All inputs should be callable mask_mods: {mask_mods}")
-    for m in mask_mods:
-        check_arity(m, MASK_MOD)
+    _check_mask_mods(mask_mods)
 
     def or_mask(b, h, q_idx, kv_idx):
         result = False

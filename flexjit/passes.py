@@ -27,7 +27,7 @@ import torch
 from . import ir
 from .interp import Env, evaluate
 from .ir import DType, Node, Op
-from .trace import MASK_MOD, SCORE_MOD, TracedMod, cast
+from .trace import TracedMod, cast
 
 LN2 = math.log(2.0)
 

@@ -304,7 +304,7 @@ class _CudaView:
 def _cfg_for(program, q, blocks):
     tpl = backend._template()
     m = backend.load_mods(program)
-    return tpl, tpl.FwdConfig(D, D, backend._CUTLASS_DTYPES[q.dtype], m.score_mod, m.mask_mod,
+    return tpl, tpl.FwdConfig(D, D, backend._cutlass_dtype(q.dtype), m.score_mod, m.mask_mod,
                               has_block_mask=blocks is not None)
 
 

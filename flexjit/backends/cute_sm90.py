@@ -21,6 +21,7 @@ indices wrap when negative and are clamped into range, and loads widen to float3
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import logging
 import math
@@ -37,12 +38,12 @@ from ..passes import Program, exact_float_nodes
 
 _TYPES = {DType.FLOAT32: "Float32", DType.INT32: "Int32", DType.INT64: "Int64", DType.BOOL: "Boolean"}
 _HEAD_DIMS = (64, 128, 256)
-_CUTLASS_DTYPES = {}
 
 
-def _cutlass_dtypes():
+@functools.lru_cache(maxsize=None)
+def _cutlass_dtype(dtype: torch.dtype):
     import cutlass
-    _CUTLASS_DTYPES.update({torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16})
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
 # --------------------------------------------------------------------------- renderer
@@ -236,10 +237,7 @@ def load_mods(program: Program):
 
 
 def _template():
-    tpl = cache.load_template("cute_sm90_fwd")
-    if not _CUTLASS_DTYPES:
-        _cutlass_dtypes()
-    return tpl
+    return cache.load_template("cute_sm90_fwd")
 
 
 def supports(call) -> tuple[bool, str]:
@@ -342,7 +340,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     if fn is not None:
         return fn
     mods = load_mods(program)
-    cfg = tpl.FwdConfig(D, Dv, _CUTLASS_DTYPES[q.dtype], mods.score_mod, mods.mask_mod,
+    cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
                         has_block_mask=block_mask is not None)
     what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
     disk_key = None

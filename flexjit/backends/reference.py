@@ -33,7 +33,6 @@ class Plan:
     scale: float
     kinds: torch.Tensor | None  # (Bm, Hm, nQ, nKV) int8 block kinds, or None for no block mask
     block_size: tuple[int, int]
-    n_buffers: int
 
 
 def _chunk_rows(B: int, H: int, S: int, bq: int, elem: int) -> int:
@@ -167,6 +166,6 @@ def run(call):
     bm = call.block_mask
     kinds = bm.block_kinds() if bm is not None else None
     block_size = bm.BLOCK_SIZE if bm is not None else (128, 128)
-    plan = Plan(call.program, call.scale, kinds, block_size, len(call.program.buffers))
+    plan = Plan(call.program, call.scale, kinds, block_size)
     out, lse = attention(plan, call.q, call.k, call.v)
     return out, lse if call.q.dtype == torch.float64 else lse.float()

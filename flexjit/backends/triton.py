@@ -968,13 +968,18 @@ def _backward(plan: Plan, q, k, v, out, lse, dout, dlse, bufs):
 def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
     """(dq, dk, dv, *grads of the captured tensors) for a forward computed elsewhere (the CuTeDSL
     forward saves out and lse and borrows this backward); None for a tensor needing no grad."""
-    plan = make_plan(call)
     bufs = [t.detach().to(q.device) for t in call.program.buffers]
+    wanted = [t.requires_grad for t in call.program.buffers]
+    return _gradients(make_plan(call), q, k, v, out, lse.float(), dout, dlse, bufs, wanted)
+
+
+def _gradients(plan: Plan, q, k, v, out, lse, dout, dlse, bufs, wanted) -> tuple:
+    """(dq, dk, dv, *captured-tensor grads), None where ``wanted`` says no grad is needed."""
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, grads = _backward(plan, q, k, v, out, lse.float(), dout, dlse, bufs)
-    dbufs = [grads[s].to(t.dtype) if s in grads and t.requires_grad else None
-             for s, t in enumerate(call.program.buffers)]
+    dq, dk, dv, grads = _backward(plan, q, k, v, out, lse, dout, dlse, bufs)
+    dbufs = [grads[s].to(b.dtype) if s in grads and want else None
+             for s, (b, want) in enumerate(zip(bufs, wanted))]
     return (dq, dk, dv, *dbufs)
 
 
@@ -989,14 +994,8 @@ class _FlexAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *bufs = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv, grads = _backward(ctx.plan, q, k, v, out, lse, dout, dlse, bufs)
-        dbufs = []
-        for slot, b in enumerate(bufs):
-            g = grads.get(slot)
-            dbufs.append(g.to(b.dtype) if g is not None and ctx.needs_input_grad[4 + slot] else None)
-        return (None, dq, dk, dv, *dbufs)
+        wanted = ctx.needs_input_grad[4:]
+        return (None, *_gradients(ctx.plan, q, k, v, out, lse, dout, dlse, bufs, wanted))
 
 
 # --------------------------------------------------------------------------- compile-only
