@@ -2,8 +2,9 @@
 
     python -m pytest -q -m gpu tests/test_cute_sm90_bwd_gpu.py
 
-Runs only on a Hopper GPU (marker ``gpu``). The backward is called directly through the template
-(``compile_bwd``; the backend does not dispatch to it yet), on the out/LSE of the sm90 forward.
+Runs only on a Hopper GPU (marker ``gpu``). Most tests call the backward directly through the
+template (``compile_bwd``) on the out/LSE of the sm90 forward; the last ones go through
+``flex_attention(..., backend="cute")`` and autograd, as a user would.
 * Gradients: the float64 oracle (``tests/oracle.py``'s ``dense_attention`` + autograd) of the loss
   Σ out·dO + Σ lse·dLSE; tolerance err <= 2·err(the same math in bf16 with plain torch) + floor,
   the floor scaled by the gradient's magnitude (as ``tests/test_triton_gpu.py``).
@@ -28,10 +29,9 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 import cutlass  # noqa: E402
 
 from flexjit import create_block_mask, flex_attention  # noqa: E402
-from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, load_mods  # noqa: E402
-from flexjit.block_mask import _transpose_ordered  # noqa: E402
+from flexjit.backends.cute_sm90 import (  # noqa: E402
+    _aux_tensor, bwd_block_lists, light_mods, load_mods)
 from flexjit.cache import load_template  # noqa: E402
-from flexjit import ir  # noqa: E402
 from flexjit.ir import Op, uses  # noqa: E402
 from flexjit.passes import lower  # noqa: E402
 from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
@@ -44,34 +44,12 @@ _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 _COMPILED = {}
 
 
-def bwd_block_lists(bm):
-    """The 8 int32 tensors the backward takes: kv lists, then q lists (zeros for absent full
-    lists, transposed lists derived when the BlockMask lacks them)."""
-    kv = block_sparse_args(bm)
-    qn, qi, fqn, fqi = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
-    if qn is None:
-        qn, qi = _transpose_ordered(bm.kv_num_blocks, bm.kv_indices)
-    if fqn is None:
-        if bm.full_kv_num_blocks is not None:
-            fqn, fqi = _transpose_ordered(bm.full_kv_num_blocks, bm.full_kv_indices)
-        else:
-            fqn, fqi = torch.zeros_like(qn), torch.zeros_like(qi)
-    return tuple(t.to(torch.int32).contiguous() for t in (*kv, qn, qi, fqn, fqi))
-
-
 def _block_mask(mask_mod, B, H, L, S):
     if mask_mod is None:
         return None
     traced = trace_mod(mask_mod, MASK_MOD).out
     return create_block_mask(mask_mod, B if uses(traced, Op.B) else None,
                              H if uses(traced, Op.H) else None, L, S, device=DEV)
-
-
-def light_mods(program) -> bool:
-    """The backend's rule for ``overlap_dp`` (as in test_cute_sm90_bwd_compile): no loads and
-    no transcendentals in the score, its derivative or the mask."""
-    roots = [r for r in (program.score, program.dscore, program.mask) if r is not None]
-    return not any(n.op is Op.LOAD or n.op in ir.TRANSCENDENTAL for n in ir.toposort(roots))
 
 
 def _compiled(case, D, dtype, sparse, deterministic):
@@ -197,3 +175,39 @@ def test_empty_kv_blocks_get_zero_gradients():
     dq, dk, dv = run_backward(case, q, k, v, dout, dlse, bm)
     assert torch.count_nonzero(dk[:, :, L:]) == 0 and torch.count_nonzero(dv[:, :, L:]) == 0
     assert not torch.isnan(dq).any()
+
+
+def _api_grads(case, q, k, v, dout, bm, gqa):
+    qq, kk, vv = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = flex_attention(qq, kk, vv, case.score_mod, bm, enable_gqa=gqa, backend="cute")
+    return torch.autograd.grad(out, (qq, kk, vv), dout)
+
+
+@pytest.mark.parametrize("name", ["causal", "softcap", "document"])
+def test_autograd_through_the_api(name):
+    # The dispatch path: the cute backend's autograd Function runs the sm90 backward.
+    B, Hq, Hkv, L, S, D = 2, 8, 2, 1000, 1000, 128
+    case = make_case(name, B, Hq, L, S, device=DEV)
+    q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 7)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    got = _api_grads(case, q, k, v, dout, bm, True)
+    want = _oracle_grads(case, q, k, v, dout, None, torch.float64)
+    low = _oracle_grads(case, q, k, v, dout, None, torch.bfloat16)
+    for label, a, b, c in zip(("dq", "dk", "dv"), got, want, low):
+        assert_close_to_oracle(f"api {name} {label}", a, b, c,
+                               FLOOR[torch.bfloat16] * max(1.0, b.abs().max().item()))
+
+
+def test_api_deterministic_mode_is_bit_identical():
+    B, Hq, Hkv, L, S, D = 1, 8, 8, 2048, 2048, 128
+    case = make_case("causal", B, Hq, L, S, device=DEV)
+    q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 9)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [_api_grads(case, q, k, v, dout, bm, False) for _ in range(5)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for r in runs[1:]:
+        for label, a, b in zip(("dq", "dk", "dv"), r, runs[0]):
+            assert torch.equal(a, b), f"deterministic api runs differ in {label}"

@@ -11,8 +11,10 @@ What this module holds
   kernels are kept in memory per (key, dtypes, head dims, block-mask presence) and, when
   launched through TVM-FFI, on disk as ``$FLEXJIT_CACHE_DIR/cute/<kernel_key>.o``
   (``flexjit.cute_cache``), so a second process loads them instead of compiling.
-* ``supports(call)`` / ``run(call)``: the forward runs here; the backward runs on the Triton
-  backend's kernels from the saved (out, lse) until the sm90 backward lands (issue #6).
+* ``supports(call)`` / ``run(call)``: the forward runs here; the backward runs on the sm90
+  backward (``templates/cute_sm90_bwd.py``) from the saved (out, lse), or on the Triton
+  backend's kernels where that cannot serve (``backward_supports``: captured tensors that need
+  a gradient, head dims other than 64/128).
 
 Semantics follow ``flexjit.interp``: integer ``//`` floors (the DSL's ``//`` lowers to
 ``arith.floordivsi``), ``%`` is written as ``a - (a // b) * b`` so it takes the divisor's sign,
@@ -258,7 +260,7 @@ def supports(call) -> tuple[bool, str]:
     bm = call.block_mask
     if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
         return False, f"block size {bm.BLOCK_SIZE}; the sm90 kernel's tiles are 128x128"
-    if call.needs_grad:
+    if call.needs_grad and not backward_supports(call)[0]:
         try:
             from . import triton as triton_backend
         except ImportError as e:
@@ -391,6 +393,132 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
     return fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars)
 
 
+# --------------------------------------------------------------------------- backward
+
+_BWD_HEAD_DIMS = (64, 128)
+
+
+def _bwd_template():
+    return cache.load_template("cute_sm90_bwd")
+
+
+def backward_supports(call) -> tuple[bool, str]:
+    """Whether the sm90 backward serves this call's gradients (else the Triton backward does)."""
+    D, Dv = call.q.shape[-1], call.v.shape[-1]
+    if os.environ.get("FLEXJIT_CUTE_BWD", "1") == "0":
+        return False, "FLEXJIT_CUTE_BWD=0"
+    if D != Dv or D not in _BWD_HEAD_DIMS:
+        return False, f"head dims ({D}, {Dv}); the sm90 backward takes equal head dims in {_BWD_HEAD_DIMS}"
+    if any(b.requires_grad for b in call.program.buffers):
+        return False, "a captured tensor requires grad (the Triton backward computes it)"
+    try:
+        if not _template().tvm_ffi_enabled():
+            return False, "the sm90 backward launches through TVM-FFI, unavailable here"
+    except ImportError as e:
+        return False, f"nvidia-cutlass-dsl is not importable ({e})"
+    return True, "the CuTeDSL sm90 backward"
+
+
+def light_mods(program: Program) -> bool:
+    """No loads and no transcendentals in the score, its derivative or the mask: cheap enough
+    for the backward to form P under the dP GEMM (``BwdConfig.overlap_dp``)."""
+    roots = [r for r in (program.score, program.dscore, program.mask) if r is not None]
+    return not any(n.op is Op.LOAD or n.op in ir.TRANSCENDENTAL for n in ir.toposort(roots))
+
+
+def bwd_block_lists(bm):
+    """The 8 int32 tensors the backward takes: the kv lists, then the q lists (zeros for absent
+    full lists; transposed lists derived when the BlockMask lacks them). Kept on the BlockMask."""
+    if bm is None:
+        return None
+    cached = getattr(bm, "_cute_bwd_lists", None)
+    if cached is not None:
+        return cached
+    from ..block_mask import _transpose_ordered
+    kv = block_sparse_args(bm)
+    qn, qi, fqn, fqi = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
+    if qn is None:
+        qn, qi = _transpose_ordered(bm.kv_num_blocks, bm.kv_indices)
+    if fqn is None:
+        if bm.full_kv_num_blocks is not None:
+            fqn, fqi = _transpose_ordered(bm.full_kv_num_blocks, bm.full_kv_indices)
+        else:
+            fqn, fqi = torch.zeros_like(qn), torch.zeros_like(qi)
+    lists = tuple(t.to(torch.int32).contiguous() for t in (*kv, qn, qi, fqn, fqi))
+    bm._cute_bwd_lists = lists
+    return lists
+
+
+def _dq_ranks(bm, lists):
+    """Deterministic mode's dQ accumulation order, computed once per BlockMask."""
+    ranks = getattr(bm, "_cute_dq_ranks", None)
+    if ranks is None:
+        ranks = bm._cute_dq_ranks = _bwd_template().dq_ranks(lists)
+    return ranks
+
+
+_COMPILED_BWD: dict[tuple, object] = {}
+
+
+def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
+                     deterministic: bool, aux_tensors):
+    """The sm90 backward's three kernels (preprocess, main, postprocess) for this program, from
+    memory, the disk cache (each part its own object file) or a fresh compile."""
+    tpl = _bwd_template()
+    sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
+    key = (program.key, dtype, head_dim, sparse, deterministic, sig, program.scalar_dtypes)
+    fn = _COMPILED_BWD.get(key)
+    if fn is not None:
+        return fn
+    mods = load_mods(program)
+    cfg = tpl.BwdConfig(head_dim, head_dim, _cutlass_dtype(dtype), mods.score_mod_and_grad,
+                        mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
+                        overlap_dp=True if light_mods(program) else None)
+    what = f"{program.score_name}/{program.mask_name} D={head_dim} {str(dtype).replace('torch.', '')}"
+    import tvm_ffi
+    frozen = (cfg.dtype.__name__, head_dim, sparse, deterministic, dataclasses.astuple(cfg.tiling),
+              tuple((str(t.dtype), t.dim()) for t in aux_tensors),
+              tuple(d.value for d in program.scalar_dtypes), f"launch=tvm-ffi {tvm_ffi.__version__}")
+    signature = sig + tuple(type(tpl._as_scalar(x)).__name__ for x in program.scalars)
+    disk = cute_cache.available()
+    keys = {part: cache.kernel_key(program.key if part == "main" else "", f"cute_sm90_bwd_{part}",
+                                   frozen, "sm90") for part in tpl.PARTS}
+    t0 = time.perf_counter()
+    loaded = {part: cute_cache.load(k) for part, k in keys.items()} if disk else {}
+    missing = tuple(p for p in tpl.PARTS if loaded.get(p) is None)
+    if missing:
+        log.info("flexjit: compiling the sm90 backward (%s) for %s ...", ", ".join(missing), what)
+        built = tpl.compile_bwd(cfg, aux_tensors, program.scalars, parts=missing)
+        for part in missing:
+            loaded[part] = built.parts[part].ffi_fn
+            if disk:
+                cute_cache.store(keys[part], built.parts[part].export)
+        _announce(f"sm90 backward for {what}: compiled {', '.join(missing)} in "
+                  f"{time.perf_counter() - t0:.1f} s")
+    else:
+        _announce(f"sm90 backward for {what}: loaded from disk in {time.perf_counter() - t0:.3f} s")
+    fn = tpl.load_bwd(cfg, loaded, signature)
+    _COMPILED_BWD[key] = fn
+    return fn
+
+
+def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
+    """(dq, dk, dv) on the sm90 backward kernels. Deterministic (a fixed dQ accumulation order)
+    when ``torch.are_deterministic_algorithms_enabled()``."""
+    prog = call.program
+    bm = call.block_mask
+    aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fn = compile_backward(prog, q.dtype, q.shape[-1], bm is not None, deterministic, aux)
+    lists = bwd_block_lists(bm)
+    ranks = _dq_ranks(bm, lists) if deterministic and bm is not None else None
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dlse is not None and not torch.is_tensor(dlse):
+        dlse = None
+    return fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, call.scale, lists, aux, prog.scalars,
+              q_ranks=ranks)
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, q, k, v, *buffers):
@@ -401,9 +529,16 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from . import triton as triton_backend
         q, k, v, out, lse, *buffers = ctx.saved_tensors
-        grads = triton_backend.backward(ctx.call, q, k, v, out, lse, dout, dlse)
+        call = ctx.call
+        ok, why = backward_supports(call)
+        if ok:
+            grads = (*backward(call, q, k, v, out, lse, dout, dlse), *[None] * len(buffers))
+        else:
+            from . import triton as triton_backend
+            if os.environ.get("FLEXJIT_DEBUG"):
+                print(f"[flexjit] backward on Triton: {why}")
+            grads = triton_backend.backward(call, q, k, v, out, lse, dout, dlse)
         return (None, *grads)
 
 
