@@ -321,6 +321,70 @@ class Program:
         return hashlib.sha256(text.encode()).hexdigest()
 
 
+# --------------------------------------------------------------------------- float indices
+
+# Indices (and their sums below) are exact in float32 below 2**24; with at most two index terms
+# below this limit and constants summing below it, every partial sum stays below 3 * 2**22.
+FLOAT_INDEX_LIMIT = 2 ** 22
+
+
+def _index_terms(n: Node) -> tuple[int, int] | None:
+    """(number of index leaves, sum of |constants|) if ``n`` is an integer sum/difference of
+    index leaves and constants (what ALiBi-style mods cast to float), else None."""
+    if n.op in ir.INDEX_LEAVES:
+        return 1, 0
+    if n.op is Op.CONST and n.dtype.is_int:
+        return 0, abs(int(n.arg))
+    if n.op in (Op.ADD, Op.SUB, Op.NEG) and n.dtype.is_int:
+        terms = [_index_terms(s) for s in n.src]
+        if any(t is None for t in terms):
+            return None
+        return sum(t[0] for t in terms), sum(t[1] for t in terms)
+    return None
+
+
+def _as_float(n: Node) -> Node:
+    """The float32 graph of an integer index sum: casts move onto the leaves."""
+    if n.op in ir.INDEX_LEAVES or n.op is Op.CONST:
+        return cast(n, DType.FLOAT32)
+    return ir.node(n.op, DType.FLOAT32, tuple(_as_float(s) for s in n.src))
+
+
+def _float_index_node(n: Node, srcs: tuple[Node, ...]) -> Node:
+    n = ir.node(n.op, n.dtype, srcs, n.arg)
+    if n.op is Op.CAST and n.dtype is DType.FLOAT32 and n.src[0].op not in ir.INDEX_LEAVES:
+        terms = _index_terms(n.src[0])
+        if terms is not None and terms[0] <= 2 and terms[1] < FLOAT_INDEX_LIMIT:
+            return _as_float(n.src[0])
+    return n
+
+
+_FLOAT_INDEXED: dict[str, tuple] = {}
+
+
+def float_indices(p: Program) -> Program:
+    """``float(kv_idx - q_idx)`` -> ``float(kv_idx) - float(q_idx)``, exact while every index
+    is below FLOAT_INDEX_LIMIT (the caller checks the lengths). Kernels then convert each
+    index once per row or column (Triton: a 1-D vector; CuTe: one base plus constants) instead
+    of once per score element: an int->float conversion runs at the MUFU's quarter rate on
+    Hopper, beside exp2, so ALiBi's conversions were as costly as its softmax."""
+    graphs = _FLOAT_INDEXED.get(p.key)
+    if graphs is None:
+        roots = [r for r in (p.score, p.mask, p.dscore) if r is not None]
+        roots += [g.load for g in p.grad_loads] + [g.grad for g in p.grad_loads]
+        new = iter(rewrite(roots, _float_index_node))
+        score, mask, dscore = [next(new) if r is not None else None for r in (p.score, p.mask, p.dscore)]
+        loads = [next(new) for _ in p.grad_loads]
+        grad_loads = tuple(GradLoad(ld, next(new)) for ld in loads)
+        graphs = _FLOAT_INDEXED[p.key] = (score, mask, dscore, grad_loads)
+        if len(_FLOAT_INDEXED) > 4096:
+            _FLOAT_INDEXED.clear()
+    score, mask, dscore, grad_loads = graphs
+    if (score, mask, dscore, grad_loads) == (p.score, p.mask, p.dscore, p.grad_loads):
+        return p
+    return dataclasses.replace(p, score=score, mask=mask, dscore=dscore, grad_loads=grad_loads)
+
+
 def _loads(root: Node) -> list[Node]:
     return [n for n in ir.walk(root) if n.op is Op.LOAD]
 

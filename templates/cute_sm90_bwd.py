@@ -120,6 +120,7 @@ _smem_layout, _permute, _transposed = _fwd._smem_layout, _fwd._permute, _fwd._tr
 _placeholder, _ffi_function, _stream_context = _fwd._placeholder, _fwd._ffi_function, _fwd._stream_context
 _as_scalar, _aux_cutlass_dtype = _fwd._as_scalar, _fwd._aux_cutlass_dtype
 tvm_ffi_enabled = _fwd.tvm_ffi_enabled
+FloatIndices = _fwd.FloatIndices
 
 MASK_BLOCK = 128  # FlexAttention BlockMask granularity, rows and columns
 LOG2_E = math.log2(math.e)
@@ -836,16 +837,19 @@ class FlexAttentionBwdSm90:
         q0 = m * self.tile_m
         k0 = sched.n_block * self.tile_n
         neg_inf = -Float32.inf
+        indices = FloatIndices(q0 + ctx.tScS[0][1], k0 + ctx.tScS[0][0])
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             kv_idx = k0 + ctx.tScS[i][0]
             q_idx = q0 + ctx.tScS[i][1]
             s = acc_S[i]
             ds = Float32(1.0)
             if const_expr(self.score_mod is not None):
-                s, ds = self.score_mod(s * ctx.softmax_scale, sched.batch, head, q_idx, kv_idx, ctx.aux)
+                s, ds = self.score_mod(s * ctx.softmax_scale, sched.batch, head, q_idx, kv_idx, ctx.aux,
+                                       *indices.args(self.score_mod, q_idx, kv_idx))
             ok = None
             if const_expr(use_mask):
-                ok = self.mask_mod(sched.batch, head, q_idx, kv_idx, ctx.aux)
+                ok = self.mask_mod(sched.batch, head, q_idx, kv_idx, ctx.aux,
+                                   *indices.args(self.mask_mod, q_idx, kv_idx))
             if const_expr(use_bound):
                 inb = cutlass.and_(q_idx < sched.seqlen_q, kv_idx < sched.seqlen_k)
                 ok = inb if const_expr(ok is None) else cutlass.and_(ok, inb)

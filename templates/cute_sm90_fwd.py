@@ -62,6 +62,9 @@ S tile, so they must be ``@cute.jit`` functions (or plain Python on DSL values):
     score_mod(score: Float32, b: Int32, h: Int32, q_idx: Int32, kv_idx: Int32, aux: Aux) -> Float32
     mask_mod(b: Int32, h: Int32, q_idx: Int32, kv_idx: Int32, aux: Aux) -> Boolean
 
+A mod with the attribute ``float_indices = True`` takes two more arguments, ``q_idx_f`` and
+``kv_idx_f`` (Float32 copies of the indices, formed cheaply: ``FloatIndices``).
+
 * ``score`` is q·k·softmax_scale in natural units (torch's FlexAttention semantics).
 * ``b`` batch, ``h`` QUERY head, ``q_idx`` / ``kv_idx`` global positions. Rows q_idx >= L and
   columns kv_idx >= S can reach the mods (ragged tiles); their results are discarded, but a mod
@@ -157,6 +160,22 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True) -> 
     if head_dim == 256:
         return Tiling(128, 64, 2, 2, False, 240, 24)
     raise NotImplementedError(f"cute_sm90_fwd: head_dim {head_dim} not in (64, 128, 256)")
+
+
+class FloatIndices:
+    """float32 copies of a thread's (q_idx, kv_idx) for mods marked ``.float_indices``: each is
+    the first register's index, converted once, plus the register's compile-time offset from
+    it (the integer difference folds to a constant), so an element costs one FADD instead of an
+    int->float conversion, which issues on the MUFU pipe beside exp2."""
+
+    def __init__(self, q0, kv0):
+        self.q0, self.kv0 = q0, kv0
+        self.q0_f, self.kv0_f = Float32(q0), Float32(kv0)
+
+    def args(self, mod, q_idx, kv_idx) -> tuple:
+        if not getattr(mod, "float_indices", False):
+            return ()
+        return (self.q0_f + Float32(q_idx - self.q0), self.kv0_f + Float32(kv_idx - self.kv0))
 
 
 @dataclass(frozen=True)
@@ -759,15 +778,17 @@ class FlexAttentionFwdSm90:
         cS = cute.domain_offset((ctx.sched.m_block * self.tile_m, tile * self.tile_n), cS)
         tScS = ctx.thr_qk.partition_C(cS)
         neg_inf = -Float32.inf
+        indices = FloatIndices(tScS[0][0], tScS[0][1])
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             q_idx = tScS[i][0]
             kv_idx = tScS[i][1]
             s = acc_S[i]
             if const_expr(self.score_mod is not None):
                 s = self.score_mod(s * ctx.softmax_scale, ctx.sched.batch, ctx.sched.head, q_idx, kv_idx,
-                                   ctx.aux)
+                                   ctx.aux, *indices.args(self.score_mod, q_idx, kv_idx))
             if const_expr(use_mask and self.mask_mod is not None):
-                keep = self.mask_mod(ctx.sched.batch, ctx.sched.head, q_idx, kv_idx, ctx.aux)
+                keep = self.mask_mod(ctx.sched.batch, ctx.sched.head, q_idx, kv_idx, ctx.aux,
+                                     *indices.args(self.mask_mod, q_idx, kv_idx))
                 s = s if keep else neg_inf
             if const_expr(use_bound):
                 s = s if kv_idx < ctx.sched.seqlen_k else neg_inf

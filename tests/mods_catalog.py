@@ -113,3 +113,13 @@ def make_case(name: str, B: int, H: int, L: int, S: int, device="cpu", dtype=tor
     """``dtype``: of captured floating tensors (float64 for a float64 end-to-end test, where
     eager torch would otherwise round a float32 bias product before adding it)."""
     return _make(name, B, H, L, S, device, dtype)
+
+
+def lowered(score_mod, mask_mod):
+    """The Program of these mods as ``flex_attention`` builds it for lengths below
+    ``FLOAT_INDEX_LIMIT`` (lowered, then float indices), for tests that drive a backend or a
+    template directly."""
+    from flexjit.passes import float_indices, lower
+    from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
+    return float_indices(lower(trace_mod(score_mod, SCORE_MOD) if score_mod else None,
+                               trace_mod(mask_mod, MASK_MOD) if mask_mod else None))

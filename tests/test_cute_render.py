@@ -10,9 +10,7 @@ import pytest
 import torch
 
 from flexjit.backends.cute_sm90 import render
-from flexjit.passes import lower
-from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
-from mods_catalog import CORE, make_case
+from mods_catalog import CORE, lowered, make_case
 
 GOLDEN = Path(__file__).parent / "golden" / "cute_sm90"
 
@@ -20,8 +18,7 @@ GOLDEN = Path(__file__).parent / "golden" / "cute_sm90"
 def _program(name):
     torch.manual_seed(0)  # captured tensors' values don't reach the code, only dtypes/ranks do
     case = make_case(name, 2, 4, 256, 256)
-    return lower(trace_mod(case.score_mod, SCORE_MOD) if case.score_mod else None,
-                 trace_mod(case.mask_mod, MASK_MOD) if case.mask_mod else None)
+    return lowered(case.score_mod, case.mask_mod)
 
 
 @pytest.mark.parametrize("name", CORE)

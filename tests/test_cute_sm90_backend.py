@@ -14,17 +14,14 @@ pytest.importorskip("cutlass")
 
 from flexjit import create_block_mask  # noqa: E402
 from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_program  # noqa: E402
-from flexjit.passes import lower  # noqa: E402
-from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
-from mods_catalog import CORE, make_case  # noqa: E402
+from mods_catalog import CORE, lowered, make_case  # noqa: E402
 
 
 @pytest.mark.parametrize("name", CORE)
 def test_core_mod_compiles_for_sm90a(name, tmp_path):
     B, Hq, Hkv, L, S, D = 2, 4, 2, 300, 500, 128
     case = make_case(name, B, Hq, L, S)
-    program = lower(trace_mod(case.score_mod, SCORE_MOD) if case.score_mod else None,
-                    trace_mod(case.mask_mod, MASK_MOD) if case.mask_mod else None)
+    program = lowered(case.score_mod, case.mask_mod)
     bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cpu") if case.mask_mod else None
     q = torch.randn(B, Hq, L, D, dtype=torch.bfloat16)
     k, v = [torch.randn(B, Hkv, S, D, dtype=torch.bfloat16) for _ in range(2)]

@@ -35,17 +35,14 @@ from flexjit.backends.cute_sm90 import _aux_tensor, load_mods  # noqa: E402
 from flexjit.block_mask import create_block_mask  # noqa: E402
 from flexjit.cache import load_template  # noqa: E402
 from flexjit.ir import Op  # noqa: E402
-from flexjit.passes import lower  # noqa: E402
-from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
-from mods_catalog import CORE, make_case  # noqa: E402
+from mods_catalog import CORE, lowered, make_case  # noqa: E402
 from ptx_checks import assert_no_spills  # noqa: E402
 
 tpl = load_template("cute_sm90_bwd")
 
 
 def _program(score_mod, mask_mod):
-    return lower(trace_mod(score_mod, SCORE_MOD) if score_mod else None,
-                 trace_mod(mask_mod, MASK_MOD) if mask_mod else None)
+    return lowered(score_mod, mask_mod)
 
 
 def _softcap_alibi_document():

@@ -33,9 +33,8 @@ from flexjit.backends.cute_sm90 import (  # noqa: E402
     _aux_tensor, bwd_block_lists, light_mods, load_mods)
 from flexjit.cache import load_template  # noqa: E402
 from flexjit.ir import Op, uses  # noqa: E402
-from flexjit.passes import lower  # noqa: E402
-from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
-from mods_catalog import make_case  # noqa: E402
+from flexjit.trace import MASK_MOD, trace_mod  # noqa: E402
+from mods_catalog import lowered, make_case  # noqa: E402
 from oracle import FLOOR, assert_close_to_oracle, dense_attention  # noqa: E402
 
 tpl = load_template("cute_sm90_bwd")
@@ -53,8 +52,7 @@ def _block_mask(mask_mod, B, H, L, S):
 
 
 def _compiled(case, D, dtype, sparse, deterministic):
-    program = lower(trace_mod(case.score_mod, SCORE_MOD) if case.score_mod else None,
-                    trace_mod(case.mask_mod, MASK_MOD) if case.mask_mod else None)
+    program = lowered(case.score_mod, case.mask_mod)
     aux = tuple(_aux_tensor(t, torch.device(DEV)) for t in program.buffers)
     key = (program.key, D, dtype, sparse, deterministic)
     if key not in _COMPILED:

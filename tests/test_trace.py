@@ -303,3 +303,61 @@ def test_unfingerprintable_captures_are_traced_every_call():
     holder.scale = 3.0
     b = trace_mod(by_attribute, SCORE_MOD)
     assert a is not b and any(n.op is Op.CONST and n.arg == 3.0 for n in ir.walk(b.out))
+
+
+# --------------------------------------------------------------------------- float indices
+
+
+def _casts_of_sums(p):
+    """CAST-to-float nodes whose operand is not an index leaf (what float_indices removes)."""
+    roots = [r for r in (p.score, p.mask, p.dscore) if r is not None]
+    return [n for n in ir.toposort(roots)
+            if n.op is Op.CAST and n.dtype.is_float and n.src[0].op not in ir.INDEX_LEAVES]
+
+
+def test_float_indices_moves_casts_onto_the_leaves():
+    from flexjit.passes import float_indices, lower
+    slopes = torch.rand(4)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx + 3)
+
+    p = lower(trace_mod(alibi, SCORE_MOD), None)
+    assert len(_casts_of_sums(p)) == 1
+    f = float_indices(p)
+    assert _casts_of_sums(f) == [] and f.key != p.key
+    # The same values, element for element, as the integer form (exact below the limit).
+    q, kv = torch.meshgrid(torch.arange(300), torch.arange(300), indexing="ij")
+    s = torch.randn(300, 300)
+    for h in range(4):
+        env = Env(b=torch.tensor(0), h=torch.tensor(h), q_idx=q, kv_idx=kv, score=s,
+                  buffers=tuple(p.buffers))
+        assert torch.equal(evaluate(p.score, env), evaluate(f.score, env))
+
+
+def test_float_indices_leaves_other_integer_math_alone():
+    from flexjit.passes import float_indices, lower
+
+    def products(score, b, h, q_idx, kv_idx):  # a product, a floor division: not index sums
+        return score + (q_idx * kv_idx) * 1e-6 + (q_idx // 7) * 0.5
+
+    def three_terms(score, b, h, q_idx, kv_idx):  # three index terms could pass 2**24
+        return score + (q_idx + kv_idx + q_idx) * 0.1
+
+    for mod in (products, three_terms):
+        p = lower(trace_mod(mod, SCORE_MOD), None)
+        assert float_indices(p) is p
+
+
+def test_long_sequences_keep_integer_index_math():
+    from flexjit.api import prepare_call
+    from flexjit.passes import FLOAT_INDEX_LIMIT
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + 0.5 * (kv_idx - q_idx)
+
+    short = torch.zeros(1, 1, 8, 8)
+    long_q = torch.zeros(1, 1, 1, 8).expand(1, 1, FLOAT_INDEX_LIMIT, 8)
+    assert _casts_of_sums(prepare_call(short, short, short, alibi, None, None, False, None).program) == []
+    long_call = prepare_call(long_q, short, short, alibi, None, None, False, None)
+    assert len(_casts_of_sums(long_call.program)) == 1

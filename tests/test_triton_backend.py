@@ -23,9 +23,8 @@ from flexjit import create_block_mask, flex_attention
 from flexjit.api import prepare_call
 from flexjit.backends import triton as tb
 from flexjit.ir import Op, uses
-from flexjit.passes import lower
-from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
-from mods_catalog import CORE, make_case
+from flexjit.trace import MASK_MOD, trace_mod
+from mods_catalog import CORE, lowered, make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err, random_qkv
 
 GOLDEN = Path(__file__).parent / "golden" / "triton_mods"
@@ -351,8 +350,7 @@ def test_templates_are_python_with_marked_holes():
 def _program(name):
     torch.manual_seed(0)  # captured tensors' values don't reach the code, only dtypes/ranks do
     case = make_case(name, 2, 4, 256, 256)
-    return lower(trace_mod(case.score_mod, SCORE_MOD) if case.score_mod else None,
-                 trace_mod(case.mask_mod, MASK_MOD) if case.mask_mod else None)
+    return lowered(case.score_mod, case.mask_mod)
 
 
 def _holes_text(prog) -> str:
