@@ -40,6 +40,30 @@ Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pi
   by TMA (rows >= L are clipped by the TMA unit). LSE (natural log, fp32) = (m·c + log2(Σp))·ln2.
   A row with no unmasked key gives O = 0 and LSE = -inf, never NaN.
 
+Persistent variant (``Tiling.persistent``, off by default)
+--------------------------------------------------------
+The grid is min(num_tiles, num_sms) CTAs (``num_sms`` is a runtime argument: the device's SM
+count on the host path, 132 for a CPU compile); CTA i runs tiles i, i + grid, i + 2·grid, ... in
+``_tile_coords``'s order, so longest-first and the L2 sections still hold. The producer warp and
+each consumer warpgroup run that loop with their own copy of ``_schedule`` per tile, and carry
+their pipeline states (Q: one stage, K/V: a ring) from tile to tile: ``_load_tile`` /
+``_mainloop`` both advance the K/V state once per kv tile visited, i.e. past V(last).
+* Overlap: the consumers release Q right after their last QK GEMM has completed (before the
+  last PV GEMM; at once for an empty row), so the producer loads the next tile's Q, and its
+  first K/V tiles as stages free up, under this tile's last PV GEMM and epilogue.
+* O has its own smem buffer (the next Q may be landing in Q's). D=128: Q 32 + K/V 2×64 + O 32
+  = 192 KB; D=64: 128 KB (block-sparse) / 144 KB (dense 192-row); D=256 would need 256 KB and
+  is refused. The epilogue's TMA store is committed but not waited for; before the next tile's
+  stmatrix, warp 4 (the storing warp) waits for its bulk group with read semantics and the
+  first epilogue barrier releases the other consumer threads; after the loop warp 4 waits once
+  more, so sO outlives the last store's reads.
+* Ping-pong: per tile each consumer warpgroup waits on its own named barrier and signals the
+  next warpgroup's once per steady kv tile (total − 1 times, the same for all warpgroups of a
+  tile), so the single token that warpgroup 0 hands itself ONCE PER CTA, before the tile loop,
+  is back at warpgroup 0's barrier at every tile boundary (the per-CTA kernel hands it out after
+  the first kv tile instead). Warpgroups cannot drift apart across tiles: the epilogue barriers
+  join all consumer threads every tile.
+
 Block sparsity (FlexAttention's BlockMask, mask block 128×128)
 --------------------------------------------------------------
 ``kv_num_blocks`` (Bm, Hm, nQB) + ``kv_indices`` (Bm, Hm, nQB, nKVB) list PARTIAL blocks (mask_mod
@@ -80,6 +104,7 @@ fp32; the last dim of q/k/v/o contiguous, 16-byte aligned, other strides arbitra
 Hq = g·Hkv (query head h reads kv head h // g). Supported head dims: D == Dv in {64, 128, 256}.
 """
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
@@ -130,9 +155,16 @@ class Tiling:
     pingpong: bool
     mma_regs: int
     load_regs: int
+    # Persistent: min(num_tiles, num_SMs) CTAs each walk tiles block_idx, block_idx + grid, ...
+    # in ``_tile_coords``'s order; O gets its own smem buffer (see "Persistent variant").
+    persistent: bool = False
 
 
-def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True) -> Tiling:
+SMEM_CAPACITY = 227 * 1024  # sm90 opt-in maximum per CTA
+
+
+def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
+                  persistent: bool = False) -> Tiling:
     """Tile table. With a block mask, tile_m is 128 = one mask-block row, so a CTA reads exactly
     one row of the BlockMask, and tile_n divides the 128-wide mask block for the same reason.
 
@@ -148,18 +180,37 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True) -> 
       tile_n = 80, which would not divide the mask block. No ping-pong (the long PV GEMM makes the
       two warpgroups' turns uneven).
     Two consumer warpgroups: 2×128×240 + producer 128×24 = 64512 <= 65536 registers.
+
+    ``persistent`` adds a separate O buffer (tile_m × Dv): D = 128 needs 192 KB, D = 64 128 KB
+    (block-sparse) or 144 KB (dense); D = 256 would need 256 KB > 227 KB, so it is refused.
     """
     if head_dim != head_dim_v:
         raise NotImplementedError("cute_sm90_fwd: head_dim_v must equal head_dim")
+    if persistent and head_dim == 256:
+        raise NotImplementedError(
+            "cute_sm90_fwd: the persistent variant does not support head_dim 256 (Q 64 KB + "
+            "K/V 2x64 KB + a separate O buffer 64 KB = 256 KB > 227 KB of shared memory)")
     if head_dim == 64:
         if not block_sparse:
-            return Tiling(192, 128, 3, 3, True, 160, 32)
-        return Tiling(128, 128, 3, 2, True, 240, 24)
+            return Tiling(192, 128, 3, 3, True, 160, 32, persistent)
+        return Tiling(128, 128, 3, 2, True, 240, 24, persistent)
     if head_dim == 128:
-        return Tiling(128, 128, 2, 2, True, 240, 24)
+        return Tiling(128, 128, 2, 2, True, 240, 24, persistent)
     if head_dim == 256:
         return Tiling(128, 64, 2, 2, False, 240, 24)
     raise NotImplementedError(f"cute_sm90_fwd: head_dim {head_dim} not in (64, 128, 256)")
+
+
+def smem_bytes(cfg: "FwdConfig") -> int:
+    """Shared memory the kernel allocates (operand buffers at 1 KB alignment + mbarriers)."""
+    t = cfg.tiling
+    elem = 2  # bf16 / fp16
+    q = t.tile_m * cfg.head_dim * elem
+    o = t.tile_m * cfg.head_dim_v * elem
+    kv = t.num_stages * t.tile_n * (cfg.head_dim + cfg.head_dim_v) * elem
+    bars = 8 * (2 + 4 * t.num_stages)
+    q_region = q + o if t.persistent else max(q, o)
+    return 1024 + q_region + kv + bars  # 1024: worst-case padding to the first aligned buffer
 
 
 class FloatIndices:
@@ -299,6 +350,11 @@ class FlexAttentionFwdSm90:
         # Which loop bodies exist: partial tiles (mask_mod + bound), full tiles (bound if ragged).
         self.has_partial = self.sparse or self.mask_mod is not None
         self.has_full = self.sparse or self.mask_mod is None
+        self.persistent = bool(getattr(t, "persistent", False))
+        if self.persistent and smem_bytes(cfg) > SMEM_CAPACITY:
+            raise NotImplementedError(
+                f"cute_sm90_fwd: the persistent variant needs {smem_bytes(cfg)} bytes of shared "
+                f"memory for this tiling (> {SMEM_CAPACITY}); use persistent=False")
 
     # -----------------------------------------------------------------------------------------
     @cute.jit
@@ -314,6 +370,7 @@ class FlexAttentionFwdSm90:
         blocks: Optional[BlockSparse],
         aux_tensors: Optional[tuple],  # None when empty (empty tuples are not valid jit args)
         aux_scalars: Optional[tuple],
+        num_sms: Int32,  # persistent grid size cap (runtime: not baked into the kernel)
         stream: cuda.CUstream,
     ):
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
@@ -348,27 +405,45 @@ class FlexAttentionFwdSm90:
             (64, Dv), warpgroup.OperandSource.RMEM,
         )
 
-        q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))  # O reuses Q's buffer
+        if const_expr(not self.persistent):
+            q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))  # O reuses Q's buffer
 
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            @cute.struct
+            class SharedStorage:
+                mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        self.shared_storage = SharedStorage
+            self.shared_storage = SharedStorage
+        else:
+            # Persistent: the producer may load the next tile's Q while this tile's O is staged,
+            # so O has a buffer of its own.
+            @cute.struct
+            class SharedStoragePersistent:
+                mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+
+            self.shared_storage = SharedStoragePersistent
 
         num_m_blocks = cute.ceil_div(q.shape[0], tm)
         num_tiles = num_m_blocks * q.shape[2] * q.shape[3]
+        num_ctas = num_tiles
+        if const_expr(self.persistent):
+            num_ctas = cutlass.min(num_tiles, cutlass.max(num_sms, 1))
         self.kernel(
             tQ, tK, tV, tO, lse, tma_q, tma_k, tma_v, tma_o, mma_qk, mma_pv,
             softmax_scale, hb_per_section, blocks, aux_tensors, aux_scalars,
             sQ_layout, sK_layout, sV_layout, sO_layout,
         ).launch(
-            grid=[num_tiles, 1, 1],
+            grid=[num_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -404,7 +479,10 @@ class FlexAttentionFwdSm90:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
         # First, so that its global loads (block counts, first indices) overlap the setup.
-        sched = self._schedule(mQ, mK, hb_per_section, blocks)
+        # (Persistent: each role computes it per tile inside its tile loop.)
+        sched = None
+        if const_expr(not self.persistent):
+            sched = self._schedule(mQ, mK, hb_per_section, blocks, None)
 
         storage = SmemAllocator().allocate(self.shared_storage)
         pipe_q, pipe_k, pipe_v = self._make_pipelines(storage)
@@ -414,19 +492,31 @@ class FlexAttentionFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        if const_expr(self.persistent):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
 
         aux = Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
                   tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                          sched)
+                if const_expr(self.persistent):
+                    self.load_persistent(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q,
+                                         pipe_k, pipe_v, hb_per_section, blocks)
+                else:
+                    self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
+                              pipe_v, sched)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.mma(mma_qk, mma_pv, mQ, mO, mLSE, sQ, sK, _transposed(sV), sO, tma_o,
-                     pipe_q, pipe_k, pipe_v, softmax_scale, sched, aux)
+            if const_expr(self.persistent):
+                self.mma_persistent(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, _transposed(sV),
+                                    sO, tma_o, pipe_q, pipe_k, pipe_v, softmax_scale,
+                                    hb_per_section, blocks, aux)
+            else:
+                self.mma(mma_qk, mma_pv, mQ, mO, mLSE, sQ, sK, _transposed(sV), sO, tma_o,
+                         pipe_q, pipe_k, pipe_v, softmax_scale, sched, aux)
 
     def _make_pipelines(self, storage):
         """Q: one stage; K and V: ``num_stages`` each. TMA producer = 1 thread; consumers arrive
@@ -448,15 +538,21 @@ class FlexAttentionFwdSm90:
     # -----------------------------------------------------------------------------------------
     # Scheduling: which tile, which kv tiles
     # -----------------------------------------------------------------------------------------
+    def _num_tiles(self, mQ: cute.Tensor):
+        """q-tiles × query heads × batch: the non-persistent grid size."""
+        return cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
+
     @cute.jit
-    def _tile_coords(self, mQ: cute.Tensor, hb_per_section: Int32):
-        """Linear CTA id -> (m_block, head, batch). (head, batch) pairs are grouped in sections
-        whose K/V fit in L2; inside a section the heads vary fastest and the q-tiles run from the
-        last (longest under causal masks) to the first: longest-processing-time-first order."""
+    def _tile_coords(self, mQ: cute.Tensor, hb_per_section: Int32, tile: Optional[Int32]):
+        """Linear tile index (the CTA id, or the persistent loop's index) -> (m_block, head,
+        batch). (head, batch) pairs are grouped in sections whose K/V fit in L2; inside a
+        section the heads vary fastest and the q-tiles run from the last (longest under causal
+        masks) to the first: longest-processing-time-first order."""
         num_m = cute.ceil_div(mQ.shape[0], self.tile_m)
         num_hq = mQ.shape[2]
         num_hb = num_hq * mQ.shape[3]
-        tile, _, _ = cute.arch.block_idx()
+        if const_expr(tile is None):
+            tile, _, _ = cute.arch.block_idx()  # non-persistent: the CTA id
         per_section = hb_per_section * num_m
         section = tile // per_section
         rest = tile - section * per_section
@@ -469,12 +565,12 @@ class FlexAttentionFwdSm90:
 
     @cute.jit
     def _schedule(self, mQ: cute.Tensor, mK: cute.Tensor, hb_per_section: Int32,
-                  blocks: Optional[BlockSparse]):
-        """Everything per CTA about which kv tiles to visit, computed once: the tile coordinates,
+                  blocks: Optional[BlockSparse], tile: Optional[Int32]):
+        """Everything per tile about which kv tiles to visit, computed once: the tile coordinates,
         the number of partial and full kv TILES (a mask block is 128/tile_n tiles) and, with a
         block mask, 1-D views of this q-tile's two index lists (broadcast dims resolved here, so
         the mainloops index a plain row)."""
-        m_block, head, batch = self._tile_coords(mQ, hb_per_section)
+        m_block, head, batch = self._tile_coords(mQ, hb_per_section, tile)
         n_dense = cute.ceil_div(mK.shape[0], self.tile_n)
         n_partial = Int32(0)
         n_full = Int32(0)
@@ -545,8 +641,68 @@ class FlexAttentionFwdSm90:
         pipe_v: pipeline.PipelineAsync,
         sched,
     ):
+        """One CTA, one tile: fresh pipeline states."""
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                        sched, q_state, kv)
+
+    @cute.jit
+    def load_persistent(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        hb_per_section: Int32,
+        blocks: Optional[BlockSparse],
+    ):
+        """Persistent producer: the same tile sequence as the consumers (block_idx, +grid_dim,
+        ...), the Q and K/V pipeline states carried from one tile to the next. Nothing waits
+        for a tile's epilogue: the next tile's Q is issued as soon as the consumers release Q
+        (after their last QK GEMM) and its K/V as soon as stages free up, so these loads
+        overlap the current tile's last PV GEMM and epilogue."""
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        num_tiles = self._num_tiles(mQ)
+        first_tile = cute.arch.block_idx()[0]
+        step = cute.arch.grid_dim()[0]
+        for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
+            sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
+            kv = self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
+                                 pipe_v, sched, q_state, kv)
+            q_state.advance()
+
+    @cute.jit
+    def _load_tile(
+        self,
+        mQ: cute.Tensor,  # (L, D, Hq, B)
+        mK: cute.Tensor,  # (S, D, Hkv, B)
+        mV: cute.Tensor,  # (S, Dv, Hkv, B)
+        sQ: cute.Tensor,  # (tile_m, D)
+        sK: cute.Tensor,  # (tile_n, D, stages)
+        sV: cute.Tensor,  # (tile_n, Dv, stages)
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        sched,
+        q_state,
+        kv,
+    ):
         """Q first (it does not depend on the block lists), then K(0), then K(j) / V(j-1)
-        pairs, then V(last): the order in which the consumers use them."""
+        pairs, then V(last): the order in which the consumers use them. ``kv`` is the state of
+        K(0)'s stage; returned (persistent) advanced past V(last), unchanged for an empty row."""
         head_kv = sched.head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(mQ[None, None, sched.head, sched.batch],
                              (self.tile_m, self.head_dim), (sched.m_block, 0))
@@ -557,13 +713,11 @@ class FlexAttentionFwdSm90:
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
         total = sched.n_partial + sched.n_full
         if total > 0:
-            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
             tile = sched.first_tile
             nxt = self._kv_tile(sched, cutlass.min(Int32(1), total - 1), "any")
             pipe_k.producer_acquire(kv)
@@ -585,6 +739,9 @@ class FlexAttentionFwdSm90:
             pipe_v.producer_acquire(kv)
             cute.copy(tma_v, tVgV[None, prev_tile], tVsV[None, kv.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(kv))
+            if const_expr(self.persistent):
+                kv.advance()  # the next tile's K(0) goes to the following stage
+        return kv
 
     # -----------------------------------------------------------------------------------------
     # Consumer warpgroups
@@ -612,6 +769,75 @@ class FlexAttentionFwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
+        (thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum,
+         c) = self._consumer_setup(mma_qk, mma_pv, sQ, sK, sVt, softmax_scale, tidx, wg)
+        ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
+                      row_max, row_sum, c, softmax_scale, sched, aux, wg)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
+        self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+
+    @cute.jit
+    def mma_persistent(
+        self,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        mQ: cute.Tensor,  # (L, D, Hq, B), shapes only
+        mK: cute.Tensor,  # (S, D, Hkv, B), shapes only
+        mO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
+        mLSE: cute.Tensor,  # (L, Hq, B)
+        sQ: cute.Tensor,  # (tile_m, D)
+        sK: cute.Tensor,  # (tile_n, D, stages)
+        sVt: cute.Tensor,  # (Dv, tile_n, stages)
+        sO: cute.Tensor,  # (tile_m, Dv), its own buffer
+        tma_o: cute.CopyAtom,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        softmax_scale: Float32,
+        hb_per_section: Int32,
+        blocks: Optional[BlockSparse],
+        aux: Aux,
+    ):
+        """Persistent consumer warpgroup: the producer's tile sequence; Q and K/V consumer
+        states carried across tiles; the ping-pong token is handed out once per CTA (see
+        "Persistent variant" in ``_mainloop``)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        (thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum,
+         c) = self._consumer_setup(mma_qk, mma_pv, sQ, sK, sVt, softmax_scale, tidx, wg)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if const_expr(self.pingpong):
+            # The one token of the ping-pong ring starts at warpgroup 0's barrier, once per CTA:
+            # every tile passes it round the ring (total − 1) times and leaves it there again.
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
+                                         number_of_threads=2 * 128)
+        num_tiles = self._num_tiles(mQ)
+        first_tile = cute.arch.block_idx()[0]
+        step = cute.arch.grid_dim()[0]
+        for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
+            sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
+            self._reset_tile_state(acc_O, row_max, row_sum)
+            ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
+                          row_max, row_sum, c, softmax_scale, sched, aux, wg)
+            kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
+            q_state.advance()
+            self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+        # The last TMA store must finish reading sO before the CTA's shared memory goes away.
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 4:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _consumer_setup(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
+                        sK: cute.Tensor, sVt: cute.Tensor, softmax_scale: Float32, tidx: Int32,
+                        wg: Int32):
+        """Operand fragments (smem descriptors) and the register state of one consumer thread:
+        O accumulator (zeroed), row max (-inf) and row sum (0)."""
         wg_qk = mma_qk.get_slice(wg * 128)
         wg_pv = mma_pv.get_slice(wg * 128)
         thr_qk = mma_qk.get_slice(tidx)
@@ -631,18 +857,40 @@ class FlexAttentionFwdSm90:
         c = Float32(LOG2_E)
         if const_expr(self.score_mod is None):
             c = softmax_scale * LOG2_E
-        ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
-                      row_max, row_sum, c, softmax_scale, sched, aux, wg)
+        return thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum, c
 
+    @cute.jit
+    def _reset_tile_state(self, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor):
+        """Per-tile reset of the consumer registers (persistent). Called through ``self`` so the
+        DSL does not carry the register tensors through the tile loop."""
+        acc_O.fill(0.0)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+    @cute.jit
+    def _mainloop(self, ctx, q_state, kv, pipe_q: pipeline.PipelineAsync,
+                  pipe_k: pipeline.PipelineAsync, pipe_v: pipeline.PipelineAsync):
+        """One tile's kv loop: wait for Q, first tile, steady tiles (partial, then full), last
+        PV GEMM. Returns the K/V consumer state.
+
+        Persistent variant: ``kv`` enters as the stage of this tile's K(0) and leaves advanced
+        past its V(last) (unchanged for an empty row), matching ``_load_tile``. Q is released
+        once no QK GEMM can still read it (right before the last PV GEMM; at once for an empty
+        row), so the producer can load the next tile's Q under this tile's last PV GEMM and
+        epilogue. Ping-pong: each warpgroup waits on its barrier and signals the next one once
+        per steady tile, the same number of times per tile for all warpgroups, so the token
+        handed to warpgroup 0 once per CTA is back at warpgroup 0's barrier after each tile.
+        (Per-CTA mode hands it out after the first tile of the only tile instead.)"""
+        sched = ctx.sched
+        wg = ctx.wg
         # Always wait for Q: the producer issues it even for an empty row of blocks, and the
-        # epilogue writes O over it.
-        pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        # epilogue writes O over it (non-persistent).
+        pipe_q.consumer_wait(q_state)
         n_partial = sched.n_partial
         total = n_partial + sched.n_full
         if total > 0:
-            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             self._first_tile(ctx, kv, pipe_k)
-            if const_expr(self.pingpong):
+            if const_expr(self.pingpong and not self.persistent):
                 if wg == 0:  # warpgroup 0 issues its GEMMs first
                     cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
                                              number_of_threads=2 * 128)
@@ -671,13 +919,22 @@ class FlexAttentionFwdSm90:
                     for j in cutlass.range(start, total, unroll=1):
                         kv = self._steady_tile(ctx, j, kv, sched.n_dense - 1 - j, pipe_k, pipe_v,
                                                "full")
+            if const_expr(self.persistent):
+                # Every QK GEMM of this tile has completed (the last one was waited for with
+                # wait_group(0) by _first_tile or the last _steady_tile): sQ is free.
+                pipe_q.consumer_release(q_state)
             # Last PV GEMM.
             pipe_v.consumer_wait(kv)
-            self._gemm(mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv.index], zero_init=False)
+            self._gemm(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, kv.index],
+                       zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv)
-
-        self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+            if const_expr(self.persistent):
+                kv.advance()  # the next tile's K(0) is in the following stage
+        if const_expr(self.persistent):
+            if total == 0:
+                pipe_q.consumer_release(q_state)  # an empty row never reads Q
+        return kv
 
     @cute.jit
     def _first_tile(self, ctx, kv, pipe_k: pipeline.PipelineAsync):
@@ -844,7 +1101,8 @@ class FlexAttentionFwdSm90:
     @cute.jit
     def epilogue(self, ctx, mma_pv: cute.TiledMma, mQ: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom, tidx: Int32):
-        """Normalise O, LSE in natural log, O -> smem (stmatrix, over Q) -> gmem (TMA store)."""
+        """Normalise O, LSE in natural log, O -> smem (stmatrix; over Q, or into O's own buffer
+        when persistent) -> gmem (TMA store)."""
         acc_O = ctx.acc_O
         o_rc = _rows_cols(acc_O)
         n_rows = cute.size(o_rc, mode=[0])
@@ -863,7 +1121,16 @@ class FlexAttentionFwdSm90:
 
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        # Every consumer warpgroup must be done reading Q before O overwrites it.
+        if const_expr(self.persistent):
+            # sO is reused tile after tile: the previous tile's TMA store (issued and committed
+            # by warp 4, not waited for then) must have finished READING sO before anyone
+            # overwrites it. Warp 4 waits for its bulk group, the barrier below releases the
+            # others. (A no-op on a CTA's first tile: no group is outstanding.)
+            warp_idx_w = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx_w == 4:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # Non-persistent: every consumer warpgroup must be done reading Q before O overwrites
+        # it. Persistent: the previous tile's O store has finished reading sO (above).
         cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
         st_atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, mma_pv).get_slice(tidx)
@@ -879,7 +1146,9 @@ class FlexAttentionFwdSm90:
                                                cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
             cute.copy(tma_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(not self.persistent):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # Persistent: waited for before the next tile's stmatrix, or after the tile loop.
 
         # LSE: the thread holding column 0 of a row writes it (rows >= L are skipped).
         thr_pv = mma_pv.get_slice(tidx)
@@ -1034,7 +1303,8 @@ def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
     tensors = tuple(_placeholder(_aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
                     for t in aux_tensors)
     scalars = tuple(_as_scalar(x) for x in aux_scalars)
-    return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks, tensors or None, scalars or None)
+    return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks, tensors or None, scalars or None,
+            Int32(_CPU_NUM_SMS))
 
 
 def _ffi_function(compiled):
@@ -1082,18 +1352,21 @@ class CompiledFwd:
         self.compiled.export_to_c(object_file_path=object_file_path, function_name=function_name)
 
     def __call__(self, q, k, v, o, lse, softmax_scale: float, block_mask=None, aux_tensors=(),
-                 aux_scalars=(), stream=None, hb_per_section: Optional[int] = None):
+                 aux_scalars=(), stream=None, hb_per_section: Optional[int] = None,
+                 num_sms: Optional[int] = None):
+        """``num_sms`` caps the persistent grid (default: the device's SM count); tests pass a
+        small value to make each CTA run many tiles. Ignored by the non-persistent kernel."""
         if self.ffi_fn is None:
             import torch
 
             if stream is None:
                 stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
             args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors,
-                                aux_scalars, hb_per_section)
+                                aux_scalars, hb_per_section, num_sms)
             self.compiled(*args, stream)
             return o, lse
         args = _ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors,
-                                aux_scalars, hb_per_section)
+                                aux_scalars, hb_per_section, num_sms)
         if stream is None:
             self.ffi_fn(*args)
         else:
@@ -1102,8 +1375,35 @@ class CompiledFwd:
         return o, lse
 
 
+_CPU_NUM_SMS = 132  # H100/H200 SXM; what a compile (or a launch on CPU tensors) assumes
+
+
+@functools.lru_cache(maxsize=None)
+def _device_num_sms(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(cfg, q, num_sms=None) -> int:
+    """The persistent grid cap: the device's SM count (cached per device) unless given. The
+    non-persistent kernel ignores it (1, no device query)."""
+    if num_sms is not None:
+        return int(num_sms)
+    if not cfg.tiling.persistent:
+        return 1
+    if q.device.type != "cuda":
+        return _CPU_NUM_SMS
+    index = q.device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return _device_num_sms(index)
+
+
 def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
-                     hb_per_section=None) -> tuple:
+                     hb_per_section=None, num_sms=None) -> tuple:
     """TVM-FFI call arguments: the torch tensors themselves. The C wrapper checks what the old
     Python checks did (alignment, last-dim stride, strides % 8, dtypes, block-mask presence);
     only the copies that make block lists / aux buffers contiguous happen here."""
@@ -1117,11 +1417,11 @@ def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensor
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
     return (q, k, v, o, lse, float(softmax_scale), int(hb_per_section), blocks, tensors,
-            tuple(aux_scalars) or None)
+            tuple(aux_scalars) or None, _num_sms(cfg, q, num_sms))
 
 
 def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
-                 hb_per_section=None):
+                 hb_per_section=None, num_sms=None):
     """DLPack-path call arguments (the fallback): cute tensors built per call."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
@@ -1139,7 +1439,8 @@ def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, a
     tensors = tuple(_as_cute(t.contiguous(), align=t.element_size()) for t in aux_tensors)
     scalars = tuple(_as_scalar(x) for x in aux_scalars)
     return (_as_cute(q), _as_cute(k), _as_cute(v), _as_cute(o), _as_cute(lse, align=4),
-            Float32(softmax_scale), Int32(hb), blocks, tensors or None, scalars or None)
+            Float32(softmax_scale), Int32(hb), blocks, tensors or None, scalars or None,
+            Int32(_num_sms(cfg, q, num_sms)))
 
 
 def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=(),
@@ -1172,7 +1473,8 @@ _CACHE = {}
 
 
 def flex_fwd_sm90(q, k, v, score_mod=None, mask_mod=None, block_mask=None, softmax_scale=None,
-                  aux_tensors=(), aux_scalars=(), mod_key=None, rescale_threshold=8.0):
+                  aux_tensors=(), aux_scalars=(), mod_key=None, rescale_threshold=8.0,
+                  persistent=False):
     """Compile-or-reuse and launch. ``mod_key`` identifies the mods for the in-process cache (the
     runtime passes the IR hash; default: the callables' identities). Returns (o, lse)."""
     import torch
@@ -1181,11 +1483,12 @@ def flex_fwd_sm90(q, k, v, score_mod=None, mask_mod=None, block_mask=None, softm
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     cfg = FwdConfig(d, dv, _cutlass_dtype(q.dtype), score_mod, mask_mod,
-                    has_block_mask=block_mask is not None, rescale_threshold=rescale_threshold)
+                    has_block_mask=block_mask is not None, rescale_threshold=rescale_threshold,
+                    tiling=choose_tiling(d, dv, block_mask is not None, persistent=persistent))
     o = torch.empty(*q.shape[:-1], dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     key = (mod_key if mod_key is not None else (id(score_mod), id(mask_mod)), d, dv, q.dtype,
-           block_mask is not None, rescale_threshold,
+           block_mask is not None, rescale_threshold, bool(persistent),
            tuple((t.dtype, t.ndim) for t in aux_tensors),
            tuple(type(_as_scalar(x)).__name__ for x in aux_scalars))
     fn = _CACHE.get(key)

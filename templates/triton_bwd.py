@@ -8,7 +8,8 @@ What this module holds
   - programs ``pid < n_kv_tiles`` own a BLOCK_N1 tile of keys of one (batch, KV head). K and V
     stay on chip while the program walks, for every query head of the GQA group, the transposed
     block lists (partial, then full) in BLOCK_M1 sub-tiles, accumulating dK and dV in registers.
-    These programs also add the captured tensors' gradients (atomics into fp32 accumulators):
+    These programs also add the captured tensors' gradients (atomics into fp64 accumulators:
+    one table entry may take ~L·S/2 adds, which fp32 would round into the dominant error):
     every kept (b, h, q, kv) is visited exactly once here.
   - the other programs own a BLOCK_M2 tile of query rows of one (batch, query head) and walk the
     kv block lists in BLOCK_N2 sub-tiles, accumulating dQ in registers (no dQ atomics).
@@ -16,7 +17,7 @@ What this module holds
 
 Holes (filled by ``flexjit.backends.triton``; each hole is one marked line, replaced whole):
   ``# {{CAPTURE_PARAMS}}`` / ``# {{CAPTURE_ARGS}}``  captured buffers and scalars (as forward)
-  ``# {{GRAD_PARAMS}}`` / ``# {{GRAD_ARGS}}``        fp32 gradient accumulators of the captured
+  ``# {{GRAD_PARAMS}}`` / ``# {{GRAD_ARGS}}``        fp64 gradient accumulators of the captured
                                                    tensors that require grad (pointer, strides)
   ``# {{SCORE_BWD}}``   statements computing the new ``score`` and ``dscore`` = d score_mod/d score
                         (and the partials the gradient atomics need), sharing subexpressions

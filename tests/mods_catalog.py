@@ -63,10 +63,10 @@ def _make(name: str, B: int, H: int, L: int, S: int, device, dt) -> Case:
     if name == "softcap":
         return Case(mods.softcap(0.5 + 20 * torch.rand(()).item()), mods.causal())
     if name == "relative_bias":
-        return Case(mods.relative_bias(torch.randn(H, 2 * 16 + 1, device=device, dtype=dt)), None)
+        return Case(mods.relative_bias(torch.randn(H, 2 * 16 + 1, device=device).to(dt)), None)
     if name == "t5_bias":
         # max_distance=100 keeps bucket boundaries off exact float ties (log ratios of powers of 2)
-        return Case(mods.t5_bias(torch.randn(H, 32, device=device, dtype=dt), max_distance=100), None)
+        return Case(mods.t5_bias(torch.randn(H, 32, device=device).to(dt), max_distance=100), None)
     if name == "head_dependent":
         def head_window(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx <= 8 + 16 * h)
@@ -89,10 +89,10 @@ def _make(name: str, B: int, H: int, L: int, S: int, device, dt) -> Case:
     if name == "natten_2d":
         return Case(None, _natten(L, S))
     if name == "learnable_bias":
-        table = torch.randn(H, 2 * 16 + 1, device=device, dtype=dt).mul_(0.5).requires_grad_(True)
+        table = torch.randn(H, 2 * 16 + 1, device=device).mul_(0.5).to(dt).requires_grad_(True)
         return Case(mods.relative_bias(table), mods.causal(), (table,))
     if name == "learnable_alibi":
-        slopes = torch.rand(H, device=device, dtype=dt).requires_grad_(True)
+        slopes = torch.rand(H, device=device).to(dt).requires_grad_(True)
         return Case(mods.alibi(slopes), mods.causal(), (slopes,))
     if name == "softcap_alibi_window":
         slopes = mods.alibi_slopes(H).to(device, dt)
@@ -111,8 +111,20 @@ CORE = ["full", "causal", "sliding_window", "prefix_lm", "prefix_lm_per_batch", 
 
 def make_case(name: str, B: int, H: int, L: int, S: int, device="cpu", dtype=torch.float32) -> Case:
     """``dtype``: of captured floating tensors (float64 for a float64 end-to-end test, where
-    eager torch would otherwise round a float32 bias product before adding it)."""
+    eager torch would otherwise round a float32 bias product before adding it). Random
+    captured values are drawn in float32 and then converted, so one seed gives the same values
+    in every dtype."""
     return _make(name, B, H, L, S, device, dtype)
+
+
+def case_and_oracle(name: str, B: int, H: int, L: int, S: int, device="cpu", seed=0):
+    """(case, its twin with float64 captured tensors, same values) for the float64 oracle:
+    autograd sums a captured float32 tensor's gradient in float32 (one scatter-add over every
+    score), an error as large as the kernel's, so the oracle differentiates the twin."""
+    torch.manual_seed(seed)
+    case = make_case(name, B, H, L, S, device)
+    torch.manual_seed(seed)
+    return case, make_case(name, B, H, L, S, device, torch.float64)
 
 
 def lowered(score_mod, mask_mod):

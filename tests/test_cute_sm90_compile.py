@@ -59,7 +59,8 @@ def _block_mask(nq, nk):
     return ones, idx, ones.clone(), idx.clone()
 
 
-def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, aux=(), scalars=()):
+def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, aux=(), scalars=(),
+             persistent=False):
     # L != S and neither a multiple of 128; GQA 4/2: the compile must not depend on any of it.
     b, hq, hkv, seq_q, seq_k = 2, 4, 2, 300, 500
     q = torch.randn(b, hq, seq_q, head_dim, dtype=torch.bfloat16)
@@ -68,7 +69,8 @@ def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, au
     o = torch.empty_like(q)
     lse = torch.empty(b, hq, seq_q)
     bm = _block_mask((seq_q + 127) // 128, (seq_k + 127) // 128) if sparse else None
-    cfg = FwdConfig(head_dim, head_dim, cutlass.BFloat16, score_mod, mask_mod, has_block_mask=sparse)
+    cfg = FwdConfig(head_dim, head_dim, cutlass.BFloat16, score_mod, mask_mod, has_block_mask=sparse,
+                    tiling=_tpl.choose_tiling(head_dim, head_dim, sparse, persistent=persistent))
     fn = compile_fwd(cfg, q, k, v, o, lse, bm, aux, scalars,
                      options=f"--keep-ptx --dump-dir {tmp_path}")
     ptx = fn.compiled.__ptx__
@@ -115,3 +117,95 @@ def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
     # The softcap is a runtime kernel parameter, not a constant folded into the code.
     assert "tanh" in ptx or "ex2" in ptx
     assert "30.0" not in ptx and "0f41F00000" not in ptx, "runtime scalar was baked in"
+
+
+# ------------------------------------------------------------------ the persistent variant
+# Tiling.persistent: min(num_tiles, num_SMs) CTAs loop over the tiles (grid-stride over
+# %nctaid.x), O has its own smem buffer, and the epilogue waits for the previous tile's TMA store
+# to finish reading it (cp.async.bulk.wait_group.read before the barrier ahead of stmatrix) plus
+# once after the loop.
+
+
+def _assert_persistent(ptx):
+    assert "%nctaid.x" in ptx, "no grid-stride tile loop"
+    assert ptx.count("cp.async.bulk.wait_group.read") >= 2, "sO reuse is not guarded"
+
+
+def test_default_is_not_persistent(tmp_path):
+    assert FwdConfig(128, 128, cutlass.BFloat16).tiling.persistent is False
+    assert "%nctaid.x" not in _compile(tmp_path, 128)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_persistent_no_mods(tmp_path, head_dim):
+    ptx = _compile(tmp_path, head_dim, persistent=True)
+    _assert_hopper_path(ptx)
+    _assert_persistent(ptx)
+    assert_no_spills(tmp_path, ptx)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_persistent_causal_block_sparse(tmp_path, head_dim):
+    ptx = _compile(tmp_path, head_dim, mask_mod=causal_mask, sparse=True, persistent=True)
+    _assert_hopper_path(ptx)
+    _assert_persistent(ptx)
+    assert_no_spills(tmp_path, ptx)
+
+
+def test_persistent_causal_dense_mask_mod(tmp_path):
+    ptx = _compile(tmp_path, 128, mask_mod=causal_mask, persistent=True)
+    _assert_hopper_path(ptx)
+    _assert_persistent(ptx)
+    assert_no_spills(tmp_path, ptx)
+
+
+def test_persistent_score_and_mask_mods_with_aux(tmp_path):
+    slopes = torch.rand(4)
+    docs = torch.zeros(500, dtype=torch.int32)
+    ptx = _compile(tmp_path, 128, alibi_softcap_score, document_mask, sparse=True,
+                   aux=(slopes, docs), scalars=(30.0,), persistent=True)
+    _assert_hopper_path(ptx)
+    _assert_persistent(ptx)
+    assert_no_spills(tmp_path, ptx)
+    assert "30.0" not in ptx and "0f41F00000" not in ptx, "runtime scalar was baked in"
+
+
+def test_persistent_smem_budget():
+    """O's own buffer must fit: D=128 192 KB, D=64 <= 148 KB; D=256 is refused up front."""
+    for d, sparse in ((64, False), (64, True), (128, False), (128, True)):
+        cfg = FwdConfig(d, d, cutlass.BFloat16, has_block_mask=sparse,
+                        tiling=_tpl.choose_tiling(d, d, sparse, persistent=True))
+        assert _tpl.smem_bytes(cfg) <= _tpl.SMEM_CAPACITY
+        _tpl.FlexAttentionFwdSm90(cfg)  # the constructor's own check passes
+    with pytest.raises(NotImplementedError, match="persistent"):
+        _tpl.choose_tiling(256, 256, True, persistent=True)
+
+
+def test_persistent_flag_reaches_the_kernel_and_the_cache_keys(tmp_path, monkeypatch):
+    """FLEXJIT_CUTE_PERSISTENT=1 compiles the persistent kernel through the backend, under its
+    own in-memory key and its own disk-cache key (the tiling is in ``_frozen_config``)."""
+    import dataclasses
+
+    from flexjit import cache
+    from flexjit.backends import cute_sm90 as backend
+    from mods_catalog import lowered
+
+    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(backend, "_COMPILED", {})
+    program = lowered(None, None)
+    q = torch.randn(1, 2, 200, 128, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
+    fns = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", flag)
+        fns[flag] = backend.compile_program(program, q, k, v, None, (),
+                                            options=f"--keep-ptx --dump-dir {tmp_path}")
+    assert fns["0"].cfg.tiling.persistent is False and fns["1"].cfg.tiling.persistent is True
+    assert "%nctaid.x" in fns["1"].compiled.__ptx__ and "%nctaid.x" not in fns["0"].compiled.__ptx__
+    assert len(backend._COMPILED) == 2  # two in-memory entries
+    frozen = [backend._frozen_config(f.cfg, (), program, "") for f in fns.values()]
+    assert dataclasses.astuple(fns["1"].cfg.tiling) in frozen[1]
+    keys = {cache.kernel_key(program.key, "cute_sm90_fwd", fz, "sm90") for fz in frozen}
+    assert len(keys) == 2  # two disk-cache files
+    # head_dim 256 keeps the per-tile kernel under the flag (no room for O's own buffer)
+    assert not backend._persistent_fwd(256) and backend._persistent_fwd(128)

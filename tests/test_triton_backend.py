@@ -13,18 +13,19 @@
 Shapes are small because the interpreter runs every tile op in numpy: S <= 256, D <= 64.
 """
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 import flexjit
-from flexjit import create_block_mask, flex_attention
+from flexjit import create_block_mask, flex_attention, mods
 from flexjit.api import prepare_call
 from flexjit.backends import triton as tb
 from flexjit.ir import Op, uses
 from flexjit.trace import MASK_MOD, trace_mod
-from mods_catalog import CORE, lowered, make_case
+from mods_catalog import CORE, case_and_oracle, lowered, make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err, random_qkv
 
 GOLDEN = Path(__file__).parent / "golden" / "triton_mods"
@@ -77,15 +78,17 @@ def _loss_grads(out, lse, inputs, g_out, g_lse):
 
 
 def check(case, B, Hq, Hkv, L, S, E, Ev, dtype, block_size, seed=0, kernel_options=None,
-          qkv=None, bm=None):
-    """Triton (interpreter) vs the float64 oracle: out, lse and every gradient."""
+          qkv=None, bm=None, oracle=None):
+    """Triton (interpreter) vs the float64 oracle: out, lse and every gradient. ``oracle``: the
+    case's float64-captures twin (``case_and_oracle``), differentiated by the float64 math."""
+    oracle = oracle or case
     q, k, v = qkv or random_qkv(B, Hq, Hkv, L, S, E, Ev, dtype, seed)
     if bm is None:
         bm = _block_mask(case.mask_mod, B, Hq, L, S, block_size)
     out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
                               return_lse=True, backend="triton", kernel_options=kernel_options)
     assert out.dtype == dtype and out.shape == (B, Hq, L, Ev) and lse.dtype == torch.float32
-    ref, ref_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=torch.float64)
+    ref, ref_lse = dense_attention(q, k, v, oracle.score_mod, oracle.mask_mod, dtype=torch.float64)
     low, low_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=dtype)
     floor = FLOOR[dtype]
     assert_close_to_oracle("out", out, ref, low, floor)
@@ -95,7 +98,7 @@ def check(case, B, Hq, Hkv, L, S, E, Ev, dtype, block_size, seed=0, kernel_optio
     g_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
     inputs = [q, k, v, *case.learnable]
     got = _loss_grads(out, lse, inputs, g_out, g_lse)
-    want = _loss_grads(ref, ref_lse, inputs, g_out, g_lse)
+    want = _loss_grads(ref, ref_lse, [q, k, v, *oracle.learnable], g_out, g_lse)
     lowg = _loss_grads(low, low_lse, inputs, g_out, g_lse)
     labels = ["dq", "dk", "dv"] + [f"d_captured{i}" for i in range(len(case.learnable))]
     for label, a, b, c in zip(labels, got, want, lowg):
@@ -114,25 +117,51 @@ SHAPE = dict(B=2, Hq=4, Hkv=2, L=96, S=80, E=32, Ev=32)
 
 @pytest.mark.parametrize("name", CORE)
 def test_core_mods_bf16(interp, name):
-    torch.manual_seed(0)
-    check(make_case(name, SHAPE["B"], SHAPE["Hq"], SHAPE["L"], SHAPE["S"]), **SHAPE,
-          dtype=torch.bfloat16, block_size=32)
+    case, oracle = case_and_oracle(name, SHAPE["B"], SHAPE["Hq"], SHAPE["L"], SHAPE["S"], seed=0)
+    check(case, **SHAPE, dtype=torch.bfloat16, block_size=32, oracle=oracle)
 
 
 @pytest.mark.parametrize("name", ["full", "causal", "softcap", "t5_bias", "natten_2d",
                                   "learnable_alibi", "softcap_alibi_window"])
 def test_core_mods_fp32(interp, name):
     # fp32 runs IEEE fp32 dots: errors near 1e-6, so a wrong op or index shows at once.
-    torch.manual_seed(1)
-    check(make_case(name, SHAPE["B"], SHAPE["Hq"], SHAPE["L"], SHAPE["S"]), **SHAPE,
-          dtype=torch.float32, block_size=32, seed=1)
+    case, oracle = case_and_oracle(name, SHAPE["B"], SHAPE["Hq"], SHAPE["L"], SHAPE["S"], seed=1)
+    check(case, **SHAPE, dtype=torch.float32, block_size=32, seed=1, oracle=oracle)
 
 
 @pytest.mark.parametrize("name", ["document", "learnable_bias", "alibi"])
 def test_core_mods_fp16(interp, name):
-    torch.manual_seed(2)
-    check(make_case(name, SHAPE["B"], SHAPE["Hq"], SHAPE["L"], SHAPE["S"]), **SHAPE,
-          dtype=torch.float16, block_size=32, seed=2)
+    case, oracle = case_and_oracle(name, SHAPE["B"], SHAPE["Hq"], SHAPE["L"], SHAPE["S"], seed=2)
+    check(case, **SHAPE, dtype=torch.float16, block_size=32, seed=2, oracle=oracle)
+
+
+def test_captured_gradient_sums_without_fp32_rounding(interp):
+    # relative_bias under a causal mask: table entry 0 (kv - q <= -16) takes one atomic per score,
+    # ~29k per head here (~500k at L = 1024). Summed in fp32, each add rounds a running sum of
+    # magnitude ~10: that error (9e-5 here, against 4e-6 with fp64 sums) was nearly all of the
+    # gradient's error. The oracle's table is float64 (a float32 table makes autograd sum the index
+    # backward in fp32: an oracle no better than the kernel); plain torch runs the fp32 math with
+    # that float64 table, so only each score's fp32 error is left: the floor is not scaled with
+    # the gradient's size as check() does.
+    torch.manual_seed(10)
+    B, H, L, E = 1, 2, 256, 32
+    table = torch.randn(H, 33, dtype=torch.float64).mul_(0.5).float().requires_grad_(True)
+    t64 = table.detach().double().requires_grad_(True)
+    q, k, v = random_qkv(B, H, H, L, L, E, E, torch.float32, 10)
+    causal = mods.causal()
+    bm = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=64)
+    out, lse = flex_attention(q, k, v, mods.relative_bias(table), block_mask=bm, return_lse=True,
+                              backend="triton")
+    ref, ref_lse = dense_attention(q, k, v, mods.relative_bias(t64), causal, dtype=torch.float64)
+    low, low_lse = dense_attention(q, k, v, mods.relative_bias(t64), causal, dtype=torch.float32)
+    g = torch.Generator().manual_seed(11)
+    g_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    g_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    got, = _loss_grads(out, lse, [table], g_out, g_lse)
+    want, = _loss_grads(ref, ref_lse, [t64], g_out, g_lse)
+    lowg, = _loss_grads(low, low_lse, [t64], g_out, g_lse)
+    assert want.abs().max() > 5  # sums that fp32 would round
+    assert_close_to_oracle("d_table", got, want, lowg, FLOOR[torch.float32])
 
 
 @pytest.mark.parametrize("block_size,L,S", [(128, 256, 200), (256, 256, 256), ((256, 128), 256, 192)])
@@ -471,7 +500,8 @@ def test_kernels_compile_for_arch(name, E, arch):
         assert _ARCH_INSTR[arch] in ptx[kernel], f"{kernel} on sm_{arch}: no {_ARCH_INSTR[arch]}"
         assert "cp.async" in ptx[kernel] or "cp.async.bulk" in ptx[kernel], "loads not pipelined"
     if name.startswith("learnable"):
-        assert "red.global.gpu.relaxed.add.f32" in ptx["flex_bwd"] or "atom.global" in ptx["flex_bwd"]
+        # fp64 accumulators (see test_captured_gradient_sums_without_fp32_rounding)
+        assert re.search(r"(red|atom)\.global\.[\w.]*add\.f64", ptx["flex_bwd"])
     if "softcap" in name:
         assert "tanh.approx.f32" in ptx["flex_fwd"]
 

@@ -21,7 +21,7 @@ from flexjit import create_block_mask, flex_attention
 from flexjit.backends import triton as tb
 from flexjit.ir import Op, uses
 from flexjit.trace import MASK_MOD, trace_mod
-from mods_catalog import CORE, make_case
+from mods_catalog import CORE, case_and_oracle, make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err
 
 pytestmark = [pytest.mark.gpu,
@@ -58,12 +58,14 @@ def _loss_grads(out, lse, inputs, g_out, g_lse):
     return torch.autograd.grad(loss, inputs, allow_unused=True)
 
 
-def check(case, B, Hq, Hkv, L, S, E, Ev, dtype=torch.bfloat16, block_size=128, seed=0):
+def check(case, B, Hq, Hkv, L, S, E, Ev, dtype=torch.bfloat16, block_size=128, seed=0, oracle=None):
+    """``oracle``: the case's float64-captures twin (``case_and_oracle``) for the float64 math."""
+    oracle = oracle or case
     q, k, v = _inputs(B, Hq, Hkv, L, S, E, Ev, dtype, seed)
     bm = _block_mask(case.mask_mod, B, Hq, L, S, block_size)
     out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
                               return_lse=True, backend="triton")
-    ref, ref_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=torch.float64)
+    ref, ref_lse = dense_attention(q, k, v, oracle.score_mod, oracle.mask_mod, dtype=torch.float64)
     low, low_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=dtype)
     floor = FLOOR[dtype]
     assert_close_to_oracle("out", out, ref, low, floor)
@@ -73,7 +75,7 @@ def check(case, B, Hq, Hkv, L, S, E, Ev, dtype=torch.bfloat16, block_size=128, s
     g_lse = torch.randn(lse.shape, generator=g, device=DEV, dtype=torch.float64)
     inputs = [q, k, v, *case.learnable]
     got = _loss_grads(out, lse, inputs, g_out, g_lse)
-    want = _loss_grads(ref, ref_lse, inputs, g_out, g_lse)
+    want = _loss_grads(ref, ref_lse, [q, k, v, *oracle.learnable], g_out, g_lse)
     lowg = _loss_grads(low, low_lse, inputs, g_out, g_lse)
     for label, a, b, c in zip(["dq", "dk", "dv", "d_captured0", "d_captured1"], got, want, lowg):
         assert a is not None, f"no gradient for {label}"
@@ -85,24 +87,23 @@ def check(case, B, Hq, Hkv, L, S, E, Ev, dtype=torch.bfloat16, block_size=128, s
 @pytest.mark.parametrize("E", [64, 128])
 @pytest.mark.parametrize("name", CORE)
 def test_core_mods(name, E):
-    torch.manual_seed(0)
-    check(make_case(name, 2, 8, 1536, 2048, device=DEV), B=2, Hq=8, Hkv=2, L=1536, S=2048, E=E, Ev=E)
+    case, oracle = case_and_oracle(name, 2, 8, 1536, 2048, device=DEV, seed=0)
+    check(case, B=2, Hq=8, Hkv=2, L=1536, S=2048, E=E, Ev=E, oracle=oracle)
 
 
 @pytest.mark.parametrize("name", ["causal", "document", "learnable_alibi", "softcap_alibi_window"])
 def test_ragged_and_odd_head_dim(name):
     # Lengths that are not multiples of 16 or of the block; head dim 96 is padded to 128.
-    torch.manual_seed(1)
-    check(make_case(name, 2, 4, 1000, 1337, device=DEV), B=2, Hq=4, Hkv=4, L=1000, S=1337, E=96, Ev=96,
-          seed=1)
+    case, oracle = case_and_oracle(name, 2, 4, 1000, 1337, device=DEV, seed=1)
+    check(case, B=2, Hq=4, Hkv=4, L=1000, S=1337, E=96, Ev=96, seed=1, oracle=oracle)
 
 
 @pytest.mark.parametrize("block_size", [(256, 128), 64])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_dtypes_and_block_sizes(dtype, block_size):
-    torch.manual_seed(2)
-    check(make_case("learnable_bias", 1, 4, 1024, 1024, device=DEV), B=1, Hq=4, Hkv=4, L=1024,
-          S=1024, E=64, Ev=64, dtype=dtype, block_size=block_size, seed=2)
+    case, oracle = case_and_oracle("learnable_bias", 1, 4, 1024, 1024, device=DEV, seed=2)
+    check(case, B=1, Hq=4, Hkv=4, L=1024, S=1024, E=64, Ev=64, dtype=dtype, block_size=block_size,
+          seed=2, oracle=oracle)
 
 
 def _oracle_rows(q, k, v, score_mod, mask_mod, rows, dtype):

@@ -325,6 +325,12 @@ def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
             _key_options(options))
 
 
+def _persistent_fwd(head_dim: int) -> bool:
+    """``FLEXJIT_CUTE_PERSISTENT=1`` selects the persistent forward (off by default) where it
+    fits in shared memory: head dims 64 and 128 (256 keeps the one-tile-per-CTA kernel)."""
+    return os.environ.get("FLEXJIT_CUTE_PERSISTENT", "0") not in ("", "0") and head_dim in (64, 128)
+
+
 def _announce(msg: str) -> None:
     log.info("flexjit: %s", msg)
     if os.environ.get("FLEXJIT_DEBUG"):
@@ -346,13 +352,17 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     tpl = _template()
     D, Dv = q.shape[-1], v.shape[-1]
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
-    key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options)
+    persistent = _persistent_fwd(D)
+    key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
+           persistent)
     fn = _COMPILED.get(key)
     if fn is not None:
         return fn
     mods = load_mods(program)
+    # The tiling (persistent flag included) is part of _frozen_config, hence of the disk key.
     cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
-                        has_block_mask=block_mask is not None)
+                        has_block_mask=block_mask is not None,
+                        tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent))
     what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
     disk_key = None
     if tpl.tvm_ffi_enabled() and cute_cache.available():

@@ -334,7 +334,8 @@ def _score_roots(p: Program, with_derivatives: bool) -> list[tuple[str, Node]]:
 
 
 def _grad_atomics(p: Program, low: _Lowering) -> list[str]:
-    """ds · d score_mod/d load, added at the load's clamped index into its fp32 accumulator.
+    """ds · d score_mod/d load, added at the load's clamped index into its fp64 accumulator
+    (``_GRAD_ACC``; tl.atomic_add converts the fp32 value to the pointer's type).
     A value that varies with only q (or only kv, or neither) is summed over the other axis
     first, so one atomic per row (or column, or tile) replaces one per element."""
     lines = []
@@ -583,10 +584,11 @@ _FWD_FP32 = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)}
 # Backward (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages), same keys. The dK/dV
 # role keeps a key tile's dK, dV in registers and streams query sub-tiles; the dQ role the
 # mirror image (FlashAttention-2 §3.2). Both roles share one kernel, so registers are the max
-# of the two: the largest tiles ptxas fits without spilling (sm90 D=128: 234 registers at
-# 32x128, 112 bytes of spill at 64x128).
+# of the two. sm90 D=128: 64x128 spills 112 bytes (32x128 fits in 234 registers) and is still
+# the fastest on the H200: 1.08-1.23x 32x128 on forward+backward at S=8k across full, causal,
+# ALiBi, window and document (benchmarks/tune_triton.py, results/2026-11-30-gpu-s2-triton-tune).
 _BWD_TABLE = {
-    ("sm90", True, 64): (64, 128, 128, 64, 8, 3), ("sm90", True, 128): (32, 128, 128, 32, 8, 3),
+    ("sm90", True, 64): (64, 128, 128, 64, 8, 3), ("sm90", True, 128): (64, 128, 128, 64, 8, 3),
     ("sm90", True, 256): (32, 32, 32, 32, 4, 2),
     ("sm100", True, 64): (64, 128, 128, 64, 8, 3), ("sm100", True, 128): (32, 128, 128, 32, 8, 3),
     ("sm100", True, 256): (32, 32, 32, 32, 4, 2),
@@ -908,6 +910,14 @@ def _q_lists(plan: Plan) -> _Lists:
 
 _PRE_BLOCK = 64
 
+# The captured tensors' gradient accumulators. A table entry read at a clamped relative position
+# (relative_bias: every kv - q <= -max_distance) receives one atomic per score, ~L·S/2 of them:
+# in fp32 each add rounds the running sum (|sum| up to tens, ulp ~1e-6), and at L = S = 1024
+# that summation error (2.5e-4) was the whole error of the gradient; fp64 sums leave only the
+# per-score fp32 error of ds (1.6e-5 against a float64 oracle). Same atomic count, native
+# red.global.add.f64 on sm_60+.
+_GRAD_ACC = torch.float64
+
 
 def preprocess_launch(plan: Plan, out, dout, lse, dlse, delta, lse2) -> Launch:
     B, Hq, L, EV = out.shape
@@ -958,7 +968,7 @@ def _backward(plan: Plan, q, k, v, out, lse, dout, dlse, bufs):
     dq = _out(q.shape, q.dtype, q.device)
     dk = _out(k.shape, k.dtype, k.device)
     dv = _out(v.shape, v.dtype, v.device)
-    grads = {s: torch.zeros(bufs[s].shape, dtype=torch.float32, device=q.device)
+    grads = {s: torch.zeros(bufs[s].shape, dtype=_GRAD_ACC, device=q.device)
              for s in _grad_slots(plan.program)}
     _run(plan, bwd_launch(plan, c, q, k, v, dout, lse2, delta, dq, dk, dv, bufs, grads))
     STATS["bwd_launch"] += 1
@@ -1064,7 +1074,7 @@ def launches_for(call, arch: int) -> list[Launch]:
     out = torch.empty(B, Hq, L, EV, dtype=q.dtype, device="meta")
     lse = torch.empty(B, Hq, L, dtype=torch.float32, device="meta")
     c = bwd_config(arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options)
-    grads = {s: torch.empty(bufs[s].shape, dtype=torch.float32, device="meta")
+    grads = {s: torch.empty(bufs[s].shape, dtype=_GRAD_ACC, device="meta")
              for s in _grad_slots(plan.program)}
     return [fwd_launch(plan, q, k, v, out, lse, bufs),
             preprocess_launch(plan, out, out, lse, None, lse, lse),

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Nsight Compute over flexjit's kernels at the benchmark shape (bf16, 16 heads, D=128, 16k
+# tokens), one profile_one process per case: where the time goes when a target is missed.
+#
+#   source .devbundle/env.sh && export PYTHONPATH=$PWD:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc &&
+#   bash benchmarks/profile_kernels.sh $OUT/ncu.txt [case ...]
+#
+# A case is backend:variant:S:pass (e.g. cute:causal:8192:fwd). Per kernel: Speed Of Light,
+# warp stall reasons, and every pipe's utilisation (tensor = wgmma/mma, xu = MUFU: exp2, tanh,
+# int<->float conversions; fma/alu = FP32/integer) and issue-slot use.
+set -u
+out=${1:?usage: profile_kernels.sh OUT_FILE [backend:variant:S:pass ...]}
+shift
+cases=("$@")
+if [ ${#cases[@]} -eq 0 ]; then
+  cases=(cute:causal:8192:fwd cute:alibi:8192:fwd cute:sliding_window:8192:fwd cute:causal:2048:fwd
+         cute:full:8192:fwdbwd cute:causal:8192:fwdbwd triton:causal:8192:fwd triton:causal:8192:fwdbwd)
+fi
+metrics="regex:sm__pipe_(tensor_op_gmma|tensor_op_hmma|fma|alu|xu|fmaheavy)_cycles_active.avg.pct_of_peak_sustained_active"
+metrics+=",regex:sm__inst_executed_pipe_(xu|fma|alu|lsu|uniform).avg.pct_of_peak_sustained_active"
+metrics+=",sm__instruction_throughput.avg.pct_of_peak_sustained_active"
+for c in "${cases[@]}"; do
+  IFS=: read -r backend variant S pass <<<"$c"
+  if [ "$pass" = fwd ]; then
+    # Three forward calls: profile the third (compiled, caches warm).
+    sel=(-k "regex:flex_fwd|FlexAttentionFwd" -s 2 -c 1)
+  else
+    # Three forward+backward calls: profile every backward kernel of the second.
+    if [ "$backend" = cute ]; then sel=(-k "regex:Bwd" -s 3 -c 3); else sel=(-k "regex:flex_bwd" -s 2 -c 2); fi
+  fi
+  echo "=== $c" >>"$out"
+  timeout 150 ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+    --section LaunchStats --section Occupancy --metrics "$metrics" "${sel[@]}" \
+    python3 -m benchmarks.profile_one --backend "$backend" --variant "$variant" --S "$S" \
+    --pass "$pass" >>"$out" 2>&1 || echo "(ncu exited $?)" >>"$out"
+done

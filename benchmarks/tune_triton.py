@@ -1,0 +1,362 @@
+"""Sweep the flexjit Triton backend's block configurations on a GPU and report the fastest.
+
+    source .devbundle/env.sh && export PYTHONPATH=$PWD:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc && \
+        python3 -m benchmarks.tune_triton --out $OUT/tune
+
+The tables in `flexjit/backends/triton.py` (`_FWD_TABLE`, `_BWD_TABLE`) were chosen compile-only.
+For every variant, S and pass this times the table's default (whatever `fwd_config`/`bwd_config`
+resolve with no `kernel_options`) and then each grid entry below, passed as `kernel_options`:
+- fwd: `FWD_GRID`, (BLOCK_M, BLOCK_N, num_warps, num_stages);
+- fwdbwd: the forward stays at its default and `BWD_GRID` varies the backward,
+  (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, bwd_num_warps, bwd_num_stages).
+A grid entry that resolves to the default's config is not run twice. Shapes are run.py's
+defaults: bf16, Hq = Hkv = 16, D = 128, B·S = 16384 tokens. Each config is checked once against
+run.py's chunked fp32 reference (a wrong or non-finite one is recorded, not timed), then timed
+with do_bench (short warm-up and repetition: each config is also a fresh Triton compile).
+TFLOP/s count the mask's true density, as run.py does. A config that fails to compile or launch
+is recorded with its error; `--budget-s` stops starting measurements and still writes the output.
+Expect about 4 minutes on a fresh H200: 96 cold compiles of 1.5-2 s each (S=8k reuses S=2k's
+binaries: the lengths are unspecialised arguments) and 192 short timings. The loop runs variant by
+variant, so a sweep the budget cuts is finished by a second call with `--variants` the rest.
+
+DIR/tune_triton.json (meta and every row) is rewritten after each measurement; at the end
+DIR/tune_triton.md holds, per pass, each case's best config beside the default and each config's
+geometric-mean speedup over the default across cases (the tables are per arch and head dim, not
+per variant), and is printed.
+
+`--dry-run` runs on the CPU: it builds every variant, block mask and input at a tiny shape,
+resolves every candidate config through the Triton backend's planner for sm_90 (no kernel is
+compiled or launched), prints the planned measurements and writes both files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import flexjit
+from flexjit.api import prepare_call
+from flexjit.backends import triton as fj_triton
+
+from .reference import check, mask_density
+from .run import (FATAL_CUDA, Refs, call_once, environment, make_inputs, make_step, parse_list,
+                  parse_sizes, poison_allocator, rotation_count, time_ms)
+from .variants import VARIANTS, Case, attention_flops, build, default_scale
+
+DEFAULT_VARIANTS = ("full", "causal", "alibi", "sliding_window", "document", "softcap")
+TOKENS, HEADS, HEAD_DIM = 16384, 16, 128
+DRY_ARCH = 90  # the H200 the sweep is for
+DRY_CASE = dict(B=2, S=256, H=2)  # two 128-blocks per row: every mask has a partial and a full block
+
+# Around the sm90 D=128 default (128, 128, 8, 3): smaller tiles, fewer warps, 2-4 stages.
+FWD_GRID = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3),
+            (64, 128, 4, 3), (128, 128, 4, 2), (64, 64, 4, 3), (128, 64, 8, 4)]
+# Around ours (32, 128, 128, 32, 8, 3) and torch Flex's 64-wide tiles.
+BWD_GRID = [(32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3),
+            (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 8, 2),
+            (32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 4, 2)]
+FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+BWD_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
+BWD_BLOCKS = BWD_KEYS[:4]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.tune_triton", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for tune_triton.json and tune_triton.md")
+    p.add_argument("--S", default="2k,8k", help="sequence lengths (default 2k,8k); B = 16384 / S")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="default: " + ",".join(DEFAULT_VARIANTS))
+    p.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default both)")
+    p.add_argument("--budget-s", type=float, default=240.0,
+                   help="start no measurement after this many seconds (0: no limit)")
+    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up (default 10)")
+    p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time (default 40)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU only: build everything at a tiny shape, print the plan, launch nothing")
+    args = p.parse_args(argv)
+    args.S = parse_sizes(args.S)
+    args.variants = parse_list(args.variants, VARIANTS)
+    args.passes = parse_list(args.passes, ("fwd", "fwdbwd"))
+    for S in args.S:
+        if TOKENS % S:
+            raise SystemExit(f"S={S} does not divide {TOKENS} tokens")
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU here: the sweep times Triton kernels (use --dry-run to check the plan)")
+    args.device = torch.device("cpu" if args.dry_run else "cuda")
+    return args
+
+
+# ---- configurations ----------------------------------------------------------------------------
+
+
+def grid_options(pass_: str) -> list[dict]:
+    """The grid as kernel_options dicts, for the forward or (fwdbwd) the backward."""
+    keys, grid = (FWD_KEYS, FWD_GRID) if pass_ == "fwd" else (BWD_KEYS, BWD_GRID)
+    return [dict(zip(keys, entry)) for entry in grid]
+
+
+def resolved(q, k, v, variant, block_mask, pass_: str, opts: dict, arch: int) -> dict:
+    """The config the kernel would be launched with: read off the Triton backend's own launch plan
+    (meta tensors, nothing compiled), so a grid entry the planner refits or rejects shows here."""
+    call = prepare_call(q, k, v, variant.score_mod, block_mask, None, False, opts)
+    name = "flex_fwd" if pass_ == "fwd" else "flex_bwd"
+    launch = next(x for x in fj_triton.launches_for(call, arch) if x.kernel == name)
+    blocks = FWD_KEYS[:2] if pass_ == "fwd" else BWD_BLOCKS
+    cfg = {b: launch.constexprs[b] for b in blocks}
+    return {**cfg, "num_warps": launch.options["num_warps"], "num_stages": launch.options["num_stages"]}
+
+
+def label(cfg: dict) -> str:
+    """'128x128 w8 s3' (forward) or '32/128/128/32 w8 s3' (backward)."""
+    blocks = "x".join(str(cfg[b]) for b in FWD_KEYS[:2]) if "BLOCK_M" in cfg \
+        else "/".join(str(cfg[b]) for b in BWD_BLOCKS)
+    return f"{blocks} w{cfg['num_warps']} s{cfg['num_stages']}"
+
+
+def candidates(q, k, v, variant, block_mask, pass_: str, arch: int) -> list[tuple[dict, dict, bool]]:
+    """(kernel_options, resolved config, is the default) per measurement: the default first, then
+    the grid without entries that resolve to a config already listed."""
+    out, seen = [], set()
+    for opts in [{}] + grid_options(pass_):
+        try:
+            cfg = resolved(q, k, v, variant, block_mask, pass_, opts, arch)
+        except Exception as e:  # e.g. kernel_options the planner refuses (a block not dividing the mask's)
+            out.append((opts, {"error": f"{type(e).__name__}: {e}"}, False))
+            continue
+        if label(cfg) not in seen:
+            seen.add(label(cfg))
+            out.append((opts, cfg, not opts))
+    return out
+
+
+# ---- one measurement ---------------------------------------------------------------------------
+
+
+def make_fn(variant, block_mask, opts: dict):
+    score_mod = variant.score_mod
+
+    def fn(q, k, v):
+        return flexjit.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                      kernel_options=opts, backend="triton")
+
+    return fn
+
+
+def measure(fn, sets: list[dict], pass_: str, case: Case, refs: Refs, args) -> dict:
+    """Check once, then time; never raises. ms, first_call_s, stages_ran (kernels whose launch fell
+    back to fewer pipeline stages for shared memory, see triton._run) and check, or error."""
+    fj_triton._STAGES_THAT_FIT.clear()  # forget earlier configs' fallbacks: this first call shows its own
+    poison_allocator(case, args.device)
+    t0 = time.perf_counter()
+    try:
+        got = call_once(fn, sets[0], pass_, "bhsd")
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:600]}
+    res = {"first_call_s": round(time.perf_counter() - t0, 2)}
+    fell_back = {key[1]: n for key, n in fj_triton._STAGES_THAT_FIT.items() if n != dict(key[3])["num_stages"]}
+    if fell_back:
+        res["stages_ran"] = fell_back
+    try:
+        verdict = check(got, *refs.pair())
+    except Exception as e:
+        return {**res, "error": f"reference: {type(e).__name__}: {e}"[:600]}
+    del got
+    res["check"] = {n: float(f"{d['rel']:.3g}") for n, d in verdict.detail.items()}  # relative L2 errors
+    if not verdict.ok:
+        return {**res, "error": f"wrong: {verdict.message}"}
+    try:
+        with torch.set_grad_enabled(pass_ == "fwdbwd"):
+            res["ms"] = time_ms(make_step(fn, sets, pass_), args.device, args.warmup_ms, args.rep_ms)
+    except Exception as e:
+        return {**res, "error": f"timing: {type(e).__name__}: {e}"[:600]}
+    return res
+
+
+# ---- the sweep ---------------------------------------------------------------------------------
+
+
+class Sweep:
+    """Rows so far, the budget and a lost CUDA context, across cases."""
+
+    def __init__(self, args, meta: dict, out: Path):
+        self.args, self.meta, self.out = args, meta, out
+        self.start = time.monotonic()
+        self.gen = torch.Generator().manual_seed(args.seed)
+        self.arch = DRY_ARCH if args.dry_run else fj_triton.arch_number(args.device)
+        self.rows: list[dict] = []
+        self.fatal = None
+
+    def reason_not_to_run(self) -> str | None:
+        if self.fatal:
+            return f"skipped: CUDA context lost earlier ({self.fatal})"
+        if self.args.budget_s and time.monotonic() - self.start > self.args.budget_s:
+            return f"skipped: time budget of {self.args.budget_s:g} s spent"
+        return None
+
+    def run_case(self, vname: str, S: int) -> None:
+        """Every pass and candidate of one (variant, S); inputs and references made once."""
+        args, dev = self.args, self.args.device
+        case = Case(TOKENS // S, S, HEADS, HEADS, HEAD_DIM)
+        built = case if not args.dry_run else Case(DRY_CASE["B"], DRY_CASE["S"], DRY_CASE["H"],
+                                                    DRY_CASE["H"], HEAD_DIM)
+        base = {"variant": vname, "S": S, "B": case.B}
+        reason = self.reason_not_to_run()
+        if not reason:
+            try:
+                variant, block_mask, density, sets = self.setup(vname, built)
+            except Exception as e:
+                reason = f"case setup: {type(e).__name__}: {e}"[:600]
+        if reason:
+            for pass_ in args.passes:
+                self.record({**base, "pass": pass_, "label": None, "error": reason})
+            return
+        # One reference per case: the fwdbwd one's "out" serves the forward's check too.
+        refs = Refs(sets[0], variant, default_scale(built), "fwdbwd" if "fwdbwd" in args.passes else "fwd",
+                    built.dtype)
+        q, k, v = (sets[0][n].detach() for n in "qkv")
+        for pass_ in args.passes:
+            flops = attention_flops(case, density, pass_)
+            pass_sets = sets if pass_ == "fwdbwd" else [{n: t.detach() for n, t in s.items()} for s in sets]
+            for opts, cfg, is_default in candidates(q, k, v, variant, block_mask, pass_, self.arch):
+                name = label(cfg) if "error" not in cfg else " ".join(f"{n}={x}" for n, x in opts.items())
+                row = {**base, "pass": pass_, "label": name,
+                       "options": opts, "config": cfg, "default": is_default, "density": density,
+                       "flops": flops}
+                if "error" in cfg:
+                    res = {"error": f"planner: {cfg['error']}"}
+                elif args.dry_run:
+                    res = {"error": "dry run: not launched"}
+                else:
+                    reason = self.reason_not_to_run()
+                    res = {"error": reason} if reason else \
+                        measure(make_fn(variant, block_mask, opts), pass_sets, pass_, built, refs, args)
+                self.record({**row, **res})
+        del sets, refs
+        if dev.type == "cuda" and not self.fatal:
+            torch.cuda.empty_cache()
+
+    def setup(self, vname: str, case: Case):
+        """The variant, flexjit's block mask, the mask's exact density and the rotating inputs."""
+        dev = self.args.device
+        variant = build(vname, case, dev, self.gen)
+        block_mask = None
+        if variant.mask_mod is not None:
+            B = case.B if variant.mask_uses_batch else None
+            block_mask = flexjit.create_block_mask(variant.mask_mod, B, None, case.S, case.S, device=dev)
+        density = mask_density(variant, case.B, case.Hq, case.S, dev)
+        sets = make_inputs(case, dev, rotation_count(case, dev, self.meta.get("l2_bytes")))
+        return variant, block_mask, density, sets
+
+    def record(self, row: dict) -> None:
+        row.setdefault("ms", None)
+        row.setdefault("error", None)
+        row["tflops"] = row["flops"] / row["ms"] / 1e9 if row["ms"] else None
+        if row["error"] and any(m in row["error"] for m in FATAL_CUDA):
+            self.fatal = f"{row['variant']} S={row['S']} {row['pass']} {row['label']}"
+        self.rows.append(row)
+        print(row_line(row), flush=True)
+        (self.out / "tune_triton.json").write_text(json.dumps({"meta": self.meta, "rows": self.rows}, indent=1))
+
+
+def row_line(r: dict) -> str:
+    head = f"{r['pass']:6} {r['variant']:14} S={r['S']:<5} {r['label'] or '-':22} {'*' if r.get('default') else ' '}"
+    if r["ms"]:
+        return f"{head} {r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s  (first call {r['first_call_s']:.1f} s)"
+    return f"{head} {r['error']}"
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    """Per pass: each case's best config beside the default, then each config across cases."""
+    lines = [f"# flexjit Triton config sweep, {meta.get('gpu')} ({meta.get('date')})", "",
+             f"`{meta.get('command')}` · git {meta.get('git')} · torch {meta.get('torch')} · "
+             f"triton {meta.get('triton')} · bf16, Hq=Hkv={HEADS}, D={HEAD_DIM}, {TOKENS} tokens · "
+             "TFLOP/s on the mask's true density. default: the config the current tables give "
+             "(no kernel_options).", ""]
+    for pass_ in dict.fromkeys(r["pass"] for r in rows):
+        prow = [r for r in rows if r["pass"] == pass_]
+        what = "forward" if pass_ == "fwd" else "forward + backward (forward at its default, backward varied)"
+        lines += [f"## {pass_}: {what}", "",
+                  "| variant | S | default | TFLOP/s | best | TFLOP/s | x default |", "|---|---|---|---|---|---|---|"]
+        cases = defaultdict(list)
+        for r in prow:
+            cases[(r["variant"], r["S"])].append(r)
+        speedups = defaultdict(dict)  # label -> {case: tflops / default tflops}
+        for (vname, S), rs in cases.items():
+            ok = [r for r in rs if r["tflops"]]
+            dflt = next((r for r in rs if r.get("default")), None)
+            best = max(ok, key=lambda r: r["tflops"], default=None)
+            d_tf = dflt["tflops"] if dflt else None
+            ratio = f"{best['tflops'] / d_tf:.3f}" if best and d_tf else "-"
+            lines.append(f"| {vname} | {S} | {_cell(dflt)} | {_cell(best)} | {ratio} |")
+            for r in ok:
+                if d_tf:
+                    speedups[r["label"]][(vname, S)] = r["tflops"] / d_tf
+        tried = defaultdict(lambda: [0, 0])  # label -> [measured, failed]
+        for r in prow:
+            if r["label"] and not (r["error"] or "").startswith(("skipped", "dry run")):
+                tried[r["label"]][0 if r["tflops"] else 1] += 1
+        lines += ["", "| config | geomean x default | worst | best | cases | failed |", "|---|---|---|---|---|---|"]
+        by_geo = sorted(speedups.items(), key=lambda kv: -_geomean(kv[1].values()))
+        for lab, per_case in by_geo:
+            xs = list(per_case.values())
+            lines.append(f"| {lab} | {_geomean(xs):.3f} | {min(xs):.3f} | {max(xs):.3f} | {len(xs)} | "
+                         f"{tried[lab][1]} |")
+        for lab, (n_ok, n_bad) in tried.items():
+            if lab not in speedups:
+                lines.append(f"| {lab} | - | - | - | {n_ok} | {n_bad} |")
+        errors = [r for r in prow if r["error"] and not r["error"].startswith(("skipped", "dry run"))]
+        if errors:
+            lines += ["", "Failures:", ""]
+            lines += [f"- {r['variant']} S={r['S']} {r['label']}: {r['error'][:200]}" for r in errors]
+        skipped = sum(1 for r in prow if (r["error"] or "").startswith("skipped"))
+        if skipped:
+            lines += ["", f"{skipped} measurements skipped (budget or lost context): see the JSON."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(r: dict | None) -> str:
+    """'label | TFLOP/s' of a row, dashes where it has none."""
+    if r is None:
+        return "- | -"
+    return f"{r['label'] or '-'} | {r['tflops']:.0f}" if r["tflops"] else f"{r['label'] or '-'} | -"
+
+
+def _geomean(xs) -> float:
+    xs = list(xs)
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    meta = environment(args)
+    meta["command"] = " ".join(["python3", "-m", "benchmarks.tune_triton"] + sys.argv[1:])
+    meta["dry_run"] = args.dry_run
+    print("benchmarks.tune_triton:", json.dumps(meta), flush=True)
+    sweep = Sweep(args, meta, out)
+    meta["arch"] = sweep.arch
+    for vname in args.variants:
+        for S in args.S:
+            sweep.run_case(vname, S)
+    text = markdown(sweep.rows, meta)
+    (out / "tune_triton.md").write_text(text)
+    print(f"\nbenchmarks.tune_triton: {len(sweep.rows)} rows in {time.monotonic() - sweep.start:.0f} s -> {out}\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
