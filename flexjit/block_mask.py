@@ -165,6 +165,18 @@ class BlockMask:
         total = math.prod(self.kv_indices.shape[:-2]) * self.kv_indices.shape[-2] * self.kv_indices.shape[-1]
         return 100.0 * (1 - computed / max(total, 1))
 
+    def mean_kv_tokens(self) -> float:
+        """Mean number of keys a query block visits (listed partial + full blocks × block width):
+        how long a kernel's kv loop is, which picks its schedule. One device sync, remembered
+        (a BlockMask's lists are not changed in place)."""
+        cached = getattr(self, "_mean_kv_tokens", None)
+        if cached is None:
+            blocks = self.kv_num_blocks.float().mean()
+            if self.full_kv_num_blocks is not None:
+                blocks = blocks + self.full_kv_num_blocks.float().mean()
+            cached = self._mean_kv_tokens = float(blocks.item()) * self.BLOCK_SIZE[1]
+        return cached
+
     def to_dense(self) -> torch.Tensor:
         """(B, H, nQ, nKV) int32: 1 where a block is listed (partial or full)."""
         dense = _ordered_to_dense(self.kv_num_blocks, self.kv_indices, self.kv_indices.shape[-1])

@@ -58,6 +58,7 @@ def test_layout_matches_torch_conventions():
     assert bm.full_q_indices[0, 0, 0, :3].tolist() == [1, 2, 3]
     assert bm.BLOCK_SIZE == (128, 128) and bm.seq_lengths == (512, 512) and bm.shape == (2, 3, 512, 512)
     assert bm.sparsity() == pytest.approx(100 * (1 - 10 / 16))
+    assert bm.mean_kv_tokens() == pytest.approx(10 / 4 * 128)  # 10 listed blocks over 4 rows
 
 
 def test_broadcast_none_and_torch_equivalence():

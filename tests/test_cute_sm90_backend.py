@@ -12,7 +12,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 torch = pytest.importorskip("torch")
 pytest.importorskip("cutlass")
 
-from flexjit import create_block_mask  # noqa: E402
+from flexjit import create_block_mask, mods  # noqa: E402
 from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_program  # noqa: E402
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
 
@@ -32,3 +32,21 @@ def test_core_mod_compiles_for_sm90a(name, tmp_path):
     assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "cp.async.bulk.tensor" in ptx
+
+
+def test_persistent_forward_is_chosen_for_short_kv_loops(monkeypatch):
+    # Persistent up to PERSISTENT_MAX_KV_TILES kv tiles per q tile on average (short loops:
+    # windows, S <= 2k); one CTA per tile for long ones (8k causal / full). The env var forces.
+    from flexjit.backends.cute_sm90 import PERSISTENT_MAX_KV_TILES, _persistent_fwd
+    monkeypatch.delenv("FLEXJIT_CUTE_PERSISTENT", raising=False)
+    window = create_block_mask(mods.sliding_window(1024), None, None, 8192, 8192, device="cpu")
+    causal = create_block_mask(mods.causal(), None, None, 8192, 8192, device="cpu")
+    assert _persistent_fwd(128, block_sparse_args(window), 8192, owner=window)
+    assert window._mean_kv_tokens <= 128 * PERSISTENT_MAX_KV_TILES  # remembered: one sync per mask
+    assert not _persistent_fwd(128, block_sparse_args(causal), 8192)
+    assert _persistent_fwd(128, None, 2048) and not _persistent_fwd(128, None, 8192)
+    assert not _persistent_fwd(256, None, 1024)  # no smem for a separate O buffer
+    monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "1")
+    assert _persistent_fwd(64, block_sparse_args(causal), 8192)
+    monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "0")
+    assert not _persistent_fwd(128, None, 1024)

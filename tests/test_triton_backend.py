@@ -520,3 +520,22 @@ def test_fp16_and_fp32_compile():
     assert "wgmma" in ptx16["flex_fwd"]
     ptx32 = _compile_all("causal", 32, 80, torch.float32)
     assert "fma.rn.f32" in ptx32["flex_fwd"] and "mma.sync" not in ptx32["flex_fwd"]  # IEEE fp32
+
+
+def test_short_kv_loops_get_small_tiles_on_sm90():
+    # Window-like block masks (few keys per query block) run 64x64 tiles with 4 warps on sm90
+    # (measured 1.3x on a 1024 window); long loops keep the 128x128 table entry.
+    window = create_block_mask(mods.sliding_window(1024), None, None, 8192, 8192, device="cpu")
+    causal = create_block_mask(mods.causal(), None, None, 8192, 8192, device="cpu")
+    assert window.mean_kv_tokens() <= tb.SHORT_KV_LOOP < causal.mean_kv_tokens()
+    short = tb.fwd_config(90, torch.bfloat16, 128, 128, 8192, 8192, (128, 128), {}, short_kv_loop=True)
+    assert (short.BLOCK_M, short.BLOCK_N, short.num_warps, short.num_stages) == (64, 64, 4, 3)
+    long = tb.fwd_config(90, torch.bfloat16, 128, 128, 8192, 8192, (128, 128), {})
+    assert (long.BLOCK_M, long.BLOCK_N) == (128, 128)
+    # Other architectures and user options are unaffected.
+    assert tb.fwd_config(80, torch.bfloat16, 128, 128, 8192, 8192, (128, 128), {},
+                         short_kv_loop=True) == tb.fwd_config(80, torch.bfloat16, 128, 128, 8192,
+                                                              8192, (128, 128), {})
+    forced = tb.fwd_config(90, torch.bfloat16, 128, 128, 8192, 8192, (128, 128),
+                           {"BLOCK_M": 128, "BLOCK_N": 128}, short_kv_loop=True)
+    assert (forced.BLOCK_M, forced.BLOCK_N) == (128, 128)

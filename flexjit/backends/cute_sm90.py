@@ -325,10 +325,37 @@ def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
             _key_options(options))
 
 
-def _persistent_fwd(head_dim: int) -> bool:
-    """``FLEXJIT_CUTE_PERSISTENT=1`` selects the persistent forward (off by default) where it
-    fits in shared memory: head dims 64 and 128 (256 keeps the one-tile-per-CTA kernel)."""
-    return os.environ.get("FLEXJIT_CUTE_PERSISTENT", "0") not in ("", "0") and head_dim in (64, 128)
+# The persistent forward (one CTA per SM looping over tiles) overlaps a tile's epilogue with the
+# next tile's loads; that pays where a tile's kv loop is short, and costs where it is long (its
+# static tile striding loses the hardware's greedy balancing of uneven causal tiles). Measured on
+# the H200 against FA4 in the same run (benchmarks/results/2026-11-30-gpu-s2-final): sliding
+# window 1024 0.87x -> 0.98x at 8k (9.5 kv tiles per q tile) and 0.89x -> 0.97x at 2k, S=2k
+# full 0.98x -> 1.01x (16 tiles), S=2k causal 0.88x -> 0.91x; S=8k causal 0.95x -> 0.88x
+# (32 tiles on average) and full 1.07x -> 0.97x (64). So: persistent up to 16 kv tiles per q tile.
+PERSISTENT_MAX_KV_TILES = 16
+
+
+def _mean_kv_tiles(lists, S: int, owner=None) -> float:
+    """Mean number of 128-key tiles a q tile visits: from the BlockMask ``owner`` (remembered
+    there), else from the kernel's block lists (one device sync), else every tile."""
+    if owner is not None:
+        return owner.mean_kv_tokens() / 128
+    if lists is None:
+        return float(-(-S // 128))
+    kv_num, _, full_num, _ = lists
+    return float((kv_num.float().mean() + full_num.float().mean()).item())
+
+
+def _persistent_fwd(head_dim: int, lists, S: int, owner=None) -> bool:
+    """Whether to launch the persistent forward: ``FLEXJIT_CUTE_PERSISTENT`` 1 (always) or 0
+    (never), else when a q tile visits at most PERSISTENT_MAX_KV_TILES kv tiles on average.
+    Head dim 256 always keeps the one-tile-per-CTA kernel (no smem for a separate O buffer)."""
+    if head_dim not in (64, 128):
+        return False
+    forced = os.environ.get("FLEXJIT_CUTE_PERSISTENT", "")
+    if forced:
+        return forced != "0"
+    return _mean_kv_tiles(lists, S, owner) <= PERSISTENT_MAX_KV_TILES
 
 
 def _announce(msg: str) -> None:
@@ -337,7 +364,8 @@ def _announce(msg: str) -> None:
         print(f"[flexjit] {msg}")
 
 
-def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = ""):
+def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
+                    persistent: bool | None = None):
     """Compile (or find in memory, or load from disk) the sm90 forward for this program and
     these input kinds.
 
@@ -352,7 +380,8 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     tpl = _template()
     D, Dv = q.shape[-1], v.shape[-1]
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
-    persistent = _persistent_fwd(D)
+    if persistent is None:
+        persistent = _persistent_fwd(D, block_mask, k.shape[2])
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
            persistent)
     fn = _COMPILED.get(key)
@@ -406,7 +435,8 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
     bm = call.block_mask
     sparse = block_sparse_args(bm)
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
-    fn = compile_program(prog, q, k, v, sparse, aux)
+    fn = compile_program(prog, q, k, v, sparse, aux,
+                         persistent=_persistent_fwd(q.shape[-1], sparse, k.shape[2], owner=bm))
     o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     return fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars)
