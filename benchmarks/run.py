@@ -28,6 +28,7 @@ import platform
 import random
 import statistics
 import subprocess
+import os
 import sys
 import time
 import traceback
@@ -94,6 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--max-errors", type=int, default=4,
                    help="skip an impl for the rest of the run after this many errors in a row (0: never)")
     p.add_argument("--no-png", action="store_true", help="skip the chart")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True) for the whole run (flexjit's sm90 "
+                        "backward then orders its dQ adds); compare with a run without it")
     p.add_argument("--resume", default=None, metavar="RESULTS_JSON",
                    help="keep that run's rows and measure only what it left out (budget, errors in a row, lost context)")
     args = p.parse_args(argv)
@@ -143,9 +147,11 @@ def environment(args) -> dict:
     """What the rows were measured on, for results.md's header."""
     dev = args.device
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+    # The device machine's copy of the tree may carry stale git metadata: FLEXJIT_GIT_SHA wins.
+    sha = os.environ.get("FLEXJIT_GIT_SHA")
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip() or None
+        sha = sha or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or None
     except Exception:
         sha = None
     env = {
@@ -153,6 +159,7 @@ def environment(args) -> dict:
         "gpu": gpu,
         "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.run"] + sys.argv[1:]),
         "seed": args.seed,
+        "deterministic": bool(args.deterministic),
         "git": sha,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -438,6 +445,8 @@ def main(argv=None) -> int:
     sys.stdout = Tee(sys.__stdout__, out / "log.txt")
     sys.stderr = Tee(sys.__stderr__, out / "log.txt")
     torch.manual_seed(args.seed)
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     impl_mod.raise_dynamo_limits()
     env = environment(args)
     (out / "meta.json").write_text(json.dumps(env, indent=1))

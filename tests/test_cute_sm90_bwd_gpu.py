@@ -34,7 +34,7 @@ from flexjit.backends.cute_sm90 import (  # noqa: E402
 from flexjit.cache import load_template  # noqa: E402
 from flexjit.ir import Op, uses  # noqa: E402
 from flexjit.trace import MASK_MOD, trace_mod  # noqa: E402
-from mods_catalog import lowered, make_case  # noqa: E402
+from mods_catalog import CORE, lowered, make_case  # noqa: E402
 from oracle import FLOOR, assert_close_to_oracle, dense_attention  # noqa: E402
 
 tpl = load_template("cute_sm90_bwd")
@@ -116,6 +116,16 @@ def check(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, sparse=True, with_dls
 @pytest.mark.parametrize("name", ["causal", "alibi", "document", "softcap", "sliding_window"])
 def test_mods_ragged_gqa(name, D):
     check(name, B=2, Hq=16, Hkv=4, L=1000, S=1000, D=D)
+
+
+_COVERED = {"causal", "alibi", "document", "softcap", "sliding_window", "full", "prefix_lm",
+            "head_dependent", "softcap_alibi_window", "learnable_bias", "learnable_alibi"}
+
+
+@pytest.mark.parametrize("name", [n for n in CORE if n not in _COVERED])
+def test_rest_of_the_core_list(name):
+    # The core mods not covered above (learnable ones: test_captured_tensor_grads_through_the_api).
+    check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=128)
 
 
 @pytest.mark.parametrize("D", [128, 64])
