@@ -14,9 +14,12 @@ What this module holds
 * A host API like the forward's: ``compile_bwd`` (fake tensors + TVM-FFI) returns a
   ``CompiledBwd``; calling it runs the three kernels on torch's current stream.
 
-Out of scope here: gradients of captured tensors that require grad (the backend keeps using the
-Triton backward for those programs: it accumulates ``dS · d score_mod / d load`` with atomics),
-head dims other than 64 and 128, and sm100.
+Gradients of captured tensors that require grad (``BwdConfig.score_grads``/``grad_offsets``,
+rendered by the backend): per element, P∘(dP − delta) · d score_mod / d load is added into an
+fp64 accumulator per tensor (``FlexAttentionBwdSm90._captured_grads``); warp-reduced first where
+the load's index is uniform over the tile. Supported when those derivatives and the indices do
+not depend on the score itself (the backend checks; else the Triton backward serves).
+Out of scope here: head dims other than 64 and 128, and sm100.
 
 Algorithm (FlashAttention-2 §3.2 backward; FlashAttention-3 §3 Hopper pipelining)
 --------------------------------------------------------------------------------
@@ -205,6 +208,11 @@ class BwdConfig:
     # Form P under the dP GEMM (faster, more registers). None: only when there are no mods;
     # the backend passes True for light mods (no loads, no transcendentals in the IR).
     overlap_dp: Optional[bool] = None
+    # Gradients of captured tensors (the renderer's ``score_grads`` / ``grad_offsets``, or None):
+    # the main kernel then takes one fp64 accumulator per learnable tensor (see
+    # ``FlexAttentionBwdSm90._captured_grads``).
+    score_grads: Optional[Callable] = None
+    grad_offsets: Optional[Callable] = None
     tiling: BwdTiling = field(default=None)
 
     def __post_init__(self):
@@ -240,6 +248,16 @@ def _opaque_thread_idx(*, loc=None, ip=None) -> Int32:
     hoist above) earlier thread-index arithmetic."""
     value = llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
                             is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(value)
+
+
+@dsl_user_op
+def _opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``x`` through a volatile asm move: the compiler cannot CSE what is computed from the
+    result with what was computed from ``x`` before (nor hoist it above that point)."""
+    value = llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.u32 $0, $1;", "=r,r",
+                            has_side_effects=True, is_align_stack=False,
+                            asm_dialect=llvm.AsmDialect.AD_ATT)
     return Int32(value)
 
 
@@ -295,6 +313,9 @@ class FlexAttentionBwdSm90:
         self.mask_mod = cfg.mask_mod
         self.sparse = cfg.has_block_mask
         self.deterministic = cfg.deterministic
+        self.score_grads, self.grad_offsets = cfg.score_grads, cfg.grad_offsets
+        assert (self.score_grads is None) == (self.grad_offsets is None)
+        assert self.score_grads is None or self.score_mod is not None
         assert self.tile_n == MASK_BLOCK and MASK_BLOCK % self.tile_m == 0
         self.tiles_per_mask_block = MASK_BLOCK // self.tile_m
         # Each MMA warpgroup owns one fp32 dQ box: half the columns or half the rows.
@@ -325,6 +346,7 @@ class FlexAttentionBwdSm90:
         mSem: Optional[cute.Tensor],  # (B, Hq, 2·Lpad/tile_m) int32 per dQ box, zeroed (deterministic)
         aux_tensors: Optional[tuple],
         aux_scalars: Optional[tuple],
+        grad_accs: Optional[tuple],  # one flat fp64 accumulator per learnable tensor, zeroed
         stream: cuda.CUstream,
     ):
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
@@ -397,7 +419,7 @@ class FlexAttentionBwdSm90:
             tQ, tK, tV, tdO, tLSE, tDelta, tdQ, tdK, tdV,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv,
             mma_sdp, mma_dkv, mma_dq, softmax_scale, q_per_kv, qblocks, qranks, mSem,
-            aux_tensors, aux_scalars,
+            aux_tensors, aux_scalars, grad_accs,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
         ).launch(
             grid=[num_n, k.shape[2], k.shape[3]],
@@ -438,6 +460,7 @@ class FlexAttentionBwdSm90:
         mSem: Optional[cute.Tensor],
         aux_tensors: Optional[tuple],
         aux_scalars: Optional[tuple],
+        grad_accs: Optional[tuple],
         sQ_layout: cute.ComposedLayout,
         sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -484,7 +507,8 @@ class FlexAttentionBwdSm90:
             cute.arch.setmaxregister_increase(self.mma_regs)
             sched = self._schedule(mQ, mK, q_per_kv)
             self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
-                     tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, aux)
+                     tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, aux,
+                     tuple(grad_accs) if const_expr(grad_accs is not None) else ())
 
     @cute.jit
     def _schedule(self, mQ: cute.Tensor, mK: cute.Tensor, q_per_kv: Int32):
@@ -676,7 +700,7 @@ class FlexAttentionBwdSm90:
             mdK: cute.Tensor, mdV: cute.Tensor, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
             tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, pipe_kv: pipeline.PipelineAsync,
             pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
-            softmax_scale: Float32, sched, qblocks, aux: Aux):
+            softmax_scale: Float32, sched, qblocks, aux: Aux, grad_accs: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -723,7 +747,8 @@ class FlexAttentionBwdSm90:
         ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdO, tKrQ, tQrdS, tQrK,
                       tVrP, tKrdS, acc_dV, acc_dK, tScS, tSsLSE, tSsDelta, thr_st_t, st_t, tSsdS,
                       tQsdQ, wg_sdp.partition_shape_C((tn, tm)),
-                      wg_dq.partition_shape_C((tm, self.head_dim)), c, softmax_scale, sched, aux, wg)
+                      wg_dq.partition_shape_C((tm, self.head_dim)), c, softmax_scale, sched, aux, wg,
+                      grad_accs)
 
         # K and V must have landed even when no q tile is listed: the epilogue overwrites them.
         pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
@@ -791,8 +816,12 @@ class FlexAttentionBwdSm90:
             self._gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
             warpgroup.wait_group(0)
         tSsDelta = ctx.tSsDelta[None, None, None, idx]
-        for i in cutlass.range_constexpr(cute.size(acc_dP)):
-            acc_dP[i] = acc_S[i] * (acc_dP[i] - tSsDelta[i])
+        sums = None
+        if const_expr(self.score_grads is not None):
+            sums = self._captured_grads(ctx, acc_S, acc_dP, tSsDelta, head, m)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - tSsDelta[i])
         rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
         rdS.store(acc_dP.load().to(self.dtype))
         # dSᵀ -> smem; both warpgroups' halves are needed by each dQ GEMM.
@@ -811,6 +840,8 @@ class FlexAttentionBwdSm90:
         cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
         warpgroup.wait_group(0)  # dK done: Q is free
         pipe_q.consumer_release(state)
+        if const_expr(self.score_grads is not None):
+            self._flush_uniform_grads(ctx, sums, head, m)
         state.advance()
         return state
 
@@ -856,7 +887,12 @@ class FlexAttentionBwdSm90:
             if const_expr(ok is not None):
                 s = s if ok else neg_inf
             p = cute.math.exp2(cute.fma(s, ctx.c, -tLSE[i]), fastmath=True)
-            if const_expr(self.score_mod is not None):
+            if const_expr(self.score_grads is not None):
+                # Keep P: the captured gradients need P∘(dP − delta) before d score/d score
+                # (``_captured_grads`` multiplies by it afterwards).
+                rP[i] = p.to(self.dtype)
+                acc_S[i] = p
+            elif const_expr(self.score_mod is not None):
                 rP[i] = p.to(self.dtype)
                 pd = p * ds
                 if const_expr(ok is not None):
@@ -866,6 +902,93 @@ class FlexAttentionBwdSm90:
                 acc_S[i] = p
         if const_expr(self.score_mod is None):
             rP.store(acc_S.load().to(self.dtype))  # vectorised conversion
+
+    @cute.jit
+    def _captured_grads(self, ctx, acc_P: cute.Tensor, acc_dP: cute.Tensor, tDelta: cute.Tensor,
+                        head: Int32, m: Int32):
+        """dS with captured-tensor gradients. ``acc_P`` holds P (not P∘dscore), ``acc_dP`` dPᵀ.
+        Per element: g = P∘(dP − delta) (the gradient w.r.t. the score_mod's output; 0 where
+        masked or out of bounds, since P is), then for every learnable load j
+        ``acc_j[offset_j] += g · d score/d load_j`` in fp64, and dS = g · d score/d score into
+        ``acc_dP``.
+
+        A load whose offset varies with neither q_idx nor kv_idx (``slopes[h]``: uniform over the
+        tile) is summed over the thread's 32 elements in fp32, then over the warp by butterfly
+        shuffles at the end of the tile (``_flush_uniform_grads``); lane 0 adds the warp's sum:
+        one atomic per warp and tile. Any other load
+        (``table[h, clamp(kv - q)]``) adds per element, predicated off where g = 0 (masked
+        elements add nothing). The adds are ``red.global.add.f64`` into a zeroed accumulator: fp64
+        because a table entry can receive ~L·S/2 adds (fp32 running sums lose ~1e-4 there);
+        their order is not fixed, so these gradients are not bit-reproducible run to run even in
+        deterministic mode (dQ, dK, dV are)."""
+        sched = ctx.sched
+        # The first register's (q, kv) through an opaque move: otherwise the compiler reuses the
+        # per-element indices, float indices and load addresses that _probabilities computed
+        # for the score_mod (the same expressions), keeping 32 of them live across the dP
+        # GEMM's wait: spills at D = 128. Recomputing them costs a few integer adds.
+        # And a data dependency on dPᵀ (0 unless it is NaN): ptxas sees through the opaque move
+        # and would hoist the index arithmetic above the dPᵀ wait otherwise (152 bytes of
+        # spills for ALiBi slopes at D = 128).
+        after_dp = Int32(cutlass.select_(acc_dP[0] != acc_dP[0], Int32(1), Int32(0)))
+        qb = _opaque_i32(m * self.tile_m + ctx.tScS[0][1]) + after_dp
+        kb = _opaque_i32(sched.n_block * self.tile_n + ctx.tScS[0][0]) + after_dp
+        q0 = qb - ctx.tScS[0][1]
+        k0 = kb - ctx.tScS[0][0]
+        indices = FloatIndices(qb, kb)
+        uniform = self.grad_offsets.uniform
+        acc_of = self.grad_offsets.acc
+        n_loads = len(uniform)
+        sums = [Float32(0.0) for _ in range(n_loads)]
+        zero = Float32(0.0)
+        for i in cutlass.range_constexpr(cute.size(acc_dP)):
+            kv_idx = k0 + ctx.tScS[i][0]
+            q_idx = q0 + ctx.tScS[i][1]
+            g = acc_P[i] * (acc_dP[i] - tDelta[i])
+            derivs = self.score_grads(sched.batch, head, q_idx, kv_idx, ctx.aux,
+                                      *indices.args(self.score_grads, q_idx, kv_idx))
+            offsets = None
+            if const_expr(not all(uniform)):
+                offsets = self.grad_offsets(sched.batch, head, q_idx, kv_idx, ctx.aux,
+                                            *indices.args(self.grad_offsets, q_idx, kv_idx))
+            for j in cutlass.range_constexpr(n_loads):
+                # A derivative may be inf/NaN where the element is masked (g = 0): select.
+                contrib = Float32(cutlass.select_(g == zero, zero, g * derivs[1 + j]))
+                if const_expr(uniform[j]):
+                    sums[j] = sums[j] + contrib
+                else:
+                    if contrib != zero:
+                        cute.arch.atomic_add(ctx.grad_accs[acc_of[j]].iterator + offsets[j],
+                                             contrib.to(cutlass.Float64))
+            if const_expr(self.score_grads.unit_dscore):
+                acc_dP[i] = g
+            else:
+                acc_dP[i] = Float32(cutlass.select_(g == zero, zero, g * derivs[0]))
+        return sums
+
+    @cute.jit
+    def _flush_uniform_grads(self, ctx, sums, head: Int32, m: Int32):
+        """The uniform loads' per-thread sums (``_captured_grads``): a warp butterfly, then one
+        fp64 add by lane 0. Done at the end of the tile, when dS is no longer in registers
+        (right after dS was formed, ptxas spilled at D = 128)."""
+        uniform = self.grad_offsets.uniform
+        acc_of = self.grad_offsets.acc
+        n_loads = len(uniform)
+        if const_expr(any(uniform)):
+            sched = ctx.sched
+            qb = m * self.tile_m + ctx.tScS[0][1]
+            kb = sched.n_block * self.tile_n + ctx.tScS[0][0]
+            indices = FloatIndices(qb, kb)
+            # Any element's indices serve: the offset varies with neither.
+            offsets = self.grad_offsets(sched.batch, head, qb, kb, ctx.aux,
+                                        *indices.args(self.grad_offsets, qb, kb))
+            for j in cutlass.range_constexpr(n_loads):
+                if const_expr(uniform[j]):
+                    total = sums[j]
+                    for sh in cutlass.range_constexpr(5):
+                        total = total + cute.arch.shuffle_sync_bfly(total, offset=16 >> sh)
+                    if cute.arch.lane_idx() == 0:
+                        cute.arch.atomic_add(ctx.grad_accs[acc_of[j]].iterator + offsets[j],
+                                             total.to(cutlass.Float64))
 
     # -----------------------------------------------------------------------------------------
     # Epilogue
@@ -949,6 +1072,7 @@ class _BwdCtx(NamedTuple):
     sched: object
     aux: object
     wg: object
+    grad_accs: object  # fp64 accumulators of the captured tensors' gradients (or ())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1135,8 +1259,16 @@ def _placeholder_main_args(cfg: BwdConfig, aux_tensors, aux_scalars) -> tuple:
     tensors = tuple(_placeholder(_aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
                     for t in aux_tensors)
     scalars = tuple(_as_scalar(x) for x in aux_scalars)
+    accs = tuple(_placeholder(cutlass.Float64, 1, 8) for _ in range(num_grad_accs(cfg)))
     return (q, k, v, do, lse2, delta, dqacc, dk, dv, Float32(1.0), Int32(1), qblocks, qranks, sem,
-            tensors or None, scalars or None)
+            tensors or None, scalars or None, accs or None)
+
+
+def num_grad_accs(cfg: BwdConfig) -> int:
+    """How many fp64 captured-gradient accumulators the main kernel takes."""
+    if cfg.grad_offsets is None:
+        return 0
+    return max(cfg.grad_offsets.acc) + 1
 
 
 def _placeholder_pre_args(cfg: BwdConfig) -> tuple:
@@ -1165,22 +1297,26 @@ class CompiledBwd:
         self.signature = signature
 
     def __call__(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale: float,
-                 block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_ranks=None):
+                 block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_ranks=None,
+                 grad_accs=()):
         """Write dq, dk, dv (preallocated like q, k, v) and return them.
 
         ``lse`` is the forward's natural-log LSE (B, Hq, L) fp32; ``dlse`` its gradient or None;
         ``dout`` None means zeros (autograd passes None when only the LSE was used).
         ``block_lists``: the 8 BlockMask tensors (kv lists, then q lists) or None.
-        ``q_ranks``: ``dq_ranks(block_lists)`` if already computed (deterministic mode only)."""
+        ``q_ranks``: ``dq_ranks(block_lists)`` if already computed (deterministic mode only).
+        ``grad_accs``: with ``BwdConfig.score_grads``, one zeroed contiguous float64 tensor per
+        learnable captured tensor (``num_grad_accs``), shaped like it (or flat): the kernel adds
+        d loss / d tensor into them."""
         if stream is None:
             return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
-                                block_lists, aux_tensors, aux_scalars, q_ranks)
+                                block_lists, aux_tensors, aux_scalars, q_ranks, grad_accs)
         with _stream_context(stream):
             return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
-                                block_lists, aux_tensors, aux_scalars, q_ranks)
+                                block_lists, aux_tensors, aux_scalars, q_ranks, grad_accs)
 
     def _launch(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale, block_lists,
-                aux_tensors, aux_scalars, q_ranks):
+                aux_tensors, aux_scalars, q_ranks, grad_accs):
         import torch
 
         cfg = self.cfg
@@ -1210,10 +1346,17 @@ class CompiledBwd:
         for x in aux_scalars:
             if isinstance(x, bool) or not isinstance(x, (int, float)):
                 raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
+        if len(grad_accs) != num_grad_accs(cfg):
+            raise ValueError(f"expected {num_grad_accs(cfg)} captured-gradient accumulators, "
+                             f"got {len(grad_accs)}")
+        for a in grad_accs:
+            if a.dtype != torch.float64 or not a.is_contiguous():
+                raise ValueError("captured-gradient accumulators must be contiguous float64")
+        accs = tuple(a.view(-1) for a in grad_accs) or None
         self.parts["pre"].ffi_fn(out, dout, lse, dlse, int(has_dlse), lse2, delta, dqacc, sem)
         self.parts["main"].ffi_fn(q, k, v, dout, lse2, delta, dqacc, dk, dv, float(softmax_scale),
                                   Hq // Hkv, qblocks, qranks, sem, tensors,
-                                  tuple(aux_scalars) or None)
+                                  tuple(aux_scalars) or None, accs)
         self.parts["post"].ffi_fn(dqacc, dq, float(softmax_scale))
         return dq, dk, dv
 

@@ -50,3 +50,20 @@ def test_persistent_forward_is_chosen_for_short_kv_loops(monkeypatch):
     assert _persistent_fwd(64, block_sparse_args(causal), 8192)
     monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "0")
     assert not _persistent_fwd(128, None, 1024)
+
+
+def test_captured_tensor_grads_are_opt_in_until_verified_on_a_gpu(monkeypatch):
+    from flexjit.api import prepare_call
+    from flexjit.backends.cute_sm90 import backward_supports
+    table = torch.randn(4, 33).requires_grad_(True)
+    q = torch.randn(1, 4, 64, 128, dtype=torch.bfloat16)
+    call = prepare_call(q, q, q, mods.relative_bias(table), None, None, False, None)
+    monkeypatch.delenv("FLEXJIT_CUTE_BWD_GRADS", raising=False)
+    ok, why = backward_supports(call)
+    assert not ok and "FLEXJIT_CUTE_BWD_GRADS=1" in why
+    monkeypatch.setenv("FLEXJIT_CUTE_BWD_GRADS", "1")
+    assert backward_supports(call)[0]
+    # Without captured tensors needing grad, the sm90 backward serves as before.
+    plain = prepare_call(q, q, q, mods.relative_bias(table.detach()), None, None, False, None)
+    monkeypatch.delenv("FLEXJIT_CUTE_BWD_GRADS")
+    assert backward_supports(plain)[0]

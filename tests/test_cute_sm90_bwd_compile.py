@@ -175,6 +175,50 @@ def test_every_core_mod_fits_at_d128(tmp_path, name):
     _assert_clean_registers(tmp_path, ptx)
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
+def test_captured_tensor_grads(tmp_path, name, head_dim):
+    # Issue #6: a learnable captured tensor's gradient from the sm90 backward itself. The
+    # relative-bias table's index varies per element (one predicated fp64 atomic per element),
+    # the ALiBi slopes' index is uniform over the tile (warp butterfly, one atomic per warp).
+    # Causal block mask, D = 128 (register-tight: 0 spills before this change; must stay 0) and 64.
+    case = make_case(name, 2, 4, 300, 500)
+    program = _program(case.score_mod, case.mask_mod)
+    assert program.grad_loads
+    mods = load_mods(program)
+    assert mods.score_grads is not None and mods.grad_offsets is not None
+    assert mods.grad_offsets.uniform == ((name == "learnable_alibi"),)
+    cfg = tpl.BwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod_and_grad,
+                        mods.mask_mod, has_block_mask=True,
+                        overlap_dp=True if light_mods(program) else None,
+                        score_grads=mods.score_grads, grad_offsets=mods.grad_offsets)
+    assert tpl.num_grad_accs(cfg) == 1
+    aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
+    fn = tpl.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
+                         parts=("main",))
+    ptx = fn.parts["main"].compiled.__ptx__
+    _assert_main_machinery(ptx)
+    _assert_clean_registers(tmp_path, ptx)
+    assert re.search(r"(red|atom)\.global(\.\w+)*\.add\.f64", ptx), "no fp64 atomic add"
+    if name == "learnable_alibi":
+        assert "shfl.sync.bfly" in ptx, "uniform-index gradient not warp-reduced"
+
+
+def test_score_dependent_captured_grads_stay_on_triton():
+    # d(score · scale[h]) / d scale[h] = score: the kernel cannot re-evaluate it after the dP
+    # GEMM, so the renderer leaves the holes None and backward_supports sends it to Triton.
+    from flexjit.backends.cute_sm90 import captured_grads_in_kernel, render
+    scale = torch.rand(4).requires_grad_(True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * scale[h]
+    program = _program(score_mod, None)
+    assert program.grad_loads
+    ok, why = captured_grads_in_kernel(program)
+    assert not ok and "depends on the score" in why
+    assert "score_grads = None" in render(program)
+
+
 @pytest.mark.parametrize("sparse", [False, True])
 def test_deterministic(tmp_path, sparse):
     mask = fmods.causal() if sparse else None
@@ -286,3 +330,7 @@ def test_host_launch_marshals_workspaces_and_lists():
     assert all(torch.equal(a, b) for a, b in zip(qranks, tpl.dq_ranks(lists)))
     assert sem_main is sem and main[7] is dk and main[8] is dv and main[6] is dqacc
     assert calls["post"][0] is dqacc and calls["post"][1] is dq and calls["post"][2] == 0.125
+    assert main[16] is None  # no captured-gradient accumulators
+    with pytest.raises(ValueError, match="accumulators"):
+        fn(q, k, v, out, dout, lse, None, dq, dk, dv, 0.125, lists, (), (),
+           grad_accs=(torch.zeros(3, dtype=torch.float64),))

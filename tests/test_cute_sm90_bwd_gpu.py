@@ -34,7 +34,7 @@ from flexjit.backends.cute_sm90 import (  # noqa: E402
 from flexjit.cache import load_template  # noqa: E402
 from flexjit.ir import Op, uses  # noqa: E402
 from flexjit.trace import MASK_MOD, trace_mod  # noqa: E402
-from mods_catalog import CORE, lowered, make_case  # noqa: E402
+from mods_catalog import CORE, case_and_oracle, lowered, make_case  # noqa: E402
 from oracle import FLOOR, assert_close_to_oracle, dense_attention  # noqa: E402
 
 tpl = load_template("cute_sm90_bwd")
@@ -59,7 +59,9 @@ def _compiled(case, D, dtype, sparse, deterministic):
         mods = load_mods(program)
         cfg = tpl.BwdConfig(D, D, _DTYPES[dtype], mods.score_mod_and_grad, mods.mask_mod,
                             has_block_mask=sparse, deterministic=deterministic,
-                            overlap_dp=True if light_mods(program) else None)
+                            overlap_dp=True if light_mods(program) else None,
+                            score_grads=getattr(mods, "score_grads", None),
+                            grad_offsets=getattr(mods, "grad_offsets", None))
         _COMPILED[key] = tpl.compile_bwd(cfg, aux, program.scalars)
     return _COMPILED[key], aux, program.scalars
 
@@ -221,27 +223,112 @@ def test_api_deterministic_mode_is_bit_identical():
             assert torch.equal(a, b), f"deterministic api runs differ in {label}"
 
 
-@pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
-def test_captured_tensor_grads_through_the_api(name):
-    # A captured tensor that requires grad: the cute backend's backward hands the call to the
-    # Triton backward kernels (cute_sm90.backward_supports); every gradient must still be right.
-    B, Hq, Hkv, L, S, D = 1, 4, 4, 1000, 1000, 128
-    torch.manual_seed(11)
-    case = make_case(name, B, Hq, L, S, device=DEV)
-    q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 11)
+def _no_triton_backward(monkeypatch):
+    """Make any hand-off to the Triton backward fail the test (issue #6: the sm90 backward must
+    produce the captured tensors' gradients itself). The sm90 path is opt-in until these pass
+    on a GPU (FLEXJIT_CUTE_BWD_GRADS=1)."""
+    monkeypatch.setenv("FLEXJIT_CUTE_BWD_GRADS", "1")
+    from flexjit.backends import triton as triton_backend
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton backward ran; the sm90 backward should have")
+    monkeypatch.setattr(triton_backend, "backward", refuse)
+
+
+def _captured_grads_check(name, B, Hq, Hkv, L, S, D, seed, run_kernel):
+    """dq, dk, dv and d(captured) from ``run_kernel(case, q, k, v, dout, bm)`` against the float64
+    oracle, which differentiates the float64-captures twin (autograd sums a float32 table's
+    gradient in float32: no better than the kernel)."""
+    case, twin = case_and_oracle(name, B, Hq, L, S, device=DEV, seed=seed)
+    q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, seed)
     bm = _block_mask(case.mask_mod, B, Hq, L, S)
 
-    def grads(dtype, run):
+    def oracle(c, dtype):
         leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
-        caps = list(case.learnable)
-        out = run(*leaves)
-        return torch.autograd.grad(out, leaves + caps, dout.to(out.dtype))
+        out = dense_attention(*leaves, c.score_mod, c.mask_mod, dtype=dtype)[0]  # GQA inside
+        return torch.autograd.grad(out, leaves + list(c.learnable), dout.to(out.dtype))
 
-    got = grads(torch.bfloat16, lambda a, b, c: flex_attention(a, b, c, case.score_mod, bm, backend="cute"))
-    want = grads(torch.float64, lambda a, b, c: dense_attention(a, b, c, case.score_mod, case.mask_mod,
-                                                                dtype=torch.float64)[0])
-    low = grads(torch.bfloat16, lambda a, b, c: dense_attention(a, b, c, case.score_mod, case.mask_mod,
-                                                                dtype=torch.bfloat16)[0])
+    got = run_kernel(case, q, k, v, dout, bm)
+    want = oracle(twin, torch.float64)
+    low = oracle(case, torch.bfloat16)
     for label, a, b, c in zip(("dq", "dk", "dv", "d_captured0"), got, want, low):
-        assert_close_to_oracle(f"api {name} {label}", a, b, c,
+        assert a.shape == b.shape, (label, a.shape, b.shape)
+        assert torch.isfinite(a).all(), f"{name} {label}: non-finite"
+        assert_close_to_oracle(f"{name} {label}", a.to(b.dtype), b, c.to(b.dtype),
                                FLOOR[torch.bfloat16] * max(1.0, b.abs().max().item()))
+    return got
+
+
+@pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
+def test_captured_tensor_grads_through_the_api(name, monkeypatch, capsys):
+    # Issue #6: a captured tensor that requires grad; the cute backend's backward computes its
+    # gradient on the sm90 backward (no Triton hand-off), D = 128, GQA 8/2, ragged L = S = 1000.
+    from flexjit.api import prepare_call
+    from flexjit.backends import cute_sm90
+
+    _no_triton_backward(monkeypatch)
+    monkeypatch.setenv("FLEXJIT_DEBUG", "1")
+    B, Hq, Hkv, L, S, D = 2, 8, 2, 1000, 1000, 128
+
+    def run(case, q, k, v, dout, bm):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        call = prepare_call(*leaves, case.score_mod, bm, None, True, None)
+        ok, why = cute_sm90.backward_supports(call)
+        assert ok, why
+        assert cute_sm90.supports(call)[0]
+        out = flex_attention(*leaves, case.score_mod, bm, enable_gqa=True, backend="cute")
+        return torch.autograd.grad(out, leaves + list(case.learnable), dout)
+
+    _captured_grads_check(name, B, Hq, Hkv, L, S, D, 11, run)
+    printed = capsys.readouterr().out
+    assert "backward on Triton" not in printed, printed
+
+
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
+def test_captured_tensor_grads_through_the_template(name, D):
+    # The template directly: compile_bwd with score_grads/grad_offsets and fp64 accumulators.
+    from flexjit.backends.cute_sm90 import grad_slots
+
+    B, Hq, Hkv, L, S = 2, 8, 2, 1000, 1000
+
+    def run(case, q, k, v, dout, bm):
+        program = lowered(case.score_mod, case.mask_mod)
+        assert grad_slots(program) == [0]
+        with torch.no_grad():
+            out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=True,
+                                      return_lse=True, backend="cute")
+        fn, aux, scalars = _compiled(case, D, q.dtype, True, False)
+        acc = torch.zeros(aux[0].shape, dtype=torch.float64, device=DEV)
+        dq, dk, dv = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        fn(q, k, v, out, dout, lse, None, dq, dk, dv, 1.0 / math.sqrt(D), bwd_block_lists(bm),
+           aux, scalars, grad_accs=(acc,))
+        torch.cuda.synchronize()
+        return dq, dk, dv, acc.reshape(case.learnable[0].shape)
+
+    _captured_grads_check(name, B, Hq, Hkv, L, S, D, 13, run)
+
+
+def test_captured_tensor_grads_deterministic_mode_runs_on_cute(monkeypatch):
+    # Deterministic mode keeps the sm90 backward: dq/dk/dv bit-identical; the captured gradient
+    # (fp64 atomics, order not fixed) agrees to well below its float32 rounding.
+    _no_triton_backward(monkeypatch)
+    B, Hq, Hkv, L, S, D = 1, 4, 4, 1000, 1000, 128
+    case, _ = case_and_oracle("learnable_bias", B, Hq, L, S, device=DEV, seed=17)
+    q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 17)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+
+    def once():
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = flex_attention(*leaves, case.score_mod, bm, backend="cute")
+        return torch.autograd.grad(out, leaves + list(case.learnable), dout)
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [once() for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for r in runs[1:]:
+        for label, a, b in zip(("dq", "dk", "dv"), r[:3], runs[0][:3]):
+            assert torch.equal(a, b), f"deterministic runs differ in {label}"
+        torch.testing.assert_close(r[3], runs[0][3], rtol=1e-6, atol=1e-6)
