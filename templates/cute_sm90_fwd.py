@@ -64,6 +64,40 @@ their pipeline states (Q: one stage, K/V: a ring) from tile to tile: ``_load_til
   the first kv tile instead). Warpgroups cannot drift apart across tiles: the epilogue barriers
   join all consumer threads every tile.
 
+Dynamic tile scheduler (``Tiling.dynamic_schedule``, persistent only, off by default)
+-----------------------------------------------------------------------------------
+Static striding fixes each CTA's tile set up front; causal tiles cost 1..n kv tiles, so CTAs
+finish unevenly (the per-tile kernel gets greedy balancing from the hardware block scheduler).
+With this option a CTA's first tile is block_idx and each further one is ``grid +
+atomicAdd(counter[0], 1)``, an index into the same longest-first order, so idle CTAs pick up
+the remaining tiles greedily (FA3's dynamic persistent scheduler).
+* Counter: a (2,) int32 global tensor, a kernel argument (``tile_counter``), owned by the host
+  side of this module: one per (device, stream), zeroed when allocated (on the launch stream).
+  It is never memset per launch: each launch leaves it at zero. Every CTA's producer, after its
+  last claim, adds 1 to counter[1] (acq_rel, so its claims are ordered before); the CTA that
+  reads grid − 1 is the last, no claim can follow, and it stores 0 to both words. Launches on
+  one stream are serialised, so the next one starts from zero; another stream has its own.
+* Claim: the producer warp's lane 0 issues the atomic right after the current tile's Q load
+  and the result is shuffled to the warp only at the end of the tile's K/V loads, so the
+  atomic's round trip hides under them. Claiming when a tile's Q is issued (the consumers are
+  finishing the previous tile) keeps claims one tile ahead, as FA3 does.
+* Handshake, piggybacked on the Q pipeline (one stage): the producer waits for Q's empty
+  barrier, then ONE elected thread writes the tile index to an smem slot and arrives on Q's
+  full barrier (arrive.expect_tx; the Q TMA follows). Consumers wait for Q full, read the slot,
+  sync their warp, and only then go on to use Q. No race: the arrive has release semantics
+  and the consumers' wait acquire semantics, so the slot is visible with Q; the producer
+  rewrites the slot only after the NEXT empty-barrier phase, which needs every consumer warp's
+  release of Q, issued after that warp read the slot (the warp sync orders all lanes' reads
+  before lane 0's release arrive). The slot thus has the same lifetime as sQ itself.
+* Termination: a claim >= num_tiles is the sentinel. The producer still publishes it (wait for
+  Q empty, write the slot, a PLAIN mbarrier arrive: the full barrier expects one arrival and,
+  with no expect_tx, zero bytes, so the phase completes without a TMA), then exits; the
+  consumers read it after their Q wait and leave the tile loop (then the last-store wait).
+  The K/V rings and the ping-pong token are unchanged: all roles walk the same tile sequence.
+* Cost: one global atomic per tile, one more per CTA, 8 bytes of smem. The consumers compute
+  ``_schedule`` after the Q wait rather than before it (its loads usually hit L1: the producer
+  warp read the same block counts moments before).
+
 Block sparsity (FlexAttention's BlockMask, mask block 128×128)
 --------------------------------------------------------------
 ``kv_num_blocks`` (Bm, Hm, nQB) + ``kv_indices`` (Bm, Hm, nQB, nKVB) list PARTIAL blocks (mask_mod
@@ -158,13 +192,25 @@ class Tiling:
     # Persistent: min(num_tiles, num_SMs) CTAs each walk tiles block_idx, block_idx + grid, ...
     # in ``_tile_coords``'s order; O gets its own smem buffer (see "Persistent variant").
     persistent: bool = False
+    # Persistent only: after its first tile (block_idx) a CTA takes the next unclaimed tile of
+    # the same order from a global atomic counter instead of striding by the grid size (see
+    # "Dynamic tile scheduler").
+    dynamic_schedule: bool = False
 
 
 SMEM_CAPACITY = 227 * 1024  # sm90 opt-in maximum per CTA
 
 
+def _dynamic_schedule_default() -> bool:
+    """``FLEXJIT_CUTE_DYNAMIC_SCHEDULE=1`` turns the dynamic tile scheduler on for persistent
+    tilings built without an explicit choice (the backend passes none); default off."""
+    import os
+
+    return os.environ.get("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "0") not in ("", "0")
+
+
 def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
-                  persistent: bool = False) -> Tiling:
+                  persistent: bool = False, dynamic_schedule: Optional[bool] = None) -> Tiling:
     """Tile table. With a block mask, tile_m is 128 = one mask-block row, so a CTA reads exactly
     one row of the BlockMask, and tile_n divides the 128-wide mask block for the same reason.
 
@@ -183,7 +229,14 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
 
     ``persistent`` adds a separate O buffer (tile_m × Dv): D = 128 needs 192 KB, D = 64 128 KB
     (block-sparse) or 144 KB (dense); D = 256 would need 256 KB > 227 KB, so it is refused.
+
+    ``dynamic_schedule`` (persistent only; None: ``FLEXJIT_CUTE_DYNAMIC_SCHEDULE``) picks the
+    atomic-counter tile scheduler over the static grid stride; it is ignored without
+    ``persistent``.
     """
+    if dynamic_schedule is None:
+        dynamic_schedule = _dynamic_schedule_default()
+    dyn = bool(persistent and dynamic_schedule)
     if head_dim != head_dim_v:
         raise NotImplementedError("cute_sm90_fwd: head_dim_v must equal head_dim")
     if persistent and head_dim == 256:
@@ -192,10 +245,10 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
             "K/V 2x64 KB + a separate O buffer 64 KB = 256 KB > 227 KB of shared memory)")
     if head_dim == 64:
         if not block_sparse:
-            return Tiling(192, 128, 3, 3, True, 160, 32, persistent)
-        return Tiling(128, 128, 3, 2, True, 240, 24, persistent)
+            return Tiling(192, 128, 3, 3, True, 160, 32, persistent, dyn)
+        return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
     if head_dim == 128:
-        return Tiling(128, 128, 2, 2, True, 240, 24, persistent)
+        return Tiling(128, 128, 2, 2, True, 240, 24, persistent, dyn)
     if head_dim == 256:
         return Tiling(128, 64, 2, 2, False, 240, 24)
     raise NotImplementedError(f"cute_sm90_fwd: head_dim {head_dim} not in (64, 128, 256)")
@@ -209,6 +262,8 @@ def smem_bytes(cfg: "FwdConfig") -> int:
     o = t.tile_m * cfg.head_dim_v * elem
     kv = t.num_stages * t.tile_n * (cfg.head_dim + cfg.head_dim_v) * elem
     bars = 8 * (2 + 4 * t.num_stages)
+    if t.dynamic_schedule:
+        bars += 8  # the published tile index
     q_region = q + o if t.persistent else max(q, o)
     return 1024 + q_region + kv + bars  # 1024: worst-case padding to the first aligned buffer
 
@@ -351,6 +406,7 @@ class FlexAttentionFwdSm90:
         self.has_partial = self.sparse or self.mask_mod is not None
         self.has_full = self.sparse or self.mask_mod is None
         self.persistent = bool(getattr(t, "persistent", False))
+        self.dynamic = self.persistent and bool(getattr(t, "dynamic_schedule", False))
         if self.persistent and smem_bytes(cfg) > SMEM_CAPACITY:
             raise NotImplementedError(
                 f"cute_sm90_fwd: the persistent variant needs {smem_bytes(cfg)} bytes of shared "
@@ -371,6 +427,7 @@ class FlexAttentionFwdSm90:
         aux_tensors: Optional[tuple],  # None when empty (empty tuples are not valid jit args)
         aux_scalars: Optional[tuple],
         num_sms: Int32,  # persistent grid size cap (runtime: not baked into the kernel)
+        tile_counter: Optional[cute.Tensor],  # (2,) int32, dynamic scheduler only (else None)
         stream: cuda.CUstream,
     ):
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
@@ -418,6 +475,21 @@ class FlexAttentionFwdSm90:
                 sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
             self.shared_storage = SharedStorage
+        elif const_expr(self.dynamic):
+            # Dynamic scheduler: plus one int32 slot through which the producer publishes each
+            # tile index (or the end sentinel) with that tile's Q (see "Dynamic tile scheduler").
+            @cute.struct
+            class SharedStorageDynamic:
+                mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                tile_idx: cute.struct.MemRange[Int32, 2]
+                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+
+            self.shared_storage = SharedStorageDynamic
         else:
             # Persistent: the producer may load the next tile's Q while this tile's O is staged,
             # so O has a buffer of its own.
@@ -441,7 +513,7 @@ class FlexAttentionFwdSm90:
         self.kernel(
             tQ, tK, tV, tO, lse, tma_q, tma_k, tma_v, tma_o, mma_qk, mma_pv,
             softmax_scale, hb_per_section, blocks, aux_tensors, aux_scalars,
-            sQ_layout, sK_layout, sV_layout, sO_layout,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tile_counter,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -473,6 +545,7 @@ class FlexAttentionFwdSm90:
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
+        tile_counter: Optional[cute.Tensor],
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -496,13 +569,19 @@ class FlexAttentionFwdSm90:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sTile = None
+        if const_expr(self.dynamic):
+            sTile = storage.tile_idx.get_tensor(cute.make_layout(2))
 
         aux = Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
                   tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
-                if const_expr(self.persistent):
+                if const_expr(self.dynamic):
+                    self.load_dynamic(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q,
+                                      pipe_k, pipe_v, hb_per_section, blocks, sTile, tile_counter)
+                elif const_expr(self.persistent):
                     self.load_persistent(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q,
                                          pipe_k, pipe_v, hb_per_section, blocks)
                 else:
@@ -510,7 +589,11 @@ class FlexAttentionFwdSm90:
                               pipe_v, sched)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            if const_expr(self.persistent):
+            if const_expr(self.dynamic):
+                self.mma_dynamic(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, _transposed(sV), sO,
+                                 tma_o, pipe_q, pipe_k, pipe_v, softmax_scale, hb_per_section,
+                                 blocks, aux, sTile)
+            elif const_expr(self.persistent):
                 self.mma_persistent(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, _transposed(sV),
                                     sO, tma_o, pipe_q, pipe_k, pipe_v, softmax_scale,
                                     hb_per_section, blocks, aux)
@@ -677,9 +760,87 @@ class FlexAttentionFwdSm90:
         step = cute.arch.grid_dim()[0]
         for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
             sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
-            kv = self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
-                                 pipe_v, sched, q_state, kv)
+            kv, _ = self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
+                                    pipe_v, sched, q_state, kv)
             q_state.advance()
+
+    @cute.jit
+    def load_dynamic(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        hb_per_section: Int32,
+        blocks: Optional[BlockSparse],
+        sTile: cute.Tensor,  # (2,) int32 smem: [0] the published tile index
+        tile_counter: cute.Tensor,  # (2,) int32 gmem: [0] claims, [1] finished CTAs
+    ):
+        """Dynamic-scheduler producer (see "Dynamic tile scheduler"): the first tile is
+        block_idx; each tile's index is published with its Q (``_publish_tile``), and right
+        after that tile's Q load the next one is claimed (grid + atomicAdd(counter, 1)), so the
+        atomic's latency hides under this tile's K/V loads. A claim >= num_tiles ends the loop:
+        it is published as the sentinel (a plain arrive on Q's full barrier, no TMA), then the
+        CTA counts itself finished and the last CTA to finish zeroes the counter."""
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        num_tiles = self._num_tiles(mQ)
+        grid = Int32(cute.arch.grid_dim()[0])
+        tile_id = Int32(cute.arch.block_idx()[0])  # < num_tiles: grid = min(num_tiles, SMs)
+        while tile_id < num_tiles:
+            sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
+            kv, claimed = self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q,
+                                          pipe_k, pipe_v, sched, q_state, kv, sTile, tile_id,
+                                          tile_counter)
+            q_state.advance()
+            tile_id = cute.arch.shuffle_sync(claimed, 0) + grid
+        # The sentinel: consumers waiting for the next Q learn that there is none.
+        self._publish_tile(pipe_q, q_state, sTile, tile_id, with_q=False)
+        # Counter reset for the next launch. Every CTA's producer adds 1 to counter[1] once,
+        # after its last claim (the acq_rel atomic orders that claim before it); the CTA that
+        # sees grid - 1 is the last one, so no claim can follow: it zeroes both words. The next
+        # launch on this stream starts after this kernel has finished (stream order).
+        if cute.arch.lane_idx() == 0:
+            done = cute.arch.atomic_add(tile_counter.iterator + 1, Int32(1), sem="acq_rel",
+                                        scope="gpu")
+            if done == grid - 1:
+                tile_counter[0] = Int32(0)
+                tile_counter[1] = Int32(0)
+
+    @cute.jit
+    def _publish_tile(self, pipe_q: pipeline.PipelineAsync, q_state, sTile: cute.Tensor,
+                      tile_id: Int32, with_q: cutlass.Constexpr):
+        """Wait until Q's stage is free (every consumer warp has released the previous tile's
+        Q, after reading that tile's index), write ``tile_id`` to the smem slot, then arrive on
+        Q's full barrier from the same thread (the arrive releases the write; the consumers'
+        wait acquires it). ``with_q``: arrive.expect_tx(Q bytes), the Q TMA follows; else (the
+        sentinel) a plain arrive: no bytes expected, so the phase completes at once."""
+        pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
+        with cute.arch.elect_one():
+            sTile[0] = tile_id
+            if const_expr(with_q):
+                cute.arch.mbarrier_arrive_and_expect_tx(pipe_q.producer_get_barrier(q_state),
+                                                        self.tx_q)
+            else:
+                cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(q_state))
+
+    @cute.jit
+    def _claim_tile(self, tile_counter: cute.Tensor) -> Int32:
+        """Lane 0 claims the next tile: the counter's old value (the caller adds grid_dim and
+        broadcasts it with a shuffle only when it needs it, so the atomic's latency hides)."""
+        got = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            got = cute.arch.atomic_add(tile_counter.iterator, Int32(1), sem="relaxed",
+                                       scope="gpu")
+        return got
 
     @cute.jit
     def _load_tile(
@@ -699,10 +860,16 @@ class FlexAttentionFwdSm90:
         sched,
         q_state,
         kv,
+        sTile: Optional[cute.Tensor] = None,
+        tile_id: Optional[Int32] = None,
+        tile_counter: Optional[cute.Tensor] = None,
     ):
         """Q first (it does not depend on the block lists), then K(0), then K(j) / V(j-1)
         pairs, then V(last): the order in which the consumers use them. ``kv`` is the state of
-        K(0)'s stage; returned (persistent) advanced past V(last), unchanged for an empty row."""
+        K(0)'s stage; returned (persistent) advanced past V(last), unchanged for an empty row.
+        Dynamic scheduler (``sTile``/``tile_counter`` given): ``tile_id`` is published with Q
+        and the next tile is claimed right after Q's load; returns (kv, claim) where claim is
+        lane 0's counter value (None without the dynamic scheduler)."""
         head_kv = sched.head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(mQ[None, None, sched.head, sched.batch],
                              (self.tile_m, self.head_dim), (sched.m_block, 0))
@@ -713,8 +880,14 @@ class FlexAttentionFwdSm90:
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
 
-        pipe_q.producer_acquire(q_state)
+        if const_expr(sTile is None):
+            pipe_q.producer_acquire(q_state)
+        else:
+            self._publish_tile(pipe_q, q_state, sTile, tile_id, with_q=True)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        claimed = None
+        if const_expr(tile_counter is not None):
+            claimed = self._claim_tile(tile_counter)
 
         total = sched.n_partial + sched.n_full
         if total > 0:
@@ -741,7 +914,7 @@ class FlexAttentionFwdSm90:
                       tma_bar_ptr=pipe_v.producer_get_barrier(kv))
             if const_expr(self.persistent):
                 kv.advance()  # the next tile's K(0) goes to the following stage
-        return kv
+        return kv, claimed
 
     # -----------------------------------------------------------------------------------------
     # Consumer warpgroups
@@ -833,6 +1006,71 @@ class FlexAttentionFwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
+    def mma_dynamic(
+        self,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        mQ: cute.Tensor,  # (L, D, Hq, B), shapes only
+        mK: cute.Tensor,  # (S, D, Hkv, B), shapes only
+        mO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
+        mLSE: cute.Tensor,  # (L, Hq, B)
+        sQ: cute.Tensor,  # (tile_m, D)
+        sK: cute.Tensor,  # (tile_n, D, stages)
+        sVt: cute.Tensor,  # (Dv, tile_n, stages)
+        sO: cute.Tensor,  # (tile_m, Dv), its own buffer
+        tma_o: cute.CopyAtom,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        softmax_scale: Float32,
+        hb_per_section: Int32,
+        blocks: Optional[BlockSparse],
+        aux: Aux,
+        sTile: cute.Tensor,  # (2,) int32 smem: [0] the published tile index
+    ):
+        """Dynamic-scheduler consumer warpgroup: as ``mma_persistent``, but the tile sequence
+        comes from the producer: wait for the next Q, read the tile index published with it,
+        stop at the sentinel (>= num_tiles). ``_mainloop`` then skips its own Q wait."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        (thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum,
+         c) = self._consumer_setup(mma_qk, mma_pv, sQ, sK, sVt, softmax_scale, tidx, wg)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if const_expr(self.pingpong):
+            # As in mma_persistent: the one token starts at warpgroup 0's barrier, once per CTA.
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
+                                         number_of_threads=2 * 128)
+        num_tiles = self._num_tiles(mQ)
+        pipe_q.consumer_wait(q_state)
+        tile_id = self._read_tile(sTile)
+        while tile_id < num_tiles:
+            sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
+            self._reset_tile_state(acc_O, row_max, row_sum)
+            ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
+                          row_max, row_sum, c, softmax_scale, sched, aux, wg)
+            kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
+            q_state.advance()
+            self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+            pipe_q.consumer_wait(q_state)
+            tile_id = self._read_tile(sTile)
+        # The last TMA store must finish reading sO before the CTA's shared memory goes away.
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 4:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _read_tile(self, sTile: cute.Tensor) -> Int32:
+        """The tile index published with the Q just waited for. The warp sync orders every
+        lane's read before the warp's later release of Q (lane 0's arrive), after which the
+        producer may overwrite the slot."""
+        tile_id = sTile[0]
+        cute.arch.sync_warp()
+        return tile_id
+
+    @cute.jit
     def _consumer_setup(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
                         sK: cute.Tensor, sVt: cute.Tensor, softmax_scale: Float32, tidx: Int32,
                         wg: Int32):
@@ -884,8 +1122,10 @@ class FlexAttentionFwdSm90:
         sched = ctx.sched
         wg = ctx.wg
         # Always wait for Q: the producer issues it even for an empty row of blocks, and the
-        # epilogue writes O over it (non-persistent).
-        pipe_q.consumer_wait(q_state)
+        # epilogue writes O over it (non-persistent). (Dynamic scheduler: already waited for,
+        # to read the tile index published with it.)
+        if const_expr(not self.dynamic):
+            pipe_q.consumer_wait(q_state)
         n_partial = sched.n_partial
         total = n_partial + sched.n_full
         if total > 0:
@@ -1303,8 +1543,9 @@ def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
     tensors = tuple(_placeholder(_aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
                     for t in aux_tensors)
     scalars = tuple(_as_scalar(x) for x in aux_scalars)
+    counter = _placeholder(Int32, 1, 4) if cfg.tiling.dynamic_schedule else None
     return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks, tensors or None, scalars or None,
-            Int32(_CPU_NUM_SMS))
+            Int32(_CPU_NUM_SMS), counter)
 
 
 def _ffi_function(compiled):
@@ -1361,21 +1602,55 @@ class CompiledFwd:
 
             if stream is None:
                 stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-            args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors,
-                                aux_scalars, hb_per_section, num_sms)
+                args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
+                                    aux_tensors, aux_scalars, hb_per_section, num_sms)
+            else:
+                with _stream_context(stream):  # the tile counter belongs to the launch stream
+                    args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
+                                        aux_tensors, aux_scalars, hb_per_section, num_sms)
             self.compiled(*args, stream)
             return o, lse
-        args = _ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors,
-                                aux_scalars, hb_per_section, num_sms)
         if stream is None:
-            self.ffi_fn(*args)
+            self.ffi_fn(*_ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
+                                          aux_tensors, aux_scalars, hb_per_section, num_sms))
         else:
-            with _stream_context(stream):
-                self.ffi_fn(*args)
+            with _stream_context(stream):  # the tile counter too belongs to the launch stream
+                self.ffi_fn(*_ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale,
+                                              block_mask, aux_tensors, aux_scalars,
+                                              hb_per_section, num_sms))
         return o, lse
 
 
 _CPU_NUM_SMS = 132  # H100/H200 SXM; what a compile (or a launch on CPU tensors) assumes
+
+# Dynamic scheduler counters, one (2,) int32 tensor per (device, stream): [0] tiles claimed
+# beyond the first grid_dim, [1] CTAs finished. Zeroed once when allocated (on the launch
+# stream, so stream-ordered before the first launch); each launch leaves them at zero again
+# (the last CTA to finish resets them), and launches on one stream are serialised, so no
+# per-launch memset is needed. A different stream gets its own counter (concurrent launches
+# must not share one). Dropping entries is safe: the caching allocator reuses a freed block
+# only in stream order after the kernels of the stream it was allocated on.
+_TILE_COUNTERS = {}
+_MAX_TILE_COUNTERS = 64
+
+
+def _tile_counter(device):
+    """The dynamic scheduler's counter for ``device`` and torch's current stream there (the
+    launch stream: callers switch to it first)."""
+    import torch
+
+    if device.type != "cuda":  # compile-only (CPU example tensors)
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        if len(_TILE_COUNTERS) >= _MAX_TILE_COUNTERS:
+            _TILE_COUNTERS.clear()
+        with torch.cuda.device(index):
+            counter = torch.zeros(2, dtype=torch.int32, device=device)
+        _TILE_COUNTERS[key] = counter
+    return counter
 
 
 @functools.lru_cache(maxsize=None)
@@ -1406,7 +1681,8 @@ def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensor
                      hb_per_section=None, num_sms=None) -> tuple:
     """TVM-FFI call arguments: the torch tensors themselves. The C wrapper checks what the old
     Python checks did (alignment, last-dim stride, strides % 8, dtypes, block-mask presence);
-    only the copies that make block lists / aux buffers contiguous happen here."""
+    only the copies that make block lists / aux buffers contiguous happen here. The last one is
+    the dynamic scheduler's tile counter for the current stream (None without it)."""
     blocks = None
     if block_mask is not None:
         blocks = BlockSparse(*[t if t.is_contiguous() else t.contiguous() for t in block_mask])
@@ -1416,8 +1692,9 @@ def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensor
     for x in aux_scalars:
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
+    counter = _tile_counter(q.device) if cfg.tiling.dynamic_schedule else None
     return (q, k, v, o, lse, float(softmax_scale), int(hb_per_section), blocks, tensors,
-            tuple(aux_scalars) or None, _num_sms(cfg, q, num_sms))
+            tuple(aux_scalars) or None, _num_sms(cfg, q, num_sms), counter)
 
 
 def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
@@ -1438,9 +1715,12 @@ def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, a
     hb = hb_per_section
     tensors = tuple(_as_cute(t.contiguous(), align=t.element_size()) for t in aux_tensors)
     scalars = tuple(_as_scalar(x) for x in aux_scalars)
+    counter = None
+    if cfg.tiling.dynamic_schedule:
+        counter = _as_cute(_tile_counter(q.device), align=4)
     return (_as_cute(q), _as_cute(k), _as_cute(v), _as_cute(o), _as_cute(lse, align=4),
             Float32(softmax_scale), Int32(hb), blocks, tensors or None, scalars or None,
-            Int32(_num_sms(cfg, q, num_sms)))
+            Int32(_num_sms(cfg, q, num_sms)), counter)
 
 
 def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=(),
@@ -1474,7 +1754,7 @@ _CACHE = {}
 
 def flex_fwd_sm90(q, k, v, score_mod=None, mask_mod=None, block_mask=None, softmax_scale=None,
                   aux_tensors=(), aux_scalars=(), mod_key=None, rescale_threshold=8.0,
-                  persistent=False):
+                  persistent=False, dynamic_schedule=None):
     """Compile-or-reuse and launch. ``mod_key`` identifies the mods for the in-process cache (the
     runtime passes the IR hash; default: the callables' identities). Returns (o, lse)."""
     import torch
@@ -1484,11 +1764,12 @@ def flex_fwd_sm90(q, k, v, score_mod=None, mask_mod=None, block_mask=None, softm
         softmax_scale = 1.0 / math.sqrt(d)
     cfg = FwdConfig(d, dv, _cutlass_dtype(q.dtype), score_mod, mask_mod,
                     has_block_mask=block_mask is not None, rescale_threshold=rescale_threshold,
-                    tiling=choose_tiling(d, dv, block_mask is not None, persistent=persistent))
+                    tiling=choose_tiling(d, dv, block_mask is not None, persistent=persistent,
+                                         dynamic_schedule=dynamic_schedule))
     o = torch.empty(*q.shape[:-1], dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     key = (mod_key if mod_key is not None else (id(score_mod), id(mask_mod)), d, dv, q.dtype,
-           block_mask is not None, rescale_threshold, bool(persistent),
+           block_mask is not None, rescale_threshold, cfg.tiling,
            tuple((t.dtype, t.ndim) for t in aux_tensors),
            tuple(type(_as_scalar(x)).__name__ for x in aux_scalars))
     fn = _CACHE.get(key)

@@ -11,13 +11,21 @@ kernel also gets grids far smaller than the tile count (``num_sms`` = 1, 3, 7), 
 carries its pipeline states, ping-pong token and O buffer across many tiles, empty ones
 included. A hang here is a pipeline/barrier bug: run with ``timeout`` (e.g. ``timeout 600
 pytest ...``) and ``-x``; the test id names the variant.
+
+The persistent-only tests also run with the dynamic tile scheduler (``static``/``dynamic`` in
+the test id; ``FLEXJIT_CUTE_DYNAMIC_SCHEDULE=1``: tiles after the first come from a global
+atomic counter, published to the consumers with each tile's Q); those check as well that every
+launch leaves its counter at zero (the next launch on the stream depends on it) and that
+launches on two streams at once do not share a counter.
 """
+import inspect
 import math
 
 import pytest
 import torch
 
 from flexjit import create_block_mask, explain, flex_attention
+from flexjit.backends import cute_sm90 as backend
 from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_program
 from mods_catalog import CORE, lowered, make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention
@@ -33,6 +41,34 @@ def persistent(request, monkeypatch):
     """Both forward variants for every test (the backend's caches key on the flag)."""
     monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", request.param)
     return request.param == "1"
+
+
+# The backend's in-memory kernel key does not include the scheduler choice (the template reads
+# FLEXJIT_CUTE_DYNAMIC_SCHEDULE when it builds the tiling), so dynamic-scheduler kernels live in
+# a dict of their own (the disk-cache key includes the tiling, hence the scheduler).
+_DYNAMIC_COMPILED = {}
+
+
+@pytest.fixture(params=[False, True], ids=["static", "dynamic"])
+def dynamic(request, monkeypatch):
+    """The persistent kernel's two tile schedulers (static grid stride; atomic counter)."""
+    monkeypatch.setenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "1" if request.param else "0")
+    if request.param:
+        monkeypatch.setattr(backend, "_COMPILED", _DYNAMIC_COMPILED)
+    return request.param
+
+
+def _template_of(fn):
+    return inspect.getmodule(type(fn))
+
+
+def assert_counter_reset(fn, device, stream=None):
+    """After a dynamic launch has finished, its (device, stream) counter is back at [0, 0]."""
+    tpl = _template_of(fn)
+    with torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(
+            torch.cuda.current_stream()):
+        counter = tpl._tile_counter(device)
+    assert counter.tolist() == [0, 0], f"tile counter not reset: {counter.tolist()}"
 
 
 def poison_allocator(nbytes=1 << 30):
@@ -83,8 +119,10 @@ def _empty_rows_mask(b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("num_sms", [1, 3, 7])
 @pytest.mark.parametrize("name", ["causal", "document", "sliding_window", "softcap", "full",
                                   "empty_rows"])
-def test_persistent_many_tiles_per_cta(persistent, name, num_sms):
-    """The persistent kernel on a grid much smaller than the tile count (2·8·8 = 128 tiles)."""
+def test_persistent_many_tiles_per_cta(persistent, dynamic, name, num_sms):
+    """The persistent kernel on a grid much smaller than the tile count (2·8·8 = 128 tiles).
+    Dynamic scheduler: three launches in a row on fresh NaN outputs (each relies on the previous
+    one having reset the tile counter)."""
     if not persistent:
         pytest.skip("persistent kernel only")
     B, Hq, Hkv, L, S, D = 2, 8, 2, 1000, 1000, 128
@@ -102,22 +140,29 @@ def test_persistent_many_tiles_per_cta(persistent, name, num_sms):
     lists = block_sparse_args(bm)
     fn = compile_program(program, q, k, v, lists, aux)
     assert fn.cfg.tiling.persistent
-    o = torch.full((B, Hq, L, D), float("nan"), device="cuda", dtype=q.dtype)
-    lse = torch.full((B, Hq, L), float("nan"), device="cuda")
-    fn(q, k, v, o, lse, 1.0 / math.sqrt(D), lists, aux, program.scalars, num_sms=num_sms)
-    torch.cuda.synchronize()
+    assert fn.cfg.tiling.dynamic_schedule == dynamic
     with torch.no_grad():
         ref, ref_lse = dense_attention(q, k, v, score_mod, mask_mod, dtype=torch.float64)
         low, low_lse = dense_attention(q, k, v, score_mod, mask_mod, dtype=q.dtype)
-    assert_close_to_oracle(f"{name} out", o, ref, low, FLOOR[q.dtype])
-    assert_close_to_oracle(f"{name} lse", lse, ref_lse, low_lse, FLOOR[q.dtype])
-    if name == "empty_rows":
-        assert (o[:, :, 600:] == 0).all() and (lse[:, :, 600:] == -math.inf).all()
+    for launch in range(3 if dynamic else 1):
+        o = torch.full((B, Hq, L, D), float("nan"), device="cuda", dtype=q.dtype)
+        lse = torch.full((B, Hq, L), float("nan"), device="cuda")
+        fn(q, k, v, o, lse, 1.0 / math.sqrt(D), lists, aux, program.scalars, num_sms=num_sms)
+        torch.cuda.synchronize()
+        if dynamic:
+            assert_counter_reset(fn, q.device)
+        assert_close_to_oracle(f"{name} out (launch {launch})", o, ref, low, FLOOR[q.dtype])
+        assert_close_to_oracle(f"{name} lse (launch {launch})", lse, ref_lse, low_lse,
+                               FLOOR[q.dtype])
+        if name == "empty_rows":
+            assert (o[:, :, 600:] == 0).all() and (lse[:, :, 600:] == -math.inf).all()
 
 
-def test_persistent_matches_per_tile_kernel(persistent, monkeypatch):
+def test_persistent_matches_per_tile_kernel(persistent, dynamic, monkeypatch):
     """Same tiles, same arithmetic: the two variants agree (causal block-sparse, D=64 and the
-    dense 192-row D=64 tiling with 3 consumer warpgroups)."""
+    dense 192-row D=64 tiling with 3 consumer warpgroups). ``dynamic``: the persistent one
+    takes its tiles from the atomic counter (a different tile-to-CTA assignment, the same
+    per-tile code)."""
     if not persistent:
         pytest.skip("runs both variants itself")
     torch.manual_seed(1)
@@ -133,6 +178,7 @@ def test_persistent_matches_per_tile_kernel(persistent, monkeypatch):
             monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", flag)
             fn = compile_program(program, q, k, v, lists, ())
             assert fn.cfg.tiling.persistent == (flag == "1")
+            assert fn.cfg.tiling.dynamic_schedule == (dynamic and flag == "1")
             o = torch.full((B, H, L, D), float("nan"), device="cuda", dtype=q.dtype)
             lse = torch.full((B, H, L), float("nan"), device="cuda")
             fn(q, k, v, o, lse, 1.0 / math.sqrt(D), lists, (), program.scalars,
@@ -145,3 +191,46 @@ def test_persistent_matches_per_tile_kernel(persistent, monkeypatch):
         # error far above these bounds.
         torch.testing.assert_close(o1, o0, rtol=1e-2, atol=1e-3)
         torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_sms", [2, None])
+def test_dynamic_schedule_two_streams(persistent, monkeypatch, num_sms):
+    """Dynamic scheduler launches on two streams at once: each stream has its own counter, both
+    results match the per-tile kernel, and both counters are back at zero afterwards."""
+    if not persistent:
+        pytest.skip("runs both variants itself")
+    monkeypatch.setenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "1")
+    monkeypatch.setattr(backend, "_COMPILED", _DYNAMIC_COMPILED)
+    torch.manual_seed(2)
+    B, H, L, D = 2, 8, 2000, 128
+    q, k, v = [torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    mask_mod = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    bm = create_block_mask(mask_mod, B, H, L, L, device="cuda")
+    program = lowered(None, mask_mod)
+    lists = block_sparse_args(bm)
+    monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "0")
+    ref_fn = compile_program(program, q, k, v, lists, ())
+    o_ref = torch.full((B, H, L, D), float("nan"), device="cuda", dtype=q.dtype)
+    l_ref = torch.full((B, H, L), float("nan"), device="cuda")
+    ref_fn(q, k, v, o_ref, l_ref, 1.0 / math.sqrt(D), lists, (), program.scalars)
+    monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "1")
+    fn = compile_program(program, q, k, v, lists, ())
+    assert fn.cfg.tiling.persistent and fn.cfg.tiling.dynamic_schedule
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for rep in range(4):  # interleaved, several launches per stream
+        for s in streams:
+            with torch.cuda.stream(s):
+                o = torch.full((B, H, L, D), float("nan"), device="cuda", dtype=q.dtype)
+                lse = torch.full((B, H, L), float("nan"), device="cuda")
+            fn(q, k, v, o, lse, 1.0 / math.sqrt(D), lists, (), program.scalars, stream=s,
+               num_sms=num_sms)
+            outs.append((o, lse))
+    torch.cuda.synchronize()
+    for s in streams:
+        assert_counter_reset(fn, q.device, s)
+    for o, lse in outs:
+        assert not o.isnan().any() and not lse.isnan().any()
+        torch.testing.assert_close(o, o_ref, rtol=1e-2, atol=1e-3)
+        torch.testing.assert_close(lse, l_ref, rtol=1e-5, atol=1e-5)

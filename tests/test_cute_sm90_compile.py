@@ -60,7 +60,7 @@ def _block_mask(nq, nk):
 
 
 def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, aux=(), scalars=(),
-             persistent=False):
+             persistent=False, dynamic_schedule=False):
     # L != S and neither a multiple of 128; GQA 4/2: the compile must not depend on any of it.
     b, hq, hkv, seq_q, seq_k = 2, 4, 2, 300, 500
     q = torch.randn(b, hq, seq_q, head_dim, dtype=torch.bfloat16)
@@ -70,7 +70,8 @@ def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, au
     lse = torch.empty(b, hq, seq_q)
     bm = _block_mask((seq_q + 127) // 128, (seq_k + 127) // 128) if sparse else None
     cfg = FwdConfig(head_dim, head_dim, cutlass.BFloat16, score_mod, mask_mod, has_block_mask=sparse,
-                    tiling=_tpl.choose_tiling(head_dim, head_dim, sparse, persistent=persistent))
+                    tiling=_tpl.choose_tiling(head_dim, head_dim, sparse, persistent=persistent,
+                                              dynamic_schedule=dynamic_schedule))
     fn = compile_fwd(cfg, q, k, v, o, lse, bm, aux, scalars,
                      options=f"--keep-ptx --dump-dir {tmp_path}")
     ptx = fn.compiled.__ptx__
@@ -208,4 +209,85 @@ def test_persistent_flag_reaches_the_kernel_and_the_cache_keys(tmp_path, monkeyp
     keys = {cache.kernel_key(program.key, "cute_sm90_fwd", fz, "sm90") for fz in frozen}
     assert len(keys) == 2  # two disk-cache files
     # head_dim 256 keeps the per-tile kernel under the flag (no room for O's own buffer)
-    assert not backend._persistent_fwd(256) and backend._persistent_fwd(128)
+    assert not backend._persistent_fwd(256, None, 1024) and backend._persistent_fwd(128, None, 1024)
+
+
+# ------------------------------------------------------------------ the dynamic tile scheduler
+# Tiling.dynamic_schedule (persistent only): after block_idx, a CTA's producer claims tiles with
+# an atomic add on a global counter (grid_dim + old value), publishes each index to the
+# consumers through smem with that tile's Q (the sentinel with a plain mbarrier arrive), and the
+# last CTA to finish zeroes the counter for the next launch.
+import re  # noqa: E402
+
+_GLOBAL_ATOMIC_ADD = re.compile(r"\b(atom|red)(\.\w+)*\.global(\.\w+)*\.add\b")
+
+
+def _assert_dynamic(ptx):
+    assert _GLOBAL_ATOMIC_ADD.search(ptx), "no atomic add on global memory (the tile counter)"
+    # One tile claim per tile plus one finished-CTA count at exit.
+    assert len(_GLOBAL_ATOMIC_ADD.findall(ptx)) >= 2
+    assert re.search(r"mbarrier\.arrive\.shared\.b64 [^;]*;", ptx), "no plain arrive (sentinel)"
+    assert "bar.warp.sync" in ptx
+
+
+def test_dynamic_schedule_is_opt_in(monkeypatch):
+    monkeypatch.delenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", raising=False)
+    assert _tpl.choose_tiling(128, 128, True, persistent=True).dynamic_schedule is False
+    assert FwdConfig(128, 128, cutlass.BFloat16).tiling.dynamic_schedule is False
+    # Only meaningful with the persistent kernel.
+    assert _tpl.choose_tiling(128, 128, True, dynamic_schedule=True).dynamic_schedule is False
+    assert _tpl.choose_tiling(128, 128, True, persistent=True,
+                              dynamic_schedule=True).dynamic_schedule is True
+    monkeypatch.setenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "1")
+    assert _tpl.choose_tiling(64, 64, False, persistent=True).dynamic_schedule is True
+    assert _tpl.choose_tiling(64, 64, False).dynamic_schedule is False
+    assert _tpl.choose_tiling(128, 128, True, persistent=True,
+                              dynamic_schedule=False).dynamic_schedule is False
+
+
+@pytest.mark.parametrize("head_dim,mask_mod,sparse", [
+    (128, None, False),
+    (128, causal_mask, True),
+    (64, causal_mask, True),
+], ids=["d128_no_mods", "d128_causal_block_sparse", "d64_causal_block_sparse"])
+def test_dynamic_persistent(tmp_path, head_dim, mask_mod, sparse):
+    ptx = _compile(tmp_path, head_dim, mask_mod=mask_mod, sparse=sparse, persistent=True,
+                   dynamic_schedule=True)
+    _assert_hopper_path(ptx)
+    _assert_persistent(ptx)
+    _assert_dynamic(ptx)
+    assert_no_spills(tmp_path, ptx)
+
+
+def test_static_kernels_have_no_tile_counter(tmp_path):
+    for persistent in (False, True):
+        ptx = _compile(tmp_path, 128, mask_mod=causal_mask, sparse=True, persistent=persistent)
+        assert not _GLOBAL_ATOMIC_ADD.search(ptx)
+
+
+def test_dynamic_smem_budget():
+    for d, sparse in ((64, False), (64, True), (128, False), (128, True)):
+        cfg = FwdConfig(d, d, cutlass.BFloat16, has_block_mask=sparse,
+                        tiling=_tpl.choose_tiling(d, d, sparse, persistent=True,
+                                                  dynamic_schedule=True))
+        assert _tpl.smem_bytes(cfg) <= _tpl.SMEM_CAPACITY
+        _tpl.FlexAttentionFwdSm90(cfg)
+
+
+def test_dynamic_launch_args_carry_the_counter():
+    """The TVM-FFI argument tuple ends with the (2,) int32 counter for the dynamic kernel and
+    with None for the others; on CPU tensors the counter is a fresh zeroed CPU tensor."""
+    q = torch.randn(1, 2, 200, 128, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
+    o, lse = torch.empty_like(q), torch.empty(1, 2, 200)
+    for dyn in (False, True):
+        cfg = FwdConfig(128, 128, cutlass.BFloat16,
+                        tiling=_tpl.choose_tiling(128, 128, False, persistent=True,
+                                                  dynamic_schedule=dyn))
+        args = _tpl._ffi_launch_args(cfg, q, k, v, o, lse, 0.1, None, (), ())
+        if dyn:
+            counter = args[-1]
+            assert counter.dtype == torch.int32 and counter.shape == (2,)
+            assert (counter == 0).all()
+        else:
+            assert args[-1] is None

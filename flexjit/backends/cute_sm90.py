@@ -463,8 +463,11 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
     if persistent is None:
         persistent = _persistent_fwd(D, block_mask, k.shape[2])
+    # Persistent launches may claim tiles dynamically (FLEXJIT_CUTE_DYNAMIC_SCHEDULE=1; off until
+    # measured on a GPU): part of the tiling, hence of both cache keys.
+    dynamic = persistent and os.environ.get("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "0") not in ("", "0")
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
-           persistent)
+           persistent, dynamic)
     fn = _COMPILED.get(key)
     if fn is not None:
         return fn
@@ -472,7 +475,8 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     # The tiling (persistent flag included) is part of _frozen_config, hence of the disk key.
     cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
                         has_block_mask=block_mask is not None,
-                        tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent))
+                        tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent,
+                                                 dynamic_schedule=dynamic))
     what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
     disk_key = None
     if tpl.tvm_ffi_enabled() and cute_cache.available():
