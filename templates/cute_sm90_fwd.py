@@ -578,28 +578,12 @@ class FlexAttentionFwdSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
-                if const_expr(self.dynamic):
-                    self.load_dynamic(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q,
-                                      pipe_k, pipe_v, hb_per_section, blocks, sTile, tile_counter)
-                elif const_expr(self.persistent):
-                    self.load_persistent(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q,
-                                         pipe_k, pipe_v, hb_per_section, blocks)
-                else:
-                    self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
-                              pipe_v, sched)
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                          hb_per_section, blocks, sched, sTile, tile_counter)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            if const_expr(self.dynamic):
-                self.mma_dynamic(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, _transposed(sV), sO,
-                                 tma_o, pipe_q, pipe_k, pipe_v, softmax_scale, hb_per_section,
-                                 blocks, aux, sTile)
-            elif const_expr(self.persistent):
-                self.mma_persistent(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, _transposed(sV),
-                                    sO, tma_o, pipe_q, pipe_k, pipe_v, softmax_scale,
-                                    hb_per_section, blocks, aux)
-            else:
-                self.mma(mma_qk, mma_pv, mQ, mO, mLSE, sQ, sK, _transposed(sV), sO, tma_o,
-                         pipe_q, pipe_k, pipe_v, softmax_scale, sched, aux)
+            self.mma(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, _transposed(sV), sO, tma_o, pipe_q,
+                     pipe_k, pipe_v, softmax_scale, hb_per_section, blocks, aux, sched, sTile)
 
     def _make_pipelines(self, storage):
         """Q: one stage; K and V: ``num_stages`` each. TMA producer = 1 thread; consumers arrive
@@ -722,98 +706,67 @@ class FlexAttentionFwdSm90:
         pipe_q: pipeline.PipelineAsync,
         pipe_k: pipeline.PipelineAsync,
         pipe_v: pipeline.PipelineAsync,
-        sched,
-    ):
-        """One CTA, one tile: fresh pipeline states."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                        sched, q_state, kv)
-
-    @cute.jit
-    def load_persistent(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        tma_q: cute.CopyAtom,
-        tma_k: cute.CopyAtom,
-        tma_v: cute.CopyAtom,
-        pipe_q: pipeline.PipelineAsync,
-        pipe_k: pipeline.PipelineAsync,
-        pipe_v: pipeline.PipelineAsync,
         hb_per_section: Int32,
         blocks: Optional[BlockSparse],
+        cta_sched,  # one tile per CTA: this CTA's tile; else None
+        sTile: Optional[cute.Tensor],  # dynamic: (2,) int32 smem, [0] the published tile index
+        tile_counter: Optional[cute.Tensor],  # dynamic: (2,) int32 gmem, [0] claims, [1] done CTAs
     ):
-        """Persistent producer: the same tile sequence as the consumers (block_idx, +grid_dim,
-        ...), the Q and K/V pipeline states carried from one tile to the next. Nothing waits
-        for a tile's epilogue: the next tile's Q is issued as soon as the consumers release Q
-        (after their last QK GEMM) and its K/V as soon as stages free up, so these loads
-        overlap the current tile's last PV GEMM and epilogue."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        num_tiles = self._num_tiles(mQ)
-        first_tile = cute.arch.block_idx()[0]
-        step = cute.arch.grid_dim()[0]
-        for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
-            sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
-            kv, _ = self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
-                                    pipe_v, sched, q_state, kv)
-            q_state.advance()
+        """The producer warp, in one of three schedules.
 
-    @cute.jit
-    def load_dynamic(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        tma_q: cute.CopyAtom,
-        tma_k: cute.CopyAtom,
-        tma_v: cute.CopyAtom,
-        pipe_q: pipeline.PipelineAsync,
-        pipe_k: pipeline.PipelineAsync,
-        pipe_v: pipeline.PipelineAsync,
-        hb_per_section: Int32,
-        blocks: Optional[BlockSparse],
-        sTile: cute.Tensor,  # (2,) int32 smem: [0] the published tile index
-        tile_counter: cute.Tensor,  # (2,) int32 gmem: [0] claims, [1] finished CTAs
-    ):
-        """Dynamic-scheduler producer (see "Dynamic tile scheduler"): the first tile is
-        block_idx; each tile's index is published with its Q (``_publish_tile``), and right
-        after that tile's Q load the next one is claimed (grid + atomicAdd(counter, 1)), so the
-        atomic's latency hides under this tile's K/V loads. A claim >= num_tiles ends the loop:
-        it is published as the sentinel (a plain arrive on Q's full barrier, no TMA), then the
-        CTA counts itself finished and the last CTA to finish zeroes the counter."""
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        num_tiles = self._num_tiles(mQ)
-        grid = Int32(cute.arch.grid_dim()[0])
-        tile_id = Int32(cute.arch.block_idx()[0])  # < num_tiles: grid = min(num_tiles, SMs)
-        while tile_id < num_tiles:
-            sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
-            kv, claimed = self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q,
-                                          pipe_k, pipe_v, sched, q_state, kv, sTile, tile_id,
-                                          tile_counter)
-            q_state.advance()
-            tile_id = cute.arch.shuffle_sync(claimed, 0) + grid
-        # The sentinel: consumers waiting for the next Q learn that there is none.
-        self._publish_tile(pipe_q, q_state, sTile, tile_id, with_q=False)
-        # Counter reset for the next launch. Every CTA's producer adds 1 to counter[1] once,
-        # after its last claim (the acq_rel atomic orders that claim before it); the CTA that
-        # sees grid - 1 is the last one, so no claim can follow: it zeroes both words. The next
-        # launch on this stream starts after this kernel has finished (stream order).
-        if cute.arch.lane_idx() == 0:
-            done = cute.arch.atomic_add(tile_counter.iterator + 1, Int32(1), sem="acq_rel",
-                                        scope="gpu")
-            if done == grid - 1:
-                tile_counter[0] = Int32(0)
-                tile_counter[1] = Int32(0)
+        * One tile per CTA: fresh pipeline states.
+        * Persistent: the same tile sequence as the consumers (block_idx, +grid_dim, ...), the
+          Q and K/V pipeline states carried from one tile to the next. Nothing waits for a
+          tile's epilogue: the next tile's Q is issued as soon as the consumers release Q (after
+          their last QK GEMM) and its K/V as soon as stages free up, so these loads overlap the
+          current tile's last PV GEMM and epilogue.
+        * Dynamic scheduler (see "Dynamic tile scheduler"): the first tile is block_idx; each
+          tile's index is published with its Q (``_publish_tile``), and right after that tile's
+          Q load the next one is claimed (grid + atomicAdd(counter, 1)), so the atomic's
+          latency hides under this tile's K/V loads. A claim >= num_tiles ends the loop: it is
+          published as the sentinel (a plain arrive on Q's full barrier, no TMA), then the CTA
+          counts itself finished and the last CTA to finish zeroes the counter."""
+        if const_expr(not self.persistent):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                            cta_sched, q_state, kv)
+        elif const_expr(not self.dynamic):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            num_tiles = self._num_tiles(mQ)
+            first_tile = cute.arch.block_idx()[0]
+            step = cute.arch.grid_dim()[0]
+            for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
+                sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
+                kv, _ = self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
+                                        pipe_v, sched, q_state, kv)
+                q_state.advance()
+        else:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            num_tiles = self._num_tiles(mQ)
+            grid = Int32(cute.arch.grid_dim()[0])
+            tile_id = Int32(cute.arch.block_idx()[0])  # < num_tiles: grid = min(num_tiles, SMs)
+            while tile_id < num_tiles:
+                sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
+                kv, claimed = self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q,
+                                              pipe_k, pipe_v, sched, q_state, kv, sTile, tile_id,
+                                              tile_counter)
+                q_state.advance()
+                tile_id = cute.arch.shuffle_sync(claimed, 0) + grid
+            # The sentinel: consumers waiting for the next Q learn that there is none.
+            self._publish_tile(pipe_q, q_state, sTile, tile_id, with_q=False)
+            # Counter reset for the next launch. Every CTA's producer adds 1 to counter[1] once,
+            # after its last claim (the acq_rel atomic orders that claim before it); the CTA that
+            # sees grid - 1 is the last one, so no claim can follow: it zeroes both words. The next
+            # launch on this stream starts after this kernel has finished (stream order).
+            if cute.arch.lane_idx() == 0:
+                done = cute.arch.atomic_add(tile_counter.iterator + 1, Int32(1), sem="acq_rel",
+                                            scope="gpu")
+                if done == grid - 1:
+                    tile_counter[0] = Int32(0)
+                    tile_counter[1] = Int32(0)
 
     @cute.jit
     def _publish_tile(self, pipe_q: pipeline.PipelineAsync, q_state, sTile: cute.Tensor,
@@ -925,45 +878,13 @@ class FlexAttentionFwdSm90:
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         mQ: cute.Tensor,  # (L, D, Hq, B), shapes only
-        mO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
-        mLSE: cute.Tensor,  # (L, Hq, B)
-        sQ: cute.Tensor,  # (tile_m, D)
-        sK: cute.Tensor,  # (tile_n, D, stages)
-        sVt: cute.Tensor,  # (Dv, tile_n, stages)
-        sO: cute.Tensor,  # (tile_m, Dv), aliases sQ
-        tma_o: cute.CopyAtom,
-        pipe_q: pipeline.PipelineAsync,
-        pipe_k: pipeline.PipelineAsync,
-        pipe_v: pipeline.PipelineAsync,
-        softmax_scale: Float32,
-        sched,
-        aux: Aux,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        tidx = tidx - 128
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        (thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum,
-         c) = self._consumer_setup(mma_qk, mma_pv, sQ, sK, sVt, softmax_scale, tidx, wg)
-        ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
-                      row_max, row_sum, c, softmax_scale, sched, aux, wg)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
-        self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
-
-    @cute.jit
-    def mma_persistent(
-        self,
-        mma_qk: cute.TiledMma,
-        mma_pv: cute.TiledMma,
-        mQ: cute.Tensor,  # (L, D, Hq, B), shapes only
         mK: cute.Tensor,  # (S, D, Hkv, B), shapes only
         mO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
         mLSE: cute.Tensor,  # (L, Hq, B)
         sQ: cute.Tensor,  # (tile_m, D)
         sK: cute.Tensor,  # (tile_n, D, stages)
         sVt: cute.Tensor,  # (Dv, tile_n, stages)
-        sO: cute.Tensor,  # (tile_m, Dv), its own buffer
+        sO: cute.Tensor,  # (tile_m, Dv): aliases sQ with one tile per CTA, else its own buffer
         tma_o: cute.CopyAtom,
         pipe_q: pipeline.PipelineAsync,
         pipe_k: pipeline.PipelineAsync,
@@ -972,94 +893,75 @@ class FlexAttentionFwdSm90:
         hb_per_section: Int32,
         blocks: Optional[BlockSparse],
         aux: Aux,
+        cta_sched,  # one tile per CTA: this CTA's tile; else None
+        sTile: Optional[cute.Tensor],  # dynamic: (2,) int32 smem, [0] the published tile index
     ):
-        """Persistent consumer warpgroup: the producer's tile sequence; Q and K/V consumer
-        states carried across tiles; the ping-pong token is handed out once per CTA (see
-        "Persistent variant" in ``_mainloop``)."""
+        """A consumer warpgroup, in the producer's schedule (``load``). Persistent: Q and K/V
+        consumer states carried across tiles; the ping-pong token is handed out once per CTA
+        (see "Persistent variant" in ``_mainloop``). Dynamic scheduler: the tile sequence comes
+        from the producer: wait for the next Q, read the tile index published with it, stop at
+        the sentinel (>= num_tiles); ``_mainloop`` then skips its own Q wait."""
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         (thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum,
          c) = self._consumer_setup(mma_qk, mma_pv, sQ, sK, sVt, softmax_scale, tidx, wg)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if const_expr(self.pingpong):
-            # The one token of the ping-pong ring starts at warpgroup 0's barrier, once per CTA:
-            # every tile passes it round the ring (total − 1) times and leaves it there again.
-            if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
-                                         number_of_threads=2 * 128)
-        num_tiles = self._num_tiles(mQ)
-        first_tile = cute.arch.block_idx()[0]
-        step = cute.arch.grid_dim()[0]
-        for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
-            sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
-            self._reset_tile_state(acc_O, row_max, row_sum)
+        if const_expr(not self.persistent):
             ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
-                          row_max, row_sum, c, softmax_scale, sched, aux, wg)
-            kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
-            q_state.advance()
+                          row_max, row_sum, c, softmax_scale, cta_sched, aux, wg)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
             self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
-        # The last TMA store must finish reading sO before the CTA's shared memory goes away.
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 4:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def mma_dynamic(
-        self,
-        mma_qk: cute.TiledMma,
-        mma_pv: cute.TiledMma,
-        mQ: cute.Tensor,  # (L, D, Hq, B), shapes only
-        mK: cute.Tensor,  # (S, D, Hkv, B), shapes only
-        mO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
-        mLSE: cute.Tensor,  # (L, Hq, B)
-        sQ: cute.Tensor,  # (tile_m, D)
-        sK: cute.Tensor,  # (tile_n, D, stages)
-        sVt: cute.Tensor,  # (Dv, tile_n, stages)
-        sO: cute.Tensor,  # (tile_m, Dv), its own buffer
-        tma_o: cute.CopyAtom,
-        pipe_q: pipeline.PipelineAsync,
-        pipe_k: pipeline.PipelineAsync,
-        pipe_v: pipeline.PipelineAsync,
-        softmax_scale: Float32,
-        hb_per_section: Int32,
-        blocks: Optional[BlockSparse],
-        aux: Aux,
-        sTile: cute.Tensor,  # (2,) int32 smem: [0] the published tile index
-    ):
-        """Dynamic-scheduler consumer warpgroup: as ``mma_persistent``, but the tile sequence
-        comes from the producer: wait for the next Q, read the tile index published with it,
-        stop at the sentinel (>= num_tiles). ``_mainloop`` then skips its own Q wait."""
-        tidx, _, _ = cute.arch.thread_idx()
-        tidx = tidx - 128
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        (thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum,
-         c) = self._consumer_setup(mma_qk, mma_pv, sQ, sK, sVt, softmax_scale, tidx, wg)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if const_expr(self.pingpong):
-            # As in mma_persistent: the one token starts at warpgroup 0's barrier, once per CTA.
-            if wg == 0:
-                cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
-                                         number_of_threads=2 * 128)
-        num_tiles = self._num_tiles(mQ)
-        pipe_q.consumer_wait(q_state)
-        tile_id = self._read_tile(sTile)
-        while tile_id < num_tiles:
-            sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
-            self._reset_tile_state(acc_O, row_max, row_sum)
-            ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
-                          row_max, row_sum, c, softmax_scale, sched, aux, wg)
-            kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
-            q_state.advance()
-            self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+        elif const_expr(not self.dynamic):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            if const_expr(self.pingpong):
+                # The one token of the ping-pong ring starts at warpgroup 0's barrier, once per CTA:
+                # every tile passes it round the ring (total − 1) times and leaves it there again.
+                if wg == 0:
+                    cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
+                                             number_of_threads=2 * 128)
+            num_tiles = self._num_tiles(mQ)
+            first_tile = cute.arch.block_idx()[0]
+            step = cute.arch.grid_dim()[0]
+            for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
+                sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
+                self._reset_tile_state(acc_O, row_max, row_sum)
+                ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
+                              row_max, row_sum, c, softmax_scale, sched, aux, wg)
+                kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
+                q_state.advance()
+                self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+            # The last TMA store must finish reading sO before the CTA's shared memory goes away.
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 4:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            if const_expr(self.pingpong):
+                # As above: the one token starts at warpgroup 0's barrier, once per CTA.
+                if wg == 0:
+                    cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
+                                             number_of_threads=2 * 128)
+            num_tiles = self._num_tiles(mQ)
             pipe_q.consumer_wait(q_state)
             tile_id = self._read_tile(sTile)
-        # The last TMA store must finish reading sO before the CTA's shared memory goes away.
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 4:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            while tile_id < num_tiles:
+                sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
+                self._reset_tile_state(acc_O, row_max, row_sum)
+                ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
+                              row_max, row_sum, c, softmax_scale, sched, aux, wg)
+                kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
+                q_state.advance()
+                self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+                pipe_q.consumer_wait(q_state)
+                tile_id = self._read_tile(sTile)
+            # The last TMA store must finish reading sO before the CTA's shared memory goes away.
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 4:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _read_tile(self, sTile: cute.Tensor) -> Int32:
