@@ -3,7 +3,8 @@
     source .devbundle/env.sh && export PYTHONPATH=$PWD:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc && \
         python3 -m benchmarks.tune_triton --out $OUT/tune
 
-The tables in `flexjit/backends/triton.py` (`_FWD_TABLE`, `_BWD_TABLE`) were chosen compile-only.
+The tables in `flexjit/backends/triton_config.py` (`_FWD_TABLE`, `_BWD_TABLE`) were first chosen
+compile-only; the sm90 entries now come from this sweep (results/2026-11-30-gpu-s2-triton-tune).
 For every variant, S and pass this times the table's default (whatever `fwd_config`/`bwd_config`
 resolve with no `kernel_options`) and then each grid entry below, passed as `kernel_options`:
 - fwd: `FWD_GRID`, (BLOCK_M, BLOCK_N, num_warps, num_stages);

@@ -13,9 +13,13 @@ What this module holds
     every kept (b, h, q, kv) is visited exactly once here.
   - the other programs own a BLOCK_M2 tile of query rows of one (batch, query head) and walk the
     kv block lists in BLOCK_N2 sub-tiles, accumulating dQ in registers (no dQ atomics).
-* ``_ds_tile``: the elementwise part, shared by both roles, with the holes.
+* ``_ds_tile``: the elementwise part, shared by both roles, with the holes; ``_key_tile``: the
+  k and v rows one role holds and the other streams.
+* From ``triton_common.py`` (pasted at ``# {{COMMON}}``): the block-list walk (``_n_tiles``,
+  ``_tile_start``) and the tile loads and stores, shared by both roles and the forward.
 
-Holes (filled by ``flexjit.backends.triton``; each hole is one marked line, replaced whole):
+Holes (filled by ``flexjit.backends.triton_render``; each hole is one marked line, replaced
+whole):
   ``# {{CAPTURE_PARAMS}}`` / ``# {{CAPTURE_ARGS}}``  captured buffers and scalars (as forward)
   ``# {{GRAD_PARAMS}}`` / ``# {{GRAD_ARGS}}``        fp64 gradient accumulators of the captured
                                                    tensors that require grad (pointer, strides)
@@ -46,7 +50,7 @@ def _jit(fn):
     return triton.jit(fn, do_not_specialize=DO_NOT_SPECIALIZE)
 
 
-from .triton_common import _dot, _max, _sum, _tanh  # {{COMMON}}
+from .triton_common import _dot, _load_rows, _load_tile, _n_tiles, _store_tile, _sum, _tanh, _tile_start  # {{COMMON}}
 
 
 @triton.jit
@@ -115,6 +119,19 @@ def _ds_tile(qk, dp, lse2, delta, off_b, off_h, q_idx, kv_idx, L, S, sm_scale,
 
 
 @triton.jit
+def _key_tile(K, V, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, S,
+              E: tl.constexpr, EV: tl.constexpr, E_PAD: tl.constexpr, EV_PAD: tl.constexpr,
+              EVEN_N: tl.constexpr):
+    """k (rows, E_PAD) and v (rows, EV_PAD) of key rows ``offs_n``, zero past S and the head
+    dims: held by the dK/dV role, streamed by the dQ role."""
+    k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    k = _load_tile(k_ptrs, offs_n, offs_d, S, E, EVEN_N, E == E_PAD)
+    v = _load_tile(v_ptrs, offs_n, offs_dv, S, EV, EVEN_N, EV == EV_PAD)
+    return k, v
+
+
+@triton.jit
 def _dkdv_loop(dk, dv, k, v, Q, DO, LSE2, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
                idx_ptr, stride_idx, n_listed, off_b, off_h, offs_n, L, S, sm_scale,
                # {{CAPTURE_PARAMS}}
@@ -125,36 +142,18 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE2, DELTA, stride_qm, stride_qd, stride_do
                HAS_SCORE_MOD: tl.constexpr, ACC_GRADS: tl.constexpr,
                DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Accumulate dK, dV of one key tile over the query tiles of one block list (transposed tiles)."""
-    MULT: tl.constexpr = SPARSE_Q // BLOCK_M
     offs_d = tl.arange(0, E_PAD)
     offs_dv = tl.arange(0, EV_PAD)
-    if HAS_BLOCK_MASK:
-        n_iter = n_listed * MULT
-    else:
-        n_iter = n_listed
+    n_iter = _n_tiles(n_listed, SPARSE_Q, BLOCK_M, HAS_BLOCK_MASK)
     for it in tl.range(0, n_iter, num_stages=NUM_STAGES):
-        if HAS_BLOCK_MASK:
-            blk = tl.load(idx_ptr + (it // MULT) * stride_idx)
-            start_m = blk * SPARSE_Q + (it % MULT) * BLOCK_M
-        else:
-            start_m = it * BLOCK_M
+        start_m = _tile_start(it, idx_ptr, stride_idx, SPARSE_Q, BLOCK_M, HAS_BLOCK_MASK)
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
         do_ptrs = DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod
-        if EVEN_M and E == E_PAD:
-            q = tl.load(q_ptrs)
-        else:
-            q = tl.load(q_ptrs, mask=(offs_m[:, None] < L) & (offs_d[None, :] < E), other=0.0)
-        if EVEN_M and EV == EV_PAD:
-            do = tl.load(do_ptrs)
-        else:
-            do = tl.load(do_ptrs, mask=(offs_m[:, None] < L) & (offs_dv[None, :] < EV), other=0.0)
-        if EVEN_M:
-            lse2 = tl.load(LSE2 + offs_m)
-            delta = tl.load(DELTA + offs_m)
-        else:
-            lse2 = tl.load(LSE2 + offs_m, mask=offs_m < L, other=0.0)
-            delta = tl.load(DELTA + offs_m, mask=offs_m < L, other=0.0)
+        q = _load_tile(q_ptrs, offs_m, offs_d, L, E, EVEN_M, E == E_PAD)
+        do = _load_tile(do_ptrs, offs_m, offs_dv, L, EV, EVEN_M, EV == EV_PAD)
+        lse2 = _load_rows(LSE2, offs_m, L, EVEN_M)
+        delta = _load_rows(DELTA, offs_m, L, EVEN_M)
         qk_t = _dot(k, tl.trans(q), None, DOT_PRECISION)
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION)
         p_t, ds_t = _ds_tile(qk_t, dp_t, lse2[None, :], delta[None, :], off_b, off_h,
@@ -178,30 +177,14 @@ def _dq_loop(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stri
              HAS_SCORE_MOD: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
              NUM_STAGES: tl.constexpr):
     """Accumulate dQ of one query tile over the key tiles of one block list."""
-    MULT: tl.constexpr = SPARSE_KV // BLOCK_N
     offs_d = tl.arange(0, E_PAD)
     offs_dv = tl.arange(0, EV_PAD)
-    if HAS_BLOCK_MASK:
-        n_iter = n_listed * MULT
-    else:
-        n_iter = n_listed
+    n_iter = _n_tiles(n_listed, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
     for it in tl.range(0, n_iter, num_stages=NUM_STAGES):
-        if HAS_BLOCK_MASK:
-            blk = tl.load(idx_ptr + (it // MULT) * stride_idx)
-            start_n = blk * SPARSE_KV + (it % MULT) * BLOCK_N
-        else:
-            start_n = it * BLOCK_N
+        start_n = _tile_start(it, idx_ptr, stride_idx, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        if EVEN_N and E == E_PAD:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=(offs_n[:, None] < S) & (offs_d[None, :] < E), other=0.0)
-        if EVEN_N and EV == EV_PAD:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
+        k, v = _key_tile(K, V, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                         S, E, EV, E_PAD, EV_PAD, EVEN_N)
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)
         p, ds = _ds_tile(qk, dp, lse2[:, None], delta[:, None], off_b, off_h,
@@ -252,16 +235,8 @@ def flex_bwd(
     if pid < n_kv_tiles:
         # ---- role dK/dV: one key tile, every query head of the group ----
         offs_n = pid * BLOCK_N1 + tl.arange(0, BLOCK_N1)
-        k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        if EVEN_N and E == E_PAD:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=(offs_n[:, None] < S) & (offs_d[None, :] < E), other=0.0)
-        if EVEN_N and EV == EV_PAD:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
+        k, v = _key_tile(K, V, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                         S, E, EV, E_PAD, EV_PAD, EVEN_N)
         dk = tl.full([BLOCK_N1, E_PAD], 0.0, tl.float32)
         dv = tl.full([BLOCK_N1, EV_PAD], 0.0, tl.float32)
         col = (pid * BLOCK_N1) // SPARSE_KV
@@ -311,16 +286,8 @@ def flex_bwd(
                    + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
         dv_ptrs = (DV + b64 * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
                    + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd)
-        if EVEN_N and E == E_PAD:
-            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
-        else:
-            tl.store(dk_ptrs, dk.to(DK.dtype.element_ty),
-                     mask=(offs_n[:, None] < S) & (offs_d[None, :] < E))
-        if EVEN_N and EV == EV_PAD:
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
-        else:
-            tl.store(dv_ptrs, dv.to(DV.dtype.element_ty),
-                     mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV))
+        _store_tile(dk_ptrs, dk, offs_n, offs_d, S, E, EVEN_N, E == E_PAD)
+        _store_tile(dv_ptrs, dv, offs_n, offs_dv, S, EV, EVEN_N, EV == EV_PAD)
     else:
         # ---- role dQ: one query tile of one query head ----
         pid2 = pid - n_kv_tiles
@@ -332,20 +299,10 @@ def flex_bwd(
         do_ptrs = (DO + b64 * stride_dob + h64 * stride_doh
                    + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod)
         row0 = (b64 * Hq + h64) * L
-        if EVEN_M and E == E_PAD:
-            q = tl.load(q_ptrs)
-        else:
-            q = tl.load(q_ptrs, mask=(offs_m[:, None] < L) & (offs_d[None, :] < E), other=0.0)
-        if EVEN_M and EV == EV_PAD:
-            do = tl.load(do_ptrs)
-        else:
-            do = tl.load(do_ptrs, mask=(offs_m[:, None] < L) & (offs_dv[None, :] < EV), other=0.0)
-        if EVEN_M:
-            lse2 = tl.load(LSE2 + row0 + offs_m)
-            delta = tl.load(DELTA + row0 + offs_m)
-        else:
-            lse2 = tl.load(LSE2 + row0 + offs_m, mask=offs_m < L, other=0.0)
-            delta = tl.load(DELTA + row0 + offs_m, mask=offs_m < L, other=0.0)
+        q = _load_tile(q_ptrs, offs_m, offs_d, L, E, EVEN_M, E == E_PAD)
+        do = _load_tile(do_ptrs, offs_m, offs_dv, L, EV, EVEN_M, EV == EV_PAD)
+        lse2 = _load_rows(LSE2 + row0, offs_m, L, EVEN_M)
+        delta = _load_rows(DELTA + row0, offs_m, L, EVEN_M)
         dq = tl.full([BLOCK_M2, E_PAD], 0.0, tl.float32)
         if HAS_BLOCK_MASK:
             row = (pid_m * BLOCK_M2) // SPARSE_Q
@@ -380,8 +337,4 @@ def flex_bwd(
         dq = dq * sm_scale
         dq_ptrs = (DQ + b64 * stride_dqb + h64 * stride_dqh
                    + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
-        if EVEN_M and E == E_PAD:
-            tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
-        else:
-            tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty),
-                     mask=(offs_m[:, None] < L) & (offs_d[None, :] < E))
+        _store_tile(dq_ptrs, dq, offs_m, offs_d, L, E, EVEN_M, E == E_PAD)

@@ -7,9 +7,12 @@ What this module holds
 * ``_attend``: the loop over the key/value sub-tiles of one block list (partial or full).
 * ``_score_tile``: the elementwise part, with the two holes the code generator fills:
   the score_mod body and the mask_mod body.
-* ``_tanh``: the one op whose fast form needs a helper (inline PTX off the interpreter).
+* From ``triton_common.py`` (pasted at ``# {{COMMON}}``): ``_tanh`` (the one op whose fast
+  form needs a helper: inline PTX off the interpreter), ``_dot``, the reductions, the
+  block-list walk (``_n_tiles``, ``_tile_start``) and the tile loads and stores.
 
-Holes (filled by ``flexjit.backends.triton``; each hole is one marked line, replaced whole):
+Holes (filled by ``flexjit.backends.triton_render``; each hole is one marked line, replaced
+whole):
   ``# {{CAPTURE_PARAMS}}``   the captured buffers (pointer, sizes, strides) and scalars
   ``# {{CAPTURE_ARGS}}``     the same names, passed down a call
   ``# {{SCORE_MOD}}``        statements reading ``score`` (natural units), b, h, q_idx, kv_idx and
@@ -54,7 +57,7 @@ def _jit(fn):
     return triton.jit(fn, do_not_specialize=DO_NOT_SPECIALIZE)
 
 
-from .triton_common import _dot, _max, _sum, _tanh  # {{COMMON}}
+from .triton_common import _dot, _load_tile, _max, _n_tiles, _store_tile, _sum, _tanh, _tile_start  # {{COMMON}}
 
 
 @triton.jit
@@ -88,26 +91,15 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
             DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Online softmax over the key tiles of one block list; returns the updated (acc, l, m)."""
-    MULT: tl.constexpr = SPARSE_KV // BLOCK_N
     offs_d = tl.arange(0, E_PAD)
     offs_dv = tl.arange(0, EV_PAD)
-    if HAS_BLOCK_MASK:
-        n_iter = n_listed * MULT
-    else:
-        n_iter = n_listed
+    n_iter = _n_tiles(n_listed, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
     for it in tl.range(0, n_iter, num_stages=NUM_STAGES):
-        if HAS_BLOCK_MASK:
-            blk = tl.load(idx_ptr + (it // MULT) * stride_idx)
-            start_n = blk * SPARSE_KV + (it % MULT) * BLOCK_N
-        else:
-            start_n = it * BLOCK_N
+        start_n = _tile_start(it, idx_ptr, stride_idx, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
         v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        if EVEN_N and E == E_PAD:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=(offs_n[:, None] < S) & (offs_d[None, :] < E), other=0.0)
+        k = _load_tile(k_ptrs, offs_n, offs_d, S, E, EVEN_N, E == E_PAD)
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         s2 = _score_tile(qk, off_b, off_h, offs_m[:, None], offs_n[None, :], S, sm_scale,
                          qk_scale_log2,
@@ -119,10 +111,7 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
         alpha = tl.math.exp2(m_i - m_base)
         p = tl.math.exp2(s2 - m_base[:, None])
         l_i = l_i * alpha + _sum(p, 1, False)
-        if EVEN_N and EV == EV_PAD:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
+        v = _load_tile(v_ptrs, offs_n, offs_dv, S, EV, EVEN_N, EV == EV_PAD)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
@@ -162,10 +151,7 @@ def flex_fwd(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, E_PAD)
     q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    if EVEN_M and E == E_PAD:
-        q = tl.load(q_ptrs)
-    else:
-        q = tl.load(q_ptrs, mask=(offs_m[:, None] < L) & (offs_d[None, :] < E), other=0.0)
+    q = _load_tile(q_ptrs, offs_m, offs_d, L, E, EVEN_M, E == E_PAD)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -205,11 +191,7 @@ def flex_fwd(
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     offs_dv = tl.arange(0, EV_PAD)
     o_ptrs = O + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
-    if EVEN_M and EV == EV_PAD:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty))
-    else:
-        tl.store(o_ptrs, out.to(O.dtype.element_ty),
-                 mask=(offs_m[:, None] < L) & (offs_dv[None, :] < EV))
+    _store_tile(o_ptrs, out, offs_m, offs_dv, L, EV, EVEN_M, EV == EV_PAD)
     lse_ptrs = LSE + (off_b * Hq + off_h).to(tl.int64) * L + offs_m
     if EVEN_M:
         tl.store(lse_ptrs, lse)

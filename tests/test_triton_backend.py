@@ -483,7 +483,7 @@ _COMPILE_CASES = [("learnable_alibi", 64, (80, 90, 100)), ("softcap_alibi_window
 def _compile_all(name, E, arch, dtype=torch.bfloat16):
     torch.manual_seed(0)
     case = make_case(name, 2, 4, 512, 512)
-    bm = create_block_mask(case.mask_mod, None, None, 512, 512, device="cpu") if case.mask_mod else None
+    bm = _block_mask(case.mask_mod, 2, 4, 512, 512, 128)  # per-batch/head lists where b/h are read
     q = torch.randn(2, 4, 512, E, dtype=dtype)
     kv = torch.randn(2, 2, 512, E, dtype=dtype)
     call = prepare_call(q, kv, kv, case.score_mod, bm, None, True, None)

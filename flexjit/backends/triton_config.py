@@ -1,0 +1,194 @@
+"""The Triton backend's block configurations: tile sizes, warps and pipeline stages per launch.
+
+What this module holds
+----------------------
+* ``FwdConfig`` / ``BwdConfig``: the forward's (BLOCK_M, BLOCK_N) and the backward's two roles'
+  tiles (BLOCK_M1, BLOCK_N1 for dK/dV; BLOCK_M2, BLOCK_N2 for dQ), with warps and stages.
+* The static tables per (arch class, 16-bit inputs, padded head dim): ``_FWD_TABLE``,
+  ``_BWD_TABLE`` (and the fp32 ones), with why each entry was chosen; ``_FWD_SHORT_SM90`` and
+  ``SHORT_KV_LOOP`` for block masks with short kv loops.
+* ``fwd_config`` / ``bwd_config``: a table entry fitted to the mask's block size, the sequence
+  lengths and shared memory (``smem_limit``, ``_fwd_smem``, ``_bwd_smem``: Triton keeps
+  ``num_stages`` buffers), then overridden by ``kernel_options``; ``head_pad``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    BLOCK_M1: int  # query sub-tile walked by the dK/dV role
+    BLOCK_N1: int  # key tile owned by the dK/dV role
+    BLOCK_M2: int  # query tile owned by the dQ role
+    BLOCK_N2: int  # key sub-tile walked by the dQ role
+    num_warps: int
+    num_stages: int
+
+
+# Forward (BLOCK_M, BLOCK_N, num_warps, num_stages) by (arch class, 16-bit inputs, padded head
+# dim). Chosen compile-only (triton 3.9) as the largest tiles ptxas fits without spilling for a
+# mask + score_mod kernel (softcap + ALiBi + window), within shared memory:
+# * sm90 (227 KB smem): 128x128 tiles, 8 warps = two warpgroups of 64 rows each (wgmma M=64),
+#   3 stages = 3 K/V buffers in flight (224 KB at D=128); D=256 halves BLOCK_N and stages.
+# * sm100: as sm90 but BLOCK_N 64 at D=128 (128x128 spills 128 B there).
+# * sm80 (163 KB smem) and smaller parts: BLOCK_N 64 (the mma.sync register budget).
+# fp32 inputs run IEEE fp32 dots (no tensor cores) and get small tiles.
+_FWD_TABLE = {
+    ("sm90", True, 64): (128, 128, 8, 3), ("sm90", True, 128): (128, 128, 8, 3),
+    ("sm90", True, 256): (128, 64, 8, 2),
+    ("sm100", True, 64): (128, 128, 8, 3), ("sm100", True, 128): (128, 64, 8, 3),
+    ("sm100", True, 256): (128, 64, 8, 2),
+    ("sm80", True, 64): (128, 64, 4, 3), ("sm80", True, 128): (128, 64, 8, 3),
+    ("sm80", True, 256): (64, 64, 4, 2),
+}
+_FWD_FP32 = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)}
+# sm90, block masks whose query blocks visit at most SHORT_KV_LOOP keys on average (windows,
+# short documents): 64x64 tiles, 4 warps, fewer registers per CTA, so several CTAs share an SM
+# and one's prologue/epilogue hides under another's loop. Measured on the H200 at S=8k, D=128
+# (results/2026-11-30-gpu-s2-triton-tune): sliding window 1024 1.30x the 128x128 default,
+# document 1.04x; on causal-length loops (ALiBi, 32 blocks) only 1.02x, full attention 0.89x.
+_FWD_SHORT_SM90 = (64, 64, 4, 3)
+SHORT_KV_LOOP = 2048
+# Backward (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages), same keys. The dK/dV
+# role keeps a key tile's dK, dV in registers and streams query sub-tiles; the dQ role the
+# mirror image (FlashAttention-2 §3.2). Both roles share one kernel, so registers are the max
+# of the two. sm90 D=128: 64x128 spills 112 bytes (32x128 fits in 234 registers) and is still
+# the fastest on the H200: 1.08-1.23x 32x128 on forward+backward at S=8k across full, causal,
+# ALiBi, window and document (benchmarks/tune_triton.py, results/2026-11-30-gpu-s2-triton-tune).
+_BWD_TABLE = {
+    ("sm90", True, 64): (64, 128, 128, 64, 8, 3), ("sm90", True, 128): (64, 128, 128, 64, 8, 3),
+    ("sm90", True, 256): (32, 32, 32, 32, 4, 2),
+    ("sm100", True, 64): (64, 128, 128, 64, 8, 3), ("sm100", True, 128): (32, 128, 128, 32, 8, 3),
+    ("sm100", True, 256): (32, 32, 32, 32, 4, 2),
+    ("sm80", True, 64): (32, 128, 128, 32, 8, 3), ("sm80", True, 128): (64, 64, 64, 64, 8, 2),
+    ("sm80", True, 256): (32, 32, 32, 32, 4, 2),
+}
+_BWD_FP32 = {64: (32, 64, 64, 32, 4, 2), 128: (32, 64, 64, 32, 4, 2), 256: (16, 32, 32, 16, 4, 2)}
+_SMEM_BY_ARCH = {80: 163 << 10, 87: 163 << 10, 90: 227 << 10, 100: 227 << 10, 103: 227 << 10}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def head_pad(d: int) -> int:
+    """Head dims are padded to a power of two (>= 16, tl.dot's K minimum) and masked."""
+    return max(16, _next_pow2(d))
+
+
+def _pow2_divisor(x: int) -> int:
+    return x & -x
+
+
+def _fit_block(want: int, sparse: int | None, length: int) -> int:
+    """The largest power of two <= want that divides the mask block and is not much longer
+    than the sequence; at least 16."""
+    b = min(_next_pow2(want), max(16, _next_pow2(length)))
+    if sparse is not None:
+        b = min(b, _pow2_divisor(sparse))
+    return max(16, b)
+
+
+def _user_block(opts: dict, names: tuple[str, ...], sparse: int | None) -> int | None:
+    for n in names:
+        if n in opts:
+            b = int(opts[n])
+            if b < 16 or b & (b - 1):
+                raise ValueError(f"kernel_options[{n!r}] = {b}: must be a power of two >= 16")
+            if sparse is not None and sparse % b:
+                raise ValueError(f"kernel_options[{n!r}] = {b} must divide the block mask's block "
+                                 f"size {sparse}; pick a divisor of {sparse}")
+            return b
+    return None
+
+
+def _opt(opts: dict, names: tuple[str, ...], default):
+    for n in names:
+        if n in opts:
+            return int(opts[n])
+    return default
+
+
+def _table_entry(table: dict, fp32: dict, arch: int, dtype: torch.dtype, e_pad: int) -> tuple:
+    d = min(256, max(64, e_pad))
+    if dtype == torch.float32:
+        return fp32[d]
+    cls = "sm90" if arch == 90 else "sm100" if arch in (100, 103) else "sm80"
+    return table[(cls, True, d)]
+
+
+def smem_limit(arch: int) -> int:
+    return _SMEM_BY_ARCH.get(arch, 99 << 10)
+
+
+def _fwd_smem(bm, bn, stages, e_pad, ev_pad, elem) -> int:
+    return elem * (bm * e_pad + stages * bn * (e_pad + ev_pad))  # Triton keeps num_stages buffers
+
+
+def _bwd_smem(c: "BwdConfig", e_pad, ev_pad, elem) -> int:
+    buffers = c.num_stages
+    role_kv = c.BLOCK_N1 * (e_pad + ev_pad) + buffers * c.BLOCK_M1 * (e_pad + ev_pad) \
+        + c.BLOCK_M1 * c.BLOCK_N1
+    role_q = c.BLOCK_M2 * (e_pad + ev_pad) + buffers * c.BLOCK_N2 * (e_pad + ev_pad) \
+        + c.BLOCK_M2 * c.BLOCK_N2
+    return elem * max(role_kv, role_q)
+
+
+def _warps(want: int, bm: int, bn: int) -> int:
+    return max(1, min(want, (bm * bn) // 512))
+
+
+def fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
+               short_kv_loop: bool = False) -> FwdConfig:
+    """The forward's block config: table default, fitted to the mask blocks, lengths and smem;
+    ``kernel_options`` (BLOCK_M, BLOCK_N, num_warps, num_stages, or fwd_-prefixed) override.
+    ``short_kv_loop``: a block mask whose query blocks visit few keys (SHORT_KV_LOOP)."""
+    e_pad, ev_pad = head_pad(E), head_pad(EV)
+    bm, bn, warps, stages = _table_entry(_FWD_TABLE, _FWD_FP32, arch, dtype, max(e_pad, ev_pad))
+    if short_kv_loop and arch == 90 and dtype != torch.float32 and max(e_pad, ev_pad) <= 128:
+        bm, bn, warps, stages = _FWD_SHORT_SM90
+    sq, skv = sparse if sparse is not None else (None, None)
+    ubm = _user_block(opts, ("fwd_BLOCK_M", "BLOCK_M"), sq)
+    ubn = _user_block(opts, ("fwd_BLOCK_N", "BLOCK_N"), skv)
+    bm = ubm or _fit_block(bm, sq, L)
+    bn = ubn or _fit_block(bn, skv, S)
+    stages = _opt(opts, ("fwd_num_stages", "num_stages"), stages)
+    elem = torch.finfo(dtype).bits // 8
+    while "num_stages" not in opts and stages > 1 and \
+            _fwd_smem(bm, bn, stages, e_pad, ev_pad, elem) > smem_limit(arch):
+        stages -= 1
+    while ubn is None and bn > 16 and _fwd_smem(bm, bn, stages, e_pad, ev_pad, elem) > smem_limit(arch):
+        bn //= 2
+    warps = _opt(opts, ("fwd_num_warps", "num_warps"), _warps(warps, bm, bn))
+    return FwdConfig(bm, bn, warps, stages)
+
+
+def bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict) -> BwdConfig:
+    """The backward's block config (table, fitted like the forward's; kernel_options BLOCK_M1,
+    BLOCK_N1, BLOCK_M2, BLOCK_N2, bwd_num_warps, bwd_num_stages override)."""
+    e_pad, ev_pad = head_pad(E), head_pad(EV)
+    m1, n1, m2, n2, warps, stages = _table_entry(_BWD_TABLE, _BWD_FP32, arch, dtype, max(e_pad, ev_pad))
+    sq, skv = sparse if sparse is not None else (None, None)
+    m1 = _user_block(opts, ("BLOCK_M1",), sq) or _fit_block(m1, sq, L)
+    n1 = _user_block(opts, ("BLOCK_N1",), skv) or _fit_block(n1, skv, S)
+    m2 = _user_block(opts, ("BLOCK_M2",), sq) or _fit_block(m2, sq, L)
+    n2 = _user_block(opts, ("BLOCK_N2",), skv) or _fit_block(n2, skv, S)
+    stages = _opt(opts, ("bwd_num_stages",), stages)
+    c = BwdConfig(m1, n1, m2, n2, warps, stages)
+    elem = torch.finfo(dtype).bits // 8
+    while "bwd_num_stages" not in opts and c.num_stages > 1 and \
+            _bwd_smem(c, e_pad, ev_pad, elem) > smem_limit(arch):
+        c = dataclasses.replace(c, num_stages=c.num_stages - 1)
+    warps = _opt(opts, ("bwd_num_warps",), _warps(warps, max(m1, m2), max(n1, n2)))
+    return dataclasses.replace(c, num_warps=warps)
