@@ -294,7 +294,8 @@ def _backward(plan: Plan, q, k, v, out, lse, dout, dlse, bufs):
     """Launch preprocess + backward: (dq, dk, dv, grads of captured tensors by slot)."""
     B, Hq, L, E = q.shape
     S, EV = k.shape[2], v.shape[3]
-    c = bwd_config(plan.arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options)
+    c = bwd_config(plan.arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options,
+                   captured_grads=bool(grad_slots(plan.program)))
     delta = _out((B, Hq, L), torch.float32, q.device)
     lse2 = _out((B, Hq, L), torch.float32, q.device)
     if dlse is not None:
@@ -408,7 +409,8 @@ def launches_for(call, arch: int) -> list[Launch]:
     bufs = [t.detach().to("meta") for t in call.program.buffers]
     out = torch.empty(B, Hq, L, EV, dtype=q.dtype, device="meta")
     lse = torch.empty(B, Hq, L, dtype=torch.float32, device="meta")
-    c = bwd_config(arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options)
+    c = bwd_config(arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options,
+                   captured_grads=bool(grad_slots(plan.program)))
     grads = {s: torch.empty(bufs[s].shape, dtype=_GRAD_ACC, device="meta")
              for s in grad_slots(plan.program)}
     return [fwd_launch(plan, q, k, v, out, lse, bufs),

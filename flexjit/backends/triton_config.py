@@ -75,6 +75,10 @@ _BWD_TABLE = {
     ("sm80", True, 256): (32, 32, 32, 32, 4, 2),
 }
 _BWD_FP32 = {64: (32, 64, 64, 32, 4, 2), 128: (32, 64, 64, 32, 4, 2), 256: (16, 32, 32, 16, 4, 2)}
+# sm90 D=128 with captured-tensor gradients (their atomics add registers): 64x128 spills 808 B
+# for a learnable bias table (ptxas of triton 3.9's PTX), 32x128 12 B; not swept on the GPU, so
+# these keep the 32x128 tiles they were verified with.
+_BWD_SM90_CAPTURED_GRADS = (32, 128, 128, 32, 8, 3)
 _SMEM_BY_ARCH = {80: 163 << 10, 87: 163 << 10, 90: 227 << 10, 100: 227 << 10, 103: 227 << 10}
 
 
@@ -174,11 +178,15 @@ def fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: 
     return FwdConfig(bm, bn, warps, stages)
 
 
-def bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict) -> BwdConfig:
+def bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
+               captured_grads: bool = False) -> BwdConfig:
     """The backward's block config (table, fitted like the forward's; kernel_options BLOCK_M1,
-    BLOCK_N1, BLOCK_M2, BLOCK_N2, bwd_num_warps, bwd_num_stages override)."""
+    BLOCK_N1, BLOCK_M2, BLOCK_N2, bwd_num_warps, bwd_num_stages override). ``captured_grads``:
+    the kernel also accumulates captured tensors' gradients."""
     e_pad, ev_pad = head_pad(E), head_pad(EV)
     m1, n1, m2, n2, warps, stages = _table_entry(_BWD_TABLE, _BWD_FP32, arch, dtype, max(e_pad, ev_pad))
+    if captured_grads and arch == 90 and dtype != torch.float32 and max(e_pad, ev_pad) == 128:
+        m1, n1, m2, n2, warps, stages = _BWD_SM90_CAPTURED_GRADS
     sq, skv = sparse if sparse is not None else (None, None)
     m1 = _user_block(opts, ("BLOCK_M1",), sq) or _fit_block(m1, sq, L)
     n1 = _user_block(opts, ("BLOCK_N1",), skv) or _fit_block(n1, skv, S)
