@@ -124,6 +124,7 @@ _placeholder, _ffi_function, _stream_context = _fwd._placeholder, _fwd._ffi_func
 _as_scalar, _aux_cutlass_dtype = _fwd._as_scalar, _fwd._aux_cutlass_dtype
 tvm_ffi_enabled = _fwd.tvm_ffi_enabled
 FloatIndices = _fwd.FloatIndices
+wgmma_gemm = _fwd.wgmma_gemm
 
 MASK_BLOCK = 128  # FlexAttention BlockMask granularity, rows and columns
 LOG2_E = math.log2(math.e)
@@ -792,11 +793,11 @@ class FlexAttentionBwdSm90:
         idx = state.index
         pipe_q.consumer_wait(state)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
-        self._gemm(ctx.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, idx], zero_init=True)
+        wgmma_gemm(ctx.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, idx], zero_init=True)
         acc_dP = cute.make_rmem_tensor(ctx.s_shape, Float32)
         if const_expr(self.overlap_dp):
             pipe_do.consumer_wait(state)
-            self._gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
+            wgmma_gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
             warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under the elementwise work below
         else:
             warpgroup.wait_group(0)
@@ -806,14 +807,14 @@ class FlexAttentionBwdSm90:
         if const_expr(not self.overlap_dp):
             pipe_do.consumer_wait(state)
         # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
-        self._gemm(ctx.mma_dkv, ctx.acc_dV, ctx.tVrP, ctx.tVrdO[None, None, None, idx], zero_init=False)
+        wgmma_gemm(ctx.mma_dkv, ctx.acc_dV, ctx.tVrP, ctx.tVrdO[None, None, None, idx], zero_init=False)
         if const_expr(self.overlap_dp):
             warpgroup.wait_group(1)  # dPᵀ done (dV may still run)
         else:
             # After dV, which reads P: ptxas keeps wgmmas in order, so it cannot hoist this one
             # above the elementwise work (it does hoist a dP GEMM issued right after P, and
             # the register peak comes back: 44 bytes of spills for softcap at D = 128).
-            self._gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
+            wgmma_gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
             warpgroup.wait_group(0)
         tSsDelta = ctx.tSsDelta[None, None, None, idx]
         sums = None
@@ -829,10 +830,10 @@ class FlexAttentionBwdSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(ctx.dq_shape, Float32)
-        self._gemm(ctx.mma_dq, acc_dQ, ctx.tQrdS[None, None, None, idx], ctx.tQrK, zero_init=True)
+        wgmma_gemm(ctx.mma_dq, acc_dQ, ctx.tQrdS[None, None, None, idx], ctx.tQrK, zero_init=True)
         warpgroup.wait_group(1)  # dV done: dO is free
         pipe_do.consumer_release(state)
-        self._gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ctx.tKrQ[None, None, None, idx], zero_init=False)
+        wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ctx.tKrQ[None, None, None, idx], zero_init=False)
         warpgroup.wait_group(1)  # dQ done
         cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
         cute.autovec_copy(acc_dQ, ctx.tQsdQ)
@@ -844,18 +845,6 @@ class FlexAttentionBwdSm90:
             self._flush_uniform_grads(ctx, sums, head, m)
         state.advance()
         return state
-
-    @cute.jit
-    def _gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-              zero_init: cutlass.Constexpr):
-        """Issue one warpgroup GEMM over all k-blocks and commit it as one wgmma group."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE field is mutated
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
-            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
 
     @cute.jit
     def _probabilities(self, ctx, acc_S: cute.Tensor, rP: cute.Tensor, tLSE: cute.Tensor,

@@ -325,6 +325,20 @@ def _transposed(s: cute.Tensor) -> cute.Tensor:
     return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, 2)))
 
 
+@cute.jit
+def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+               zero_init: cutlass.Constexpr):
+    """Issue one warpgroup GEMM over all k-blocks and commit it as one wgmma group (shared by
+    the forward and the backward)."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE field is mutated
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
 def _rows_cols_layout(frag_layout: cute.Layout) -> cute.Layout:
     """An sm90 accumulator fragment is ((2, 2, V), MMA_M, MMA_N): (column pair, row half,
     8-column groups). Return a layout over the same registers indexed (row, col) =
@@ -1067,7 +1081,7 @@ class FlexAttentionFwdSm90:
                 pipe_q.consumer_release(q_state)
             # Last PV GEMM.
             pipe_v.consumer_wait(kv)
-            self._gemm(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, kv.index],
+            wgmma_gemm(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, kv.index],
                        zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv)
@@ -1086,7 +1100,7 @@ class FlexAttentionFwdSm90:
         tile = sched.first_tile
         pipe_k.consumer_wait(kv)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
-        self._gemm(ctx.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv.index], zero_init=True)
+        wgmma_gemm(ctx.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv.index], zero_init=True)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(kv)
         if sched.n_partial > 0:
@@ -1112,9 +1126,9 @@ class FlexAttentionFwdSm90:
         pipe_k.consumer_wait(kv)
         self._pingpong_wait(ctx.wg)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
-        self._gemm(ctx.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv.index], zero_init=True)
+        wgmma_gemm(ctx.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv.index], zero_init=True)
         pipe_v.consumer_wait(kv_v)
-        self._gemm(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, kv_v.index],
+        wgmma_gemm(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, kv_v.index],
                    zero_init=False)
         self._pingpong_signal(ctx.wg)
         warpgroup.wait_group(1)
@@ -1126,18 +1140,6 @@ class FlexAttentionFwdSm90:
         ctx.tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
         self._rescale_o(ctx.acc_O, row_scale)
         return kv
-
-    @cute.jit
-    def _gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-              zero_init: cutlass.Constexpr):
-        """Issue one warpgroup GEMM over all k-blocks and commit it as one wgmma group."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE field is mutated
-        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-        for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
-            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
 
     @cute.jit
     def _pingpong_wait(self, wg: Int32):
