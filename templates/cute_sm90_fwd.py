@@ -120,8 +120,9 @@ S tile, so they must be ``@cute.jit`` functions (or plain Python on DSL values):
     score_mod(score: Float32, b: Int32, h: Int32, q_idx: Int32, kv_idx: Int32, aux: Aux) -> Float32
     mask_mod(b: Int32, h: Int32, q_idx: Int32, kv_idx: Int32, aux: Aux) -> Boolean
 
-A mod with the attribute ``float_indices = True`` takes two more arguments, ``q_idx_f`` and
-``kv_idx_f`` (Float32 copies of the indices, formed cheaply: ``FloatIndices``).
+A mod with the attribute ``float_indices = True`` takes three more arguments, ``q_idx_f``,
+``kv_idx_f`` and ``kv_minus_q_f`` (Float32 copies of the indices and of their difference, formed
+cheaply: ``FloatIndices``).
 
 * ``score`` is q·k·softmax_scale in natural units (torch's FlexAttention semantics).
 * ``b`` batch, ``h`` QUERY head, ``q_idx`` / ``kv_idx`` global positions. Rows q_idx >= L and
@@ -269,19 +270,22 @@ def smem_bytes(cfg: "FwdConfig") -> int:
 
 
 class FloatIndices:
-    """float32 copies of a thread's (q_idx, kv_idx) for mods marked ``.float_indices``: each is
-    the first register's index, converted once, plus the register's compile-time offset from
-    it (the integer difference folds to a constant), so an element costs one FADD instead of an
-    int->float conversion, which issues on the MUFU pipe beside exp2."""
+    """float32 copies of a thread's q_idx, kv_idx and kv_idx - q_idx for mods marked
+    ``.float_indices``: each is the first register's value, converted once, plus the register's
+    compile-time offset from it (the integer difference folds to a constant), so an element costs
+    one FADD instead of an int->float conversion, which issues on the MUFU pipe beside exp2
+    (ALiBi's float(kv) - float(q) is one FADD, not three). Exact: indices are below 2^22."""
 
     def __init__(self, q0, kv0):
         self.q0, self.kv0 = q0, kv0
         self.q0_f, self.kv0_f = Float32(q0), Float32(kv0)
+        self.d0_f = self.kv0_f - self.q0_f
 
     def args(self, mod, q_idx, kv_idx) -> tuple:
         if not getattr(mod, "float_indices", False):
             return ()
-        return (self.q0_f + Float32(q_idx - self.q0), self.kv0_f + Float32(kv_idx - self.kv0))
+        dq, dkv = q_idx - self.q0, kv_idx - self.kv0
+        return (self.q0_f + Float32(dq), self.kv0_f + Float32(dkv), self.d0_f + Float32(dkv - dq))
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 What this module holds
 ----------------------
 * The renderer: an op→code table over the IR gives straight-line CuTeDSL code for two
-  functions, ``score_mod(score, b, h, q_idx, kv_idx, aux, q_idx_f, kv_idx_f)`` and
-  ``mask_mod(b, h, q_idx, kv_idx, aux, q_idx_f, kv_idx_f)``, the holes of
+  functions, ``score_mod(score, b, h, q_idx, kv_idx, aux, q_idx_f, kv_idx_f, kv_minus_q_f)``
+  and ``mask_mod(b, h, q_idx, kv_idx, aux, q_idx_f, kv_idx_f, kv_minus_q_f)``, the holes of
   ``templates/cute_sm90_fwd.py`` (marked ``.float_indices = True``: the kernel passes the
   indices as float32 too, formed cheaply). They
   are plain Python over DSL values (no control flow), inlined into the kernel when it is
@@ -148,6 +148,14 @@ _LEAVES = {Op.SCORE: "score", Op.B: "b", Op.H: "h", Op.Q_IDX: "q_idx", Op.KV_IDX
 _FLOAT_LEAVES = {Op.Q_IDX: "q_idx_f", Op.KV_IDX: "kv_idx_f"}
 
 
+def _float_index_pair(n: Node):
+    """(a, b) when ``n`` is float(a) - float(b) for index leaves a, b, else None."""
+    if all(s.op is Op.CAST and s.dtype is DType.FLOAT32 and s.src[0].op in _FLOAT_LEAVES
+           for s in n.src):
+        return tuple(s.src[0].op for s in n.src)
+    return None
+
+
 def render_function(name: str, params: str, *roots: Node) -> str:
     """One straight-line function computing ``roots`` (a tuple if several, sharing common
     subexpressions); each non-leaf node is one statement."""
@@ -157,7 +165,7 @@ def render_function(name: str, params: str, *roots: Node) -> str:
 
 
 def _wrap(name: str, params: str, body: list[str]) -> str:
-    return (f"def {name}({params}, q_idx_f, kv_idx_f):\n" + "\n".join(body) + "\n\n\n"
+    return (f"def {name}({params}, q_idx_f, kv_idx_f, kv_minus_q_f):\n" + "\n".join(body) + "\n\n\n"
             f"{name}.float_indices = True\n")
 
 
@@ -171,6 +179,8 @@ def _render_body(roots) -> tuple[list[str], dict[int, str]]:
             names[id(n)] = _LEAVES[n.op]
         elif n.op is Op.CAST and n.dtype is DType.FLOAT32 and n.src[0].op in _FLOAT_LEAVES:
             names[id(n)] = _FLOAT_LEAVES[n.src[0].op]
+        elif n.op is Op.SUB and _float_index_pair(n) == (Op.KV_IDX, Op.Q_IDX):
+            names[id(n)] = "kv_minus_q_f"
         elif n.op is Op.CONST:
             names[id(n)] = _const(n)
         elif n.op is Op.SCALAR:
