@@ -372,7 +372,11 @@ def supports(call) -> tuple[bool, str]:
         _template()
     except ImportError as e:
         return False, f"nvidia-cutlass-dsl is not importable ({e})"
-    return True, "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)"
+    reason = "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)"
+    if call.needs_grad:
+        ok, why = backward_supports(call)
+        reason += f"; backward: {why}" if ok else f"; backward on Triton: {why}"
+    return True, reason
 
 
 _COMPILED: dict[tuple, object] = {}
