@@ -10,6 +10,7 @@ each layout's copies and transposes the results back, outside the timed region.
 | impl               | what runs                                                              |
 |--------------------|------------------------------------------------------------------------|
 | flexjit-<backend>  | flexjit.flex_attention(..., backend=<backend>), flexjit's block mask   |
+| flexjit-cute-<mode>| the same under one of FLEXJIT_MODES' switches (det, pertile, persistent, dynamic) |
 | torch-flex-triton  | torch.compile(flex_attention), torch's block mask, Triton kernels      |
 | torch-flex-flash   | the same with kernel_options={"BACKEND": "FLASH"} (FA4 underneath)     |
 | fa4                | flash_attn.cute.flash_attn_func with the variant's built-in arguments  |
@@ -19,8 +20,10 @@ each layout's copies and transposes the results back, outside the timed region.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import os
 from typing import Callable
 
 import torch
@@ -30,7 +33,15 @@ from .variants import Case, Variant
 FLEXJIT_IMPLS = ("flexjit-cute", "flexjit-triton", "flexjit-reference")
 BASELINE_IMPLS = ("torch-flex-triton", "torch-flex-flash", "fa4", "cudnn")
 DEFAULT_IMPLS = FLEXJIT_IMPLS + BASELINE_IMPLS
-EXTRA_IMPLS = ("torch-flex-eager",)
+# flexjit's switches, measured beside the default in one run: name -> (backend, env, deterministic).
+FLEXJIT_MODES = {
+    "flexjit-cute-det": ("cute", {}, True),
+    "flexjit-cute-pertile": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "0"}, False),
+    "flexjit-cute-persistent": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "1"}, False),
+    "flexjit-cute-dynamic": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "1",
+                                      "FLEXJIT_CUTE_DYNAMIC_SCHEDULE": "1"}, False),
+}
+EXTRA_IMPLS = ("torch-flex-eager",) + tuple(FLEXJIT_MODES)
 
 # Generous enough for every (variant, shape, pass) of one process: at torch's default of 8,
 # FlexAttention silently falls back to its unfused eager path after 8 recompiles.
@@ -69,9 +80,30 @@ def _need_cuda(device: torch.device) -> None:
 class FlexjitImpl:
     layout = "bhsd"
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, name: str | None = None, env: dict | None = None,
+                 deterministic: bool = False):
         self.backend = backend
-        self.name = f"flexjit-{backend}"
+        self.name = name or f"flexjit-{backend}"
+        self.env, self.deterministic = dict(env or {}), deterministic
+
+    @contextlib.contextmanager
+    def context(self):
+        """This mode's environment variables and deterministic flag, for the checked call and
+        the whole timing loop (forward and backward), restored afterwards."""
+        saved = {k: os.environ.get(k) for k in self.env}
+        was_deterministic = torch.are_deterministic_algorithms_enabled()
+        os.environ.update(self.env)
+        if self.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            torch.use_deterministic_algorithms(was_deterministic, warn_only=True)
 
     def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
         fj = _import("flexjit")
@@ -180,6 +212,9 @@ def make(name: str):
     """The adapter for an impl name (see the module table)."""
     if name in FLEXJIT_IMPLS:
         return FlexjitImpl(name.removeprefix("flexjit-"))
+    if name in FLEXJIT_MODES:
+        backend, env, deterministic = FLEXJIT_MODES[name]
+        return FlexjitImpl(backend, name, env, deterministic)
     table = {
         "torch-flex-triton": lambda: TorchFlexImpl(name, None, compiled=True),
         "torch-flex-flash": lambda: TorchFlexImpl(name, {"BACKEND": "FLASH"}, compiled=True),

@@ -20,6 +20,7 @@ are recorded as skipped for the budget, and `--resume` measures them in a later 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import json
@@ -46,7 +47,8 @@ DEFAULT_S = (2048, 8192)
 # Run the trusted baselines first: a kernel that corrupts the CUDA context ends the run's GPU
 # work, and then at least the baselines it came after are in.
 RUN_ORDER = ("cudnn", "fa4", "torch-flex-triton", "torch-flex-flash",
-             "flexjit-triton", "flexjit-cute", "flexjit-reference", "torch-flex-eager")
+             "flexjit-triton", "flexjit-cute", *impl_mod.FLEXJIT_MODES, "flexjit-reference",
+             "torch-flex-eager")
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
               "misaligned address", "illegal instruction", "CUDA error: an illegal")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -318,9 +320,11 @@ def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: R
     if pass_ == "fwd":  # leaves that need no grad, as in inference (torch Flex on CPU insists)
         sets = [{n: t.detach() for n, t in s.items()} for s in sets]
     poison_allocator(case, args.device)
+    mode = getattr(impl, "context", contextlib.nullcontext)  # flexjit's switches (impls.FLEXJIT_MODES)
     t0 = time.perf_counter()
     try:
-        got = call_once(fn, sets[0], pass_, impl.layout)
+        with mode():
+            got = call_once(fn, sets[0], pass_, impl.layout)
     except NotImplementedError as e:
         return {**row, "status": "skipped", "error": f"skipped: {e}"}
     except Exception as e:
@@ -334,7 +338,7 @@ def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: R
         return {**row, "status": "wrong", "error": f"wrong: {verdict.message}"}
     step = make_step(fn, sets, pass_)
     try:
-        with torch.set_grad_enabled(pass_ == "fwdbwd"):
+        with torch.set_grad_enabled(pass_ == "fwdbwd"), mode():
             ms = time_ms(step, args.device, args.warmup_ms, args.rep_ms)
     except Exception as e:
         return {**row, "status": "error", "error": f"timing: {type(e).__name__}: {e}"}
