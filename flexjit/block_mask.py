@@ -167,8 +167,9 @@ class BlockMask:
 
     def mean_kv_tokens(self) -> float:
         """Mean number of keys a query block visits (listed partial + full blocks × block width):
-        how long a kernel's kv loop is, which picks its schedule. One device sync, remembered
-        (a BlockMask's lists are not changed in place)."""
+        how long a kernel's kv loop is, which picks its schedule. Remembered (a BlockMask's lists
+        are not changed in place); ``create_block_mask`` computes it on its CPU lists, so only a
+        BlockMask built by hand from device tensors pays one sync, on its first use."""
         cached = getattr(self, "_mean_kv_tokens", None)
         if cached is None:
             blocks = self.kv_num_blocks.float().mean()
@@ -235,7 +236,10 @@ class BlockMask:
     def to(self, device) -> "BlockMask":
         """A copy with every tensor on ``device``."""
         moved = [None if getattr(self, a) is None else getattr(self, a).to(device) for a in self._TENSOR_ATTRS]
-        return BlockMask(self.seq_lengths, *moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+        out = BlockMask(self.seq_lengths, *moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+        if hasattr(self, "_mean_kv_tokens"):  # same lists, same mean: no sync on the new device
+            out._mean_kv_tokens = self._mean_kv_tokens
+        return out
 
     def __getitem__(self, index) -> "BlockMask":
         """Select batches, heads and query blocks; the mask_mod is remapped to match.
@@ -359,6 +363,7 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
               f"{time.perf_counter() - t0:.3f}s")
     bm = BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=(bq, bkv),
                                   mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
+    bm.mean_kv_tokens()  # on the CPU lists now: kernels choosing a schedule then never sync
     return bm.to(device) if device.type != "cpu" else bm
 
 
