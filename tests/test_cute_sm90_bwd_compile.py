@@ -157,6 +157,17 @@ def light_mods(program) -> bool:
     return not any(n.op is Op.LOAD or n.op in ir.TRANSCENDENTAL for n in ir.toposort(roots))
 
 
+def _clean_main_ptx(tmp_path, cfg, program) -> str:
+    """The main kernel's PTX for ``cfg``, checked for the Hopper machinery and clean registers."""
+    aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
+    fn = tpl.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
+                         parts=("main",))
+    ptx = fn.parts["main"].compiled.__ptx__
+    _assert_main_machinery(ptx)
+    _assert_clean_registers(tmp_path, ptx)
+    return ptx
+
+
 @pytest.mark.parametrize("name", CORE)
 def test_every_core_mod_fits_at_d128(tmp_path, name):
     # D = 128 is the register-tight case (dV + dK = 128 registers); with the overlap rule above
@@ -167,12 +178,7 @@ def test_every_core_mod_fits_at_d128(tmp_path, name):
     cfg = tpl.BwdConfig(128, 128, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
                         has_block_mask=case.mask_mod is not None,
                         overlap_dp=True if light_mods(program) else None)
-    aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
-    fn = tpl.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
-                         parts=("main",))
-    ptx = fn.parts["main"].compiled.__ptx__
-    _assert_main_machinery(ptx)
-    _assert_clean_registers(tmp_path, ptx)
+    _clean_main_ptx(tmp_path, cfg, program)
 
 
 @pytest.mark.parametrize("head_dim", [128, 64])
@@ -193,12 +199,7 @@ def test_captured_tensor_grads(tmp_path, name, head_dim):
                         overlap_dp=True if light_mods(program) else None,
                         score_grads=mods.score_grads, grad_offsets=mods.grad_offsets)
     assert tpl.num_grad_accs(cfg) == 1
-    aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
-    fn = tpl.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
-                         parts=("main",))
-    ptx = fn.parts["main"].compiled.__ptx__
-    _assert_main_machinery(ptx)
-    _assert_clean_registers(tmp_path, ptx)
+    ptx = _clean_main_ptx(tmp_path, cfg, program)
     assert re.search(r"(red|atom)\.global(\.\w+)*\.add\.f64", ptx), "no fp64 atomic add"
     if name == "learnable_alibi":
         assert "shfl.sync.bfly" in ptx, "uniform-index gradient not warp-reduced"
