@@ -4,6 +4,11 @@
         python3 -m benchmarks.profile_one --backend triton --variant sliding_window --S 8192
     ncu --clock-control none --section SpeedOfLight -k regex:Bwd -s 3 -c 3 \
         python3 -m benchmarks.profile_one --backend cute --variant causal --pass fwdbwd
+    python3 -m benchmarks.profile_one --backend cute --variant full --pass fwdbwd --timeline
+
+``--timeline``: after the warm-up calls, time one call with CUDA events and list every kernel it
+launched (torch.profiler), so the call's wall time can be set against the sum of its kernels:
+the difference is GPU idle time (host work, allocations, synchronisation).
 
 B·S = 16384 tokens, 16 heads, head dim 128, bf16, the variant from benchmarks/variants.py.
 """
@@ -25,6 +30,8 @@ def main() -> None:
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--pass", dest="pass_", choices=("fwd", "fwdbwd"), default="fwd")
+    p.add_argument("--timeline", action="store_true",
+                   help="one timed call: its wall time against the sum of its kernels")
     a = p.parse_args()
     case = Case(B=16384 // a.S, S=a.S, Hq=16, Hkv=16, D=a.D)
     var = build(a.variant, case, torch.device("cuda"), torch.Generator().manual_seed(0))
@@ -33,18 +40,44 @@ def main() -> None:
     if var.mask_mod is not None:
         bm = flexjit.create_block_mask(var.mask_mod, case.B if var.mask_uses_batch else None, None,
                                        a.S, a.S, device="cuda")
-    if a.pass_ == "fwd":
-        with torch.no_grad():
-            for _ in range(a.iters):
-                flexjit.flex_attention(q, k, v, var.score_mod, bm, backend=a.backend)
-    else:
+    if a.pass_ == "fwdbwd":
         q, k, v = [t.requires_grad_(True) for t in (q, k, v)]
         dout = torch.randn_like(q)
-        for _ in range(a.iters):
+
+    def step():
+        if a.pass_ == "fwd":
+            with torch.no_grad():
+                flexjit.flex_attention(q, k, v, var.score_mod, bm, backend=a.backend)
+        else:
             out = flexjit.flex_attention(q, k, v, var.score_mod, bm, backend=a.backend)
             torch.autograd.grad(out, (q, k, v), dout)
+
+    for _ in range(a.iters):
+        step()
     torch.cuda.synchronize()
+    if a.timeline:
+        timeline(step)
     print(f"ran {a.variant} S={a.S} on {flexjit.explain(q, k, v, var.score_mod, bm, backend=a.backend).name}")
+
+
+def timeline(step) -> None:
+    """One call's wall time (CUDA events) against the kernels it launched (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+    wall_us = start.elapsed_time(end) * 1e3
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    print(f"call: {wall_us:.1f} us wall, {busy_us:.1f} us in {len(kernels)} kernels, "
+          f"{wall_us - busy_us:.1f} us idle")
+    for e in kernels:
+        print(f"  {e.time_range.elapsed_us():10.1f} us  {e.name[:110]}")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":
