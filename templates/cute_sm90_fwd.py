@@ -596,8 +596,8 @@ class FlexAttentionFwdSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                          hb_per_section, blocks, sched, sTile, tile_counter)
+                ld = _Loads(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v)
+                self.load(ld, hb_per_section, blocks, sched, sTile, tile_counter)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.mma(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, _transposed(sV), sO, tma_o, pipe_q,
@@ -712,18 +712,7 @@ class FlexAttentionFwdSm90:
     @cute.jit
     def load(
         self,
-        mQ: cute.Tensor,  # (L, D, Hq, B)
-        mK: cute.Tensor,  # (S, D, Hkv, B)
-        mV: cute.Tensor,  # (S, Dv, Hkv, B)
-        sQ: cute.Tensor,  # (tile_m, D)
-        sK: cute.Tensor,  # (tile_n, D, stages)
-        sV: cute.Tensor,  # (tile_n, Dv, stages)
-        tma_q: cute.CopyAtom,
-        tma_k: cute.CopyAtom,
-        tma_v: cute.CopyAtom,
-        pipe_q: pipeline.PipelineAsync,
-        pipe_k: pipeline.PipelineAsync,
-        pipe_v: pipeline.PipelineAsync,
+        ld: "_Loads",  # the tensors, TMA atoms and pipelines the producer uses
         hb_per_section: Int32,
         blocks: Optional[BlockSparse],
         cta_sched,  # one tile per CTA: this CTA's tile; else None
@@ -744,37 +733,29 @@ class FlexAttentionFwdSm90:
           latency hides under this tile's K/V loads. A claim >= num_tiles ends the loop: it is
           published as the sentinel (a plain arrive on Q's full barrier, no TMA), then the CTA
           counts itself finished and the last CTA to finish zeroes the counter."""
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         if const_expr(not self.persistent):
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                            cta_sched, q_state, kv)
+            self._load_tile(ld, cta_sched, q_state, kv)
         elif const_expr(not self.dynamic):
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            num_tiles = self._num_tiles(mQ)
+            num_tiles = self._num_tiles(ld.mQ)
             first_tile = cute.arch.block_idx()[0]
             step = cute.arch.grid_dim()[0]
             for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
-                sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
-                kv, _ = self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
-                                        pipe_v, sched, q_state, kv)
+                sched = self._schedule(ld.mQ, ld.mK, hb_per_section, blocks, tile_id)
+                kv, _ = self._load_tile(ld, sched, q_state, kv)
                 q_state.advance()
         else:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            num_tiles = self._num_tiles(mQ)
+            num_tiles = self._num_tiles(ld.mQ)
             grid = Int32(cute.arch.grid_dim()[0])
             tile_id = Int32(cute.arch.block_idx()[0])  # < num_tiles: grid = min(num_tiles, SMs)
             while tile_id < num_tiles:
-                sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
-                kv, claimed = self._load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q,
-                                              pipe_k, pipe_v, sched, q_state, kv, sTile, tile_id,
-                                              tile_counter)
+                sched = self._schedule(ld.mQ, ld.mK, hb_per_section, blocks, tile_id)
+                kv, claimed = self._load_tile(ld, sched, q_state, kv, sTile, tile_id, tile_counter)
                 q_state.advance()
                 tile_id = cute.arch.shuffle_sync(claimed, 0) + grid
             # The sentinel: consumers waiting for the next Q learn that there is none.
-            self._publish_tile(pipe_q, q_state, sTile, tile_id, with_q=False)
+            self._publish_tile(ld.pipe_q, q_state, sTile, tile_id, with_q=False)
             # Counter reset for the next launch. Every CTA's producer adds 1 to counter[1] once,
             # after its last claim (the acq_rel atomic orders that claim before it); the CTA that
             # sees grid - 1 is the last one, so no claim can follow: it zeroes both words. The next
@@ -816,18 +797,7 @@ class FlexAttentionFwdSm90:
     @cute.jit
     def _load_tile(
         self,
-        mQ: cute.Tensor,  # (L, D, Hq, B)
-        mK: cute.Tensor,  # (S, D, Hkv, B)
-        mV: cute.Tensor,  # (S, Dv, Hkv, B)
-        sQ: cute.Tensor,  # (tile_m, D)
-        sK: cute.Tensor,  # (tile_n, D, stages)
-        sV: cute.Tensor,  # (tile_n, Dv, stages)
-        tma_q: cute.CopyAtom,
-        tma_k: cute.CopyAtom,
-        tma_v: cute.CopyAtom,
-        pipe_q: pipeline.PipelineAsync,
-        pipe_k: pipeline.PipelineAsync,
-        pipe_v: pipeline.PipelineAsync,
+        ld: "_Loads",
         sched,
         q_state,
         kv,
@@ -841,6 +811,7 @@ class FlexAttentionFwdSm90:
         Dynamic scheduler (``sTile``/``tile_counter`` given): ``tile_id`` is published with Q
         and the next tile is claimed right after Q's load; returns (kv, claim) where claim is
         lane 0's counter value (None without the dynamic scheduler)."""
+        mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v = ld
         head_kv = sched.head // (mQ.shape[2] // mK.shape[2])
         gQ = cute.local_tile(mQ[None, None, sched.head, sched.batch],
                              (self.tile_m, self.head_dim), (sched.m_block, 0))
@@ -1322,6 +1293,23 @@ class _Schedule(NamedTuple):
     part_row: object  # 1-D view of this q-tile's partial block indices (block mask only)
     full_row: object  # 1-D view of this q-tile's full block indices (block mask only)
     first_tile: object  # the kv tile visited first
+
+
+class _Loads(NamedTuple):
+    """What the producer warp loads from and into: global tensors (TMA views), their smem
+    buffers, the TMA atoms and the three pipelines."""
+    mQ: object  # (L, D, Hq, B)
+    mK: object  # (S, D, Hkv, B)
+    mV: object  # (S, Dv, Hkv, B)
+    sQ: object  # (tile_m, D)
+    sK: object  # (tile_n, D, stages)
+    sV: object  # (tile_n, Dv, stages)
+    tma_q: object
+    tma_k: object
+    tma_v: object
+    pipe_q: object
+    pipe_k: object
+    pipe_v: object
 
 
 class _MmaCtx(NamedTuple):
