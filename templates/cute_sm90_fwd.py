@@ -902,7 +902,7 @@ class FlexAttentionFwdSm90:
             kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
             self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
-        elif const_expr(not self.dynamic):
+        else:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             if const_expr(self.pingpong):
@@ -912,45 +912,42 @@ class FlexAttentionFwdSm90:
                     cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
                                              number_of_threads=2 * 128)
             num_tiles = self._num_tiles(mQ)
-            first_tile = cute.arch.block_idx()[0]
-            step = cute.arch.grid_dim()[0]
-            for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
-                sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
-                self._reset_tile_state(acc_O, row_max, row_sum)
-                ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
-                              row_max, row_sum, c, softmax_scale, sched, aux, wg)
-                kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
-                q_state.advance()
-                self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
-            # The last TMA store must finish reading sO before the CTA's shared memory goes away.
-            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-            if warp_idx == 4:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        else:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            if const_expr(self.pingpong):
-                # As above: the one token starts at warpgroup 0's barrier, once per CTA.
-                if wg == 0:
-                    cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
-                                             number_of_threads=2 * 128)
-            num_tiles = self._num_tiles(mQ)
-            pipe_q.consumer_wait(q_state)
-            tile_id = self._read_tile(sTile)
-            while tile_id < num_tiles:
-                sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
-                self._reset_tile_state(acc_O, row_max, row_sum)
-                ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
-                              row_max, row_sum, c, softmax_scale, sched, aux, wg)
-                kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
-                q_state.advance()
-                self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+            setup = (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max,
+                     row_sum, c, softmax_scale, aux, wg)
+            out = (mQ, mK, mO, mLSE, sO, tma_o, pipe_q, pipe_k, pipe_v, hb_per_section, blocks, tidx)
+            if const_expr(not self.dynamic):
+                first_tile = cute.arch.block_idx()[0]
+                step = cute.arch.grid_dim()[0]
+                for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
+                    q_state, kv = self._consumer_tile(setup, out, tile_id, q_state, kv)
+            else:
                 pipe_q.consumer_wait(q_state)
                 tile_id = self._read_tile(sTile)
+                while tile_id < num_tiles:
+                    q_state, kv = self._consumer_tile(setup, out, tile_id, q_state, kv)
+                    pipe_q.consumer_wait(q_state)
+                    tile_id = self._read_tile(sTile)
             # The last TMA store must finish reading sO before the CTA's shared memory goes away.
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             if warp_idx == 4:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _consumer_tile(self, setup: tuple, out: tuple, tile_id: Int32, q_state, kv):
+        """One tile of a persistent consumer warpgroup: fresh softmax state, the mainloop, the
+        epilogue. Returns the advanced (Q state, K/V state): the caller's loop must reassign
+        them, or the DSL does not carry them from one iteration to the next."""
+        (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum, c,
+         softmax_scale, aux, wg) = setup
+        mQ, mK, mO, mLSE, sO, tma_o, pipe_q, pipe_k, pipe_v, hb_per_section, blocks, tidx = out
+        sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
+        self._reset_tile_state(acc_O, row_max, row_sum)
+        ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
+                      row_max, row_sum, c, softmax_scale, sched, aux, wg)
+        kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
+        q_state.advance()
+        self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+        return q_state, kv
 
     @cute.jit
     def _read_tile(self, sTile: cute.Tensor) -> Int32:
