@@ -51,14 +51,17 @@ _FWD_TABLE = {
     ("sm100", True, 256): (128, 64, 8, 2),
     ("sm80", True, 64): (128, 64, 4, 3), ("sm80", True, 128): (128, 64, 8, 3),
     ("sm80", True, 256): (64, 64, 4, 2),
+    # A fourth key field names a kind of call with its own entry (``_table_entry``'s ``kind``).
+    # "short_kv_loop": block masks whose query blocks visit at most SHORT_KV_LOOP keys on
+    # average (windows, short documents): 64x64 tiles, 4 warps, fewer registers per CTA, so
+    # several CTAs share an SM and one's prologue/epilogue hides under another's loop. Measured
+    # on the H200 at S=8k, D=128 (results/2026-11-30-gpu-s2-triton-tune): sliding window 1024
+    # 1.30x the 128x128 default, document 1.04x; on causal-length loops (ALiBi, 32 blocks) only
+    # 1.02x, full attention 0.89x.
+    ("sm90", True, 64, "short_kv_loop"): (64, 64, 4, 3),
+    ("sm90", True, 128, "short_kv_loop"): (64, 64, 4, 3),
 }
 _FWD_FP32 = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)}
-# sm90, block masks whose query blocks visit at most SHORT_KV_LOOP keys on average (windows,
-# short documents): 64x64 tiles, 4 warps, fewer registers per CTA, so several CTAs share an SM
-# and one's prologue/epilogue hides under another's loop. Measured on the H200 at S=8k, D=128
-# (results/2026-11-30-gpu-s2-triton-tune): sliding window 1024 1.30x the 128x128 default,
-# document 1.04x; on causal-length loops (ALiBi, 32 blocks) only 1.02x, full attention 0.89x.
-_FWD_SHORT_SM90 = (64, 64, 4, 3)
 SHORT_KV_LOOP = 2048
 # Backward (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages), same keys. The dK/dV
 # role keeps a key tile's dK, dV in registers and streams query sub-tiles; the dQ role the
@@ -73,12 +76,13 @@ _BWD_TABLE = {
     ("sm100", True, 256): (32, 32, 32, 32, 4, 2),
     ("sm80", True, 64): (32, 128, 128, 32, 8, 3), ("sm80", True, 128): (64, 64, 64, 64, 8, 2),
     ("sm80", True, 256): (32, 32, 32, 32, 4, 2),
+    # "captured_grads": the kernel also accumulates captured tensors' gradients (their atomics
+    # add registers): at sm90 D=128, 64x128 spills 808 B for a learnable bias table (ptxas of
+    # triton 3.9's PTX), 32x128 12 B; not swept on the GPU, so they keep the 32x128 tiles they
+    # were verified with.
+    ("sm90", True, 128, "captured_grads"): (32, 128, 128, 32, 8, 3),
 }
 _BWD_FP32 = {64: (32, 64, 64, 32, 4, 2), 128: (32, 64, 64, 32, 4, 2), 256: (16, 32, 32, 16, 4, 2)}
-# sm90 D=128 with captured-tensor gradients (their atomics add registers): 64x128 spills 808 B
-# for a learnable bias table (ptxas of triton 3.9's PTX), 32x128 12 B; not swept on the GPU, so
-# these keep the 32x128 tiles they were verified with.
-_BWD_SM90_CAPTURED_GRADS = (32, 128, 128, 32, 8, 3)
 _SMEM_BY_ARCH = {80: 163 << 10, 87: 163 << 10, 90: 227 << 10, 100: 227 << 10, 103: 227 << 10}
 
 
@@ -124,12 +128,15 @@ def _opt(opts: dict, names: tuple[str, ...], default):
     return default
 
 
-def _table_entry(table: dict, fp32: dict, arch: int, dtype: torch.dtype, e_pad: int) -> tuple:
+def _table_entry(table: dict, fp32: dict, arch: int, dtype: torch.dtype, e_pad: int,
+                 kind: str | None = None) -> tuple:
+    """The table's config for (arch class, head dim); the ``kind``-specific entry if the table
+    has one (e.g. "short_kv_loop"), else the plain one."""
     d = min(256, max(64, e_pad))
     if dtype == torch.float32:
         return fp32[d]
     cls = "sm90" if arch == 90 else "sm100" if arch in (100, 103) else "sm80"
-    return table[(cls, True, d)]
+    return table.get((cls, True, d, kind)) or table[(cls, True, d)]
 
 
 def smem_limit(arch: int) -> int:
@@ -159,9 +166,8 @@ def fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: 
     ``kernel_options`` (BLOCK_M, BLOCK_N, num_warps, num_stages, or fwd_-prefixed) override.
     ``short_kv_loop``: a block mask whose query blocks visit few keys (SHORT_KV_LOOP)."""
     e_pad, ev_pad = head_pad(E), head_pad(EV)
-    bm, bn, warps, stages = _table_entry(_FWD_TABLE, _FWD_FP32, arch, dtype, max(e_pad, ev_pad))
-    if short_kv_loop and arch == 90 and dtype != torch.float32 and max(e_pad, ev_pad) <= 128:
-        bm, bn, warps, stages = _FWD_SHORT_SM90
+    bm, bn, warps, stages = _table_entry(_FWD_TABLE, _FWD_FP32, arch, dtype, max(e_pad, ev_pad),
+                                         "short_kv_loop" if short_kv_loop else None)
     sq, skv = sparse if sparse is not None else (None, None)
     ubm = _user_block(opts, ("fwd_BLOCK_M", "BLOCK_M"), sq)
     ubn = _user_block(opts, ("fwd_BLOCK_N", "BLOCK_N"), skv)
@@ -184,9 +190,9 @@ def bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: 
     BLOCK_N1, BLOCK_M2, BLOCK_N2, bwd_num_warps, bwd_num_stages override). ``captured_grads``:
     the kernel also accumulates captured tensors' gradients."""
     e_pad, ev_pad = head_pad(E), head_pad(EV)
-    m1, n1, m2, n2, warps, stages = _table_entry(_BWD_TABLE, _BWD_FP32, arch, dtype, max(e_pad, ev_pad))
-    if captured_grads and arch == 90 and dtype != torch.float32 and max(e_pad, ev_pad) == 128:
-        m1, n1, m2, n2, warps, stages = _BWD_SM90_CAPTURED_GRADS
+    m1, n1, m2, n2, warps, stages = _table_entry(_BWD_TABLE, _BWD_FP32, arch, dtype,
+                                                 max(e_pad, ev_pad),
+                                                 "captured_grads" if captured_grads else None)
     sq, skv = sparse if sparse is not None else (None, None)
     m1 = _user_block(opts, ("BLOCK_M1",), sq) or _fit_block(m1, sq, L)
     n1 = _user_block(opts, ("BLOCK_N1",), skv) or _fit_block(n1, skv, S)
