@@ -360,23 +360,23 @@ def supports(call) -> tuple[bool, str]:
     bm = call.block_mask
     if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
         return False, f"block size {bm.BLOCK_SIZE}; the sm90 kernel's tiles are 128x128"
-    if call.needs_grad and not backward_supports(call)[0]:
-        try:
-            from . import triton as triton_backend
-        except ImportError as e:
-            return False, f"training needs the Triton backward, unavailable: {e}"
-        ok, why = triton_backend.supports(call)
-        if not ok:
-            return False, f"training needs the Triton backward, which cannot run this: {why}"
+    backward = ""
+    if call.needs_grad:
+        bwd_ok, bwd_why = backward_supports(call)
+        if not bwd_ok:
+            try:
+                from . import triton as triton_backend
+            except ImportError as e:
+                return False, f"training needs the Triton backward, unavailable: {e}"
+            ok, why = triton_backend.supports(call)
+            if not ok:
+                return False, f"training needs the Triton backward, which cannot run this: {why}"
+        backward = f"; backward: {bwd_why}" if bwd_ok else f"; backward on Triton: {bwd_why}"
     try:
         _template()
     except ImportError as e:
         return False, f"nvidia-cutlass-dsl is not importable ({e})"
-    reason = "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)"
-    if call.needs_grad:
-        ok, why = backward_supports(call)
-        reason += f"; backward: {why}" if ok else f"; backward on Triton: {why}"
-    return True, reason
+    return True, "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)" + backward
 
 
 _COMPILED: dict[tuple, object] = {}
