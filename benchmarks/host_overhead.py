@@ -66,10 +66,7 @@ def explain_fn(variant, case: Case, device):
         return None
     if not hasattr(flexjit, "explain"):
         return None
-    bm = None
-    if variant.mask_mod is not None:
-        bm = flexjit.create_block_mask(variant.mask_mod, case.B if variant.mask_uses_batch else None, None,
-                                       case.S, case.S, device=device)
+    bm = impl_mod.plan_mask(flexjit.create_block_mask, variant, case, device)
     return lambda q, k, v, backend: flexjit.explain(q, k, v, score_mod=variant.score_mod, block_mask=bm,
                                                     enable_gqa=case.gqa, backend=backend)
 

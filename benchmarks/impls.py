@@ -77,6 +77,15 @@ def _need_cuda(device: torch.device) -> None:
         raise Skip("needs a CUDA GPU")
 
 
+def plan_mask(create_block_mask: Callable, variant: Variant, case: Case, device):
+    """The variant's block mask from ``create_block_mask`` (flexjit's or torch's), or None:
+    per batch where the mask reads b, broadcast over heads."""
+    if variant.mask_mod is None:
+        return None
+    B = case.B if variant.mask_uses_batch else None
+    return create_block_mask(variant.mask_mod, B, None, case.S, case.S, device=device)
+
+
 class FlexjitImpl:
     layout = "bhsd"
 
@@ -110,10 +119,7 @@ class FlexjitImpl:
         for attr in ("flex_attention", "create_block_mask"):
             if not hasattr(fj, attr):
                 raise Skip(f"flexjit has no `{attr}` yet")
-        block_mask = None
-        if variant.mask_mod is not None:
-            B = case.B if variant.mask_uses_batch else None
-            block_mask = fj.create_block_mask(variant.mask_mod, B, None, case.S, case.S, device=device)
+        block_mask = plan_mask(fj.create_block_mask, variant, case, device)
         attend, score_mod, gqa, backend = fj.flex_attention, variant.score_mod, case.gqa, self.backend
 
         def fn(q, k, v):
@@ -149,10 +155,7 @@ class TorchFlexImpl:
             _import("flash_attn.cute")
         from torch.nn.attention.flex_attention import create_block_mask
 
-        block_mask = None
-        if variant.mask_mod is not None:
-            B = case.B if variant.mask_uses_batch else None
-            block_mask = create_block_mask(variant.mask_mod, B, None, case.S, case.S, device=device)
+        block_mask = plan_mask(create_block_mask, variant, case, device)
         flex, score_mod, gqa = self._flex(), variant.score_mod, case.gqa
         opts = dict(self.kernel_options) if self.kernel_options else None
 

@@ -19,6 +19,7 @@ import argparse
 import torch
 
 import flexjit
+from .impls import plan_mask
 from .variants import Case, build
 
 
@@ -36,10 +37,7 @@ def main() -> None:
     case = Case(B=16384 // a.S, S=a.S, Hq=16, Hkv=16, D=a.D)
     var = build(a.variant, case, torch.device("cuda"), torch.Generator().manual_seed(0))
     q, k, v = [torch.randn(case.B, 16, a.S, a.D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    bm = None
-    if var.mask_mod is not None:
-        bm = flexjit.create_block_mask(var.mask_mod, case.B if var.mask_uses_batch else None, None,
-                                       a.S, a.S, device="cuda")
+    bm = plan_mask(flexjit.create_block_mask, var, case, "cuda")
     if a.pass_ == "fwdbwd":
         q, k, v = [t.requires_grad_(True) for t in (q, k, v)]
         dout = torch.randn_like(q)

@@ -161,7 +161,7 @@ def environment(args) -> dict:
         "gpu": gpu,
         "command": " ".join([Path(sys.executable).name, "-m", "benchmarks.run"] + sys.argv[1:]),
         "seed": args.seed,
-        "deterministic": bool(args.deterministic),
+        "deterministic": bool(getattr(args, "deterministic", False)),
         "git": sha,
         "python": platform.python_version(),
         "torch": torch.__version__,

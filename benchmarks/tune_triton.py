@@ -46,6 +46,7 @@ import flexjit
 from flexjit.api import prepare_call
 from flexjit.backends import triton as fj_triton
 
+from .impls import plan_mask
 from .reference import check, mask_density
 from .run import (FATAL_CUDA, Refs, call_once, environment, make_inputs, make_step, parse_list,
                   parse_sizes, poison_allocator, rotation_count, time_ms)
@@ -247,10 +248,7 @@ class Sweep:
         """The variant, flexjit's block mask, the mask's exact density and the rotating inputs."""
         dev = self.args.device
         variant = build(vname, case, dev, self.gen)
-        block_mask = None
-        if variant.mask_mod is not None:
-            B = case.B if variant.mask_uses_batch else None
-            block_mask = flexjit.create_block_mask(variant.mask_mod, B, None, case.S, case.S, device=dev)
+        block_mask = plan_mask(flexjit.create_block_mask, variant, case, dev)
         density = mask_density(variant, case.B, case.Hq, case.S, dev)
         sets = make_inputs(case, dev, rotation_count(case, dev, self.meta.get("l2_bytes")))
         return variant, block_mask, density, sets
