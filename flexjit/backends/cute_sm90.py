@@ -408,16 +408,23 @@ def _key_options(options: str) -> str:
     return " ".join(kept)
 
 
-def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
-    """Everything besides the program that shapes the compiled kernel (the disk-cache key
-    material; sizes, strides and scalar values are runtime arguments)."""
+def _kernel_config(cfg, aux_tensors, program: Program, *extra) -> tuple:
+    """Everything besides the program that shapes a compiled kernel, forward or backward (the
+    disk-cache key material; sizes, strides and scalar values are runtime arguments), plus the
+    kernel's own ``extra`` fields."""
     import tvm_ffi  # the exported object calls into its C ABI: a new version must not reuse it
 
     return (cfg.dtype.__name__, cfg.head_dim, cfg.head_dim_v, cfg.has_block_mask,
             tuple((str(t.dtype), t.dim()) for t in aux_tensors),
-            tuple(d.value for d in program.scalar_dtypes), float(cfg.rescale_threshold),
-            dataclasses.astuple(cfg.tiling), f"launch=tvm-ffi {tvm_ffi.__version__}",
-            _key_options(options))
+            tuple(d.value for d in program.scalar_dtypes), dataclasses.astuple(cfg.tiling),
+            f"launch=tvm-ffi {tvm_ffi.__version__}", *extra)
+
+
+def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
+    """The forward's disk-cache key material (``_kernel_config`` plus its rescale threshold and
+    the code-changing compile options)."""
+    return _kernel_config(cfg, aux_tensors, program, float(cfg.rescale_threshold),
+                          _key_options(options))
 
 
 # The persistent forward (one CTA per SM looping over tiles) overlaps a tile's epilogue with the
@@ -634,11 +641,8 @@ def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse
                         score_grads=getattr(mods, "score_grads", None),
                         grad_offsets=getattr(mods, "grad_offsets", None))
     what = f"{program.score_name}/{program.mask_name} D={head_dim} {str(dtype).replace('torch.', '')}"
-    import tvm_ffi
-    frozen = (cfg.dtype.__name__, head_dim, sparse, deterministic, dataclasses.astuple(cfg.tiling),
-              tuple((str(t.dtype), t.dim()) for t in aux_tensors),
-              tuple(d.value for d in program.scalar_dtypes), f"launch=tvm-ffi {tvm_ffi.__version__}",
-              f"grad_slots={grad_slots(program)}")
+    frozen = _kernel_config(cfg, aux_tensors, program, f"deterministic={deterministic}",
+                            f"grad_slots={grad_slots(program)}")
     signature = sig + tuple(type(tpl._as_scalar(x)).__name__ for x in program.scalars)
     disk = cute_cache.available()
     keys = {part: cache.kernel_key(program.key if part == "main" else "", f"cute_sm90_bwd_{part}",
@@ -677,8 +681,6 @@ def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
     lists = bwd_block_lists(bm)
     ranks = _dq_ranks(bm, lists) if deterministic and bm is not None else None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if dlse is not None and not torch.is_tensor(dlse):
-        dlse = None
     slots = grad_slots(prog) if prog.grad_loads else []
     # fp64: a table entry can receive ~L·S/2 adds (see triton._GRAD_ACC).
     accs = {s: torch.zeros(aux[s].shape, dtype=torch.float64, device=q.device) for s in slots}
