@@ -697,8 +697,28 @@ def _dispatch(ctx: _Context, func, args, kwargs):
 # --------------------------------------------------------------------------- entry point
 
 
+_ARITY_CHECKED: "weakref.WeakKeyDictionary[Callable, tuple]" = weakref.WeakKeyDictionary()
+
+
 def check_arity(fn: Callable, kind: str) -> None:
-    """Raise a clear TypeError unless fn takes exactly the mod's positional arguments."""
+    """Raise a clear TypeError unless fn takes exactly the mod's positional arguments. A plain
+    function that passed is remembered with its code and defaults (inspect.signature costs tens
+    of microseconds, and every flex_attention call checks its score_mod)."""
+    stamp = (kind, getattr(fn, "__code__", None), getattr(fn, "__defaults__", None))
+    try:
+        if stamp[1] is not None and _ARITY_CHECKED.get(fn) == stamp:
+            return
+    except TypeError:  # not weak-referenceable
+        pass
+    _check_arity(fn, kind)
+    if stamp[1] is not None:
+        try:
+            _ARITY_CHECKED[fn] = stamp
+        except TypeError:
+            pass
+
+
+def _check_arity(fn: Callable, kind: str) -> None:
     want = _ARG_NAMES[kind]
     if not callable(fn):
         raise TypeError(f"{kind} must be callable, got {type(fn).__name__}")
