@@ -312,13 +312,22 @@ class Program:
 
     @functools.cached_property
     def key(self) -> str:
-        """Structural digest of everything that shapes the generated code."""
-        roots = [r for r in (self.score, self.mask, self.dscore) if r is not None]
-        roots += [g.grad for g in self.grad_loads] + [g.load for g in self.grad_loads]
+        """Structural digest of everything that shapes the generated code. ``lower`` builds a
+        new Program per call, so the graphs' serialisation (most of the cost) is memoised on the
+        interned graphs themselves."""
+        roots = tuple(r for r in (self.score, self.mask, self.dscore) if r is not None)
+        roots += tuple(g.grad for g in self.grad_loads) + tuple(g.load for g in self.grad_loads)
+        text = _SERIALIZED.get(roots)
+        if text is None:
+            if len(_SERIALIZED) > 4096:
+                _SERIALIZED.clear()
+            text = _SERIALIZED[roots] = ir.serialize(list(roots))
         layout = (self.score is not None, self.mask is not None, self.dscore is not None,
                   len(self.grad_loads), [d.value for d in self.scalar_dtypes], len(self.buffers))
-        text = ir.serialize(roots) + "\n" + repr(layout)
-        return hashlib.sha256(text.encode()).hexdigest()
+        return hashlib.sha256((text + "\n" + repr(layout)).encode()).hexdigest()
+
+
+_SERIALIZED: dict[tuple, str] = {}
 
 
 # --------------------------------------------------------------------------- float indices
@@ -359,7 +368,15 @@ def _float_index_node(n: Node, srcs: tuple[Node, ...]) -> Node:
     return n
 
 
-_FLOAT_INDEXED: dict[str, tuple] = {}
+def _float_index_graphs(score, mask, dscore, grad_loads: tuple) -> tuple:
+    """The four graphs of a program with index sums cast as float moved onto the leaves (the
+    loads of ``grad_loads`` are rewritten with the rest, so they stay the graph's nodes)."""
+    roots = [r for r in (score, mask, dscore) if r is not None]
+    roots += [g.load for g in grad_loads] + [g.grad for g in grad_loads]
+    new = iter(rewrite(roots, _float_index_node))
+    score, mask, dscore = [next(new) if r is not None else None for r in (score, mask, dscore)]
+    loads = [next(new) for _ in grad_loads]
+    return score, mask, dscore, tuple(GradLoad(ld, next(new)) for ld in loads)
 
 
 def float_indices(p: Program) -> Program:
@@ -367,21 +384,13 @@ def float_indices(p: Program) -> Program:
     is below FLOAT_INDEX_LIMIT (the caller checks the lengths). Kernels then convert each
     index once per row or column (Triton: a 1-D vector; CuTe: one base plus constants) instead
     of once per score element: an int->float conversion runs at the MUFU's quarter rate on
-    Hopper, beside exp2, so ALiBi's conversions were as costly as its softmax."""
-    graphs = _FLOAT_INDEXED.get(p.key)
-    if graphs is None:
-        roots = [r for r in (p.score, p.mask, p.dscore) if r is not None]
-        roots += [g.load for g in p.grad_loads] + [g.grad for g in p.grad_loads]
-        new = iter(rewrite(roots, _float_index_node))
-        score, mask, dscore = [next(new) if r is not None else None for r in (p.score, p.mask, p.dscore)]
-        loads = [next(new) for _ in p.grad_loads]
-        grad_loads = tuple(GradLoad(ld, next(new)) for ld in loads)
-        graphs = _FLOAT_INDEXED[p.key] = (score, mask, dscore, grad_loads)
-        if len(_FLOAT_INDEXED) > 4096:
-            _FLOAT_INDEXED.clear()
-    score, mask, dscore, grad_loads = graphs
-    if (score, mask, dscore, grad_loads) == (p.score, p.mask, p.dscore, p.grad_loads):
+    Hopper, beside exp2, so ALiBi's conversions were as costly as its softmax. ``lower`` applies
+    it inside its memoised pipeline (``float_index=True``); this is the same rewrite of a given
+    Program."""
+    graphs = _float_index_graphs(p.score, p.mask, p.dscore, p.grad_loads)
+    if graphs == (p.score, p.mask, p.dscore, p.grad_loads):
         return p
+    score, mask, dscore, grad_loads = graphs
     return dataclasses.replace(p, score=score, mask=mask, dscore=dscore, grad_loads=grad_loads)
 
 
@@ -389,22 +398,26 @@ def _loads(root: Node) -> list[Node]:
     return [n for n in ir.walk(root) if n.op is Op.LOAD]
 
 
-def lower(score: TracedMod | None, mask: TracedMod | None) -> Program:
+def lower(score: TracedMod | None, mask: TracedMod | None, float_index: bool = False) -> Program:
     """Run the pass pipeline on a traced score_mod and mask_mod.
 
     The graph work depends only on the traced IR (interned, so identity is structure), the
     number of captures before the mask's and which loads are learnable; it is memoised on
-    exactly that, so a call with the same mods costs a dictionary lookup."""
+    exactly that, so a call with the same mods costs a dictionary lookup. ``float_index``: also
+    move float casts of index sums onto the leaves (``float_indices``; the caller checks that
+    every length is below FLOAT_INDEX_LIMIT)."""
     buffers = tuple((score.buffers if score else []) + (mask.buffers if mask else []))
     scalars = tuple((score.scalars if score else []) + (mask.scalars if mask else []))
     n_score_bufs = len(score.buffers) if score else 0
     n_score_scalars = len(score.scalars) if score else 0
     learnable = tuple(bool(t.requires_grad and t.is_floating_point()) for t in buffers)
     key = (score.out if score else None, mask.out if mask else None, n_score_bufs, n_score_scalars,
-           learnable)
+           learnable, float_index)
     graphs = _LOWERED.get(key)
     if graphs is None:
-        graphs = _lower_graphs(*key)
+        graphs = _lower_graphs(*key[:-1])
+        if float_index:
+            graphs = _float_index_graphs(*graphs)
         if len(_LOWERED) > 4096:
             _LOWERED.clear()
         _LOWERED[key] = graphs

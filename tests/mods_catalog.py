@@ -131,7 +131,7 @@ def lowered(score_mod, mask_mod):
     """The Program of these mods as ``flex_attention`` builds it for lengths below
     ``FLOAT_INDEX_LIMIT`` (lowered, then float indices), for tests that drive a backend or a
     template directly."""
-    from flexjit.passes import float_indices, lower
+    from flexjit.passes import lower
     from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
-    return float_indices(lower(trace_mod(score_mod, SCORE_MOD) if score_mod else None,
-                               trace_mod(mask_mod, MASK_MOD) if mask_mod else None))
+    return lower(trace_mod(score_mod, SCORE_MOD) if score_mod else None,
+                 trace_mod(mask_mod, MASK_MOD) if mask_mod else None, float_index=True)
