@@ -530,8 +530,12 @@ def block_sparse_args(bm):
     if bm is None:
         return None
     full_num, full_idx = bm.full_kv_num_blocks, bm.full_kv_indices
-    if full_num is None:
-        full_num, full_idx = torch.zeros_like(bm.kv_num_blocks), torch.zeros_like(bm.kv_indices)
+    if full_num is None:  # empty full lists, made once per BlockMask rather than per call
+        zeros = getattr(bm, "_cute_no_full_lists", None)
+        if zeros is None:
+            zeros = bm._cute_no_full_lists = (torch.zeros_like(bm.kv_num_blocks),
+                                              torch.zeros_like(bm.kv_indices))
+        full_num, full_idx = zeros
     return (bm.kv_num_blocks, bm.kv_indices, full_num, full_idx)
 
 
