@@ -37,7 +37,8 @@ DEFAULT_IMPLS = FLEXJIT_IMPLS + BASELINE_IMPLS
 FLEXJIT_MODES = {
     "flexjit-cute-det": ("cute", {}, True),
     "flexjit-cute-pertile": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "0"}, False),
-    "flexjit-cute-persistent": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "1"}, False),
+    "flexjit-cute-persistent": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "1",
+                                         "FLEXJIT_CUTE_DYNAMIC_SCHEDULE": "0"}, False),
     "flexjit-cute-dynamic": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "1",
                                       "FLEXJIT_CUTE_DYNAMIC_SCHEDULE": "1"}, False),
 }

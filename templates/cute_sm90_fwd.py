@@ -203,11 +203,12 @@ SMEM_CAPACITY = 227 * 1024  # sm90 opt-in maximum per CTA
 
 
 def _dynamic_schedule_default() -> bool:
-    """``FLEXJIT_CUTE_DYNAMIC_SCHEDULE=1`` turns the dynamic tile scheduler on for persistent
-    tilings built without an explicit choice (the backend passes none); default off."""
+    """Whether persistent tilings built without an explicit choice claim tiles dynamically:
+    yes unless ``FLEXJIT_CUTE_DYNAMIC_SCHEDULE=0`` (measured on the H200, it beat the static
+    grid stride on every short-loop case: benchmarks/results/2026-11-30-gpu-s3-*)."""
     import os
 
-    return os.environ.get("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "0") not in ("", "0")
+    return os.environ.get("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "1") not in ("", "0")
 
 
 def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,

@@ -52,18 +52,18 @@ def test_persistent_forward_is_chosen_for_short_kv_loops(monkeypatch):
     assert not _persistent_fwd(128, None, 1024)
 
 
-def test_captured_tensor_grads_are_opt_in_until_verified_on_a_gpu(monkeypatch):
+def test_captured_tensor_grads_run_on_the_sm90_backward_unless_switched_off(monkeypatch):
     from flexjit.api import prepare_call
     from flexjit.backends.cute_sm90 import backward_supports
     table = torch.randn(4, 33).requires_grad_(True)
     q = torch.randn(1, 4, 64, 128, dtype=torch.bfloat16)
     call = prepare_call(q, q, q, mods.relative_bias(table), None, None, False, None)
-    monkeypatch.delenv("FLEXJIT_CUTE_BWD_GRADS", raising=False)
+    monkeypatch.setenv("FLEXJIT_CUTE_BWD_GRADS", "0")
     ok, why = backward_supports(call)
-    assert not ok and "FLEXJIT_CUTE_BWD_GRADS=1" in why
-    monkeypatch.setenv("FLEXJIT_CUTE_BWD_GRADS", "1")
+    assert not ok and "FLEXJIT_CUTE_BWD_GRADS=0" in why
+    monkeypatch.delenv("FLEXJIT_CUTE_BWD_GRADS")
     assert backward_supports(call)[0]
     # Without captured tensors needing grad, the sm90 backward serves as before.
     plain = prepare_call(q, q, q, mods.relative_bias(table.detach()), None, None, False, None)
-    monkeypatch.delenv("FLEXJIT_CUTE_BWD_GRADS")
+    monkeypatch.setenv("FLEXJIT_CUTE_BWD_GRADS", "0")
     assert backward_supports(plain)[0]

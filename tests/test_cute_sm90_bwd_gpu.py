@@ -233,9 +233,8 @@ def test_api_deterministic_mode_is_bit_identical():
 
 def _no_triton_backward(monkeypatch):
     """Make any hand-off to the Triton backward fail the test (issue #6: the sm90 backward must
-    produce the captured tensors' gradients itself). The sm90 path is opt-in until these pass
-    on a GPU (FLEXJIT_CUTE_BWD_GRADS=1)."""
-    monkeypatch.setenv("FLEXJIT_CUTE_BWD_GRADS", "1")
+    produce the captured tensors' gradients itself; FLEXJIT_CUTE_BWD_GRADS=0 would hand them off)."""
+    monkeypatch.delenv("FLEXJIT_CUTE_BWD_GRADS", raising=False)
     from flexjit.backends import triton as triton_backend
 
     def refuse(*args, **kwargs):

@@ -230,14 +230,16 @@ def _assert_dynamic(ptx):
     assert "bar.warp.sync" in ptx
 
 
-def test_dynamic_schedule_is_opt_in(monkeypatch):
+def test_dynamic_schedule_is_the_persistent_default(monkeypatch):
     monkeypatch.delenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", raising=False)
-    assert _tpl.choose_tiling(128, 128, True, persistent=True).dynamic_schedule is False
+    assert _tpl.choose_tiling(128, 128, True, persistent=True).dynamic_schedule is True
     assert FwdConfig(128, 128, cutlass.BFloat16).tiling.dynamic_schedule is False
     # Only meaningful with the persistent kernel.
     assert _tpl.choose_tiling(128, 128, True, dynamic_schedule=True).dynamic_schedule is False
     assert _tpl.choose_tiling(128, 128, True, persistent=True,
                               dynamic_schedule=True).dynamic_schedule is True
+    monkeypatch.setenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "0")
+    assert _tpl.choose_tiling(64, 64, False, persistent=True).dynamic_schedule is False
     monkeypatch.setenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "1")
     assert _tpl.choose_tiling(64, 64, False, persistent=True).dynamic_schedule is True
     assert _tpl.choose_tiling(64, 64, False).dynamic_schedule is False

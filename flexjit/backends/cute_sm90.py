@@ -428,12 +428,14 @@ def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
 
 
 # The persistent forward (one CTA per SM looping over tiles) overlaps a tile's epilogue with the
-# next tile's loads; that pays where a tile's kv loop is short, and costs where it is long (its
-# static tile striding loses the hardware's greedy balancing of uneven causal tiles). Measured on
-# the H200 against FA4 in the same run (benchmarks/results/2026-11-30-gpu-s2-final): sliding
-# window 1024 0.87x -> 0.98x at 8k (9.5 kv tiles per q tile) and 0.89x -> 0.97x at 2k, S=2k
-# full 0.98x -> 1.01x (16 tiles), S=2k causal 0.88x -> 0.91x; S=8k causal 0.95x -> 0.88x
-# (32 tiles on average) and full 1.07x -> 0.97x (64). So: persistent up to 16 kv tiles per q tile.
+# next tile's loads; that pays where a tile's kv loop is short. Its first version strode over the
+# tiles statically and lost the hardware's greedy balancing of uneven tiles (S=8k causal 0.95x ->
+# 0.88x FA4, benchmarks/results/2026-11-30-gpu-s2-final); tiles now come from an atomic counter
+# (dynamic scheduler). Measured beside FA4 in one run (2026-11-30-gpu-s3-modes, TFLOP/s, per-tile /
+# static persistent / dynamic): S=2k causal 456/462/543 (FA4 510), 2k ALiBi 415/390/456, 2k window
+# 396/423/450 (FA4 454), 8k window 425/442/462 (FA4 465), 2k document 382/383/411, 8k document
+# 425/341/423; long loops gain nothing: 8k full 657/655/635, 8k causal 584/540/596, 8k ALiBi
+# 505-545/456/516. So: persistent with dynamic tiles up to 16 kv tiles per q tile, else per tile.
 PERSISTENT_MAX_KV_TILES = 16
 
 
@@ -484,9 +486,9 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
     if persistent is None:
         persistent = _persistent_fwd(D, block_mask, k.shape[2])
-    # Persistent launches may claim tiles dynamically (FLEXJIT_CUTE_DYNAMIC_SCHEDULE=1; off until
-    # measured on a GPU): part of the tiling, hence of both cache keys.
-    dynamic = persistent and os.environ.get("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "0") not in ("", "0")
+    # Persistent launches claim tiles dynamically unless FLEXJIT_CUTE_DYNAMIC_SCHEDULE=0: part
+    # of the tiling, hence of both cache keys.
+    dynamic = persistent and tpl._dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
            persistent, dynamic)
     fn = _COMPILED.get(key)
@@ -569,11 +571,10 @@ def backward_supports(call) -> tuple[bool, str]:
     if D != Dv or D not in _BWD_HEAD_DIMS:
         return False, f"head dims ({D}, {Dv}); the sm90 backward takes equal head dims in {_BWD_HEAD_DIMS}"
     if call.program.grad_loads:
-        if os.environ.get("FLEXJIT_CUTE_BWD_GRADS", "0") != "1":
-            # Compiled and spill-free for sm_90a, never yet run on a GPU: opt-in until the GPU
-            # tests (tests/test_cute_sm90_bwd_gpu.py -k captured_tensor_grads) have passed.
-            return False, ("captured-tensor gradients run on the Triton backward unless "
-                           "FLEXJIT_CUTE_BWD_GRADS=1 (the sm90 path awaits its first GPU run)")
+        if os.environ.get("FLEXJIT_CUTE_BWD_GRADS", "1") == "0":
+            # On by default since its GPU tests passed on the H200 (tests/test_cute_sm90_bwd_gpu.py
+            # -k captured: 7/7, 2026-11-30, benchmarks/results/2026-11-30-gpu-s3-tests).
+            return False, "FLEXJIT_CUTE_BWD_GRADS=0 (captured-tensor gradients on Triton)"
         ok, why = captured_grads_in_kernel(call.program)
         if not ok:
             return False, f"captured-tensor gradients: {why} (the Triton backward computes them)"
