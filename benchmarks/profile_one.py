@@ -6,9 +6,9 @@
         python3 -m benchmarks.profile_one --backend cute --variant causal --pass fwdbwd
     python3 -m benchmarks.profile_one --backend cute --variant full --pass fwdbwd --timeline
 
-``--timeline``: after the warm-up calls, time one call with CUDA events and list every kernel it
-launched (torch.profiler), so the call's wall time can be set against the sum of its kernels:
-the difference is GPU idle time (host work, allocations, synchronisation).
+``--timeline``: after the warm-up calls, time 20 calls with CUDA events (median), then list the
+kernels of one more call (torch.profiler), so a call's wall time can be set against the sum of
+its kernels: the difference is GPU idle time (host work, allocations, synchronisation).
 
 B·S = 16384 tokens, 16 heads, head dim 128, bf16, the variant from benchmarks/variants.py.
 """
@@ -58,21 +58,29 @@ def main() -> None:
     print(f"ran {a.variant} S={a.S} on {flexjit.explain(q, k, v, var.score_mod, bm, backend=a.backend).name}")
 
 
-def timeline(step) -> None:
-    """One call's wall time (CUDA events) against the kernels it launched (torch.profiler)."""
+def timeline(step, reps: int = 20) -> None:
+    """A call's wall time against the kernels it launched: the wall time is the median of
+    ``reps`` calls timed with CUDA events and nothing else running (the profiler's own start-up
+    would inflate it); the kernels come from one further call under torch.profiler. The
+    difference is GPU idle time inside a call (host work, allocations, synchronisation)."""
     from torch.profiler import ProfilerActivity, profile
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    walls = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()
         end.record()
         torch.cuda.synchronize()
-    wall_us = start.elapsed_time(end) * 1e3
+        walls.append(start.elapsed_time(end) * 1e3)
+    wall_us = sorted(walls)[len(walls) // 2]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
-    print(f"call: {wall_us:.1f} us wall, {busy_us:.1f} us in {len(kernels)} kernels, "
-          f"{wall_us - busy_us:.1f} us idle")
+    print(f"call: {wall_us:.1f} us wall (median of {reps}, min {min(walls):.1f}), "
+          f"{busy_us:.1f} us in {len(kernels)} kernels, {wall_us - busy_us:.1f} us not in kernels")
     for e in kernels:
         print(f"  {e.time_range.elapsed_us():10.1f} us  {e.name[:110]}")
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))

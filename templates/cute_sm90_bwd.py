@@ -68,14 +68,22 @@ loaded once for g heads. The price is g× fewer CTAs (B·Hkv·⌈S/128⌉ of the
 that number is below the SM count, i.e. on problems whose whole backward is short.
 
 Deterministic mode (``BwdConfig.deterministic``): each dQ box (b, h, q tile, half) receives one
-reduce-add from every kv block that lists its q block, in increasing kv-block order. A semaphore
+reduce-add from every kv block that lists its q block, in DEcreasing kv-block order. A semaphore
 per box counts the reduce-adds done; kv block n's dQ writer waits until it equals n's rank (how
-many listed kv blocks n' < n add into that q block: ``dq_ranks``, a host-side table shaped like
-the q lists, computed once per BlockMask; n itself without a block mask), adds, waits for the
-add to complete, and increments it (acquire/release at gpu scope, async-proxy fences on both
-sides). The MMA warpgroups keep working meanwhile (one tile ahead at most). No deadlock: a CTA
-waits only for CTAs of the same (kv head, batch) with a smaller kv block, i.e. a smaller linear
-block index, dispatched earlier. dK/dV are deterministic by construction (see GQA).
+many listed kv blocks n' > n add into that q block; ``dq_order``, a host-side table computed once
+per BlockMask; nKV - 1 - n without a block mask), adds, waits for the add to complete, and
+increments it (acquire/release at gpu scope, async-proxy fences on both sides). The MMA
+warpgroups keep working meanwhile (one tile ahead at most). dK/dV are deterministic by
+construction (see GQA).
+Order, chosen so that the waits do not chain: a kv block walks its partial and full q blocks as
+ONE list in increasing q order (``dq_order`` merges them and flags the full entries, so the host
+passes empty full lists), and the grid runs kv blocks last-first. On banded masks (causal,
+sliding window, documents) kv block n's k-th q block is then kv block n+1's (k-1)-th, whose add
+it waits for: every CTA of a head advances in lockstep, one tile behind its neighbour. (Increasing
+kv order with the partial list walked before the full one made each CTA wait for the previous
+CTA's last tile: one chain through the whole sequence, 5x slower on an 8k sliding window.)
+No deadlock: a CTA waits only for CTAs of the same (kv head, batch) with a larger kv block, i.e.
+a smaller linear block index, dispatched earlier.
 
 The holes
 ---------
@@ -87,9 +95,9 @@ and columns kv >= S can reach them and their results are discarded).
 Block lists (FlexAttention's BlockMask, mask block 128×128, int32, Bm ∈ {1, B}, Hm ∈ {1, Hq}):
 ``q_num_blocks`` (Bm, Hm, nKV) + ``q_indices`` (Bm, Hm, nKV, nQ) list the PARTIAL q blocks of
 each kv block (mask_mod applied), ``full_q_*`` the FULL ones (mask_mod skipped; bounds still
-checked on a tile that crosses L or S). The host API takes all 8 BlockMask tensors (the forward
-lists feed ``dq_ranks``). Without a block mask every q tile is visited (partial with a mask_mod,
-else full).
+checked on a tile that crosses L or S). The host API takes all 8 BlockMask tensors (the kernel
+reads the q lists; deterministic mode reads ``dq_order``'s merged ones). Without a block mask
+every q tile is visited (partial with a mask_mod, else full).
 
 Shapes: q (B, Hq, L, D), k/v (B, Hkv, S, D), out/dout (B, Hq, L, D), lse/dlse (B, Hq, L) fp32;
 dq/dk/dv like q/k/v. Last dims contiguous, other strides multiples of 8 elements (TMA), bf16 or
@@ -145,12 +153,13 @@ class QBlockLists(NamedTuple):
     full_q_indices: cute.Tensor
 
 
-class QRanks(NamedTuple):
-    """Deterministic block-sparse launches: for each entry of the q lists, how many kv blocks
-    before this one add into that q block (``dq_ranks``), int32, shaped like q_indices."""
+class QOrder(NamedTuple):
+    """Deterministic block-sparse launches (``dq_order``): per entry of the merged q list, int32,
+    shaped like q_indices: how many kv blocks add into that q block before this one, and whether
+    the entry is a full block (mask_mod skipped)."""
 
-    q_rank: cute.Tensor
-    full_q_rank: cute.Tensor
+    rank: cute.Tensor
+    full: cute.Tensor
 
 
 @dataclass(frozen=True)
@@ -343,7 +352,7 @@ class FlexAttentionBwdSm90:
         softmax_scale: Float32,
         q_per_kv: Int32,  # Hq // Hkv (a kernel parameter: read from the constant bank, no register)
         qblocks: Optional[QBlockLists],
-        qranks: Optional[QRanks],  # deterministic block-sparse launches only
+        qorder: Optional[QOrder],  # deterministic block-sparse launches only
         mSem: Optional[cute.Tensor],  # (B, Hq, 2·Lpad/tile_m) int32 per dQ box, zeroed (deterministic)
         aux_tensors: Optional[tuple],
         aux_scalars: Optional[tuple],
@@ -413,13 +422,13 @@ class FlexAttentionBwdSm90:
 
         self.shared_storage = SharedStorage
 
-        # Grid (kv tile, kv head, batch): kv tile fastest, so that in deterministic mode every
-        # CTA a CTA waits for has a smaller linear index (dispatched earlier).
+        # Grid (kv tile, kv head, batch): kv tile fastest, last kv tile first in deterministic
+        # mode, so that every CTA a CTA waits for has a smaller linear index (dispatched earlier).
         num_n = cute.ceil_div(k.shape[0], tn)
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDelta, tdQ, tdK, tdV,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv,
-            mma_sdp, mma_dkv, mma_dq, softmax_scale, q_per_kv, qblocks, qranks, mSem,
+            mma_sdp, mma_dkv, mma_dq, softmax_scale, q_per_kv, qblocks, qorder, mSem,
             aux_tensors, aux_scalars, grad_accs,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
         ).launch(
@@ -457,7 +466,7 @@ class FlexAttentionBwdSm90:
         softmax_scale: Float32,
         q_per_kv: Int32,
         qblocks: Optional[QBlockLists],
-        qranks: Optional[QRanks],
+        qorder: Optional[QOrder],
         mSem: Optional[cute.Tensor],
         aux_tensors: Optional[tuple],
         aux_scalars: Optional[tuple],
@@ -501,21 +510,24 @@ class FlexAttentionBwdSm90:
                           tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta,
                           pipe_kv, pipe_q, pipe_do, sched, qblocks)
             if warp_idx == 1:
-                self.dq_writer(mdQacc, sdQ, tma_dq, sched, qblocks, qranks, mSem, 0)
+                self.dq_writer(mdQacc, sdQ, tma_dq, sched, qblocks, qorder, mSem, 0)
             if warp_idx == 2:
-                self.dq_writer(mdQacc, sdQ, tma_dq, sched, qblocks, qranks, mSem, 1)
+                self.dq_writer(mdQacc, sdQ, tma_dq, sched, qblocks, qorder, mSem, 1)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             sched = self._schedule(mQ, mK, q_per_kv)
             self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
-                     tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, aux,
+                     tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, qorder, aux,
                      tuple(grad_accs) if const_expr(grad_accs is not None) else ())
 
     @cute.jit
     def _schedule(self, mQ: cute.Tensor, mK: cute.Tensor, q_per_kv: Int32):
         n_block, head_kv, batch = cute.arch.block_idx()
+        n_kv_tiles = cute.ceil_div(mK.shape[0], self.tile_n)
+        if const_expr(self.deterministic):
+            n_block = n_kv_tiles - 1 - n_block  # last kv tile first (see Deterministic mode)
         return _BwdSchedule(n_block, head_kv, batch, q_per_kv, mQ.shape[0], mK.shape[0],
-                            cute.ceil_div(mQ.shape[0], self.tile_m))
+                            cute.ceil_div(mQ.shape[0], self.tile_m), n_kv_tiles)
 
     def _make_pipelines(self, storage):
         """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each. TMA producer
@@ -536,7 +548,8 @@ class FlexAttentionBwdSm90:
 
     # -----------------------------------------------------------------------------------------
     # Scheduling: which q tiles, in which order. Every role walks the same sequence:
-    # for each query head of the group, the partial list, then the full list (dense: 0..nQ-1).
+    # for each query head of the group, the partial list, then the full list (dense: 0..nQ-1;
+    # deterministic: one merged list, the full lists empty).
     # -----------------------------------------------------------------------------------------
     @cute.jit
     def _q_lists(self, qblocks: QBlockLists, sched, head: Int32):
@@ -599,9 +612,10 @@ class FlexAttentionBwdSm90:
                 for j in cutlass.range(n_part, unroll=1):
                     state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
                                               pipe_do, state, self._listed_tile(part_row, j))
-                for j in cutlass.range(n_full, unroll=1):
-                    state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
-                                              pipe_do, state, self._listed_tile(full_row, j))
+                if const_expr(not self.deterministic):
+                    for j in cutlass.range(n_full, unroll=1):
+                        state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
+                                                  pipe_do, state, self._listed_tile(full_row, j))
             else:
                 for m in cutlass.range(sched.n_q_tiles, unroll=1):
                     state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
@@ -627,13 +641,13 @@ class FlexAttentionBwdSm90:
     # -----------------------------------------------------------------------------------------
     @cute.jit
     def dq_writer(self, mdQacc: cute.Tensor, sdQ: cute.Tensor, tma_dq: cute.CopyAtom, sched,
-                  qblocks, qranks, mSem, box: cutlass.Constexpr):
+                  qblocks, qorder, mSem, box: cutlass.Constexpr):
         """Warp 1 + ``box`` serves MMA warpgroup ``box``. Per q tile: free its box (once the
         previous bulk reduce from it has read it), wait for the warpgroup to fill it, add it into
         the fp32 accumulator by TMA reduce-add. One warp per box halves each warp's TMA issue
         and keeps it within the producer warpgroup's 24 registers.
         Deterministic mode: the box's semaphore orders the adds by kv block (rank = how many kv
-        blocks add before this one: all smaller ones when dense, the table when sparse)."""
+        blocks add before this one: all larger ones when dense, the table when sparse)."""
         g = sched.group
         per = self.tiles_per_mask_block
         for gi in cutlass.range(g, unroll=1):
@@ -643,27 +657,30 @@ class FlexAttentionBwdSm90:
             sem_row = mSem[sched.batch, head, None] if const_expr(self.deterministic) else None
             if const_expr(self.sparse):
                 n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
-                part_rank = full_rank = None
                 if const_expr(self.deterministic):
-                    part_rank, full_rank = self._rank_rows(qranks, sched, head)
-                for j in cutlass.range(n_part, unroll=1):
-                    rank = part_rank[j // per] if const_expr(self.deterministic) else None
-                    self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(part_row, j), box,
-                                       sem_row, rank)
-                for j in cutlass.range(n_full, unroll=1):
-                    rank = full_rank[j // per] if const_expr(self.deterministic) else None
-                    self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(full_row, j), box,
-                                       sem_row, rank)
+                    rank_row, _ = self._order_rows(qorder, sched, head)
+                    for j in cutlass.range(n_part, unroll=1):
+                        self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(part_row, j), box,
+                                           sem_row, rank_row[j // per])
+                else:
+                    for j in cutlass.range(n_part, unroll=1):
+                        self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(part_row, j), box,
+                                           sem_row, None)
+                    for j in cutlass.range(n_full, unroll=1):
+                        self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(full_row, j), box,
+                                           sem_row, None)
             else:
+                rank = sched.n_kv_tiles - 1 - sched.n_block if const_expr(self.deterministic) else None
                 for m in cutlass.range(sched.n_q_tiles, unroll=1):
-                    self._store_dq_box(tma_dq, tSs, tSg, m, box, sem_row, sched.n_block)
+                    self._store_dq_box(tma_dq, tSs, tSg, m, box, sem_row, rank)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _rank_rows(self, qranks: QRanks, sched, head: Int32):
-        t = qranks.q_rank
+    def _order_rows(self, qorder: QOrder, sched, head: Int32):
+        """(rank row, full-flag row) of this kv block's merged q list for query head ``head``."""
+        t = qorder.rank
         b, h = _bcast(sched.batch, t.shape[0]), _bcast(head, t.shape[1])
-        return qranks.q_rank[b, h, sched.n_block, None], qranks.full_q_rank[b, h, sched.n_block, None]
+        return qorder.rank[b, h, sched.n_block, None], qorder.full[b, h, sched.n_block, None]
 
     @cute.jit
     def _store_dq_box(self, tma_dq, tSs, tSg, m: Int32, box: cutlass.Constexpr, sem_row, rank):
@@ -701,7 +718,7 @@ class FlexAttentionBwdSm90:
             mdK: cute.Tensor, mdV: cute.Tensor, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
             tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, pipe_kv: pipeline.PipelineAsync,
             pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
-            softmax_scale: Float32, sched, qblocks, aux: Aux, grad_accs: tuple):
+            softmax_scale: Float32, sched, qblocks, qorder, aux: Aux, grad_accs: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -758,7 +775,18 @@ class FlexAttentionBwdSm90:
         kv_ragged = (sched.n_block + 1) * tn > sched.seqlen_k
         for gi in cutlass.range(g, unroll=1):
             head = sched.head_kv * g + gi
-            if const_expr(self.sparse):
+            if const_expr(self.sparse and self.deterministic):
+                # One merged list; full entries flagged (see Deterministic mode).
+                n_part, _, part_row, _ = self._q_lists(qblocks, sched, head)
+                _, full_row = self._order_rows(qorder, sched, head)
+                per = self.tiles_per_mask_block
+                for j in cutlass.range(n_part, unroll=1):
+                    m = self._listed_tile(part_row, j)
+                    if full_row[j // per] != 0:
+                        state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head, m, kv_ragged)
+                    else:
+                        state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "partial")
+            elif const_expr(self.sparse):
                 n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
                 for j in cutlass.range(n_part, unroll=1):
                     state = self._q_tile(ctx, pipe_q, pipe_do, state, head,
@@ -1027,6 +1055,7 @@ class _BwdSchedule(NamedTuple):
     seqlen_q: object
     seqlen_k: object
     n_q_tiles: object  # ceil(L / tile_m): dense launches
+    n_kv_tiles: object  # ceil(S / tile_n) = the grid's x extent
 
 
 class _BwdCtx(NamedTuple):
@@ -1182,35 +1211,46 @@ class _Part:
 PARTS = ("pre", "main", "post")
 
 
-def dq_ranks(block_lists) -> tuple:
-    """For deterministic block-sparse launches: (q_rank, full_q_rank), int32, shaped like
-    q_indices / full_q_indices (Bm, Hm, nKV, nQ). Entry [b, h, n, j] = how many kv blocks n' < n
-    list the q block q_indices[b, h, n, j] (partial or full) in the forward lists, i.e. how many
-    reduce-adds into that dQ tile come before kv block n's. Torch ops on the lists' device; cache
-    it with the BlockMask."""
+def dq_order(block_lists) -> tuple:
+    """Deterministic mode's q lists and dQ order: ``(q_lists, (rank, full))``.
+
+    ``q_lists`` replaces the four transposed lists: per kv block, its partial and full q blocks
+    merged into one list in increasing q order (a block listed as both counts as partial), and
+    empty full lists. ``rank[b, h, n, j]`` = how many kv blocks n' > n list that q block (partial
+    or full), i.e. how many reduce-adds into its dQ tile come before kv block n's;
+    ``full[b, h, n, j]`` = 1 where the entry was a full block. All int32, shaped like q_indices
+    (Bm, Hm, nKV, nQ). Built from the q lists themselves (the sequence the kernel walks), so the
+    ranks of every q block are exactly 0..count-1. Torch ops on the lists' device; cache it with
+    the BlockMask."""
     import torch
 
-    kv_num, kv_idx, fkv_num, fkv_idx, _, q_idx, _, fq_idx = block_lists
-    n_kv = kv_idx.shape[-1]
+    q_num, q_idx, fq_num, fq_idx = block_lists[4:]
+    n_q = q_idx.shape[-1]
+    cols = torch.arange(n_q, device=q_idx.device)
 
-    def dense(num, idx):  # (Bm, Hm, nQ, nKV) 0/1
-        valid = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
-        out = torch.zeros(*idx.shape[:-1], n_kv + 1, dtype=torch.int32, device=idx.device)
-        out.scatter_(-1, torch.where(valid, idx.long(), n_kv), 1)
-        return out[..., :n_kv]
+    def listed(num, idx):  # (Bm, Hm, nKV, nQ) 0/1: kv block n lists q block m
+        valid = cols < num.unsqueeze(-1)
+        out = torch.zeros(*idx.shape[:-1], n_q + 1, dtype=torch.int32, device=idx.device)
+        out.scatter_(-1, torch.where(valid, idx.long(), n_q), 1)
+        return out[..., :n_q]
 
-    listed = (dense(kv_num, kv_idx) + dense(fkv_num, fkv_idx)).clamp_(max=1)
-    before = (torch.cumsum(listed, -1, dtype=torch.int32) - listed).transpose(-1, -2)  # [n, m]
+    part, full = listed(q_num, q_idx), listed(fq_num, fq_idx)
+    both = (part | full)
+    full_only = full & (1 - part)
+    keys = torch.where(both.bool(), cols, n_q + cols).sort(-1).values  # listed ones first, in order
+    present = keys < n_q
+    idx = torch.where(present, keys, 0)
+    num = both.sum(-1, dtype=torch.int32)
+    after = torch.flip(torch.cumsum(torch.flip(both, [-2]), -2, dtype=torch.int32), [-2]) - both
+    rank = torch.where(present, torch.gather(after, -1, idx), 0)
+    flag = torch.where(present, torch.gather(full_only, -1, idx), 0)
+    as_i32 = (lambda t: t.to(torch.int32).contiguous())
+    q_lists = (as_i32(num), as_i32(idx), torch.zeros_like(as_i32(num)), torch.zeros_like(as_i32(idx)))
+    return q_lists, (as_i32(rank), as_i32(flag))
 
-    def at(idx):  # entries past a list's count are never read; clamp them into range
-        idx = idx.long().clamp(0, before.shape[-1] - 1)
-        return torch.gather(before, -1, idx).to(torch.int32).contiguous()
 
-    return at(q_idx), at(fq_idx)
-
-
-def _block_args(cfg: BwdConfig, block_lists, q_ranks):
-    """(QBlockLists, QRanks or None) from the 8 BlockMask tensors (kv lists first, as in
+def _block_args(cfg: BwdConfig, block_lists, q_order):
+    """(q lists, QOrder tensors or None) from the 8 BlockMask tensors (kv lists first, as in
     ``BlockMask._TENSOR_ATTRS``; zeros for absent full lists); (None, None) without a mask."""
     import torch
 
@@ -1221,11 +1261,10 @@ def _block_args(cfg: BwdConfig, block_lists, q_ranks):
     if len(block_lists) != 8 or any(t is None for t in block_lists):
         raise ValueError("block_lists: kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, "
                          "full_q_num, full_q_idx (zeros for absent full lists)")
-    qlists = tuple(t.to(torch.int32).contiguous() for t in block_lists[4:])  # no-op if int32
-    ranks = None
     if cfg.deterministic:
-        ranks = tuple(q_ranks) if q_ranks is not None else dq_ranks(block_lists)
-    return qlists, ranks
+        qlists, order = q_order if q_order is not None else dq_order(block_lists)
+        return tuple(qlists), tuple(order)
+    return tuple(t.to(torch.int32).contiguous() for t in block_lists[4:]), None  # no-op if int32
 
 
 def _tma_ready(t) -> bool:
@@ -1239,17 +1278,17 @@ def _placeholder_main_args(cfg: BwdConfig, aux_tensors, aux_scalars) -> tuple:
     q, k, v, do, dk, dv = [_placeholder(cfg.dtype, 4, 16, 8) for _ in range(6)]
     lse2, delta = [_placeholder(Float32, 3, 16, 4) for _ in range(2)]
     dqacc = _placeholder(Float32, 4, 16, 4)
-    qblocks = qranks = None
+    qblocks = qorder = None
     if cfg.has_block_mask:
         qblocks = QBlockLists(*[_placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
         if cfg.deterministic:
-            qranks = QRanks(*[_placeholder(Int32, 4, 4) for _ in range(2)])
+            qorder = QOrder(*[_placeholder(Int32, 4, 4) for _ in range(2)])
     sem = _placeholder(Int32, 3, 4) if cfg.deterministic else None
     tensors = tuple(_placeholder(_aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
                     for t in aux_tensors)
     scalars = tuple(_as_scalar(x) for x in aux_scalars)
     accs = tuple(_placeholder(cutlass.Float64, 1, 8) for _ in range(num_grad_accs(cfg)))
-    return (q, k, v, do, lse2, delta, dqacc, dk, dv, Float32(1.0), Int32(1), qblocks, qranks, sem,
+    return (q, k, v, do, lse2, delta, dqacc, dk, dv, Float32(1.0), Int32(1), qblocks, qorder, sem,
             tensors or None, scalars or None, accs or None)
 
 
@@ -1286,26 +1325,26 @@ class CompiledBwd:
         self.signature = signature
 
     def __call__(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale: float,
-                 block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_ranks=None,
+                 block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_order=None,
                  grad_accs=()):
         """Write dq, dk, dv (preallocated like q, k, v) and return them.
 
         ``lse`` is the forward's natural-log LSE (B, Hq, L) fp32; ``dlse`` its gradient or None;
         ``dout`` None means zeros (autograd passes None when only the LSE was used).
         ``block_lists``: the 8 BlockMask tensors (kv lists, then q lists) or None.
-        ``q_ranks``: ``dq_ranks(block_lists)`` if already computed (deterministic mode only).
+        ``q_order``: ``dq_order(block_lists)`` if already computed (deterministic mode only).
         ``grad_accs``: with ``BwdConfig.score_grads``, one zeroed contiguous float64 tensor per
         learnable captured tensor (``num_grad_accs``), shaped like it (or flat): the kernel adds
         d loss / d tensor into them."""
         if stream is None:
             return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
-                                block_lists, aux_tensors, aux_scalars, q_ranks, grad_accs)
+                                block_lists, aux_tensors, aux_scalars, q_order, grad_accs)
         with _stream_context(stream):
             return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
-                                block_lists, aux_tensors, aux_scalars, q_ranks, grad_accs)
+                                block_lists, aux_tensors, aux_scalars, q_order, grad_accs)
 
     def _launch(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale, block_lists,
-                aux_tensors, aux_scalars, q_ranks, grad_accs):
+                aux_tensors, aux_scalars, q_order, grad_accs):
         import torch
 
         cfg = self.cfg
@@ -1330,7 +1369,7 @@ class CompiledBwd:
                               device=q.device)
         has_dlse = dlse is not None
         dlse = dlse.float().contiguous() if has_dlse else lse  # autograd may hand a stride-0 grad
-        qblocks, qranks = _block_args(cfg, block_lists, q_ranks)
+        qblocks, qorder = _block_args(cfg, block_lists, q_order)
         tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in aux_tensors) or None
         for x in aux_scalars:
             if isinstance(x, bool) or not isinstance(x, (int, float)):
@@ -1344,7 +1383,7 @@ class CompiledBwd:
         accs = tuple(a.view(-1) for a in grad_accs) or None
         self.parts["pre"].ffi_fn(out, dout, lse, dlse, int(has_dlse), lse2, delta, dqacc, sem)
         self.parts["main"].ffi_fn(q, k, v, dout, lse2, delta, dqacc, dk, dv, float(softmax_scale),
-                                  Hq // Hkv, qblocks, qranks, sem, tensors,
+                                  Hq // Hkv, qblocks, qorder, sem, tensors,
                                   tuple(aux_scalars) or None, accs)
         self.parts["post"].ffi_fn(dqacc, dq, float(softmax_scale))
         return dq, dk, dv

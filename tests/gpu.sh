@@ -22,11 +22,9 @@ run() {  # run LIMIT_S pytest-args...
 }
 case $batch in
   new)
-    # The dynamic tile scheduler, the sm90 backward's captured-tensor gradients, and the core
-    # mods the backward's first GPU run did not cover.
-    run 200 -x tests/test_cute_gpu.py -k "dynamic or two_streams"
-    run 150 tests/test_cute_sm90_bwd_gpu.py -k "captured"
-    run 150 tests/test_cute_sm90_bwd_gpu.py -k "rest_of_the_core_list"
+    # Deterministic mode's merged, last-kv-first dQ order (session 3): bit-identical x5 and
+    # correct against float64, direct and through the API, with captured-tensor gradients.
+    run 300 tests/test_cute_sm90_bwd_gpu.py -k "deterministic"
     ;;
   cute)
     run 330 tests/test_cute_gpu.py tests/test_cute_cache.py

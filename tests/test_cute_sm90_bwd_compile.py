@@ -15,8 +15,8 @@ aux buffers; pre/postprocess ~0.3 s each; ptxas ~0.2-0.7 s. The whole file takes
 it the sweep over every core mod at D = 128 (the register-tight head dim). Sizes never matter
 (they are runtime values), so no example tensors are built except the captured buffers.
 
-CPU value tests: ``dq_ranks`` (the deterministic mode's order table) against a brute-force
-count, and the launch path's marshalling with recording stand-ins for the kernels.
+CPU value tests: ``dq_order`` (the deterministic mode's merged lists and order table) against a
+brute-force count, and the launch path's marshalling with recording stand-ins for the kernels.
 """
 
 import os
@@ -220,10 +220,12 @@ def test_score_dependent_captured_grads_stay_on_triton():
     assert "score_grads = None" in render(program)
 
 
-@pytest.mark.parametrize("sparse", [False, True])
-def test_deterministic(tmp_path, sparse):
-    mask = fmods.causal() if sparse else None
-    ptx = _compile(tmp_path, 128, mask_mod=mask, sparse=sparse, deterministic=True)
+@pytest.mark.parametrize("sparse,heavy", [(False, False), (True, False), (True, True)])
+def test_deterministic(tmp_path, sparse, heavy):
+    # heavy: the merged list's per-tile choice between the partial and the full body, with the
+    # most register-hungry mods (captured tensors in both holes, a runtime scalar).
+    score, mask = _softcap_alibi_document() if heavy else (None, fmods.causal() if sparse else None)
+    ptx = _compile(tmp_path, 128, score_mod=score, mask_mod=mask, sparse=sparse, deterministic=True)
     _assert_main_machinery(ptx["main"])
     _assert_deterministic_machinery(ptx["main"])
     _assert_clean_registers(tmp_path, ptx["main"])
@@ -233,34 +235,30 @@ def test_deterministic(tmp_path, sparse):
 # ----------------------------------------------------------------------------- CPU helpers
 
 
-def _brute_force_ranks(bm):
-    """rank[b, h, n, j] = #{n' < n : kv block n' is listed (partial or full) for q block
-    q_indices[b, h, n, j]}, by a direct loop over the dense block matrix."""
-    kv_num, kv_idx = bm.kv_num_blocks, bm.kv_indices
-    fkv_num, fkv_idx = bm.full_kv_num_blocks, bm.full_kv_indices
-    Bm, Hm, nQ, nKV = kv_idx.shape
-    listed = torch.zeros(Bm, Hm, nQ, nKV, dtype=torch.bool)
-    for b in range(Bm):
-        for h in range(Hm):
-            for m in range(nQ):
-                for num, idx in ((kv_num, kv_idx), (fkv_num, fkv_idx)):
-                    for j in range(int(num[b, h, m])):
-                        listed[b, h, m, idx[b, h, m, j]] = True
-    out = []
-    for num, idx in ((bm.q_num_blocks, bm.q_indices), (bm.full_q_num_blocks, bm.full_q_indices)):
-        rank = torch.zeros_like(idx)
-        for b in range(Bm):
-            for h in range(Hm):
-                for n in range(idx.shape[2]):
-                    for j in range(int(num[b, h, n])):
-                        m = int(idx[b, h, n, j])
-                        rank[b, h, n, j] = int(listed[b, h, m, :n].sum())
-        out.append((num, rank))
-    return out
+def _brute_force_order(bm):
+    """What ``dq_order`` must give, by direct loops over the q lists: per kv block n, the sorted
+    union of its partial and full q blocks; each entry's rank = #{n' > n listing that q block}
+    and flag = listed as full only."""
+    lists = ((bm.q_num_blocks, bm.q_indices), (bm.full_q_num_blocks, bm.full_q_indices))
+    Bm, Hm, nKV, nQ = bm.q_indices.shape
+    part, full = ({(b, h, n): {int(idx[b, h, n, j]) for j in range(int(num[b, h, n]))}
+                   for b in range(Bm) for h in range(Hm) for n in range(nKV)}
+                  for num, idx in lists)
+    num = torch.zeros(Bm, Hm, nKV, dtype=torch.int32)
+    idx, rank, flag = (torch.zeros(Bm, Hm, nKV, nQ, dtype=torch.int32) for _ in range(3))
+    for (b, h, n), p in part.items():
+        merged = sorted(p | full[(b, h, n)])
+        num[b, h, n] = len(merged)
+        for j, m in enumerate(merged):
+            idx[b, h, n, j] = m
+            rank[b, h, n, j] = sum(m in part[(b, h, n2)] | full[(b, h, n2)]
+                                   for n2 in range(n + 1, nKV))
+            flag[b, h, n, j] = int(m in full[(b, h, n)] and m not in p)
+    return num, idx, rank, flag
 
 
 @pytest.mark.parametrize("case", ["causal", "document_per_head"])
-def test_dq_ranks_match_brute_force(case):
+def test_dq_order_matches_brute_force(case):
     # 700 x 900 tokens: 6 x 8 mask blocks, ragged both ways; per-head masks check the H dim.
     torch.manual_seed(0)
     if case == "causal":
@@ -275,22 +273,28 @@ def test_dq_ranks_match_brute_force(case):
     bm = create_block_mask(mask, B, H, 700, 900, device="cpu")
     lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
              bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
-    got = tpl.dq_ranks(lists)
-    for (num, want), rank in zip(_brute_force_ranks(bm), got):
-        valid = torch.arange(want.shape[-1]) < num.unsqueeze(-1)
-        assert rank.dtype == torch.int32 and rank.shape == want.shape
-        assert torch.equal(torch.where(valid, rank, 0), torch.where(valid, want, 0))
+    (num, idx, fnum, fidx), (rank, flag) = tpl.dq_order(lists)
+    want_num, want_idx, want_rank, want_flag = _brute_force_order(bm)
+    assert all(t.dtype == torch.int32 for t in (num, idx, fnum, fidx, rank, flag))
+    assert idx.shape == rank.shape == flag.shape == bm.q_indices.shape
+    assert torch.equal(num, want_num) and not fnum.any()  # everything in the merged list
+    valid = torch.arange(idx.shape[-1]) < num.unsqueeze(-1)
+    for got, want in ((idx, want_idx), (rank, want_rank), (flag, want_flag)):
+        assert torch.equal(torch.where(valid, got, 0), want)
+    assert flag.any() and (flag == 0).logical_and(valid).any()  # both kinds occur here
     # Every q block's ranks are 0..count-1 exactly once (the semaphore's whole sequence).
-    n_listed = (bm.kv_num_blocks + bm.full_kv_num_blocks)
-    seen = torch.zeros_like(n_listed)
-    for (num, _), rank in zip(_brute_force_ranks(bm), got):
-        for b in range(num.shape[0]):
-            for h in range(num.shape[1]):
-                for n in range(num.shape[2]):
-                    for j in range(int(num[b, h, n])):
-                        m = int((bm.q_indices if rank is got[0] else bm.full_q_indices)[b, h, n, j])
-                        seen[b, h, m] += 1 << int(rank[b, h, n, j])
-    assert torch.equal(seen, (1 << n_listed) - 1)
+    Bm, Hm, nKV, _ = idx.shape
+    seen = torch.zeros(Bm, Hm, bm.kv_indices.shape[2], dtype=torch.int64)
+    count = torch.zeros_like(seen)
+    for b in range(Bm):
+        for h in range(Hm):
+            for n in range(nKV):
+                for j in range(int(num[b, h, n])):
+                    m = int(idx[b, h, n, j])
+                    seen[b, h, m] += 1 << int(rank[b, h, n, j])
+                    count[b, h, m] += 1
+    assert torch.equal(seen, (1 << count) - 1)
+    assert torch.equal(count, (bm.kv_num_blocks + bm.full_kv_num_blocks).long())
 
 
 def test_padded_len_covers_whole_mask_blocks():
@@ -326,9 +330,10 @@ def test_host_launch_marshals_workspaces_and_lists():
     assert sem.shape == (B, Hq, 2 * 384 // 64) and sem.dtype == torch.int32
     main = calls["main"]
     assert main[9] == 0.125 and main[10] == Hq // Hkv
-    qblocks, qranks, sem_main = main[11], main[12], main[13]
-    assert all(torch.equal(a, b) for a, b in zip(qblocks, lists[4:]))
-    assert all(torch.equal(a, b) for a, b in zip(qranks, tpl.dq_ranks(lists)))
+    qblocks, qorder, sem_main = main[11], main[12], main[13]
+    want_lists, want_order = tpl.dq_order(lists)  # deterministic: the merged lists
+    assert all(torch.equal(a, b) for a, b in zip(qblocks, want_lists))
+    assert all(torch.equal(a, b) for a, b in zip(qorder, want_order))
     assert sem_main is sem and main[7] is dk and main[8] is dv and main[6] is dqacc
     assert calls["post"][0] is dqacc and calls["post"][1] is dq and calls["post"][2] == 0.125
     assert main[16] is None  # no captured-gradient accumulators

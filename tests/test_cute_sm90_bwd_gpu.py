@@ -169,8 +169,10 @@ def test_softcap_alibi_window():
     check("softcap_alibi_window", B=1, Hq=8, Hkv=2, L=1000, S=1000, D=128)
 
 
-@pytest.mark.parametrize("name,sparse", [("causal", True), ("document", True), ("full", False)])
+@pytest.mark.parametrize("name,sparse", [("causal", True), ("document", True),
+                                         ("sliding_window", True), ("full", False)])
 def test_deterministic_bit_identical(name, sparse):
+    # The sliding window interleaves full and partial q blocks in every kv block's merged list.
     B, Hq, Hkv, L, S, D = 2, 8, 2, 2048, 2048, 128
     torch.manual_seed(3)
     case = make_case(name, B, Hq, L, S, device=DEV)

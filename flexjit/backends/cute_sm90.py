@@ -616,12 +616,12 @@ def bwd_block_lists(bm):
     return lists
 
 
-def _dq_ranks(bm, lists):
-    """Deterministic mode's dQ accumulation order, computed once per BlockMask."""
-    ranks = getattr(bm, "_cute_dq_ranks", None)
-    if ranks is None:
-        ranks = bm._cute_dq_ranks = _bwd_template().dq_ranks(lists)
-    return ranks
+def _dq_order(bm, lists):
+    """Deterministic mode's merged q lists and dQ accumulation order, once per BlockMask."""
+    order = getattr(bm, "_cute_dq_order", None)
+    if order is None:
+        order = bm._cute_dq_order = _bwd_template().dq_order(lists)
+    return order
 
 
 _COMPILED_BWD: dict[tuple, object] = {}
@@ -684,13 +684,13 @@ def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
     deterministic = torch.are_deterministic_algorithms_enabled()
     fn = compile_backward(prog, q.dtype, q.shape[-1], bm is not None, deterministic, aux)
     lists = bwd_block_lists(bm)
-    ranks = _dq_ranks(bm, lists) if deterministic and bm is not None else None
+    order = _dq_order(bm, lists) if deterministic and bm is not None else None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     slots = grad_slots(prog) if prog.grad_loads else []
     # fp64: a table entry can receive ~L·S/2 adds (see triton._GRAD_ACC).
     accs = {s: torch.zeros(aux[s].shape, dtype=torch.float64, device=q.device) for s in slots}
     fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, call.scale, lists, aux, prog.scalars,
-       q_ranks=ranks, grad_accs=tuple(accs[s] for s in slots))
+       q_order=order, grad_accs=tuple(accs[s] for s in slots))
     dbufs = [accs[s].reshape(b.shape).to(device=b.device, dtype=b.dtype) if s in accs else None
              for s, b in enumerate(prog.buffers)]
     return (dq, dk, dv, *dbufs)
