@@ -174,10 +174,11 @@ def test_compiles_are_counted_and_reused():
         ref, _ = dense_attention(q, k, v, capped_bias, causal, dtype=torch.float64)
         low, _ = dense_attention(q, k, v, capped_bias, causal, dtype=torch.bfloat16)
         assert_close_to_oracle("out", out, ref, low, FLOOR[torch.bfloat16])
-        return q
+        return q, bm
 
-    q = run(1024)
-    call = flexjit.api.prepare_call(q, q, q, capped_bias, None, None, False, None)
+    q, bm = run(1024)
+    # The block mask's mask_mod is part of the Program: without it this would be another kernel.
+    call = flexjit.api.prepare_call(q, q, q, capped_bias, bm, None, False, None)
     mods = [tb.load_module(call.program, w) for w in ("fwd", "bwd")]
     count = sum(tb.triton_compiles(m) for m in mods)
     assert count >= 3  # forward, preprocess, backward
