@@ -307,6 +307,22 @@ def test_new_scalar_or_buffer_shape_reuses_the_kernel(interp):
     assert "scalar0" in tb.load_module(_call(capped).program, "fwd").DO_NOT_SPECIALIZE
 
 
+def test_unspecialised_arguments_exist_and_cover_the_block_lists(interp):
+    # Triton ignores a do_not_specialize name that is not a parameter, so a typo would silently
+    # bring back one compile per sequence length (block-list strides follow the block counts).
+    import inspect
+    table = torch.randn(2, 64)
+    prog = _call(lambda score, b, h, q_idx, kv_idx: score + table[h, kv_idx]).program
+    for which, kernel, must in (("fwd", "flex_fwd", {"stride_nh", "stride_im", "n_dense"}),
+                                ("bwd", "flex_bwd", {"stride_kvnh", "stride_qin", "n_q_tiles"})):
+        mod = tb.load_module(prog, which)
+        params = set(inspect.signature(getattr(mod, kernel).fn).parameters)
+        dns = set(mod.DO_NOT_SPECIALIZE)
+        assert dns <= params, dns - params
+        assert must <= dns and "buf0_stride0" in dns
+        assert not {"stride_ij", "stride_qm", "L", "S"} & dns  # these keep their hints
+
+
 def test_captured_tensor_no_graph_reads_is_not_passed(interp):
     # `ids[...] * 0` folds away: the tensor stays captured but no graph reads it, so its rank
     # (1-D, then 2-D) is not in the cache key and must not shape the kernel's parameters.
