@@ -64,8 +64,8 @@ their pipeline states (Q: one stage, K/V: a ring) from tile to tile: ``_load_til
   the first kv tile instead). Warpgroups cannot drift apart across tiles: the epilogue barriers
   join all consumer threads every tile.
 
-Dynamic tile scheduler (``Tiling.dynamic_schedule``, persistent only, off by default)
------------------------------------------------------------------------------------
+Dynamic tile scheduler (``Tiling.dynamic_schedule``, persistent only; ``choose_tiling``'s default)
+-----------------------------------------------------------------------------------------------
 Static striding fixes each CTA's tile set up front; causal tiles cost 1..n kv tiles, so CTAs
 finish unevenly (the per-tile kernel gets greedy balancing from the hardware block scheduler).
 With this option a CTA's first tile is block_idx and each further one is ``grid +
