@@ -120,9 +120,12 @@ S tile, so they must be ``@cute.jit`` functions (or plain Python on DSL values):
     score_mod(score: Float32, b: Int32, h: Int32, q_idx: Int32, kv_idx: Int32, aux: Aux) -> Float32
     mask_mod(b: Int32, h: Int32, q_idx: Int32, kv_idx: Int32, aux: Aux) -> Boolean
 
-A mod with the attribute ``float_indices = True`` takes three more arguments, ``q_idx_f``,
+A mod with the attribute ``float_indices = True`` takes four more arguments, ``q_idx_f``,
 ``kv_idx_f`` and ``kv_minus_q_f`` (Float32 copies of the indices and of their difference, formed
-cheaply: ``FloatIndices``).
+cheaply: ``FloatIndices``) and ``kv_minus_q_parts`` = (base, offset), the two terms of
+``kv_minus_q_f`` (a per-tile base and a compile-time offset per register): ``X * kv_minus_q_f``
+for an X uniform over the tile is ``cute.fma(X, offset, X * base)``, one FFMA per element once
+``X * base`` is shared (ALiBi's bias).
 
 * ``score`` is q·k·softmax_scale in natural units (torch's FlexAttention semantics).
 * ``b`` batch, ``h`` QUERY head, ``q_idx`` / ``kv_idx`` global positions. Rows q_idx >= L and
@@ -275,7 +278,9 @@ class FloatIndices:
     ``.float_indices``: each is the first register's value, converted once, plus the register's
     compile-time offset from it (the integer difference folds to a constant), so an element costs
     one FADD instead of an int->float conversion, which issues on the MUFU pipe beside exp2
-    (ALiBi's float(kv) - float(q) is one FADD, not three). Exact: indices are below 2^22."""
+    (ALiBi's float(kv) - float(q) is one FADD, not three). Exact: indices are below 2^22.
+    The last argument, (base, offset) of kv_idx - q_idx, lets a mod scale the difference by a
+    tile-uniform factor with one FFMA (see the holes' contract)."""
 
     def __init__(self, q0, kv0):
         self.q0, self.kv0 = q0, kv0
@@ -286,7 +291,9 @@ class FloatIndices:
         if not getattr(mod, "float_indices", False):
             return ()
         dq, dkv = q_idx - self.q0, kv_idx - self.kv0
-        return (self.q0_f + Float32(dq), self.kv0_f + Float32(dkv), self.d0_f + Float32(dkv - dq))
+        offset = Float32(dkv - dq)
+        return (self.q0_f + Float32(dq), self.kv0_f + Float32(dkv), self.d0_f + offset,
+                (self.d0_f, offset))
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,11 @@ run() {  # run LIMIT_S pytest-args...
 }
 case $batch in
   new)
-    # Deterministic mode's merged, last-kv-first dQ order (session 3): bit-identical x5 and
-    # correct against float64, direct and through the API, with captured-tensor gradients.
-    run 300 tests/test_cute_sm90_bwd_gpu.py -k "deterministic"
+    # Session 3's unrun code: ALiBi's bias as one FFMA per score (kv_minus_q_parts), forward and
+    # backward, every mod that reads float indices; then the core list at D=128 (all of the forward's
+    # renders changed signature).
+    run 200 tests/test_cute_gpu.py -k "alibi or core_mods"
+    run 200 tests/test_cute_sm90_bwd_gpu.py -k "alibi or captured"
     ;;
   cute)
     run 330 tests/test_cute_gpu.py tests/test_cute_cache.py

@@ -5,6 +5,7 @@ TMA (cp.async.bulk.tensor); a kernel that silently fell back to mma.sync or SIMT
 Each compile takes ~2-5 s on the dev CPU; lengths are tiny because they are runtime values.
 """
 import os
+import re
 
 import pytest
 
@@ -67,3 +68,31 @@ def test_captured_tensor_grads_run_on_the_sm90_backward_unless_switched_off(monk
     plain = prepare_call(q, q, q, mods.relative_bias(table.detach()), None, None, False, None)
     monkeypatch.setenv("FLEXJIT_CUTE_BWD_GRADS", "0")
     assert backward_supports(plain)[0]
+
+
+def _forward_ptx(name, tmp_path) -> str:
+    B, Hq, Hkv, L, S, D = 1, 4, 4, 300, 500, 128
+    case = make_case(name, B, Hq, L, S)
+    program = lowered(case.score_mod, case.mask_mod)
+    bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cpu") if case.mask_mod else None
+    q = torch.randn(B, Hq, L, D, dtype=torch.bfloat16)
+    k, v = [torch.randn(B, Hkv, S, D, dtype=torch.bfloat16) for _ in range(2)]
+    aux = tuple(_aux_tensor(t, q.device) for t in program.buffers)
+    fn = compile_program(program, q, k, v, block_sparse_args(bm), aux, persistent=False,
+                         options=f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = fn.compiled.__ptx__
+    assert "wgmma.mma_async" in ptx, "no PTX text"
+    return ptx
+
+
+def test_alibi_bias_is_cheap_per_score(tmp_path):
+    # ALiBi = causal + slope[h]·(kv − q). Per score its bias must cost one FFMA: no int->float
+    # conversion (they issue on the MUFU pipe beside exp2; passes.float_indices: 378 -> 10), and
+    # no separate FADD + FMUL (kv_minus_q_parts: cute.fma(slope, offset, slope·base), slope·base
+    # shared: mul.f32 484 -> 286 against causal's 283). Counts are over the whole kernel.
+    causal, alibi = (_forward_ptx(n, tmp_path) for n in ("causal", "alibi"))
+    count = lambda ptx, op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))  # noqa: E731
+    assert count(alibi, "cvt.rn.f32.s32") <= 16
+    for op in ("mul.f32", "add.f32"):
+        assert count(alibi, op) <= count(causal, op) + 32, (op, count(alibi, op), count(causal, op))
+    assert count(alibi, "fma.rn.f32") > count(causal, "fma.rn.f32") + 128  # the bias, per score

@@ -3,10 +3,11 @@
 What this module holds
 ----------------------
 * The renderer: an op→code table over the IR gives straight-line CuTeDSL code for two
-  functions, ``score_mod(score, b, h, q_idx, kv_idx, aux, q_idx_f, kv_idx_f, kv_minus_q_f)``
-  and ``mask_mod(b, h, q_idx, kv_idx, aux, q_idx_f, kv_idx_f, kv_minus_q_f)``, the holes of
+  functions, ``score_mod(score, b, h, q_idx, kv_idx, aux, q_idx_f, kv_idx_f, kv_minus_q_f,
+  kv_minus_q_parts)`` and ``mask_mod(b, h, q_idx, kv_idx, aux, ...)`` likewise, the holes of
   ``templates/cute_sm90_fwd.py`` (marked ``.float_indices = True``: the kernel passes the
-  indices as float32 too, formed cheaply). They
+  indices as float32 too, formed cheaply, and kv - q as (base, offset) so that a tile-uniform
+  multiple of it, ALiBi's bias, is one FFMA). They
   are plain Python over DSL values (no control flow), inlined into the kernel when it is
   traced. Captured tensors are ``aux.tensors[i]`` and runtime scalars ``aux.scalars[j]``.
 * The cache: generated modules live in ``$FLEXJIT_CACHE_DIR/cute/mods_<key>.py``; compiled
@@ -165,8 +166,35 @@ def render_function(name: str, params: str, *roots: Node) -> str:
 
 
 def _wrap(name: str, params: str, body: list[str]) -> str:
-    return (f"def {name}({params}, q_idx_f, kv_idx_f, kv_minus_q_f):\n" + "\n".join(body) + "\n\n\n"
-            f"{name}.float_indices = True\n")
+    return (f"def {name}({params}, q_idx_f, kv_idx_f, kv_minus_q_f, kv_minus_q_parts):\n"
+            + "\n".join(body) + "\n\n\n" f"{name}.float_indices = True\n")
+
+
+def _is_kv_minus_q(n: Node) -> bool:
+    return n.op is Op.SUB and _float_index_pair(n) == (Op.KV_IDX, Op.Q_IDX)
+
+
+def _varying(roots) -> set[int]:
+    """ids of the nodes whose value can differ between the elements of a tile (they read q_idx,
+    kv_idx or the score)."""
+    out: set[int] = set()
+    for n in ir.toposort(list(roots)):
+        if n.op in (Op.SCORE, Op.Q_IDX, Op.KV_IDX) or any(id(s) in out for s in n.src):
+            out.add(id(n))
+    return out
+
+
+def _scaled_kv_minus_q(n: Node, varying: set[int]):
+    """For ``X * float(kv - q)`` (either order) with X the same for every element of a tile
+    (ALiBi's slope): X's node, else None. The kernel forms it as fma(X, offset, X * base)."""
+    if n.op is not Op.MUL or not n.dtype.is_float:
+        return None
+    a, b = n.src
+    if _is_kv_minus_q(b) and id(a) not in varying:
+        return a
+    if _is_kv_minus_q(a) and id(b) not in varying:
+        return b
+    return None
 
 
 def _render_body(roots) -> tuple[list[str], dict[int, str]]:
@@ -174,12 +202,13 @@ def _render_body(roots) -> tuple[list[str], dict[int, str]]:
     names: dict[int, str] = {}
     body: list[str] = []
     exact = exact_float_nodes(list(roots))
+    varying = _varying(roots)
     for n in ir.toposort(list(roots)):
         if n.op in _LEAVES:
             names[id(n)] = _LEAVES[n.op]
         elif n.op is Op.CAST and n.dtype is DType.FLOAT32 and n.src[0].op in _FLOAT_LEAVES:
             names[id(n)] = _FLOAT_LEAVES[n.src[0].op]
-        elif n.op is Op.SUB and _float_index_pair(n) == (Op.KV_IDX, Op.Q_IDX):
+        elif _is_kv_minus_q(n):
             names[id(n)] = "kv_minus_q_f"
         elif n.op is Op.CONST:
             names[id(n)] = _const(n)
@@ -189,7 +218,11 @@ def _render_body(roots) -> tuple[list[str], dict[int, str]]:
             names[id(n)] = ""
         else:
             args = [names[id(s)] for s in n.src]
-            if n.op is Op.LOAD:
+            scale = _scaled_kv_minus_q(n, varying)
+            if scale is not None:  # X * (base + offset) as one FFMA; X * base is shared
+                x = names[id(scale)]
+                expr = f"cute.fma({x}, kv_minus_q_parts[1], {x} * kv_minus_q_parts[0])"
+            elif n.op is Op.LOAD:
                 expr = _load(n, args)
             elif n.op in ir.TRANSCENDENTAL:
                 expr = _OPS[n.op](n, args, fast=id(n) not in exact)
