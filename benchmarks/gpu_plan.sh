@@ -28,7 +28,8 @@ case $stage in
   2)
     timeout 420 python3 -m benchmarks.run --out "$work/bench" --S 2k,8k --no-png \
       --variants full,causal,alibi,sliding_window,document,softcap \
-      --impls flexjit-cute,flexjit-triton,torch-flex-triton,torch-flex-flash,fa4,cudnn --budget-s 400
+      --impls flexjit-cute,flexjit-triton,torch-flex-triton,torch-flex-flash,fa4,fa4-bhsd,cudnn \
+      --budget-s 400
     timeout 120 python3 -m benchmarks.run --out "$work/det" --S 8k --no-png --passes fwdbwd \
       --variants full,causal,sliding_window,document --impls flexjit-cute,flexjit-cute-det \
       --budget-s 100

@@ -46,7 +46,7 @@ ALL_S = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_S = (2048, 8192)
 # Run the trusted baselines first: a kernel that corrupts the CUDA context ends the run's GPU
 # work, and then at least the baselines it came after are in.
-RUN_ORDER = ("cudnn", "fa4", "torch-flex-triton", "torch-flex-flash",
+RUN_ORDER = ("cudnn", "fa4", "fa4-bhsd", "torch-flex-triton", "torch-flex-flash",
              "flexjit-triton", "flexjit-cute", *impl_mod.FLEXJIT_MODES, "flexjit-reference",
              "torch-flex-eager")
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
