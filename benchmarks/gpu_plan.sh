@@ -6,8 +6,9 @@
 #   FLEXJIT_GIT_SHA=<commit> bash benchmarks/gpu_plan.sh 1 $OUT     # then 2, then 3
 #
 # 1: the GPU tests of code no GPU has run yet (tests/gpu.sh new), then ncu of the final sm90
-#    forward where issue #5's targets are missed or need a comparison (causal beside ALiBi,
-#    document, sliding window).
+#    forward where issue #5's targets are missed or need a comparison: full beside FA4's own
+#    kernel on the same [B, H, S, D] memory (FA4 there was 12% faster: same tiles, same hot-loop
+#    SASS, so look at stalls, L2 and DRAM), causal beside ALiBi, document, sliding window.
 # 2: the full benchmark with the final code, forward and forward+backward, every baseline, and
 #    deterministic mode beside the default (issues #4, #5, #6: numbers from one run).
 # 3: ncu of the sm90 backward for the variants whose #6 targets are missed, and of the Triton
@@ -22,8 +23,9 @@ export PYTHONUNBUFFERED=1
 case $stage in
   1)
     bash tests/gpu.sh new "$work/tests"
-    timeout 150 bash benchmarks/profile_kernels.sh "$work/ncu_fwd.txt" cute:causal:8192:fwd \
-      cute:alibi:8192:fwd cute:document:8192:fwd cute:sliding_window:8192:fwd
+    timeout 180 bash benchmarks/profile_kernels.sh "$work/ncu_fwd.txt" cute:full:8192:fwd \
+      fa4-bhsd:full:8192:fwd cute:causal:8192:fwd cute:alibi:8192:fwd cute:document:8192:fwd \
+      cute:sliding_window:8192:fwd
     ;;
   2)
     timeout 420 python3 -m benchmarks.run --out "$work/bench" --S 2k,8k --no-png \

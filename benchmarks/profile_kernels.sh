@@ -5,7 +5,8 @@
 #   source .devbundle/env.sh && export PYTHONPATH=$PWD:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc &&
 #   bash benchmarks/profile_kernels.sh $OUT/ncu.txt [case ...]
 #
-# A case is backend:variant:S:pass (e.g. cute:causal:8192:fwd). Per kernel: Speed Of Light,
+# A case is backend:variant:S:pass (e.g. cute:causal:8192:fwd; backend fa4-bhsd profiles FA4's own
+# kernel on the same memory layout, forward only). Per kernel: Speed Of Light,
 # warp stall reasons, and every pipe's utilisation (tensor = wgmma/mma, xu = MUFU: exp2, tanh,
 # int<->float conversions; fma/alu = FP32/integer) and issue-slot use.
 set -u
@@ -23,7 +24,7 @@ for c in "${cases[@]}"; do
   IFS=: read -r backend variant S pass <<<"$c"
   if [ "$pass" = fwd ]; then
     # Three forward calls: profile the third (compiled, caches warm).
-    sel=(-k "regex:flex_fwd|FlexAttentionFwd" -s 2 -c 1)
+    sel=(-k "regex:flex_fwd|FlexAttentionFwd|FlashAttentionForward" -s 2 -c 1)
   else
     # Three forward+backward calls: profile every backward kernel of the second.
     if [ "$backend" = cute ]; then sel=(-k "regex:Bwd" -s 3 -c 3); else sel=(-k "regex:flex_bwd" -s 2 -c 2); fi

@@ -25,7 +25,9 @@ from .variants import Case, build
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile_one")
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--backend", default="auto",
+                   help="a flexjit backend, or fa4 / fa4-bhsd (FA4's built-in variant, the baseline "
+                        "beside which a profile is read)")
     p.add_argument("--variant", default="causal")
     p.add_argument("--S", type=int, default=8192)
     p.add_argument("--D", type=int, default=128)
@@ -42,12 +44,15 @@ def main() -> None:
         q, k, v = [t.requires_grad_(True) for t in (q, k, v)]
         dout = torch.randn_like(q)
 
+    attend = _baseline(a.backend, var, case) if a.backend.startswith("fa4") else (
+        lambda q, k, v: flexjit.flex_attention(q, k, v, var.score_mod, bm, backend=a.backend))
+
     def step():
         if a.pass_ == "fwd":
             with torch.no_grad():
-                flexjit.flex_attention(q, k, v, var.score_mod, bm, backend=a.backend)
+                attend(q, k, v)
         else:
-            out = flexjit.flex_attention(q, k, v, var.score_mod, bm, backend=a.backend)
+            out = attend(q, k, v)
             torch.autograd.grad(out, (q, k, v), dout)
 
     for _ in range(a.iters):
@@ -55,7 +60,19 @@ def main() -> None:
     torch.cuda.synchronize()
     if a.timeline:
         timeline(step)
-    print(f"ran {a.variant} S={a.S} on {flexjit.explain(q, k, v, var.score_mod, bm, backend=a.backend).name}")
+    ran = a.backend if a.backend.startswith("fa4") else \
+        flexjit.explain(q, k, v, var.score_mod, bm, backend=a.backend).name
+    print(f"ran {a.variant} S={a.S} on {ran}")
+
+
+def _baseline(name: str, var, case):
+    """FA4 as the benchmark's impl of that name runs it: (q, k, v) [B, H, S, D] -> out."""
+    from .impls import make
+
+    fn = make(name).setup(var, case, torch.device("cuda"))
+    if name == "fa4-bhsd":
+        return fn
+    return lambda q, k, v: fn(*(t.transpose(1, 2).contiguous() for t in (q, k, v))).transpose(1, 2)
 
 
 def timeline(step, reps: int = 20) -> None:
