@@ -18,18 +18,25 @@ from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_p
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
 
 
-@pytest.mark.parametrize("name", CORE)
-def test_core_mod_compiles_for_sm90a(name, tmp_path):
-    B, Hq, Hkv, L, S, D = 2, 4, 2, 300, 500, 128
+def _forward_ptx(name, tmp_path, B=2, Hq=4, Hkv=2, persistent=None) -> str:
+    """The sm90 forward's PTX for a core mod, through the backend's own compile path."""
+    L, S, D = 300, 500, 128
     case = make_case(name, B, Hq, L, S)
     program = lowered(case.score_mod, case.mask_mod)
     bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cpu") if case.mask_mod else None
     q = torch.randn(B, Hq, L, D, dtype=torch.bfloat16)
     k, v = [torch.randn(B, Hkv, S, D, dtype=torch.bfloat16) for _ in range(2)]
     aux = tuple(_aux_tensor(t, q.device) for t in program.buffers)
-    fn = compile_program(program, q, k, v, block_sparse_args(bm), aux,
+    fn = compile_program(program, q, k, v, block_sparse_args(bm), aux, persistent=persistent,
                          options=f"--keep-ptx --dump-dir {tmp_path}")
     ptx = fn.compiled.__ptx__
+    assert "wgmma.mma_async" in ptx, "no wgmma in the PTX"
+    return ptx
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_core_mod_compiles_for_sm90a(name, tmp_path):
+    ptx = _forward_ptx(name, tmp_path)
     assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     assert "cp.async.bulk.tensor" in ptx
@@ -70,27 +77,12 @@ def test_captured_tensor_grads_run_on_the_sm90_backward_unless_switched_off(monk
     assert backward_supports(plain)[0]
 
 
-def _forward_ptx(name, tmp_path) -> str:
-    B, Hq, Hkv, L, S, D = 1, 4, 4, 300, 500, 128
-    case = make_case(name, B, Hq, L, S)
-    program = lowered(case.score_mod, case.mask_mod)
-    bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cpu") if case.mask_mod else None
-    q = torch.randn(B, Hq, L, D, dtype=torch.bfloat16)
-    k, v = [torch.randn(B, Hkv, S, D, dtype=torch.bfloat16) for _ in range(2)]
-    aux = tuple(_aux_tensor(t, q.device) for t in program.buffers)
-    fn = compile_program(program, q, k, v, block_sparse_args(bm), aux, persistent=False,
-                         options=f"--keep-ptx --dump-dir {tmp_path}")
-    ptx = fn.compiled.__ptx__
-    assert "wgmma.mma_async" in ptx, "no PTX text"
-    return ptx
-
-
 def test_alibi_bias_is_cheap_per_score(tmp_path):
     # ALiBi = causal + slope[h]·(kv − q). Per score its bias must cost one FFMA: no int->float
     # conversion (they issue on the MUFU pipe beside exp2; passes.float_indices: 378 -> 10), and
     # no separate FADD + FMUL (kv_minus_q_parts: cute.fma(slope, offset, slope·base), slope·base
     # shared: mul.f32 484 -> 286 against causal's 283). Counts are over the whole kernel.
-    causal, alibi = (_forward_ptx(n, tmp_path) for n in ("causal", "alibi"))
+    causal, alibi = (_forward_ptx(n, tmp_path, 1, 4, 4, persistent=False) for n in ("causal", "alibi"))
     count = lambda ptx, op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))  # noqa: E731
     assert count(alibi, "cvt.rn.f32.s32") <= 16
     for op in ("mul.f32", "add.f32"):
