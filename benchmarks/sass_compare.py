@@ -52,14 +52,15 @@ def registers(cubin: str) -> str:
 
 
 def _opcode(text: str) -> str:
-    return (text.split()[1] if text.startswith("@") else text.split()[0])
+    return text.split()[1] if text.startswith("@") else text.split()[0]
 
 
 def hot_path(ins: list[tuple[int, str]]) -> tuple[list[str], int]:
     """One iteration of the steady-state loop: the smallest loop body holding at least half as
-    many HGMMAs as the loop with the most (outer loops hold more, tail loops fewer). Where the body holds a forward branch over at least a quarter of it (a
-    skipped O rescale, a bounded/unbounded pair of tile bodies), the path that takes the branch
-    is returned: the common case in both kernels seen so far. Returns (instructions, how many
+    many HGMMAs as the loop with the most (outer loops hold more, tail loops fewer). Where the
+    body holds a forward branch over at least a quarter of it (a skipped O rescale, a
+    bounded/unbounded pair of tile bodies), the path that takes the branch is returned: the
+    common case in both kernels seen so far. Returns (instructions, how many
     were skipped by the branch)."""
     loops = []
     for addr, text in ins:
@@ -203,7 +204,8 @@ def main(argv=None) -> None:
                   f"{len(path) * 64 / rows:.0f} per 64 rows per thread"
                   + (f" (a branch inside skips {skipped} more)" if skipped else ""))
     names = list(hist)
-    ops = sorted({o for h in hist.values() for o in h}, key=lambda o: -max(h.get(o, 0) for h in hist.values()))
+    ops = sorted({o for h in hist.values() for o in h},
+                 key=lambda o: -max(h.get(o, 0) for h in hist.values()))
     print(f"\nper 64 query rows per thread ({a.pass_}, {'causal' if a.causal else 'full'}):")
     print(f"  {'opcode':36s}" + "".join(f"{n:>10s}" for n in names))
     for o in ops[:a.top]:
