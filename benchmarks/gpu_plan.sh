@@ -5,14 +5,14 @@
 #   source .devbundle/env.sh && export PYTHONPATH=$PWD:$PWD/tests:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc &&
 #   FLEXJIT_GIT_SHA=<commit> bash benchmarks/gpu_plan.sh 1 $OUT     # then 2, then 3
 #
-# 1: the GPU tests of code no GPU has run yet (tests/gpu.sh new), then ncu of the final sm90
-#    forward where issue #5's targets are missed or need a comparison: full beside FA4's own
-#    kernel on the same [B, H, S, D] memory (FA4 there was 12% faster: same tiles, same hot-loop
-#    SASS, so look at stalls, L2 and DRAM), causal beside ALiBi, document, sliding window.
+# 1: the GPU tests of code no GPU has run yet (tests/gpu.sh new: ~36 forward and a few backward
+#    compiles, most of the call).
 # 2: the full benchmark with the final code, forward and forward+backward, every baseline, and
 #    deterministic mode beside the default (issues #4, #5, #6: numbers from one run).
-# 3: ncu of the sm90 backward for the variants whose #6 targets are missed, and of the Triton
-#    forward where #4's 1.1x is missed.
+# 3: ncu where targets are missed: the sm90 forward (full beside FA4's own kernel on the same
+#    [B, H, S, D] memory: same tiles and the same hot-loop SASS, yet 12% faster; causal beside
+#    ALiBi; document; sliding window), the sm90 backward (causal, window, document) and the
+#    Triton forward (#4's misses). ~25 s per case.
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
 stage=${1:?usage: gpu_plan.sh 1|2|3 OUT_DIR}
@@ -23,9 +23,6 @@ export PYTHONUNBUFFERED=1
 case $stage in
   1)
     bash tests/gpu.sh new "$work/tests"
-    timeout 180 bash benchmarks/profile_kernels.sh "$work/ncu_fwd.txt" cute:full:8192:fwd \
-      fa4-bhsd:full:8192:fwd cute:causal:8192:fwd cute:alibi:8192:fwd cute:document:8192:fwd \
-      cute:sliding_window:8192:fwd
     ;;
   2)
     timeout 420 python3 -m benchmarks.run --out "$work/bench" --S 2k,8k --no-png \
@@ -37,9 +34,12 @@ case $stage in
       --budget-s 100
     ;;
   3)
-    timeout 300 bash benchmarks/profile_kernels.sh "$work/ncu_bwd.txt" cute:causal:8192:fwdbwd \
+    timeout 200 bash benchmarks/profile_kernels.sh "$work/ncu_fwd.txt" cute:full:8192:fwd \
+      fa4-bhsd:full:8192:fwd cute:causal:8192:fwd cute:alibi:8192:fwd cute:document:8192:fwd \
+      cute:sliding_window:8192:fwd
+    timeout 150 bash benchmarks/profile_kernels.sh "$work/ncu_bwd.txt" cute:causal:8192:fwdbwd \
       cute:sliding_window:8192:fwdbwd cute:document:8192:fwdbwd
-    timeout 240 bash benchmarks/profile_kernels.sh "$work/ncu_triton.txt" triton:full:8192:fwd \
+    timeout 180 bash benchmarks/profile_kernels.sh "$work/ncu_triton.txt" triton:full:8192:fwd \
       triton:alibi:8192:fwd triton:document:8192:fwd triton:sliding_window:2048:fwd
     ;;
   *)

@@ -25,7 +25,7 @@ case $batch in
     # Session 3's unrun code: ALiBi's bias as one FFMA per score (kv_minus_q_parts), forward and
     # backward, every mod that reads float indices; then the core list at D=128 (all of the forward's
     # renders changed signature).
-    run 200 tests/test_cute_gpu.py -k "alibi or core_mods"
+    run 320 tests/test_cute_gpu.py -k "alibi or core_mods"
     run 200 tests/test_cute_sm90_bwd_gpu.py -k "alibi or captured"
     ;;
   cute)
