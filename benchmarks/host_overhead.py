@@ -31,7 +31,7 @@ import torch
 
 from . import impls as impl_mod
 from .reference import check
-from .run import Refs, call_once, environment, in_layout, make_inputs
+from .run import Refs, call_once, environment, for_pass, in_layout, make_inputs
 from .variants import VARIANTS, Case, build, default_scale
 
 CPU_IMPLS = ("flexjit-reference", "torch-flex-eager")
@@ -76,7 +76,7 @@ def measure(name: str, variant, case: Case, s: dict, refs: Refs, args) -> dict:
            "status": "ok", "host_us": None, "host_min_us": None, "gpu_us": None, "dispatch_us": None,
            "dispatch_min_us": None, "error": None}
     impl = impl_mod.make(name)
-    s = {n: t.detach() for n, t in in_layout([s], impl.layout)[0].items()}  # FA4 takes [B, S, H, D]
+    s = for_pass(in_layout([s], impl.layout), "fwd")[0]  # FA4 takes [B, S, H, D]
     try:
         fn = impl.setup(variant, case, args.device)
         for _ in range(args.warmup):
@@ -159,8 +159,7 @@ def main(argv=None) -> int:
     rows = []
     for vname in variants:
         variant = build(vname, case, args.device, gen)
-        s = make_inputs(case, args.device, 1)[0]
-        s = {n: t.detach() for n, t in s.items()}
+        s = for_pass(make_inputs(case, args.device, 1), "fwd")[0]
         refs = Refs(s, variant, default_scale(case), "fwd", case.dtype)
         for name in names:
             r = measure(name, variant, case, s, refs, args)

@@ -16,12 +16,13 @@ import time
 
 import torch
 
-import flexjit
-from .impls import plan_mask
+from .impls import FlexjitImpl
+from .profile_one import _sync
+from .run import for_pass, make_inputs, make_step
 from .variants import Case, build
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_profile")
     p.add_argument("--variant", default="full")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "fwdbwd"), default="fwd")
@@ -29,37 +30,29 @@ def main() -> None:
     p.add_argument("--backend", default="cute")
     p.add_argument("--D", type=int, default=128)
     p.add_argument("--top", type=int, default=25)
-    a = p.parse_args()
-    dev = torch.device("cuda")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
     case = Case(B=1, S=128, Hq=1, Hkv=1, D=a.D)
     var = build(a.variant, case, dev, torch.Generator().manual_seed(0))
-    q, k, v = [torch.randn(1, 1, 128, a.D, device=dev, dtype=torch.bfloat16,
-                           requires_grad=a.pass_ == "fwdbwd") for _ in range(3)]
-    bm = plan_mask(flexjit.create_block_mask, var, case, "cuda")
-    dout = torch.randn(1, 1, 128, a.D, device=dev, dtype=torch.bfloat16)
-
-    def step():
-        if a.pass_ == "fwd":
-            with torch.no_grad():
-                flexjit.flex_attention(q, k, v, var.score_mod, bm, backend=a.backend)
-        else:
-            out = flexjit.flex_attention(q, k, v, var.score_mod, bm, backend=a.backend)
-            torch.autograd.grad(out, (q, k, v), dout)
+    # The benchmark's own adapter, inputs and timed closure (run.py).
+    sets = for_pass(make_inputs(case, dev, 1), a.pass_)
+    step = make_step(FlexjitImpl(a.backend).setup(var, case, dev), sets, a.pass_)
 
     for _ in range(10):
         step()
-    torch.cuda.synchronize()
+    _sync(dev)
     t0 = time.perf_counter()
     for _ in range(a.calls):
         step()
     host_us = (time.perf_counter() - t0) / a.calls * 1e6
-    torch.cuda.synchronize()
+    _sync(dev)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.calls):
         step()
     prof.disable()
-    torch.cuda.synchronize()
+    _sync(dev)
     print(f"{a.variant} {a.pass_} on {a.backend}: {host_us:.1f} us of host time per call "
           f"(no profiler, {a.calls} calls)")
     stats = pstats.Stats(prof)

@@ -19,11 +19,12 @@ import argparse
 import torch
 
 import flexjit
-from .impls import plan_mask
+from .impls import FlexjitImpl, make, plan_mask
+from .run import for_pass, in_layout, make_inputs, make_step
 from .variants import Case, build
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile_one")
     p.add_argument("--backend", default="auto",
                    help="a flexjit backend, or fa4 / fa4-bhsd (FA4's built-in variant, the baseline "
@@ -35,44 +36,33 @@ def main() -> None:
     p.add_argument("--pass", dest="pass_", choices=("fwd", "fwdbwd"), default="fwd")
     p.add_argument("--timeline", action="store_true",
                    help="one timed call: its wall time against the sum of its kernels")
-    a = p.parse_args()
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (no --timeline)")
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
     case = Case(B=16384 // a.S, S=a.S, Hq=16, Hkv=16, D=a.D)
-    var = build(a.variant, case, torch.device("cuda"), torch.Generator().manual_seed(0))
-    q, k, v = [torch.randn(case.B, 16, a.S, a.D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    bm = plan_mask(flexjit.create_block_mask, var, case, "cuda")
-    if a.pass_ == "fwdbwd":
-        q, k, v = [t.requires_grad_(True) for t in (q, k, v)]
-        dout = torch.randn_like(q)
-
-    attend = _baseline(a.backend, var, case) if a.backend.startswith("fa4") else (
-        lambda q, k, v: flexjit.flex_attention(q, k, v, var.score_mod, bm, backend=a.backend))
-
-    def step():
-        if a.pass_ == "fwd":
-            with torch.no_grad():
-                attend(q, k, v)
-        else:
-            out = attend(q, k, v)
-            torch.autograd.grad(out, (q, k, v), dout)
+    var = build(a.variant, case, dev, torch.Generator().manual_seed(0))
+    # The benchmark's own adapters, inputs and timed closure (run.py), so a profile is of
+    # exactly what benchmarks.run times.
+    impl = make(a.backend) if a.backend.startswith("fa4") else FlexjitImpl(a.backend)
+    sets = for_pass(in_layout(make_inputs(case, dev, 1), impl.layout), a.pass_)
+    step = make_step(impl.setup(var, case, dev), sets, a.pass_)
 
     for _ in range(a.iters):
         step()
-    torch.cuda.synchronize()
+    _sync(dev)
     if a.timeline:
         timeline(step)
-    ran = a.backend if a.backend.startswith("fa4") else \
-        flexjit.explain(q, k, v, var.score_mod, bm, backend=a.backend).name
+    ran = a.backend
+    if isinstance(impl, FlexjitImpl):
+        bm = plan_mask(flexjit.create_block_mask, var, case, dev)
+        q, k, v = (sets[0][n] for n in "qkv")
+        ran = flexjit.explain(q, k, v, var.score_mod, bm, backend=a.backend).name
     print(f"ran {a.variant} S={a.S} on {ran}")
 
 
-def _baseline(name: str, var, case):
-    """FA4 as the benchmark's impl of that name runs it: (q, k, v) [B, H, S, D] -> out."""
-    from .impls import make
-
-    fn = make(name).setup(var, case, torch.device("cuda"))
-    if name == "fa4-bhsd":
-        return fn
-    return lambda q, k, v: fn(*(t.transpose(1, 2).contiguous() for t in (q, k, v))).transpose(1, 2)
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def timeline(step, reps: int = 20) -> None:

@@ -222,6 +222,14 @@ def in_layout(sets: list[dict], layout: str) -> list[dict]:
             for s in sets]
 
 
+def for_pass(sets: list[dict], pass_: str) -> list[dict]:
+    """The sets as a pass takes them: the forward gets leaves that need no grad, as in inference
+    (torch Flex on the CPU insists)."""
+    if pass_ == "fwd":
+        return [{n: t.detach() for n, t in s.items()} for s in sets]
+    return sets
+
+
 def to_bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t if layout == "bhsd" else t.transpose(1, 2)
 
@@ -317,8 +325,7 @@ def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: R
     if impl.layout not in sets_by_layout:
         sets_by_layout[impl.layout] = in_layout(sets_by_layout["bhsd"], impl.layout)
     sets = sets_by_layout[impl.layout]
-    if pass_ == "fwd":  # leaves that need no grad, as in inference (torch Flex on CPU insists)
-        sets = [{n: t.detach() for n, t in s.items()} for s in sets]
+    sets = for_pass(sets, pass_)
     poison_allocator(case, args.device)
     mode = getattr(impl, "context", contextlib.nullcontext)  # flexjit's switches (impls.FLEXJIT_MODES)
     t0 = time.perf_counter()

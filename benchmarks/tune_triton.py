@@ -48,7 +48,7 @@ from flexjit.backends import triton as fj_triton
 
 from .impls import plan_mask
 from .reference import check, mask_density
-from .run import (FATAL_CUDA, Refs, call_once, environment, make_inputs, make_step, parse_list,
+from .run import (FATAL_CUDA, Refs, call_once, environment, for_pass, make_inputs, make_step, parse_list,
                   parse_sizes, poison_allocator, rotation_count, time_ms)
 from .variants import VARIANTS, Case, attention_flops, build, default_scale
 
@@ -225,7 +225,7 @@ class Sweep:
         q, k, v = (sets[0][n].detach() for n in "qkv")
         for pass_ in args.passes:
             flops = attention_flops(case, density, pass_)
-            pass_sets = sets if pass_ == "fwdbwd" else [{n: t.detach() for n, t in s.items()} for s in sets]
+            pass_sets = for_pass(sets, pass_)
             for opts, cfg, is_default in candidates(q, k, v, variant, block_mask, pass_, self.arch):
                 name = label(cfg) if "error" not in cfg else " ".join(f"{n}={x}" for n, x in opts.items())
                 row = {**base, "pass": pass_, "label": name,

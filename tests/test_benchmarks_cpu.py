@@ -66,3 +66,17 @@ def test_sass_compare_finds_the_forward_loop(capsys):
     table = out.split("per 64 query rows per thread")[1].splitlines()[2:]  # after the header
     rows = {line.split()[0]: float(line.split()[1]) for line in table if line.strip()}
     assert rows["HGMMA.64x128x16.F32.BF16"] == 16 and rows["MUFU.EX2"] >= 64, rows
+
+
+def test_profiling_tools_run_what_the_benchmark_runs(capsys):
+    # profile_one and host_profile (both in the GPU plan) build their calls from run.py's
+    # adapters, inputs and timed closure; on the CPU the reference backend stands in. profile_one
+    # reports the backend flexjit's dispatcher chose for the same inputs and mask.
+    from benchmarks import host_profile, profile_one
+    profile_one.main(["--device", "cpu", "--backend", "reference", "--variant", "alibi", "--S", "128",
+                      "--D", "64", "--iters", "1", "--pass", "fwdbwd"])
+    assert capsys.readouterr().out.strip().endswith("ran alibi S=128 on reference")
+    host_profile.main(["--device", "cpu", "--backend", "reference", "--variant", "causal",
+                       "--pass", "fwdbwd", "--calls", "3", "--top", "3"])
+    out = capsys.readouterr().out
+    assert out.startswith("causal fwdbwd on reference: ") and "flexjit" in out  # the profiled frames
