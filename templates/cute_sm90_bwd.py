@@ -1224,29 +1224,19 @@ def dq_order(block_lists) -> tuple:
     the BlockMask."""
     import torch
 
+    from flexjit.block_mask import _dense_to_ordered, _ordered_to_dense
+
     q_num, q_idx, fq_num, fq_idx = block_lists[4:]
     n_q = q_idx.shape[-1]
-    cols = torch.arange(n_q, device=q_idx.device)
-
-    def listed(num, idx):  # (Bm, Hm, nKV, nQ) 0/1: kv block n lists q block m
-        valid = cols < num.unsqueeze(-1)
-        out = torch.zeros(*idx.shape[:-1], n_q + 1, dtype=torch.int32, device=idx.device)
-        out.scatter_(-1, torch.where(valid, idx.long(), n_q), 1)
-        return out[..., :n_q]
-
-    part, full = listed(q_num, q_idx), listed(fq_num, fq_idx)
-    both = (part | full)
-    full_only = full & (1 - part)
-    keys = torch.where(both.bool(), cols, n_q + cols).sort(-1).values  # listed ones first, in order
-    present = keys < n_q
-    idx = torch.where(present, keys, 0)
-    num = both.sum(-1, dtype=torch.int32)
+    part, full = _ordered_to_dense(q_num, q_idx, n_q), _ordered_to_dense(fq_num, fq_idx, n_q)
+    both = part | full  # (Bm, Hm, nKV, nQ) 0/1: kv block n lists q block m
+    num, idx = _dense_to_ordered(both)  # listed q blocks first, in increasing order
+    present = torch.arange(n_q, device=idx.device) < num.unsqueeze(-1)
     after = torch.flip(torch.cumsum(torch.flip(both, [-2]), -2, dtype=torch.int32), [-2]) - both
-    rank = torch.where(present, torch.gather(after, -1, idx), 0)
-    flag = torch.where(present, torch.gather(full_only, -1, idx), 0)
-    as_i32 = (lambda t: t.to(torch.int32).contiguous())
-    q_lists = (as_i32(num), as_i32(idx), torch.zeros_like(as_i32(num)), torch.zeros_like(as_i32(idx)))
-    return q_lists, (as_i32(rank), as_i32(flag))
+    rank = torch.where(present, torch.gather(after, -1, idx.long()), 0).to(torch.int32)
+    flag = torch.where(present, torch.gather(full & (1 - part), -1, idx.long()), 0).to(torch.int32)
+    q_lists = (num, idx, torch.zeros_like(num), torch.zeros_like(idx))
+    return q_lists, (rank.contiguous(), flag.contiguous())
 
 
 def _block_args(cfg: BwdConfig, block_lists, q_order):
