@@ -295,19 +295,6 @@ def _unspecialized(names: list[str]) -> list[str]:
     return [n for n in names if not n.endswith("_ptr")]
 
 
-# Template arguments that follow the sequence lengths but gain nothing from Triton's
-# divisibility-by-16 specialisation (block-list strides and tile counts, read once per program):
-# specialised, S = 1024 vs 2048 (8 vs 16 mask blocks) compiled the kernels twice (seen on the
-# H200). The lists' innermost strides (always 1) stay specialised.
-_LENGTH_ARGS = {
-    "fwd": ["stride_nb", "stride_nh", "stride_nm", "stride_ib", "stride_ih", "stride_im",
-            "n_dense"],
-    "bwd": ["stride_kvnb", "stride_kvnh", "stride_kvnm", "stride_kvib", "stride_kvih",
-            "stride_kvim", "stride_qnb", "stride_qnh", "stride_qnn", "stride_qib", "stride_qih",
-            "stride_qin", "n_kv_tiles", "n_q_tiles", "n_dense_q", "n_dense_kv"],
-}
-
-
 def _score_roots(p: Program, with_derivatives: bool) -> list[tuple[str, Node]]:
     if p.score is None:
         return []
@@ -355,13 +342,14 @@ def render_holes(p: Program, which: str) -> dict[str, list[str]]:
     caps = capture_names(p)
     holes = {"CAPTURE_PARAMS": [", ".join(caps) + ","] if caps else [],
              "CAPTURE_ARGS": [", ".join(caps) + ","] if caps else []}
-    dns = _LENGTH_ARGS[which] + _unspecialized(caps)
+    dns = _unspecialized(caps)
     if which == "bwd":
         grads = grad_names(p)
         holes["GRAD_PARAMS"] = [", ".join(grads) + ","] if grads else []
         holes["GRAD_ARGS"] = holes["GRAD_PARAMS"]
         dns += _unspecialized(grads)
-    holes["DO_NOT_SPECIALIZE"] = [f"DO_NOT_SPECIALIZE = {dns!r}"]
+    # The template's own LENGTH_ARGS (block-list strides, tile counts) stay unspecialised too.
+    holes["DO_NOT_SPECIALIZE"] = [f"DO_NOT_SPECIALIZE = LENGTH_ARGS + {dns!r}"]
     score_low = _Lowering([n for _, n in _score_roots(p, which == "bwd")], "t")
     score_lines = score_low.assign(_score_roots(p, which == "bwd"))
     holes["SCORE_BWD" if which == "bwd" else "SCORE_MOD"] = score_lines
