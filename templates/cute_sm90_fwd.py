@@ -40,8 +40,8 @@ Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pi
   by TMA (rows >= L are clipped by the TMA unit). LSE (natural log, fp32) = (m·c + log2(Σp))·ln2.
   A row with no unmasked key gives O = 0 and LSE = -inf, never NaN.
 
-Persistent variant (``Tiling.persistent``, off by default)
---------------------------------------------------------
+Persistent variant (``Tiling.persistent``; the backend picks it for short kv loops)
+-------------------------------------------------------------------------------
 The grid is min(num_tiles, num_sms) CTAs (``num_sms`` is a runtime argument: the device's SM
 count on the host path, 132 for a CPU compile); CTA i runs tiles i, i + grid, i + 2·grid, ... in
 ``_tile_coords``'s order, so longest-first and the L2 sections still hold. The producer warp and
