@@ -16,6 +16,8 @@ import importlib
 
 import torch
 
+from .backends import capability
+
 BACKENDS = ("cute", "triton", "reference")
 _MODULES = {"cute": "flexjit.backends.cute_sm90", "triton": "flexjit.backends.triton",
             "reference": "flexjit.backends.reference"}
@@ -45,7 +47,7 @@ def arch_of(device: torch.device) -> str:
     """'cpu', 'sm80', 'sm90', 'sm100', ... for a tensor's device."""
     if device.type != "cuda":
         return device.type
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     return f"sm{major}{minor}"
 
 

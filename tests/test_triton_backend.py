@@ -23,6 +23,7 @@ import flexjit
 from flexjit import create_block_mask, flex_attention, mods
 from flexjit.api import prepare_call
 from flexjit.backends import triton as tb
+from flexjit.backends.triton_config import _fwd_config as _fresh_fwd_config
 from flexjit.ir import Op, uses
 from flexjit.trace import MASK_MOD, trace_mod
 from mods_catalog import CORE, case_and_oracle, lowered, make_case
@@ -377,7 +378,7 @@ def test_generated_source_cache_debug_and_dump(tmp_path, monkeypatch, capsys):
     dumped = list((tmp_path / "dump").glob("scaled__noop__*_fwd.py"))
     assert len(dumped) == 1 and dumped[0].read_text() == path.read_text()
     # A new process (an empty in-memory cache) imports the file again without re-rendering.
-    tb._MODULES.clear()
+    tb.forget_imported()
     renders = tb.STATS["render"]
     assert tb.load_module(prog, "fwd").__file__ == mod.__file__ and tb.STATS["render"] == renders
 
@@ -564,3 +565,28 @@ def test_captured_gradients_keep_the_spill_free_backward_tiles_on_sm90():
     grads = tb.bwd_config(90, torch.bfloat16, 128, 128, 8192, 8192, (128, 128), {}, captured_grads=True)
     assert (plain.BLOCK_M1, plain.BLOCK_N1) == (64, 128)
     assert (grads.BLOCK_M1, grads.BLOCK_N1, grads.BLOCK_M2, grads.BLOCK_N2) == (32, 128, 128, 32)
+
+
+# --------------------------------------------------------------------------- per-call host path
+
+
+def test_block_lists_are_remembered_until_a_list_is_replaced():
+    # The int32 lists the kernels read are built once per BlockMask; assigning a new list
+    # tensor to the mask must not serve the old one.
+    bm = create_block_mask(mods.causal(), 1, 1, 256, 256, device="cpu", BLOCK_SIZE=128)
+    first = tb._kv_lists(bm)
+    assert tb._kv_lists(bm) is first
+    bm.kv_num_blocks = torch.zeros_like(bm.kv_num_blocks)
+    rebuilt = tb._kv_lists(bm)
+    assert rebuilt is not first and int(rebuilt.num.sum()) == 0
+    assert torch.equal(rebuilt.idx, bm.kv_indices.to(torch.int32))
+
+
+def test_fwd_config_is_remembered_and_equal_to_a_fresh_one():
+    args = (90, torch.bfloat16, 128, 128, 2048, 2048, (128, 128))
+    a = tb.fwd_config(*args, {}, short_kv_loop=True)
+    assert tb.fwd_config(*args, {}, short_kv_loop=True) is a
+    assert a == _fresh_fwd_config(*args, {}, True)
+    # kernel_options with an unhashable value are answered, not cached
+    odd = {"BLOCK_M": 64, "note": ["unhashable"]}
+    assert tb.fwd_config(*args, odd).BLOCK_M == 64

@@ -42,6 +42,7 @@ import torch
 from .. import cache, cute_cache, ir
 from ..ir import DType, Node, Op
 from ..passes import Program, exact_float_nodes
+from . import capability
 
 _TYPES = {DType.FLOAT32: "Float32", DType.INT32: "Int32", DType.INT64: "Int64", DType.BOOL: "Boolean"}
 _HEAD_DIMS = (64, 128, 256)
@@ -379,7 +380,7 @@ def supports(call) -> tuple[bool, str]:
     q, k, v = call.q, call.k, call.v
     if q.device.type != "cuda":
         return False, f"needs a CUDA tensor, got {q.device.type}"
-    major, minor = torch.cuda.get_device_capability(q.device)
+    major, minor = capability(q.device)
     if (major, minor) != (9, 0):
         return False, f"the sm90 kernel needs Hopper (sm_90), this GPU is sm_{major}{minor}"
     if q.dtype not in (torch.float16, torch.bfloat16):

@@ -30,9 +30,10 @@ import os
 import torch
 
 from ..passes import Program
+from . import capability
 from .triton_cache import (  # noqa: F401  (re-exported)
-    _MODULES, STATS, cache_key, import_triton, interpret_env, interpreting, load_module,
-    triton_compiles,
+    _MODULES, STATS, cache_key, forget_imported, import_triton, interpret_env, interpreting,
+    load_module, triton_compiles,
 )
 from .triton_config import (  # noqa: F401  (re-exported)
     _BWD_TABLE, _FWD_TABLE, SHORT_KV_LOOP, BwdConfig, FwdConfig, _fwd_smem, bwd_config, fwd_config,
@@ -53,7 +54,7 @@ def arch_number(device: torch.device) -> int:
     """80, 90, 100, ... for a CUDA device; 80 for the interpreter (its tables are Ampere's)."""
     if device.type != "cuda":
         return 80
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability(device)
     return major * 10 + minor
 
 
@@ -97,6 +98,22 @@ class _Lists:
 
 def _i32(t):
     return None if t is None else t.to(torch.int32).contiguous()
+
+
+def _on_block_mask(bm, name: str, srcs: tuple, build):
+    """``build()``, remembered on the BlockMask for as long as its list attributes are the same
+    tensor objects (the lists are never changed in place; reassigning one rebuilds)."""
+    hit = bm.__dict__.get(name)
+    if hit is not None and all(a is b for a, b in zip(hit[0], srcs)):
+        return hit[1]
+    value = build()
+    setattr(bm, name, (srcs, value))
+    return value
+
+
+def _kv_lists(bm) -> _Lists:
+    srcs = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    return _on_block_mask(bm, "_triton_kv_lists", srcs, lambda: _Lists(*map(_i32, srcs)))
 
 
 @dataclasses.dataclass
@@ -233,13 +250,18 @@ def _q_lists(plan: Plan) -> _Lists:
     """The transposed block lists (per key block: the query blocks), for the dK/dV role."""
     if plan.q_lists is None:
         bm = plan.block_mask
-        qn, qi, fqn, fqi = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
-        if qn is None:
-            from ..block_mask import _transpose_ordered
-            qn, qi = _transpose_ordered(bm.kv_num_blocks, bm.kv_indices)
-            if bm.full_kv_num_blocks is not None:
-                fqn, fqi = _transpose_ordered(bm.full_kv_num_blocks, bm.full_kv_indices)
-        plan.q_lists = _Lists(_i32(qn), _i32(qi), _i32(fqn), _i32(fqi))
+        srcs = (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices,
+                bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+
+        def build():
+            qn, qi, fqn, fqi = srcs[:4]
+            if qn is None:  # a hand-built BlockMask without them: transpose (GPU work, once)
+                from ..block_mask import _transpose_ordered
+                qn, qi = _transpose_ordered(bm.kv_num_blocks, bm.kv_indices)
+                if bm.full_kv_num_blocks is not None:
+                    fqn, fqi = _transpose_ordered(bm.full_kv_num_blocks, bm.full_kv_indices)
+            return _Lists(_i32(qn), _i32(qi), _i32(fqn), _i32(fqi))
+        plan.q_lists = _on_block_mask(bm, "_triton_q_lists", srcs, build)
     return plan.q_lists
 
 
@@ -425,7 +447,7 @@ def supports(call) -> tuple[bool, str]:
     q = call.q
     interp = interpreting()
     if q.device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(q.device)
+        major, minor = capability(q.device)
         if (major, minor) < (7, 5):
             return False, f"Triton needs sm75 or newer, this GPU is sm{major}{minor}"
         if q.dtype == torch.bfloat16 and major < 8:
@@ -461,8 +483,7 @@ def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> P
     interp = q.device.type != "cuda" if interpret is None else interpret
     arch = arch_number(q.device) if arch is None else arch
     if bm is not None:
-        kv = _Lists(_i32(bm.kv_num_blocks), _i32(bm.kv_indices), _i32(bm.full_kv_num_blocks),
-                    _i32(bm.full_kv_indices))
+        kv = _kv_lists(bm)
         sparse = tuple(bm.BLOCK_SIZE)
     else:
         kv, sparse = _Lists(None, None, None, None), None

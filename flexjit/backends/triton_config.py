@@ -165,6 +165,25 @@ def fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: 
     """The forward's block config: table default, fitted to the mask blocks, lengths and smem;
     ``kernel_options`` (BLOCK_M, BLOCK_N, num_warps, num_stages, or fwd_-prefixed) override.
     ``short_kv_loop``: a block mask whose query blocks visit few keys (SHORT_KV_LOOP)."""
+    try:  # remembered: a training loop asks the same question every step
+        key = (arch, dtype, E, EV, L, S, sparse, tuple(sorted(opts.items())), short_kv_loop)
+        hit = _FWD_CONFIGS.get(key)
+    except TypeError:  # an unhashable kernel_options value
+        key = hit = None
+    if hit is None:
+        hit = _fwd_config(arch, dtype, E, EV, L, S, sparse, opts, short_kv_loop)
+        if key is not None:
+            if len(_FWD_CONFIGS) > 4096:
+                _FWD_CONFIGS.clear()
+            _FWD_CONFIGS[key] = hit
+    return hit
+
+
+_FWD_CONFIGS: dict[tuple, FwdConfig] = {}
+
+
+def _fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
+                short_kv_loop: bool) -> FwdConfig:
     e_pad, ev_pad = head_pad(E), head_pad(EV)
     bm, bn, warps, stages = _table_entry(_FWD_TABLE, _FWD_FP32, arch, dtype, max(e_pad, ev_pad),
                                          "short_kv_loop" if short_kv_loop else None)

@@ -267,8 +267,18 @@ def grad_slots(p: Program) -> list[int]:
 def buffer_ranks(p: Program) -> dict[int, int]:
     """slot -> rank of every captured tensor the graphs read. Taken from the IR (which the cache
     key covers), not from the tensors: a tensor no graph reads is not passed at all."""
-    roots = [r for r in (p.score, p.mask, p.dscore) if r is not None] + [g.grad for g in p.grad_loads]
-    return dict(sorted((n.arg[0], n.arg[1]) for n in ir.toposort(roots) if n.op is Op.BUFFER))
+    roots = tuple(r for r in (p.score, p.mask, p.dscore) if r is not None) + \
+        tuple(g.grad for g in p.grad_loads)
+    ranks = _RANKS.get(roots)  # graphs are interned: the same mods give the same roots
+    if ranks is None:
+        if len(_RANKS) > 4096:
+            _RANKS.clear()
+        ranks = _RANKS[roots] = dict(sorted((n.arg[0], n.arg[1]) for n in ir.toposort(list(roots))
+                                            if n.op is Op.BUFFER))
+    return ranks
+
+
+_RANKS: dict[tuple, dict[int, int]] = {}
 
 
 def capture_names(p: Program) -> list[str]:
