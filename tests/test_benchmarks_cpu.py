@@ -80,3 +80,20 @@ def test_profiling_tools_run_what_the_benchmark_runs(capsys):
                        "--pass", "fwdbwd", "--calls", "3", "--top", "3"])
     out = capsys.readouterr().out
     assert out.startswith("causal fwdbwd on reference: ") and "flexjit" in out  # the profiled frames
+
+
+def test_ncu_summary_reads_profile_kernels_output():
+    # The recorded s4 forward profile: one row per kernel, with the numbers ncu printed.
+    from pathlib import Path
+
+    from benchmarks import ncu_summary
+    raw = Path(__file__).parent.parent / "benchmarks/results/2026-11-30-gpu-s4-ncu/ncu_fwd.txt"
+    rows = ncu_summary.parse(raw.read_text())
+    assert [r["case"] for r in rows] == ["cute:full:8192:fwd", "fa4-bhsd:full:8192:fwd",
+                                         "cute:causal:8192:fwd", "cute:alibi:8192:fwd",
+                                         "cute:document:8192:fwd", "cute:sliding_window:8192:fwd"]
+    ours, fa4 = rows[0], rows[1]
+    assert ours["kernel"] == "FlexAttentionFwdSm90" and fa4["kernel"] == "FlashAttentionForwardSm90"
+    assert (ours["duration"], fa4["duration"], ours["regs"]) == (1530.0, 1510.0, 168.0)
+    assert rows[3]["tensor"] == 57.41 and rows[3]["xu"] == 30.33  # ALiBi
+    assert "| cute:alibi:8192:fwd | FlexAttentionFwdSm90 | 1010 |" in ncu_summary.table(rows)
