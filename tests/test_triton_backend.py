@@ -590,3 +590,11 @@ def test_fwd_config_is_remembered_and_equal_to_a_fresh_one():
     # kernel_options with an unhashable value are answered, not cached
     odd = {"BLOCK_M": 64, "note": ["unhashable"]}
     assert tb.fwd_config(*args, odd).BLOCK_M == 64
+
+
+def test_bwd_config_is_remembered_and_equal_to_a_fresh_one():
+    from flexjit.backends.triton_config import _bwd_config
+    args = (90, torch.bfloat16, 128, 128, 2048, 2048, (128, 128))
+    a = tb.bwd_config(*args, {}, captured_grads=True)
+    assert tb.bwd_config(*args, {}, captured_grads=True) is a
+    assert a == _bwd_config(*args, {}, True) and a != tb.bwd_config(*args, {}, captured_grads=False)
