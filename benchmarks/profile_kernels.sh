@@ -6,7 +6,7 @@
 #   bash benchmarks/profile_kernels.sh $OUT/ncu.txt [case ...]
 #
 # A case is backend:variant:S:pass (e.g. cute:causal:8192:fwd; backend fa4-bhsd profiles FA4's own
-# kernel on the same memory layout, forward only). Per kernel: Speed Of Light,
+# kernels on the same memory layout: its forward, or its backward's three kernels). Per kernel: Speed Of Light,
 # warp stall reasons, and every pipe's utilisation (tensor = wgmma/mma, xu = MUFU: exp2, tanh,
 # int<->float conversions; fma/alu = FP32/integer) and issue-slot use.
 set -u
@@ -27,7 +27,11 @@ for c in "${cases[@]}"; do
     sel=(-k "regex:flex_fwd|FlexAttentionFwd|FlashAttentionForward" -s 2 -c 1)
   else
     # Three forward+backward calls: profile every backward kernel of the second.
-    if [ "$backend" = cute ]; then sel=(-k "regex:Bwd" -s 3 -c 3); else sel=(-k "regex:flex_bwd" -s 2 -c 2); fi
+    case $backend in
+      cute) sel=(-k "regex:Bwd" -s 3 -c 3) ;;  # pre, main, post
+      fa4*) sel=(-k "regex:FlashAttentionBackward" -s 3 -c 3) ;;  # FA4's pre, main, post
+      *) sel=(-k "regex:flex_bwd" -s 2 -c 2) ;;
+    esac
   fi
   echo "=== $c" >>"$out"
   timeout 150 ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
