@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The next GPU session's measurements, in three device calls of < 10 minutes each, written so
-# that each call returns ONE file ($OUT/stageN.tgz: the device returns at most 8 files).
+# A whole GPU session's measurements in three device calls of < 10 minutes each, written so that
+# each call returns ONE file ($OUT/stageN.tgz: the device returns at most 8 files). The fourth
+# session ran it as is (benchmarks/results/2026-11-30-gpu-s4-NOTES.md: ~15 of the 30 minutes).
 #
 #   source .devbundle/env.sh && export PYTHONPATH=$PWD:$PWD/tests:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc &&
 #   FLEXJIT_GIT_SHA=<commit> bash benchmarks/gpu_plan.sh 1 $OUT     # then 2, then 3
