@@ -165,6 +165,19 @@ class BlockMask:
         total = math.prod(self.kv_indices.shape[:-2]) * self.kv_indices.shape[-2] * self.kv_indices.shape[-1]
         return 100.0 * (1 - computed / max(total, 1))
 
+    def derived(self, name: str, build):
+        """``build()``, remembered on this BlockMask while its list tensors are the same objects
+        (what kernels derive from the lists: int32 copies, transposes, orders). The lists are
+        never changed in place; assigning a new tensor to a list attribute rebuilds."""
+        lists = tuple(getattr(self, a) for a in self._TENSOR_ATTRS)
+        memo = self.__dict__.setdefault("_derived", {})
+        hit = memo.get(name)
+        if hit is not None and all(a is b for a, b in zip(hit[0], lists)):
+            return hit[1]
+        value = build()
+        memo[name] = (lists, value)
+        return value
+
     def mean_kv_tokens(self) -> float:
         """Mean number of keys a query block visits (listed partial + full blocks × block width):
         how long a kernel's kv loop is, which picks its schedule. Remembered (a BlockMask's lists

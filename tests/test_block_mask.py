@@ -185,3 +185,17 @@ def test_mean_kv_tokens_is_known_without_a_device_sync():
     hand = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices)
     assert not hasattr(hand, "_mean_kv_tokens")
     assert hand.mean_kv_tokens() == pytest.approx(4 / 4 * 128) and hasattr(hand, "_mean_kv_tokens")
+
+
+def test_derived_values_follow_the_list_tensors():
+    # What a kernel derives from the lists is remembered per BlockMask, and rebuilt when a list
+    # attribute is given a new tensor (never a stale derivation).
+    bm = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=128)
+    builds = []
+    total = lambda: builds.append(1) or int(bm.kv_num_blocks.sum())  # noqa: E731
+    partial = 2  # causal over 2 x 2 blocks: the diagonal ones
+    assert bm.derived("total", total) == partial and bm.derived("total", total) == partial
+    assert len(builds) == 1
+    bm.kv_num_blocks = torch.zeros_like(bm.kv_num_blocks)
+    assert bm.derived("total", total) == 0 and len(builds) == 2
+    assert bm.to("cpu").derived("total", total) == 0 and len(builds) == 3  # a new BlockMask

@@ -567,11 +567,8 @@ def block_sparse_args(bm):
         return None
     full_num, full_idx = bm.full_kv_num_blocks, bm.full_kv_indices
     if full_num is None:  # empty full lists, made once per BlockMask rather than per call
-        zeros = getattr(bm, "_cute_no_full_lists", None)
-        if zeros is None:
-            zeros = bm._cute_no_full_lists = (torch.zeros_like(bm.kv_num_blocks),
-                                              torch.zeros_like(bm.kv_indices))
-        full_num, full_idx = zeros
+        full_num, full_idx = bm.derived("cute_no_full_lists", lambda: (
+            torch.zeros_like(bm.kv_num_blocks), torch.zeros_like(bm.kv_indices)))
     return (bm.kv_num_blocks, bm.kv_indices, full_num, full_idx)
 
 
@@ -632,9 +629,10 @@ def bwd_block_lists(bm):
     full lists; transposed lists derived when the BlockMask lacks them). Kept on the BlockMask."""
     if bm is None:
         return None
-    cached = getattr(bm, "_cute_bwd_lists", None)
-    if cached is not None:
-        return cached
+    return bm.derived("cute_bwd_lists", lambda: _bwd_block_lists(bm))
+
+
+def _bwd_block_lists(bm):
     from ..block_mask import _transpose_ordered
     kv = block_sparse_args(bm)
     qn, qi, fqn, fqi = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
@@ -645,17 +643,12 @@ def bwd_block_lists(bm):
             fqn, fqi = _transpose_ordered(bm.full_kv_num_blocks, bm.full_kv_indices)
         else:
             fqn, fqi = torch.zeros_like(qn), torch.zeros_like(qi)
-    lists = tuple(t.to(torch.int32).contiguous() for t in (*kv, qn, qi, fqn, fqi))
-    bm._cute_bwd_lists = lists
-    return lists
+    return tuple(t.to(torch.int32).contiguous() for t in (*kv, qn, qi, fqn, fqi))
 
 
 def _dq_order(bm, lists):
     """Deterministic mode's merged q lists and dQ accumulation order, once per BlockMask."""
-    order = getattr(bm, "_cute_dq_order", None)
-    if order is None:
-        order = bm._cute_dq_order = _bwd_template().dq_order(lists)
-    return order
+    return bm.derived("cute_dq_order", lambda: _bwd_template().dq_order(lists))
 
 
 _COMPILED_BWD: dict[tuple, object] = {}

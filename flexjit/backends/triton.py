@@ -100,20 +100,9 @@ def _i32(t):
     return None if t is None else t.to(torch.int32).contiguous()
 
 
-def _on_block_mask(bm, name: str, srcs: tuple, build):
-    """``build()``, remembered on the BlockMask for as long as its list attributes are the same
-    tensor objects (the lists are never changed in place; reassigning one rebuilds)."""
-    hit = bm.__dict__.get(name)
-    if hit is not None and all(a is b for a, b in zip(hit[0], srcs)):
-        return hit[1]
-    value = build()
-    setattr(bm, name, (srcs, value))
-    return value
-
-
 def _kv_lists(bm) -> _Lists:
-    srcs = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
-    return _on_block_mask(bm, "_triton_kv_lists", srcs, lambda: _Lists(*map(_i32, srcs)))
+    return bm.derived("triton_kv_lists", lambda: _Lists(
+        _i32(bm.kv_num_blocks), _i32(bm.kv_indices), _i32(bm.full_kv_num_blocks), _i32(bm.full_kv_indices)))
 
 
 @dataclasses.dataclass
@@ -250,18 +239,16 @@ def _q_lists(plan: Plan) -> _Lists:
     """The transposed block lists (per key block: the query blocks), for the dK/dV role."""
     if plan.q_lists is None:
         bm = plan.block_mask
-        srcs = (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices,
-                bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
 
         def build():
-            qn, qi, fqn, fqi = srcs[:4]
+            qn, qi, fqn, fqi = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
             if qn is None:  # a hand-built BlockMask without them: transpose (GPU work, once)
                 from ..block_mask import _transpose_ordered
                 qn, qi = _transpose_ordered(bm.kv_num_blocks, bm.kv_indices)
                 if bm.full_kv_num_blocks is not None:
                     fqn, fqi = _transpose_ordered(bm.full_kv_num_blocks, bm.full_kv_indices)
             return _Lists(_i32(qn), _i32(qi), _i32(fqn), _i32(fqi))
-        plan.q_lists = _on_block_mask(bm, "_triton_q_lists", srcs, build)
+        plan.q_lists = bm.derived("triton_q_lists", build)
     return plan.q_lists
 
 
