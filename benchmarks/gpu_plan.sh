@@ -6,8 +6,7 @@
 #   source .devbundle/env.sh && export PYTHONPATH=$PWD:$PWD/tests:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc &&
 #   FLEXJIT_GIT_SHA=<commit> bash benchmarks/gpu_plan.sh 1 $OUT     # then 2, then 3
 #
-# 1: the GPU tests of code no GPU has run yet (tests/gpu.sh new: ~36 forward and a few backward
-#    compiles, most of the call).
+# 1: the GPU tests of code no GPU has run yet (tests/gpu.sh new; up to 530 s of pytest).
 # 2: the full benchmark with the final code, forward and forward+backward, every baseline, and
 #    deterministic mode beside the default (issues #4, #5, #6: numbers from one run).
 # 3: ncu where targets are missed: the sm90 forward (full beside FA4's own kernel on the same

@@ -22,11 +22,15 @@ run() {  # run LIMIT_S pytest-args...
 }
 case $batch in
   new)
-    # The newest code's GPU tests; point it at the next change before its first GPU run. Last:
-    # ALiBi's bias as one FFMA per score (kv_minus_q_parts), forward and backward, and the core
-    # list at D=128 (passed in the fourth session: 38/38 and 10/10).
-    run 320 tests/test_cute_gpu.py -k "alibi or core_mods"
-    run 200 tests/test_cute_sm90_bwd_gpu.py -k "alibi or captured"
+    # The newest code's GPU tests; point it at the next change before its first GPU run. Now:
+    # BlockMask.derived (the block lists every backend derives, rebuilt when a list is replaced)
+    # and the memoised Triton host path, which came after the fourth session's last GPU call:
+    # the cute forward's block-sparse and lists-without-full-blocks paths, the sm90 backward's
+    # lists and deterministic order, and the Triton kernels through the API (fwd, bwd, compile
+    # counting). The earlier batch (ALiBi as one FFMA, the core list) passed in that session.
+    run 190 tests/test_cute_gpu.py -k "core_mods or q_len or causal_16k"
+    run 150 tests/test_cute_sm90_bwd_gpu.py -k "determin or mask_mod_without or autograd or empty_kv"
+    run 190 tests/test_triton_gpu.py -k "core_mods or compiles_are_counted or dispatch"
     ;;
   cute)
     run 330 tests/test_cute_gpu.py tests/test_cute_cache.py
