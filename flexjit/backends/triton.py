@@ -101,8 +101,10 @@ def _i32(t):
 
 
 def _kv_lists(bm) -> _Lists:
+    """The kv block lists as the kernels read them, built once per BlockMask."""
     return bm.derived("triton_kv_lists", lambda: _Lists(
-        _i32(bm.kv_num_blocks), _i32(bm.kv_indices), _i32(bm.full_kv_num_blocks), _i32(bm.full_kv_indices)))
+        _i32(bm.kv_num_blocks), _i32(bm.kv_indices),
+        _i32(bm.full_kv_num_blocks), _i32(bm.full_kv_indices)))
 
 
 @dataclasses.dataclass

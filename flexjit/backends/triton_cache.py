@@ -56,6 +56,8 @@ def forget_imported() -> None:
     """Drop the in-memory modules (as a new process starts): the next load reads the disk cache."""
     _MODULES.clear()
     _BY_PROGRAM.clear()
+
+
 _TMP_DIR: list[Path] = []
 
 
