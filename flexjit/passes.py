@@ -369,29 +369,18 @@ def _float_index_node(n: Node, srcs: tuple[Node, ...]) -> Node:
 
 
 def _float_index_graphs(score, mask, dscore, grad_loads: tuple) -> tuple:
-    """The four graphs of a program with index sums cast as float moved onto the leaves (the
-    loads of ``grad_loads`` are rewritten with the rest, so they stay the graph's nodes)."""
+    """``float(kv_idx - q_idx)`` -> ``float(kv_idx) - float(q_idx)`` in a program's four graphs,
+    exact while every index is below FLOAT_INDEX_LIMIT (the caller checks the lengths). Kernels
+    then convert each index once per row or column (Triton: a 1-D vector; CuTe: one base plus
+    constants) instead of once per score element: an int->float conversion runs at the MUFU's
+    quarter rate on Hopper, beside exp2, so ALiBi's conversions were as costly as its softmax.
+    The loads of ``grad_loads`` are rewritten with the rest, so they stay the graph's nodes."""
     roots = [r for r in (score, mask, dscore) if r is not None]
     roots += [g.load for g in grad_loads] + [g.grad for g in grad_loads]
     new = iter(rewrite(roots, _float_index_node))
     score, mask, dscore = [next(new) if r is not None else None for r in (score, mask, dscore)]
     loads = [next(new) for _ in grad_loads]
     return score, mask, dscore, tuple(GradLoad(ld, next(new)) for ld in loads)
-
-
-def float_indices(p: Program) -> Program:
-    """``float(kv_idx - q_idx)`` -> ``float(kv_idx) - float(q_idx)``, exact while every index
-    is below FLOAT_INDEX_LIMIT (the caller checks the lengths). Kernels then convert each
-    index once per row or column (Triton: a 1-D vector; CuTe: one base plus constants) instead
-    of once per score element: an int->float conversion runs at the MUFU's quarter rate on
-    Hopper, beside exp2, so ALiBi's conversions were as costly as its softmax. ``lower`` applies
-    it inside its memoised pipeline (``float_index=True``); this is the same rewrite of a given
-    Program."""
-    graphs = _float_index_graphs(p.score, p.mask, p.dscore, p.grad_loads)
-    if graphs == (p.score, p.mask, p.dscore, p.grad_loads):
-        return p
-    score, mask, dscore, grad_loads = graphs
-    return dataclasses.replace(p, score=score, mask=mask, dscore=dscore, grad_loads=grad_loads)
 
 
 def _loads(root: Node) -> list[Node]:
@@ -404,8 +393,8 @@ def lower(score: TracedMod | None, mask: TracedMod | None, float_index: bool = F
     The graph work depends only on the traced IR (interned, so identity is structure), the
     number of captures before the mask's and which loads are learnable; it is memoised on
     exactly that, so a call with the same mods costs a dictionary lookup. ``float_index``: also
-    move float casts of index sums onto the leaves (``float_indices``; the caller checks that
-    every length is below FLOAT_INDEX_LIMIT)."""
+    move float casts of index sums onto the leaves (``_float_index_graphs``; the caller checks
+    that every length is below FLOAT_INDEX_LIMIT)."""
     buffers = tuple((score.buffers if score else []) + (mask.buffers if mask else []))
     scalars = tuple((score.scalars if score else []) + (mask.scalars if mask else []))
     n_score_bufs = len(score.buffers) if score else 0

@@ -309,14 +309,15 @@ def test_unfingerprintable_captures_are_traced_every_call():
 
 
 def _casts_of_sums(p):
-    """CAST-to-float nodes whose operand is not an index leaf (what float_indices removes)."""
+    """CAST-to-float nodes whose operand is not an index leaf (what the float-index rewrite
+    removes)."""
     roots = [r for r in (p.score, p.mask, p.dscore) if r is not None]
     return [n for n in ir.toposort(roots)
             if n.op is Op.CAST and n.dtype.is_float and n.src[0].op not in ir.INDEX_LEAVES]
 
 
 def test_float_indices_moves_casts_onto_the_leaves():
-    from flexjit.passes import float_indices, lower
+    from flexjit.passes import lower
     slopes = torch.rand(4)
 
     def alibi(score, b, h, q_idx, kv_idx):
@@ -324,7 +325,7 @@ def test_float_indices_moves_casts_onto_the_leaves():
 
     p = lower(trace_mod(alibi, SCORE_MOD), None)
     assert len(_casts_of_sums(p)) == 1
-    f = float_indices(p)
+    f = lower(trace_mod(alibi, SCORE_MOD), None, float_index=True)
     assert _casts_of_sums(f) == [] and f.key != p.key
     # The same values, element for element, as the integer form (exact below the limit).
     q, kv = torch.meshgrid(torch.arange(300), torch.arange(300), indexing="ij")
@@ -336,7 +337,7 @@ def test_float_indices_moves_casts_onto_the_leaves():
 
 
 def test_float_indices_leaves_other_integer_math_alone():
-    from flexjit.passes import float_indices, lower
+    from flexjit.passes import lower
 
     def products(score, b, h, q_idx, kv_idx):  # a product, a floor division: not index sums
         return score + (q_idx * kv_idx) * 1e-6 + (q_idx // 7) * 0.5
@@ -346,7 +347,8 @@ def test_float_indices_leaves_other_integer_math_alone():
 
     for mod in (products, three_terms):
         p = lower(trace_mod(mod, SCORE_MOD), None)
-        assert float_indices(p) is p
+        f = lower(trace_mod(mod, SCORE_MOD), None, float_index=True)
+        assert (f.score, f.mask, f.dscore, f.grad_loads) == (p.score, p.mask, p.dscore, p.grad_loads)
 
 
 def test_long_sequences_keep_integer_index_math():

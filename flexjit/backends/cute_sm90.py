@@ -146,7 +146,7 @@ def _load(n: Node, a: list[str]) -> str:
 _LEAVES = {Op.SCORE: "score", Op.B: "b", Op.H: "h", Op.Q_IDX: "q_idx", Op.KV_IDX: "kv_idx"}
 # float(q_idx) and float(kv_idx) arrive as arguments: the kernel forms them as one converted
 # base plus compile-time offsets, where a conversion per score element would load the MUFU
-# pipe as much as exp2 does (see passes.float_indices).
+# pipe as much as exp2 does (see passes._float_index_graphs).
 _FLOAT_LEAVES = {Op.Q_IDX: "q_idx_f", Op.KV_IDX: "kv_idx_f"}
 
 
