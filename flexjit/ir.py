@@ -222,6 +222,23 @@ def uses(root: Node, op: Op) -> bool:
     return any(n.op is op for n in walk(root))
 
 
+def varies_with(n: Node, memo: dict) -> frozenset:
+    """Which of q_idx / kv_idx (the score counts as both) a value varies with inside one
+    (batch, head): empty for a value uniform over an attention tile. ``memo`` is shared across
+    calls on the same graphs."""
+    if id(n) not in memo:
+        if n.op is Op.Q_IDX:
+            d = frozenset({"q"})
+        elif n.op is Op.KV_IDX:
+            d = frozenset({"kv"})
+        elif n.op is Op.SCORE:
+            d = frozenset({"q", "kv"})
+        else:
+            d = frozenset().union(*[varies_with(s, memo) for s in n.src]) if n.src else frozenset()
+        memo[id(n)] = d
+    return memo[id(n)]
+
+
 def promote(*dtypes: DType) -> DType:
     """Result dtype of an arithmetic op: float beats int beats bool; int64 beats int32."""
     if any(d.is_float for d in dtypes):

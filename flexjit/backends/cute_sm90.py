@@ -175,25 +175,16 @@ def _is_kv_minus_q(n: Node) -> bool:
     return n.op is Op.SUB and _float_index_pair(n) == (Op.KV_IDX, Op.Q_IDX)
 
 
-def _varying(roots) -> set[int]:
-    """ids of the nodes whose value can differ between the elements of a tile (they read q_idx,
-    kv_idx or the score)."""
-    out: set[int] = set()
-    for n in ir.toposort(list(roots)):
-        if n.op in (Op.SCORE, Op.Q_IDX, Op.KV_IDX) or any(id(s) in out for s in n.src):
-            out.add(id(n))
-    return out
-
-
-def _scaled_kv_minus_q(n: Node, varying: set[int]):
+def _scaled_kv_minus_q(n: Node, memo: dict):
     """For ``X * float(kv - q)`` (either order) with X the same for every element of a tile
-    (ALiBi's slope): X's node, else None. The kernel forms it as fma(X, offset, X * base)."""
+    (ALiBi's slope): X's node, else None. The kernel forms it as fma(X, offset, X * base).
+    ``memo``: ``ir.varies_with``'s."""
     if n.op is not Op.MUL or not n.dtype.is_float:
         return None
     a, b = n.src
-    if _is_kv_minus_q(b) and id(a) not in varying:
+    if _is_kv_minus_q(b) and not ir.varies_with(a, memo):
         return a
-    if _is_kv_minus_q(a) and id(b) not in varying:
+    if _is_kv_minus_q(a) and not ir.varies_with(b, memo):
         return b
     return None
 
@@ -203,7 +194,7 @@ def _render_body(roots) -> tuple[list[str], dict[int, str]]:
     names: dict[int, str] = {}
     body: list[str] = []
     exact = exact_float_nodes(list(roots))
-    varying = _varying(roots)
+    varies = {}  # ir.varies_with's memo
     for n in ir.toposort(list(roots)):
         if n.op in _LEAVES:
             names[id(n)] = _LEAVES[n.op]
@@ -219,7 +210,7 @@ def _render_body(roots) -> tuple[list[str], dict[int, str]]:
             names[id(n)] = ""
         else:
             args = [names[id(s)] for s in n.src]
-            scale = _scaled_kv_minus_q(n, varying)
+            scale = _scaled_kv_minus_q(n, varies)
             if scale is not None:  # X * (base + offset) as one FFMA; X * base is shared
                 x = names[id(scale)]
                 expr = f"cute.fma({x}, kv_minus_q_parts[1], {x} * kv_minus_q_parts[0])"
@@ -325,7 +316,7 @@ def render_captured_grads(program: Program) -> str:
     parts.append(f"score_grads.unit_dscore = {unit}\n\n")
     index_roots = [i for g in program.grad_loads for i in g.load.src[1:]]
     body, names = _render_body(index_roots)
-    offsets, uniform = [], []
+    offsets, uniform, varies = [], [], {}
     for j, g in enumerate(program.grad_loads):
         t = f"aux.tensors[{g.slot}]"
         idx = g.load.src[1:]
@@ -336,7 +327,7 @@ def render_captured_grads(program: Program) -> str:
             term = f"_index({names[id(i)]}, {t}.shape[{d}])"
             body.append(f"    {var} = {term}" if d == 0 else f"    {var} = {var} * {t}.shape[{d}] + {term}")
         offsets.append(var)
-        uniform.append(not any(n.op in (Op.Q_IDX, Op.KV_IDX) for n in ir.toposort(list(idx))))
+        uniform.append(not any(ir.varies_with(i, varies) for i in idx))
     body.append(f"    return {', '.join(offsets)},")
     parts.append(_wrap("grad_offsets", params, body))
     slots = grad_slots(program)

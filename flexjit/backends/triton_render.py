@@ -70,21 +70,6 @@ def _positive_const(n: Node) -> bool:
     return n.op is Op.CONST and not isinstance(n.arg, bool) and n.arg > 0
 
 
-def _depends(n: Node, memo: dict) -> frozenset:
-    """Which of q_idx / kv_idx (or the score, meaning both) a value varies with."""
-    if id(n) not in memo:
-        if n.op is Op.Q_IDX:
-            d = frozenset({"q"})
-        elif n.op is Op.KV_IDX:
-            d = frozenset({"kv"})
-        elif n.op is Op.SCORE:
-            d = frozenset({"q", "kv"})
-        else:
-            d = frozenset().union(*[_depends(s, memo) for s in n.src]) if n.src else frozenset()
-        memo[id(n)] = d
-    return memo[id(n)]
-
-
 _TL_TYPE = {DType.BOOL: "tl.int1", DType.INT32: "tl.int32", DType.INT64: "tl.int64",
             DType.FLOAT32: "tl.float32"}
 _FLOAT_STORAGE = ("float16", "bfloat16", "float32", "float64")
@@ -329,7 +314,7 @@ def _grad_atomics(p: Program, low: _Lowering) -> list[str]:
         val = "ds" if grad.op is Op.CONST and grad.arg == 1.0 else f"ds * dload{i}"
         off = " + ".join(f"{ix} * gbuf{load.slot}_stride{d}" for d, ix in enumerate(load.indices))
         ptr = f"gbuf{load.slot}_ptr + {off}" if off else f"gbuf{load.slot}_ptr"
-        deps = frozenset().union(*[_depends(s, memo) for s in g.load.src[1:]]) if g.load.src[1:] \
+        deps = frozenset().union(*[ir.varies_with(s, memo) for s in g.load.src[1:]]) if g.load.src[1:] \
             else frozenset()
         lines.append(f"gv{i} = {val}")
         lines.append("if NEED_KEEP:")
