@@ -32,7 +32,7 @@ import torch
 from ..passes import Program
 from . import capability
 from .triton_cache import (  # noqa: F401  (re-exported)
-    _MODULES, STATS, cache_key, forget_imported, import_triton, interpret_env, interpreting,
+    STATS, cache_key, forget_imported, import_triton, interpret_env, interpreting,
     load_module, triton_compiles,
 )
 from .triton_config import (  # noqa: F401  (re-exported)

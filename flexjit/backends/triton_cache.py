@@ -47,15 +47,14 @@ def cache_key(p: Program, which: str) -> str:
     return cache.kernel_key(p.key, f"triton-{which}", (), "any")
 
 
-_MODULES: dict[tuple[str, bool], object] = {}
-# (Program.key, template, interpret) -> module: the toolchain cannot change inside a process
-_BY_PROGRAM: dict[tuple[str, str, bool], object] = {}
+# (Program.key, template, interpret) -> module. The toolchain half of ``cache_key`` cannot
+# change inside a process, so the Program's key alone finds the module: no hash per call.
+_MODULES: dict[tuple[str, str, bool], object] = {}
 
 
 def forget_imported() -> None:
     """Drop the in-memory modules (as a new process starts): the next load reads the disk cache."""
     _MODULES.clear()
-    _BY_PROGRAM.clear()
 
 
 _TMP_DIR: list[Path] = []
@@ -125,15 +124,11 @@ def import_triton():
 def load_module(p: Program, which: str, interpret: bool | None = None):
     """The imported generated module for (program, template), rendering it on a miss."""
     interpret = interpreting() if interpret is None else interpret
-    mod = _BY_PROGRAM.get((p.key, which, interpret))
+    mod = _MODULES.get((p.key, which, interpret))
     if mod is not None:  # the per-call path: no toolchain hash, no file system
         return mod
     import_triton()
     key = cache_key(p, which)
-    mod = _MODULES.get((key, interpret))
-    if mod is not None:
-        _BY_PROGRAM[(p.key, which, interpret)] = mod
-        return mod
     path = _source_dir() / f"{key}.py"
     if not path.exists():
         source = render(p, which)
@@ -154,8 +149,7 @@ def load_module(p: Program, which: str, interpret: bool | None = None):
     if interpret:
         mod.libdevice = _interpreter_libdevice()
     STATS["import"] += 1
-    _MODULES[(key, interpret)] = mod
-    _BY_PROGRAM[(p.key, which, interpret)] = mod
+    _MODULES[(p.key, which, interpret)] = mod
     return mod
 
 
