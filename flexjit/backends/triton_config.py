@@ -5,11 +5,12 @@ What this module holds
 * ``FwdConfig`` / ``BwdConfig``: the forward's (BLOCK_M, BLOCK_N) and the backward's two roles'
   tiles (BLOCK_M1, BLOCK_N1 for dK/dV; BLOCK_M2, BLOCK_N2 for dQ), with warps and stages.
 * The static tables per (arch class, 16-bit inputs, padded head dim): ``_FWD_TABLE``,
-  ``_BWD_TABLE`` (and the fp32 ones), with why each entry was chosen; ``_FWD_SHORT_SM90`` and
-  ``SHORT_KV_LOOP`` for block masks with short kv loops.
+  ``_BWD_TABLE`` (and the fp32 ones), with why each entry was chosen; entries with a kind
+  ("short_kv_loop" for block masks with short kv loops, see ``SHORT_KV_LOOP``; "captured_grads").
 * ``fwd_config`` / ``bwd_config``: a table entry fitted to the mask's block size, the sequence
   lengths and shared memory (``smem_limit``, ``_fwd_smem``, ``_bwd_smem``: Triton keeps
-  ``num_stages`` buffers), then overridden by ``kernel_options``; ``head_pad``.
+  ``num_stages`` buffers), then overridden by ``kernel_options``; remembered by their arguments
+  (``_remembered``); ``head_pad``.
 """
 from __future__ import annotations
 
