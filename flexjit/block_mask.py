@@ -169,27 +169,33 @@ class BlockMask:
         """``build()``, remembered on this BlockMask while its list tensors are the same objects
         (what kernels derive from the lists: int32 copies, transposes, orders). The lists are
         never changed in place; assigning a new tensor to a list attribute rebuilds."""
+        hit = self._remembered(name)
+        if hit is not None:
+            return hit
+        value = build()
         lists = tuple(getattr(self, a) for a in self._TENSOR_ATTRS)
-        memo = self.__dict__.setdefault("_derived", {})
-        hit = memo.get(name)
+        self.__dict__.setdefault("_derived", {})[name] = (lists, value)
+        return value
+
+    def _remembered(self, name: str):
+        """``derived``'s value for ``name`` if it is still valid, else None (nothing computed)."""
+        hit = self.__dict__.get("_derived", {}).get(name)
+        lists = tuple(getattr(self, a) for a in self._TENSOR_ATTRS)
         if hit is not None and all(a is b for a, b in zip(hit[0], lists)):
             return hit[1]
-        value = build()
-        memo[name] = (lists, value)
-        return value
+        return None
 
     def mean_kv_tokens(self) -> float:
         """Mean number of keys a query block visits (listed partial + full blocks × block width):
-        how long a kernel's kv loop is, which picks its schedule. Remembered (a BlockMask's lists
-        are not changed in place); ``create_block_mask`` computes it on its CPU lists, so only a
+        how long a kernel's kv loop is, which picks its schedule. Remembered (``derived``);
+        ``create_block_mask`` computes it on its CPU lists and ``to`` carries it, so only a
         BlockMask built by hand from device tensors pays one sync, on its first use."""
-        cached = getattr(self, "_mean_kv_tokens", None)
-        if cached is None:
+        def mean() -> float:
             blocks = self.kv_num_blocks.float().mean()
             if self.full_kv_num_blocks is not None:
                 blocks = blocks + self.full_kv_num_blocks.float().mean()
-            cached = self._mean_kv_tokens = float(blocks.item()) * self.BLOCK_SIZE[1]
-        return cached
+            return float(blocks.item()) * self.BLOCK_SIZE[1]
+        return self.derived("mean_kv_tokens", mean)
 
     def to_dense(self) -> torch.Tensor:
         """(B, H, nQ, nKV) int32: 1 where a block is listed (partial or full)."""
@@ -250,8 +256,9 @@ class BlockMask:
         """A copy with every tensor on ``device``."""
         moved = [None if getattr(self, a) is None else getattr(self, a).to(device) for a in self._TENSOR_ATTRS]
         out = BlockMask(self.seq_lengths, *moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
-        if hasattr(self, "_mean_kv_tokens"):  # same lists, same mean: no sync on the new device
-            out._mean_kv_tokens = self._mean_kv_tokens
+        mean = self._remembered("mean_kv_tokens")
+        if mean is not None:  # same lists, same mean: no sync on the new device
+            out.derived("mean_kv_tokens", lambda: mean)
         return out
 
     def __getitem__(self, index) -> "BlockMask":

@@ -178,13 +178,14 @@ def test_mean_kv_tokens_is_known_without_a_device_sync():
     # create_block_mask computes it from its CPU plan; .to() carries it, so kernels that pick a
     # schedule by it (cute persistent forward, Triton short-loop tiles) never wait on the GPU.
     bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 512, 512, device="cpu")
-    assert bm._mean_kv_tokens == pytest.approx(10 / 4 * 128)
+    assert bm._remembered("mean_kv_tokens") == pytest.approx(10 / 4 * 128)
     moved = bm.to("cpu")
-    assert moved._mean_kv_tokens == bm._mean_kv_tokens
+    assert moved._remembered("mean_kv_tokens") == bm._remembered("mean_kv_tokens")
     # A BlockMask made by hand computes it on first use (and remembers it).
     hand = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices)
-    assert not hasattr(hand, "_mean_kv_tokens")
-    assert hand.mean_kv_tokens() == pytest.approx(4 / 4 * 128) and hasattr(hand, "_mean_kv_tokens")
+    assert hand._remembered("mean_kv_tokens") is None
+    assert hand.mean_kv_tokens() == pytest.approx(4 / 4 * 128)
+    assert hand._remembered("mean_kv_tokens") == pytest.approx(4 / 4 * 128)
 
 
 def test_derived_values_follow_the_list_tensors():

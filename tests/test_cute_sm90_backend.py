@@ -50,7 +50,7 @@ def test_persistent_forward_is_chosen_for_short_kv_loops(monkeypatch):
     window = create_block_mask(mods.sliding_window(1024), None, None, 8192, 8192, device="cpu")
     causal = create_block_mask(mods.causal(), None, None, 8192, 8192, device="cpu")
     assert _persistent_fwd(128, block_sparse_args(window), 8192, owner=window)
-    assert window._mean_kv_tokens <= 128 * PERSISTENT_MAX_KV_TILES  # remembered: one sync per mask
+    assert window._remembered("mean_kv_tokens") <= 128 * PERSISTENT_MAX_KV_TILES  # one sync per mask
     assert not _persistent_fwd(128, block_sparse_args(causal), 8192)
     assert _persistent_fwd(128, None, 2048) and not _persistent_fwd(128, None, 8192)
     assert not _persistent_fwd(256, None, 1024)  # no smem for a separate O buffer
