@@ -81,8 +81,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
     choice = dispatch.select(backend, call)
     if os.environ.get("FLEXJIT_DEBUG"):
-        print(f"[flexjit] backend={choice.name}: {choice.reason}")
-    out, lse = dispatch.run(choice.name, call)
+        print(f"[flexjit] {choice}")
+    out, lse = dispatch.run(choice, call)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None)
     if return_lse:

@@ -1,18 +1,31 @@
-"""Backend selection: the one place that looks at the device and architecture.
+"""Backend selection and the one autograd Function: the only place that looks at the device.
 
-Each backend module exposes ``supports(call) -> (bool, reason)`` and
-``run(call) -> (out, lse)``. ``select`` returns the first backend of the
-preference order that supports the call, with the reason for the choice and
-for every backend passed over; ``flexjit.explain`` shows the same answer
-without running anything.
+Each backend module exposes
 
-Preference for "auto": Hopper (sm90) -> cute; any other CUDA GPU -> triton;
-CPU -> reference. An explicit backend that cannot serve the call is an error.
+* ``supports(call) -> (bool, reason)``: whether its forward can run the call;
+* ``forward(call) -> (out, lse)``: the forward, no autograd;
+* ``backward_supports(call) -> (bool, reason)``: whether its backward can;
+* ``backward(call, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv, *captured grads)``, one
+  gradient per ``Program.buffers`` entry (None where none is computed).
+
+``select`` picks the forward (the first of the preference order that supports the call) and,
+when the call needs gradients, its backward as a pair: the forward's own backend when it can,
+else the next that can (the sm90 forward trains on the Triton backward for head dims its
+backward lacks). ``flexjit.explain`` shows the same answer without running anything.
+
+Preference for "auto": Hopper (sm90) -> cute; any other CUDA GPU -> triton; CPU -> reference.
+An explicit backend that cannot serve the call is an error.
+
+``run`` is the eager entry: one ``torch.autograd.Function`` over every backend pair. The
+torch.compile path (``flexjit.compile``) calls the same ``forward``/``backward`` from its custom
+ops. Backends run with autocast off: the API casts the inputs once, by autocast's policy, before
+they reach here.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 
 import torch
 
@@ -21,24 +34,38 @@ from .backends import capability
 BACKENDS = ("cute", "triton", "reference")
 _MODULES = {"cute": "flexjit.backends.cute_sm90", "triton": "flexjit.backends.triton",
             "reference": "flexjit.backends.reference"}
+# Which backends may compute the gradients of each forward, in order of preference. A backward
+# only needs (q, k, v, out, lse): any backend's backward can follow any forward of the same
+# semantics; these orders keep training on the fastest one that runs the call.
+_BACKWARD_ORDER = {"cute": ("cute", "triton"), "triton": ("triton",), "reference": ("reference",)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The backend flex_attention runs, why, and why the others were passed over."""
+    """The forward's backend, why, why the others were passed over, and (for a call that needs
+    gradients) the backward's backend and why."""
     name: str
     reason: str
     passed_over: tuple[tuple[str, str], ...] = ()
+    backward: str | None = None
+    backward_reason: str = ""
 
     def __str__(self):
         lines = [f"backend: {self.name} ({self.reason})"]
         lines += [f"  not {n}: {r}" for n, r in self.passed_over]
+        if self.backward is not None:
+            lines.append(f"backward: {self.backward} ({self.backward_reason})")
         return "\n".join(lines)
+
+
+def module(name: str):
+    """The backend module ``name`` (imported on first use)."""
+    return importlib.import_module(_MODULES[name])
 
 
 def _module(name: str):
     try:
-        return importlib.import_module(_MODULES[name])
+        return module(name)
     except ImportError as e:
         return e
 
@@ -51,11 +78,34 @@ def arch_of(device: torch.device) -> str:
     return f"sm{major}{minor}"
 
 
-def _supports(name: str, call) -> tuple[bool, str]:
+def _supports(name: str, call, what: str = "supports") -> tuple[bool, str]:
     mod = _module(name)
     if isinstance(mod, ImportError):
         return False, f"backend `{name}` is unavailable ({mod})"
-    return mod.supports(call)
+    return getattr(mod, what)(call)
+
+
+def _backward_of(name: str, call) -> tuple[str | None, str]:
+    """(backend, reason) of the backward that follows forward ``name``; (None, why not) if none."""
+    refused = []
+    for bwd in _BACKWARD_ORDER[name]:
+        ok, why = _supports(bwd, call, "backward_supports")
+        if ok:
+            if bwd != name:
+                why = f"{why}; not on {name}: {'; '.join(refused)}"
+            return bwd, why
+        refused.append(why)
+    return None, "; ".join(f"{b}: {r}" for b, r in zip(_BACKWARD_ORDER[name], refused))
+
+
+def _pair(name: str, reason: str, call, passed=()) -> Choice | str:
+    """The Choice for forward ``name``, or why training cannot run on it."""
+    if not call.needs_grad:
+        return Choice(name, reason, tuple(passed))
+    bwd, why = _backward_of(name, call)
+    if bwd is None:
+        return f"{reason}, but no backward can train it ({why})"
+    return Choice(name, reason, tuple(passed), bwd, why)
 
 
 def select(requested: str, call) -> Choice:
@@ -63,16 +113,18 @@ def select(requested: str, call) -> Choice:
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {requested!r}")
     if requested != "auto":
         ok, reason = _supports(requested, call)
-        if not ok:
-            raise NotImplementedError(f"backend={requested!r} cannot run this call: {reason}. "
+        choice = _pair(requested, f"requested; {reason}", call) if ok else reason
+        if isinstance(choice, str):
+            raise NotImplementedError(f"backend={requested!r} cannot run this call: {choice}. "
                                       f"Use backend='auto' to pick one that can.")
-        return Choice(requested, f"requested; {reason}")
+        return choice
     passed = []
     for name in _preference(call.q.device):
         ok, reason = _supports(name, call)
-        if ok:
-            return Choice(name, reason, tuple(passed))
-        passed.append((name, reason))
+        choice = _pair(name, reason, call, passed) if ok else reason
+        if isinstance(choice, Choice):
+            return choice
+        passed.append((name, choice))
     raise NotImplementedError("no backend can run this call:\n" +
                               "\n".join(f"  {n}: {r}" for n, r in passed))
 
@@ -85,5 +137,46 @@ def _preference(device: torch.device) -> tuple[str, ...]:
     return ("reference",)
 
 
-def run(name: str, call):
-    return _module(name).run(call)
+# --------------------------------------------------------------------------- running
+
+
+def forward(name: str, call) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of backend ``name``'s forward, outside autograd and autocast."""
+    with torch.autocast(call.q.device.type, enabled=False):
+        return module(name).forward(call)
+
+
+def backward(name: str, call, q, k, v, out, lse, dout, dlse) -> tuple:
+    """(dq, dk, dv, *captured grads) of backend ``name``'s backward, outside autocast."""
+    if dout is None:  # only the LSE was used
+        dout = torch.zeros_like(out)
+    with torch.autocast(q.device.type, enabled=False):
+        return module(name).backward(call, q, k, v, out, lse, dout, dlse)
+
+
+class _FlexAttention(torch.autograd.Function):
+    """flex_attention on any (forward, backward) pair of backends."""
+
+    @staticmethod
+    def forward(ctx, call, choice: Choice, q, k, v, *buffers):
+        out, lse = forward(choice.name, call)
+        ctx.call, ctx.backend = call, choice.backward
+        ctx.save_for_backward(q, k, v, out, lse, *buffers)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *_ = ctx.saved_tensors
+        if os.environ.get("FLEXJIT_DEBUG"):
+            print(f"[flexjit] backward on {ctx.backend}")
+        dq, dk, dv, *dbufs = backward(ctx.backend, ctx.call, q, k, v, out, lse, dout, dlse)
+        wanted = ctx.needs_input_grad[5:]
+        return (None, None, dq, dk, dv, *[g if want else None for g, want in zip(dbufs, wanted)])
+
+
+def run(choice: Choice, call) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for a validated call; differentiable in q, k, v and captured tensors."""
+    if choice.backward is None:
+        with torch.no_grad():
+            return forward(choice.name, call)
+    return _FlexAttention.apply(call, choice, call.q, call.k, call.v, *call.program.buffers)

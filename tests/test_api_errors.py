@@ -88,6 +88,40 @@ def test_explain_answers_without_running():
     assert choice.name == "reference" and "pure torch" in choice.reason
 
 
+def test_explain_names_the_backward_when_training():
+    q, k, v = qkv()
+    assert explain(q, k, v).backward is None
+    choice = explain(q.requires_grad_(True), k, v)
+    assert choice.backward == "reference" and "autograd" in choice.backward_reason
+    assert "backward: reference" in str(choice)
+
+
+def test_backward_is_chosen_as_a_pair_with_the_forward(monkeypatch):
+    # The sm90 forward trains on the Triton backward when its own backward refuses the call, and
+    # a forward whose every backward refuses is passed over (on a GPU: to Triton).
+    from flexjit import dispatch
+    from flexjit.api import prepare_call
+
+    q, k, v = qkv()
+    call = prepare_call(q.requires_grad_(True), k, v, None, None, None, False, None)
+    answers = {("cute", "supports"): (True, "fwd ok"), ("cute", "backward_supports"): (False, "no D=96"),
+               ("triton", "supports"): (True, "triton fwd"), ("triton", "backward_supports"): (True, "tri bwd")}
+    monkeypatch.setattr(dispatch, "_supports", lambda name, c, what="supports": answers[(name, what)])
+    monkeypatch.setattr(dispatch, "_preference", lambda device: ("cute", "triton", "reference"))
+    choice = dispatch.select("auto", call)
+    assert (choice.name, choice.backward) == ("cute", "triton")
+    assert "tri bwd" in choice.backward_reason and "no D=96" in choice.backward_reason
+    answers[("triton", "backward_supports")] = (False, "tri no")
+    answers[("triton", "supports")] = (False, "tri no")
+    answers[("reference", "supports")] = (True, "ref")
+    answers[("reference", "backward_supports")] = (True, "ref bwd")
+    choice = dispatch.select("auto", call)
+    assert (choice.name, choice.backward) == ("reference", "reference")
+    assert "no backward can train it" in dict(choice.passed_over)["cute"]
+    with pytest.raises(NotImplementedError, match="no backward can train it"):
+        dispatch.select("cute", call)
+
+
 def test_return_aux_and_lse():
     q, k, v = qkv()
     out, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True))

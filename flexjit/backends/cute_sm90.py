@@ -14,10 +14,10 @@ What this module holds
   kernels are kept in memory per (key, dtypes, head dims, block-mask presence) and, when
   launched through TVM-FFI, on disk as ``$FLEXJIT_CACHE_DIR/cute/<kernel_key>.o``
   (``flexjit.cute_cache``), so a second process loads them instead of compiling.
-* ``supports(call)`` / ``run(call)``: the forward runs here; the backward runs on the sm90
-  backward (``templates/cute_sm90_bwd.py``) from the saved (out, lse), or on the Triton
-  backend's kernels where that cannot serve (``backward_supports``: head dims other than
-  64/128, captured tensors whose gradient depends on the score). Learnable captured tensors
+* The backend interface (``flexjit.dispatch``): ``supports``/``forward`` for the forward;
+  ``backward_supports``/``backward`` for the sm90 backward (``templates/cute_sm90_bwd.py``)
+  from the saved (out, lse). Where it refuses (head dims other than 64/128, captured tensors
+  whose gradient depends on the score), dispatch pairs this forward with the Triton backward. Learnable captured tensors
   (bias tables, ALiBi slopes) get their gradients from the sm90 backward itself
   (``render_captured_grads``).
 
@@ -385,23 +385,11 @@ def supports(call) -> tuple[bool, str]:
     bm = call.block_mask
     if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
         return False, f"block size {bm.BLOCK_SIZE}; the sm90 kernel's tiles are 128x128"
-    backward = ""
-    if call.needs_grad:
-        bwd_ok, bwd_why = backward_supports(call)
-        if not bwd_ok:
-            try:
-                from . import triton as triton_backend
-            except ImportError as e:
-                return False, f"training needs the Triton backward, unavailable: {e}"
-            ok, why = triton_backend.supports(call)
-            if not ok:
-                return False, f"training needs the Triton backward, which cannot run this: {why}"
-        backward = f"; backward: {bwd_why}" if bwd_ok else f"; backward on Triton: {bwd_why}"
     try:
         _template()
     except ImportError as e:
         return False, f"nvidia-cutlass-dsl is not importable ({e})"
-    return True, "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)" + backward
+    return True, "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)"
 
 
 _COMPILED: dict[tuple, object] = {}
@@ -712,34 +700,3 @@ def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
     dbufs = [accs[s].reshape(b.shape).to(device=b.device, dtype=b.dtype) if s in accs else None
              for s, b in enumerate(prog.buffers)]
     return (dq, dk, dv, *dbufs)
-
-
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, call, q, k, v, *buffers):
-        out, lse = forward(call)
-        ctx.call = call
-        ctx.save_for_backward(q, k, v, out, lse, *buffers)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *buffers = ctx.saved_tensors
-        call = ctx.call
-        ok, why = backward_supports(call)
-        if ok:
-            grads = backward(call, q, k, v, out, lse, dout, dlse)
-            wanted = ctx.needs_input_grad[4:]
-            grads = (*grads[:3], *[g if want else None for g, want in zip(grads[3:], wanted)])
-        else:
-            from . import triton as triton_backend
-            if os.environ.get("FLEXJIT_DEBUG"):
-                print(f"[flexjit] backward on Triton: {why}")
-            grads = triton_backend.backward(call, q, k, v, out, lse, dout, dlse)
-        return (None, *grads)
-
-
-def run(call):
-    if not call.needs_grad:
-        return forward(call)
-    return _Attention.apply(call, call.q, call.k, call.v, *call.program.buffers)

@@ -100,72 +100,76 @@ def _rows(plan: Plan, q, k):
     return [(r, min(L, r + step)) for r in range(0, L, step)]
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, plan: Plan, q, k, v, *buffers):
-        compute = _compute_dtype(q)
-        B, Hq, L, _ = q.shape
-        out = torch.empty(B, Hq, L, v.shape[-1], dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, Hq, L, dtype=compute, device=q.device)
-        for r0, r1 in _rows(plan, q, k):
-            o, l_ = _forward_chunk(plan, q[:, :, r0:r1], k, v, r0, buffers, compute)
-            out[:, :, r0:r1] = o.to(q.dtype)
-            lse[:, :, r0:r1] = l_
-        ctx.plan = plan
-        ctx.save_for_backward(q, k, v, *buffers)
-        return out, lse
+def _plan(call) -> Plan:
+    bm = call.block_mask
+    kinds = bm.derived("reference_kinds", bm.block_kinds) if bm is not None else None
+    block_size = bm.BLOCK_SIZE if bm is not None else (128, 128)
+    return Plan(call.program, call.scale, kinds, block_size)
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        plan: Plan = ctx.plan
-        q, k, v, *buffers = ctx.saved_tensors
-        compute = _compute_dtype(q)
-        kd = k.detach().requires_grad_(True)
-        vd = v.detach().requires_grad_(True)
-        bufs = [b.detach().requires_grad_(b.requires_grad and b.is_floating_point()) for b in buffers]
-        learn = [b for b in bufs if b.requires_grad]
-        dq = torch.zeros_like(q)
-        dk = torch.zeros(k.shape, dtype=compute, device=k.device)
-        dv = torch.zeros(v.shape, dtype=compute, device=v.device)
-        dbufs = [torch.zeros(b.shape, dtype=compute, device=b.device) for b in learn]
-        for r0, r1 in _rows(plan, q, k):
-            qc = q[:, :, r0:r1].detach().requires_grad_(True)
-            with torch.enable_grad():
-                o, l_ = _forward_chunk(plan, qc, kd, vd, r0, tuple(bufs), compute)
-                outs, grads_in = [o], [dout[:, :, r0:r1].to(compute)]
-                if dlse is not None:
-                    outs.append(l_)
-                    grads_in.append(torch.where(torch.isfinite(l_), dlse[:, :, r0:r1].to(compute),
-                                                torch.zeros_like(l_)))
-                grads = torch.autograd.grad(outs, [qc, kd, vd, *learn], grads_in, allow_unused=True)
-            dq[:, :, r0:r1] = _or_zero(grads[0], qc).to(q.dtype)
-            dk += _or_zero(grads[1], kd)
-            dv += _or_zero(grads[2], vd)
-            for acc, g in zip(dbufs, grads[3:]):
-                if g is not None:
-                    acc += g
-        it = iter(dbufs)
-        dbuf_out = [next(it).to(b.dtype) if b.requires_grad else None for b in bufs]
-        return (None, dq, dk.to(k.dtype), dv.to(v.dtype), *dbuf_out)
+
+def _attention(plan: Plan, q, k, v, buffers) -> tuple[torch.Tensor, torch.Tensor]:
+    compute = _compute_dtype(q)
+    B, Hq, L, _ = q.shape
+    out = torch.empty(B, Hq, L, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, L, dtype=compute, device=q.device)
+    for r0, r1 in _rows(plan, q, k):
+        o, l_ = _forward_chunk(plan, q[:, :, r0:r1], k, v, r0, buffers, compute)
+        out[:, :, r0:r1] = o.to(q.dtype)
+        lse[:, :, r0:r1] = l_
+    return out, lse
+
+
+def _gradients(plan: Plan, q, k, v, buffers, dout, dlse) -> tuple:
+    """(dq, dk, dv, *captured grads): each chunk of query rows recomputed under autograd."""
+    compute = _compute_dtype(q)
+    kd = k.detach().requires_grad_(True)
+    vd = v.detach().requires_grad_(True)
+    bufs = [b.detach().requires_grad_(b.requires_grad and b.is_floating_point()) for b in buffers]
+    learn = [b for b in bufs if b.requires_grad]
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+    dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+    dbufs = [torch.zeros(b.shape, dtype=compute, device=b.device) for b in learn]
+    for r0, r1 in _rows(plan, q, k):
+        qc = q[:, :, r0:r1].detach().requires_grad_(True)
+        with torch.enable_grad():
+            o, l_ = _forward_chunk(plan, qc, kd, vd, r0, tuple(bufs), compute)
+            outs, grads_in = [o], [dout[:, :, r0:r1].to(compute)]
+            if dlse is not None:
+                outs.append(l_)
+                grads_in.append(torch.where(torch.isfinite(l_), dlse[:, :, r0:r1].to(compute),
+                                            torch.zeros_like(l_)))
+            grads = torch.autograd.grad(outs, [qc, kd, vd, *learn], grads_in, allow_unused=True)
+        dq[:, :, r0:r1] = _or_zero(grads[0], qc).to(q.dtype)
+        dk += _or_zero(grads[1], kd)
+        dv += _or_zero(grads[2], vd)
+        for acc, g in zip(dbufs, grads[3:]):
+            if g is not None:
+                acc += g
+    it = iter(dbufs)
+    dbuf_out = [next(it).to(b.dtype) if b.requires_grad else None for b in bufs]
+    return (dq, dk.to(k.dtype), dv.to(v.dtype), *dbuf_out)
 
 
 def _or_zero(g, like):
     return g if g is not None else torch.zeros_like(like)
 
 
-def attention(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output and LSE, differentiable in q, k, v and captured tensors."""
-    return _Attention.apply(plan, q, k, v, *plan.program.buffers)
-
-
 def supports(call) -> tuple[bool, str]:
     return True, "pure torch on any device: the definition of correct, not fast"
 
 
-def run(call):
-    bm = call.block_mask
-    kinds = bm.block_kinds() if bm is not None else None
-    block_size = bm.BLOCK_SIZE if bm is not None else (128, 128)
-    plan = Plan(call.program, call.scale, kinds, block_size)
-    out, lse = attention(plan, call.q, call.k, call.v)
+def backward_supports(call) -> tuple[bool, str]:
+    return True, "recomputes the reference forward under autograd, chunk by chunk"
+
+
+def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): lse in float32 (float64 for float64 inputs)."""
+    out, lse = _attention(_plan(call), call.q, call.k, call.v, call.program.buffers)
     return out, lse if call.q.dtype == torch.float64 else lse.float()
+
+
+def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
+    """(dq, dk, dv, *captured grads); None for a captured tensor that needs none."""
+    buffers = [b.to(q.device) if b.device != q.device else b for b in call.program.buffers]
+    return _gradients(_plan(call), q, k, v, buffers, dout, dlse)

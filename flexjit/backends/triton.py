@@ -16,10 +16,11 @@ What this module holds
   (``Launch``: ``fwd_launch``, ``preprocess_launch``, ``bwd_launch``), run by ``_run``, which
   retries with fewer stages when Triton's shared memory outgrows the estimate.
   ``FLEXJIT_POISON=1`` NaN-fills outputs (tests).
-* The autograd Function, and ``backward`` for a forward computed by another backend.
+* ``forward``/``backward`` for ``flexjit.dispatch`` (the backward needs only out and lse, so
+  it also follows the CuTeDSL forward).
 * Compile-only builds (``launches_for`` + ``compile_launch``): the exact launches a training
   step makes, built for any sm_XX without a GPU, specialised as Triton's launcher would.
-* The backend interface ``supports(call)`` / ``run(call)``.
+* The backend interface ``supports`` / ``backward_supports``.
 """
 from __future__ import annotations
 
@@ -216,7 +217,7 @@ def _run(plan: Plan, launch: Launch) -> None:
         return
 
 
-def forward(plan: Plan, q, k, v, bufs) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(plan: Plan, q, k, v, bufs) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel: out (B, Hq, L, EV) in q's dtype, lse (B, Hq, L) fp32."""
     B, Hq, L, _ = q.shape
     out = _out((B, Hq, L, v.shape[3]), q.dtype, q.device)
@@ -323,36 +324,14 @@ def _backward(plan: Plan, q, k, v, out, lse, dout, dlse, bufs):
 
 
 def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
-    """(dq, dk, dv, *grads of the captured tensors) for a forward computed elsewhere (the CuTeDSL
-    forward saves out and lse and borrows this backward); None for a tensor needing no grad."""
+    """(dq, dk, dv, *grads of the captured tensors) for a forward computed by any backend (it
+    needs only out and lse); None for a captured tensor that gets no gradient."""
     bufs = [t.detach().to(q.device) for t in call.program.buffers]
     wanted = [t.requires_grad for t in call.program.buffers]
-    return _gradients(make_plan(call), q, k, v, out, lse.float(), dout, dlse, bufs, wanted)
-
-
-def _gradients(plan: Plan, q, k, v, out, lse, dout, dlse, bufs, wanted) -> tuple:
-    """(dq, dk, dv, *captured-tensor grads), None where ``wanted`` says no grad is needed."""
-    if dout is None:
-        dout = torch.zeros_like(out)
-    dq, dk, dv, grads = _backward(plan, q, k, v, out, lse, dout, dlse, bufs)
+    dq, dk, dv, grads = _backward(make_plan(call), q, k, v, out, lse.float(), dout, dlse, bufs)
     dbufs = [grads[s].to(b.dtype) if s in grads and want else None
              for s, (b, want) in enumerate(zip(bufs, wanted))]
     return (dq, dk, dv, *dbufs)
-
-
-class _FlexAttentionTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, plan: Plan, q, k, v, *bufs):
-        out, lse = forward(plan, q, k, v, bufs)
-        ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, lse, *bufs)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse, *bufs = ctx.saved_tensors
-        wanted = ctx.needs_input_grad[4:]
-        return (None, *_gradients(ctx.plan, q, k, v, out, lse, dout, dlse, bufs, wanted))
 
 
 # --------------------------------------------------------------------------- compile-only
@@ -483,11 +462,14 @@ def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> P
     return Plan(call.program, call.scale, kv, None, bm, sparse, cfg, opts, arch, interp, fast)
 
 
-def run(call):
-    """(out, lse) for a validated call; differentiable in q, k, v and captured tensors."""
-    plan = make_plan(call)
+def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the Triton forward for a validated call (no autograd: ``dispatch`` pairs it
+    with a backward)."""
     bufs = [t.to(call.q.device) for t in call.program.buffers]
-    if not call.needs_grad:
-        with torch.no_grad():
-            return forward(plan, call.q, call.k, call.v, bufs)
-    return _FlexAttentionTriton.apply(plan, call.q, call.k, call.v, *bufs)
+    return _forward(make_plan(call), call.q, call.k, call.v, bufs)
+
+
+def backward_supports(call) -> tuple[bool, str]:
+    """The Triton backward runs whatever its forward runs."""
+    ok, why = supports(call)
+    return ok, ("the Triton backward" if ok else why)
