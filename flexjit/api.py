@@ -78,6 +78,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise TypeError(f"return_aux must be an AuxRequest, got {type(return_aux).__name__}")
     if return_aux is not None and return_aux.max_scores:
         raise NotImplementedError("AuxRequest(max_scores=True) is not supported by flexjit yet")
+    query, key, value = autocast_inputs(query, key, value)
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
     choice = dispatch.select(backend, call)
     if os.environ.get("FLEXJIT_DEBUG"):
@@ -93,8 +94,28 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
             kernel_options=None, *, backend: str = "auto") -> "dispatch.Choice":
     """Which backend flex_attention would run for these arguments, and why. Runs nothing."""
+    query, key, value = autocast_inputs(query, key, value)
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
     return dispatch.select(backend, call)
+
+
+def autocast_inputs(q, k, v):
+    """q, k, v as autocast hands them to attention: under ``torch.autocast(device, dtype)``
+    every float16/bfloat16/float32 input is cast to ``dtype`` (float64 is left alone), the
+    policy of torch's ``scaled_dot_product_attention``. The casts are differentiable, so
+    gradients reach the original tensors in their own dtypes; captured buffers are untouched.
+    Outside autocast the inputs are returned as they are."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return q, k, v
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE and t.dtype != dtype else t
+                 for t in (q, k, v))
+
+
+_AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options) -> Call:
@@ -136,7 +157,9 @@ def _check_tensors(q, k, v, enable_gqa: bool) -> None:
             raise TypeError(f"{name} has dtype {t.dtype}; flex_attention takes float16, bfloat16, "
                             "float32 or float64")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
+                         "cast them to one (e.g. .to(torch.bfloat16)), or run under torch.autocast, "
+                         "which casts them as it does for scaled_dot_product_attention")
     if not (q.device == k.device == v.device):
         raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
     B, Hq, L, E = q.shape

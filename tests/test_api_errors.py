@@ -13,7 +13,8 @@ def qkv(B=1, Hq=2, Hkv=2, L=64, S=64, E=16, dtype=torch.float32):
 @pytest.mark.parametrize("mutate,err,msg", [
     (lambda q, k, v: (q[0], k, v), ValueError, "must be 4-D"),
     (lambda q, k, v: (q.int(), k, v), TypeError, "dtype"),
-    (lambda q, k, v: (q, k.double(), v), TypeError, "share a dtype"),
+    (lambda q, k, v: (q, k.double(), v), ValueError, "share a dtype.*torch.autocast"),
+    (lambda q, k, v: (q, k, v.bfloat16()), ValueError, "share a dtype.*torch.autocast"),
     (lambda q, k, v: (q, k[:, :, :, :8], v), ValueError, "head dim"),
     (lambda q, k, v: (q, k, v[:, :, :32]), ValueError, "agree on heads and length"),
     (lambda q, k, v: (q.expand(2, -1, -1, -1), k, v), ValueError, "batch sizes differ"),
