@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import dispatch
+from . import compile as compiled, dispatch
 from .block_mask import BlockMask
 from .passes import FLOAT_INDEX_LIMIT, Program, lower
 from .trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
@@ -45,6 +45,8 @@ class Call:
     block_mask: BlockMask | None
     scale: float
     kernel_options: dict
+    grad: bool | None = None  # whether gradients will be needed, where autograd cannot tell
+                              # (inside flexjit.compile's custom ops); None: ask autograd
 
     @property
     def shape(self):
@@ -53,6 +55,8 @@ class Call:
 
     @property
     def needs_grad(self) -> bool:
+        if self.grad is not None:
+            return self.grad
         return torch.is_grad_enabled() and (
             any(t.requires_grad for t in (self.q, self.k, self.v))
             or any(b.requires_grad for b in self.program.buffers))
@@ -79,16 +83,46 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if return_aux is not None and return_aux.max_scores:
         raise NotImplementedError("AuxRequest(max_scores=True) is not supported by flexjit yet")
     query, key, value = autocast_inputs(query, key, value)
-    call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
-    choice = dispatch.select(backend, call)
-    if os.environ.get("FLEXJIT_DEBUG"):
-        print(f"[flexjit] {choice}")
-    out, lse = dispatch.run(choice, call)
+    if torch.compiler.is_compiling():
+        out, lse = _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                             kernel_options, backend)
+    else:
+        call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+        choice = dispatch.select(backend, call)
+        if os.environ.get("FLEXJIT_DEBUG"):
+            print(f"[flexjit] {choice}")
+        out, lse = dispatch.run(choice, call)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None)
     if return_lse:
         return out, lse
     return out
+
+
+def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, backend):
+    """flex_attention inside a graph dynamo traces (``flexjit.compile``): the same validation,
+    minus what needs the traced mods (the HOP's wrapper checks that at AOT time)."""
+    _check_tensors(query, key, value, enable_gqa)
+    if block_mask is not None:
+        _check_block_mask(block_mask, query, key)
+    scale = _scale(scale, query)
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError("kernel_options must be a dict")
+    if backend not in dispatch.BACKENDS + ("auto",):
+        raise ValueError(f"backend must be one of {('auto',) + dispatch.BACKENDS}, got {backend!r}")
+    mask_mod = None
+    if block_mask is not None and not _is_noop(block_mask.mask_mod):
+        mask_mod = block_mask.mask_mod
+    return compiled.flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
+                                   backend, mask_mod)
+
+
+def _scale(scale, query) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(query.shape[-1])
+    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    return float(scale)
 
 
 def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
@@ -124,10 +158,7 @@ def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, ke
         check_arity(score_mod, SCORE_MOD)
     if block_mask is not None:
         _check_block_mask(block_mask, query, key)
-    if scale is None:
-        scale = 1.0 / math.sqrt(query.shape[-1])
-    elif isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    scale = _scale(scale, query)
     if kernel_options is not None and not isinstance(kernel_options, dict):
         raise TypeError("kernel_options must be a dict")
     traced_score = trace_mod(score_mod, SCORE_MOD) if score_mod is not None else None

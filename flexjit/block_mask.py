@@ -13,6 +13,7 @@ interpreter. If the mask does not read b or h it is planned once and expanded.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import time
@@ -26,6 +27,7 @@ from .ir import Op
 from .trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
 
 _DEFAULT_BLOCK = 128
+log = logging.getLogger("flexjit")
 # Elements evaluated per dense batch: 16M int32 intermediates is ~64 MB each.
 _DENSE_BATCH_ELEMS = 1 << 24
 
@@ -360,13 +362,17 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     B or H set to None plans one batch/head that broadcasts. ``device`` defaults to
     CUDA when available (the BlockMask's tensors live there), else the CPU.
     ``_compile`` is accepted for torch compatibility and ignored: nothing dense is built.
+    Inside ``torch.compile`` the planner runs as a custom op (``flexjit.compile``).
     """
-    check_arity(mask_mod, MASK_MOD)
     bq, bkv = _block_size(BLOCK_SIZE)
     for name, v in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     device = torch.device(device) if device is not None else _default_device()
+    if torch.compiler.is_compiling():
+        from . import compile as compiled
+        return compiled.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, (bq, bkv))
+    check_arity(mask_mod, MASK_MOD)
     traced = trace_mod(mask_mod, MASK_MOD)
     B_ = 1 if B is None else int(B)
     H_ = 1 if H is None else int(H)
@@ -378,9 +384,12 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     fkv_num, fkv_idx = _dense_to_ordered(kinds == 2)
     if not separate_full_blocks:
         fkv_num = fkv_idx = None
+    seconds = time.perf_counter() - t0
+    if seconds >= 1.0:
+        log.info("flexjit: planned the block mask of %s (B=%d, H=%d, %dx%d) in %.1f s",
+                 traced.name, B_, H_, Q_LEN, KV_LEN, seconds)
     if os.environ.get("FLEXJIT_DEBUG"):
-        print(f"[flexjit] planned {traced.name} B={B_} H={H_} {Q_LEN}x{KV_LEN} in "
-              f"{time.perf_counter() - t0:.3f}s")
+        print(f"[flexjit] planned {traced.name} B={B_} H={H_} {Q_LEN}x{KV_LEN} in {seconds:.3f}s")
     bm = BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=(bq, bkv),
                                   mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
     bm.mean_kv_tokens()  # on the CPU lists now: kernels choosing a schedule then never sync

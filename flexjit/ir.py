@@ -289,6 +289,28 @@ def serialize(roots: list[Node]) -> str:
     return "\n".join(parts)
 
 
+def deserialize(text: str) -> list[Node]:
+    """The roots of a graph from :func:`serialize`'s text (the same interned nodes in this
+    process: ``deserialize(serialize(r)) == r``)."""
+    import ast
+
+    lines = text.split("\n")
+    nodes: list[Node] = []
+    for line in lines[:-1]:
+        op, dtype, rest = line.split(":", 2)
+        arg_text, src_text = rest.rsplit(":", 1)
+        arg = ast.literal_eval(arg_text)
+        if isinstance(arg, tuple) and len(arg) == 2 and arg[0] in ("f", "b", "i"):
+            kind, value = arg
+            arg = (float("nan") if value == "nan" else float.fromhex(value)) if kind == "f" else value
+        if Op(op) is Op.CAST:
+            arg = DType(arg)
+        src = tuple(nodes[i] for i in ast.literal_eval(src_text))
+        nodes.append(node(Op(op), DType(dtype), src, arg))
+    roots = lines[-1].removeprefix("roots:")
+    return [nodes[int(i)] for i in roots.split(",")] if roots else []
+
+
 def digest(roots: list[Node]) -> str:
     """Stable structural hash of a graph (hex sha256)."""
     return hashlib.sha256(serialize(roots).encode()).hexdigest()

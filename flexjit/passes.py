@@ -387,19 +387,22 @@ def _loads(root: Node) -> list[Node]:
     return [n for n in ir.walk(root) if n.op is Op.LOAD]
 
 
-def lower(score: TracedMod | None, mask: TracedMod | None, float_index: bool = False) -> Program:
+def lower(score: TracedMod | None, mask: TracedMod | None, float_index: bool = False,
+          learnable: tuple[bool, ...] | None = None) -> Program:
     """Run the pass pipeline on a traced score_mod and mask_mod.
 
     The graph work depends only on the traced IR (interned, so identity is structure), the
     number of captures before the mask's and which loads are learnable; it is memoised on
     exactly that, so a call with the same mods costs a dictionary lookup. ``float_index``: also
     move float casts of index sums onto the leaves (``_float_index_graphs``; the caller checks
-    that every length is below FLOAT_INDEX_LIMIT)."""
+    that every length is below FLOAT_INDEX_LIMIT). ``learnable``: which captured tensors get
+    gradients, where it is not their ``requires_grad`` (inside a custom op, ``flexjit.compile``)."""
     buffers = tuple((score.buffers if score else []) + (mask.buffers if mask else []))
     scalars = tuple((score.scalars if score else []) + (mask.scalars if mask else []))
     n_score_bufs = len(score.buffers) if score else 0
     n_score_scalars = len(score.scalars) if score else 0
-    learnable = tuple(bool(t.requires_grad and t.is_floating_point()) for t in buffers)
+    if learnable is None:
+        learnable = tuple(bool(t.requires_grad and t.is_floating_point()) for t in buffers)
     key = (score.out if score else None, mask.out if mask else None, n_score_bufs, n_score_scalars,
            learnable, float_index)
     graphs = _LOWERED.get(key)

@@ -768,12 +768,26 @@ def trace_mod(fn: Callable, kind: str) -> TracedMod:
     return traced
 
 
+def trace_bound(kind: str, name: str, bind: Callable[["_Context"], Callable]) -> TracedMod:
+    """Trace the callable ``bind(ctx)`` returns as a mod of ``kind`` named ``name``, uncached.
+    ``bind`` may create SCALAR proxies itself (``ctx.scalar``): how ``flexjit.compile`` traces
+    the FX graph dynamo captured of a mod, whose captured numbers are graph inputs."""
+    ctx = _Context(bind, kind)
+    ctx.name = name
+    return _run_trace(ctx, bind(ctx))
+
+
 def _trace(fn: Callable, kind: str) -> TracedMod:
     check_arity(fn, kind)
     ctx = _Context(fn, kind)
     target = fn
     if isinstance(fn, (types.FunctionType, functools.partial)):
         target = ScalarRewriter(ctx.scalar).value(fn, (id(fn), 0))
+    return _run_trace(ctx, target)
+
+
+def _run_trace(ctx: _Context, target: Callable) -> TracedMod:
+    kind = ctx.kind
     args = [Proxy(ir.node(op, DType.FLOAT32 if op is Op.SCORE else DType.INT32), ctx)
             for op in ((Op.SCORE,) if kind == SCORE_MOD else ()) + (Op.B, Op.H, Op.Q_IDX, Op.KV_IDX)]
     _ACTIVE.append(ctx)

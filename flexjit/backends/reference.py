@@ -15,6 +15,7 @@ reach q, k, v and every captured tensor that requires grad.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -132,7 +133,7 @@ def _gradients(plan: Plan, q, k, v, buffers, dout, dlse) -> tuple:
     dbufs = [torch.zeros(b.shape, dtype=compute, device=b.device) for b in learn]
     for r0, r1 in _rows(plan, q, k):
         qc = q[:, :, r0:r1].detach().requires_grad_(True)
-        with torch.enable_grad():
+        with _autograd_on():
             o, l_ = _forward_chunk(plan, qc, kd, vd, r0, tuple(bufs), compute)
             outs, grads_in = [o], [dout[:, :, r0:r1].to(compute)]
             if dlse is not None:
@@ -149,6 +150,17 @@ def _gradients(plan: Plan, q, k, v, buffers, dout, dlse) -> tuple:
     it = iter(dbufs)
     dbuf_out = [next(it).to(b.dtype) if b.requires_grad else None for b in bufs]
     return (dq, dk.to(k.dtype), dv.to(v.dtype), *dbuf_out)
+
+
+@contextlib.contextmanager
+def _autograd_on():
+    """Autograd recording, also inside a custom op's kernel (``flexjit.compile``'s backward op),
+    where the dispatcher has autograd excluded: the recompute needs it."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    include = torch._C._dispatch_tls_local_include_set()
+    with torch.enable_grad(), torch._C._ForceDispatchKeyGuard(
+            include, exclude.remove(torch._C.DispatchKey.AutogradFunctionality)):
+        yield
 
 
 def _or_zero(g, like):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import torch
 
@@ -199,7 +200,9 @@ def _run(plan: Plan, launch: Launch) -> None:
     kernel = getattr(mod, launch.kernel)
     key = (plan.program.key, launch.kernel, tuple(sorted(launch.constexprs.items())),
            tuple(sorted(launch.options.items())))
+    first = key not in _STAGES_THAT_FIT
     stages = _STAGES_THAT_FIT.get(key, launch.options["num_stages"])
+    t0 = time.perf_counter()
     while True:
         consts = dict(launch.constexprs)
         if "NUM_STAGES" in consts:
@@ -214,7 +217,20 @@ def _run(plan: Plan, launch: Launch) -> None:
                      launch.kernel, stages)
             continue
         _STAGES_THAT_FIT[key] = stages
+        if first and not plan.interpret:
+            _log_first_launch(plan, launch, time.perf_counter() - t0)
         return
+
+
+def _log_first_launch(plan: Plan, launch: Launch, seconds: float) -> None:
+    """One line per kernel a process first launches: Triton compiles it there (or loads it from
+    its own disk cache, which takes well under a second; Triton does not say which)."""
+    what = (f"Triton {launch.kernel} for {plan.program.score_name}/{plan.program.mask_name} "
+            f"({', '.join(f'{k}={v}' for k, v in sorted(launch.constexprs.items()) if k.startswith('BLOCK'))})")
+    if seconds >= 1.0:
+        log.info("flexjit: %s: compiled in %.1f s", what, seconds)
+    else:
+        log.info("flexjit: %s: ready in %.2f s (from Triton's disk cache)", what, seconds)
 
 
 def _forward(plan: Plan, q, k, v, bufs) -> tuple[torch.Tensor, torch.Tensor]:
