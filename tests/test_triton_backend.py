@@ -598,3 +598,17 @@ def test_bwd_config_is_remembered_and_equal_to_a_fresh_one():
     a = tb.bwd_config(*args, {}, captured_grads=True)
     assert tb.bwd_config(*args, {}, captured_grads=True) is a
     assert a == _bwd_config(*args, {}, True) and a != tb.bwd_config(*args, {}, captured_grads=False)
+
+
+@pytest.mark.parametrize("setting,want", [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")])
+def test_fp32_dots_follow_torchs_matmul_precision(setting, want):
+    # Issue #18: fp32 inputs honour torch.set_float32_matmul_precision as torch's matmuls (and
+    # torch Flex-Triton) do; 16-bit inputs and the interpreter are unaffected.
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision(setting)
+        assert tb._dot_precision(torch.float32, interpret=False) == want
+        assert tb._dot_precision(torch.bfloat16, interpret=False) == "ieee"
+        assert tb._dot_precision(torch.bfloat16, interpret=True) == "interp-upcast"
+    finally:
+        torch.set_float32_matmul_precision(before)

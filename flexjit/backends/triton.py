@@ -61,13 +61,23 @@ def arch_number(device: torch.device) -> int:
 
 
 def _dot_precision(dtype: torch.dtype, interpret: bool) -> str:
-    """tl.dot's input_precision: fp32 inputs stay IEEE unless torch allows TF32 (as torch's own
-    matmuls do); the interpreter upcasts bf16 (see the templates' ``_dot``)."""
+    """tl.dot's input_precision: fp32 inputs take TF32 where torch's own fp32 matmuls would
+    (``torch.backends.cuda.matmul.fp32_precision``, else ``torch.get_float32_matmul_precision()``
+    not "highest": torch Flex-Triton's rule), else IEEE; the interpreter upcasts bf16 (see the
+    templates' ``_dot``)."""
     if interpret and dtype == torch.bfloat16:
         return "interp-upcast"
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and fp32_matmul_is_tf32():
         return "tf32"
     return "ieee"
+
+
+def fp32_matmul_is_tf32() -> bool:
+    """Whether torch computes float32 matmuls on CUDA in TF32."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
+    if precision not in (None, "none"):
+        return precision == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 def _bcast_strides(t: torch.Tensor) -> list[int]:
