@@ -1548,10 +1548,29 @@ def _tile_counter(device):
     if counter is None:
         if len(_TILE_COUNTERS) >= _MAX_TILE_COUNTERS:
             _TILE_COUNTERS.clear()
-        with torch.cuda.device(index):
+        # Counters live for the process: they come from a pool of their own, never from a CUDA
+        # graph's (torch.compile's mode="reduce-overhead" warms up in its graph pool and refuses
+        # tensors there that outlive the call).
+        with torch.cuda.device(index), _counter_pool(index):
             counter = torch.zeros(2, dtype=torch.int32, device=device)
         _TILE_COUNTERS[key] = counter
     return counter
+
+
+_COUNTER_POOLS: dict = {}
+
+
+def _counter_pool(index: int):
+    import contextlib
+
+    import torch
+
+    if not hasattr(torch.cuda, "use_mem_pool"):  # torch < 2.6: no pools of one's own
+        return contextlib.nullcontext()
+    pool = _COUNTER_POOLS.get(index)
+    if pool is None:
+        pool = _COUNTER_POOLS[index] = torch.cuda.MemPool()
+    return torch.cuda.use_mem_pool(pool, device=index)
 
 
 @functools.lru_cache(maxsize=None)

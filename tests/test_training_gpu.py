@@ -61,13 +61,14 @@ def test_autocast_mixed_dtypes_run_the_16_bit_kernel(backend):
     # an fp32 path), return bf16, and send fp32 gradients to q/k and bf16 ones to v.
     q, k, v = _qkv(2, (torch.float32, torch.float32, torch.bfloat16))
     bm = create_block_mask(causal, None, None, S, S, device=DEV)
+    alibi = mods.alibi(mods.alibi_slopes(HQ).to(DEV))
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        choice = flexjit.explain(q, k, v, mods.alibi(HQ), bm, enable_gqa=True, backend=backend)
-        out = flex_attention(q, k, v, mods.alibi(HQ), bm, enable_gqa=True, backend=backend)
+        choice = flexjit.explain(q, k, v, alibi, bm, enable_gqa=True, backend=backend)
+        out = flex_attention(q, k, v, alibi, bm, enable_gqa=True, backend=backend)
     assert out.dtype == torch.bfloat16 and choice.name == backend
     cast = [t.detach().bfloat16() for t in (q, k, v)]
-    ref = dense_attention(*cast, mods.alibi(HQ), causal, dtype=torch.float64)[0]
-    low = dense_attention(*cast, mods.alibi(HQ), causal, dtype=torch.bfloat16)[0]
+    ref = dense_attention(*cast, alibi, causal, dtype=torch.float64)[0]
+    low = dense_attention(*cast, alibi, causal, dtype=torch.bfloat16)[0]
     assert_close_to_oracle("out", out, ref, low, FLOOR[torch.bfloat16])
     dq, dk, dv = _grads(out, [q, k, v])
     assert (dq.dtype, dk.dtype, dv.dtype) == (torch.float32, torch.float32, torch.bfloat16)
