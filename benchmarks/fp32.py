@@ -10,7 +10,8 @@ torch's default) and "high" (TF32 tensor cores, ``torch.set_float32_matmul_preci
 Every row is checked against a float64 reference first: the error of each implementation is
 reported, and a row whose error exceeds twice torch's plus a floor is marked wrong. ``--sweep``
 also times flexjit under each candidate block config (``FWD_GRID``/``BWD_GRID``, passed as
-kernel_options) and reports the fastest, the data behind ``triton_config``'s fp32 tables.
+kernel_options) at the longest S, after every default row, and reports the fastest: the data
+behind ``triton_config``'s fp32 tables.
 
 DIR/fp32.json holds every row and DIR/fp32.md the table (printed last).
 """
@@ -78,61 +79,70 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     torch_flex = torch.compile(tflex.flex_attention)
     rows, t_start = [], time.time()
-    for precision in args.precisions.split(","):
-        torch.set_float32_matmul_precision(precision)
-        for S in (int(x) for x in args.S.split(",")):
+    cases = {}  # (precision, S) -> (inputs, reference, impls); built on first use
+
+    def case(precision, S):
+        if (precision, S) not in cases:
             B, Hq, Hkv, D = 8192 // S, 8, 4, 128
             g = torch.Generator(device=dev).manual_seed(S)
             q = torch.randn(B, Hq, S, D, device=dev, generator=g).requires_grad_(True)
             k, v = (torch.randn(B, Hkv, S, D, device=dev, generator=g).requires_grad_(True) for _ in range(2))
             do = torch.randn_like(q)
-            ref = reference(q, k, v, do)
             fj_bm = flexjit.create_block_mask(causal, None, None, S, S, device=dev)
             t_bm = tflex.create_block_mask(causal, None, None, S, S, device=dev)
-            impls = {"torch-flex-triton": lambda q, k, v, o=None: torch_flex(q, k, v, block_mask=t_bm, enable_gqa=True)}
+            impls = {"torch-flex-triton": lambda q, k, v, o=None: torch_flex(q, k, v, block_mask=t_bm, enable_gqa=True),
+                     "flexjit-triton": lambda q, k, v, o=None: flexjit.flex_attention(
+                         q, k, v, block_mask=fj_bm, enable_gqa=True, backend="triton", kernel_options=o)}
+            flops = 4 * B * Hq * S * S * D * (S + 1) / (2 * S)  # causal: the kept fraction
+            cases[(precision, S)] = (B, (q, k, v, do), reference(q, k, v, do), impls, flops)
+        return cases[(precision, S)]
 
-            def fj(q, k, v, o=None):
-                return flexjit.flex_attention(q, k, v, block_mask=fj_bm, enable_gqa=True,
-                                              backend="triton", kernel_options=o)
-            impls["flexjit-triton"] = fj
-            flops_fwd = 4 * B * Hq * S * S * D * (S + 1) / (2 * S)  # causal: the kept fraction
-            for pass_ in args.passes.split(","):
-                configs = [("flexjit-triton", None), ("torch-flex-triton", None)]
-                if args.sweep:
-                    keys = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages") if pass_ == "fwd" else
-                            ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages"))
-                    configs += [("flexjit-triton", dict(zip(keys, c))) for c in (FWD_GRID if pass_ == "fwd" else BWD_GRID)]
-                for name, opts in configs:
-                    if args.budget_s and time.time() - t_start > args.budget_s:
-                        rows.append(dict(precision=precision, S=S, pass_=pass_, impl=name, config=opts,
-                                         status="skipped: time budget"))
-                        continue
-                    row = dict(precision=precision, S=S, B=B, pass_=pass_, impl=name, config=opts)
-                    fn = impls[name]
-                    try:
-                        out = fn(q, k, v, opts) if opts else fn(q, k, v)
-                        errs = {"out": rel_err(out, ref["out"])}
-                        if pass_ == "fwdbwd":
-                            grads = torch.autograd.grad(out, (q, k, v), do)
-                            errs.update({n: rel_err(t, ref[n]) for n, t in zip(("dq", "dk", "dv"), grads)})
-                        torch.cuda.synchronize()
+    plan = []  # defaults and torch for every case first, then the sweep (at the longest S)
+    precisions, lengths, passes = args.precisions.split(","), [int(x) for x in args.S.split(",")], args.passes.split(",")
+    for precision in precisions:
+        for S in lengths:
+            for pass_ in passes:
+                plan += [(precision, S, pass_, "flexjit-triton", None), (precision, S, pass_, "torch-flex-triton", None)]
+    if args.sweep:
+        for precision in precisions:
+            for pass_ in passes:
+                keys = (("BLOCK_M", "BLOCK_N", "num_warps", "num_stages") if pass_ == "fwd" else
+                        ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages"))
+                grid = FWD_GRID if pass_ == "fwd" else BWD_GRID
+                plan += [(precision, max(lengths), pass_, "flexjit-triton", dict(zip(keys, c))) for c in grid]
+    for precision, S, pass_, name, opts in plan:
+        row = dict(precision=precision, S=S, pass_=pass_, impl=name, config=opts)
+        if args.budget_s and time.time() - t_start > args.budget_s:
+            rows.append(dict(row, status="skipped: time budget"))
+            continue
+        torch.set_float32_matmul_precision(precision)
+        B, (q, k, v, do), ref, impls, flops_fwd = case(precision, S)
+        row["B"] = B
+        fn = impls[name]
+        try:
+            out = fn(q, k, v, opts)
+            errs = {"out": rel_err(out, ref["out"])}
+            if pass_ == "fwdbwd":
+                grads = torch.autograd.grad(out, (q, k, v), do)
+                errs.update({n: rel_err(t, ref[n]) for n, t in zip(("dq", "dk", "dv"), grads)})
+            torch.cuda.synchronize()
 
-                        def step():
-                            o = fn(q, k, v, opts) if opts else fn(q, k, v)
-                            if pass_ == "fwdbwd":
-                                torch.autograd.grad(o, (q, k, v), do)
-                        if pass_ == "fwd":
-                            with torch.no_grad():
-                                ms = do_bench(step, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-                        else:
-                            ms = do_bench(step, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-                        flops = flops_fwd * (1 if pass_ == "fwd" else 3.5)
-                        row.update(status="ok", ms=ms, tflops=flops / ms / 1e9, errors=errs)
-                    except Exception as e:
-                        row.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    (out_dir / "fp32.json").write_text(json.dumps(rows, indent=1))
+            def step():
+                o = fn(q, k, v, opts)
+                if pass_ == "fwdbwd":
+                    torch.autograd.grad(o, (q, k, v), do)
+            if pass_ == "fwd":
+                with torch.no_grad():
+                    ms = do_bench(step, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+            else:
+                ms = do_bench(step, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+            flops = flops_fwd * (1 if pass_ == "fwd" else 3.5)
+            row.update(status="ok", ms=ms, tflops=flops / ms / 1e9, errors=errs)
+        except Exception as e:
+            row.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        (out_dir / "fp32.json").write_text(json.dumps(rows, indent=1))
     _report(rows, out_dir)
     return 0
 
