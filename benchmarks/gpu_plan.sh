@@ -15,6 +15,7 @@
 #    and flexjit.
 # 3: benchmarks/fp32.py with its block-config sweep: flexjit's fp32 Triton kernels beside torch
 #    Flex-Triton's under both matmul precisions.
+# 4: stage 3's fp32 tables verified: the fp32 test and benchmarks/fp32.py without the sweep.
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
 stage=${1:?usage: gpu_plan.sh 1|2|3 OUT_DIR}
@@ -47,6 +48,11 @@ case $stage in
     ;;
   3)
     timeout 540 python3 -m benchmarks.fp32 --out "$work/fp32" --sweep --budget-s 480 2>&1 | tail -12
+    ;;
+  4)
+    # The fp32 tables from stage 3's sweep, measured as a user gets them (no kernel_options).
+    pt 120 fp32_test.txt tests/test_training_gpu.py -k fp32
+    timeout 300 python3 -m benchmarks.fp32 --out "$work/fp32" --budget-s 260 2>&1 | tail -11
     ;;
   *)
     echo "unknown stage $stage" >&2

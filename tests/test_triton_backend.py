@@ -612,3 +612,20 @@ def test_fp32_dots_follow_torchs_matmul_precision(setting, want):
         assert tb._dot_precision(torch.bfloat16, interpret=True) == "interp-upcast"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_fp32_configs_come_from_the_precisions_table():
+    # The H200 sweep's fp32 entries (triton_config): IEEE dots 32x64 over 8 warps, TF32 128x64;
+    # 8 warps survive the fitting (fp32 tiles count 256 elements a warp, 16-bit ones 512).
+    ieee = tb.fwd_config(90, torch.float32, 128, 128, 8192, 8192, (128, 128), {})
+    tf32 = tb.fwd_config(90, torch.float32, 128, 128, 8192, 8192, (128, 128), {}, tf32=True)
+    assert (ieee.BLOCK_M, ieee.BLOCK_N, ieee.num_warps) == (32, 64, 8)
+    assert (tf32.BLOCK_M, tf32.BLOCK_N, tf32.num_warps) == (128, 64, 8)
+    # 4 bytes a value: three 64x128 K/V stages do not fit beside Q, two do
+    assert tb._fwd_smem(128, 64, tf32.num_stages, 128, 128, 4) <= tb.smem_limit(90)
+    b_ieee = tb.bwd_config(90, torch.float32, 128, 128, 8192, 8192, (128, 128), {})
+    b_tf32 = tb.bwd_config(90, torch.float32, 128, 128, 8192, 8192, (128, 128), {}, tf32=True)
+    assert (b_ieee.BLOCK_M1, b_ieee.BLOCK_N1, b_ieee.num_warps) == (32, 64, 8)
+    assert (b_tf32.BLOCK_M1, b_tf32.BLOCK_N1, b_tf32.BLOCK_M2, b_tf32.BLOCK_N2) == (32, 128, 128, 32)
+    # remembered per precision: the TF32 answer is not served for IEEE
+    assert tb.fwd_config(90, torch.float32, 128, 128, 8192, 8192, (128, 128), {}) is ieee

@@ -133,6 +133,11 @@ class Plan:
     arch: int
     interpret: bool
     fast_math: bool
+    dot: str  # tl.dot's input precision (``_dot_precision``: torch's matmul precision at plan time)
+
+    @property
+    def tf32(self) -> bool:
+        return self.dot == "tf32"
 
 
 def _capture_args(p: Program, bufs) -> list:
@@ -186,7 +191,7 @@ def fwd_launch(plan: Plan, q, k, v, out, lse, bufs) -> Launch:
     consts = _common_constexprs(plan, E, EV)
     consts.update(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, HAS_PARTIAL=lists.num is not None,
                   HAS_FULL=lists.full_num is not None, EVEN_M=L % c.BLOCK_M == 0,
-                  EVEN_N=_even(S, c.BLOCK_N, plan.sparse, 1), DOT_PRECISION=_dot_precision(q.dtype, plan.interpret),
+                  EVEN_N=_even(S, c.BLOCK_N, plan.sparse, 1), DOT_PRECISION=plan.dot,
                   NUM_STAGES=c.num_stages)
     return Launch("fwd", "flex_fwd", (triton_cdiv(L, c.BLOCK_M), Hq, B), args, consts,
                   _options(c.num_warps, c.num_stages))
@@ -323,7 +328,7 @@ def bwd_launch(plan: Plan, c: BwdConfig, q, k, v, dout, lse2, delta, dq, dk, dv,
                   ACC_GRADS=bool(grads),
                   EVEN_M=_even(L, max(c.BLOCK_M1, c.BLOCK_M2), plan.sparse, 0),
                   EVEN_N=_even(S, max(c.BLOCK_N1, c.BLOCK_N2), plan.sparse, 1),
-                  DOT_PRECISION=_dot_precision(q.dtype, plan.interpret), NUM_STAGES=c.num_stages)
+                  DOT_PRECISION=plan.dot, NUM_STAGES=c.num_stages)
     return Launch("bwd", "flex_bwd", (n_kv + n_q * G, Hkv, B), args, consts,
                   _options(c.num_warps, c.num_stages))
 
@@ -333,7 +338,7 @@ def _backward(plan: Plan, q, k, v, out, lse, dout, dlse, bufs):
     B, Hq, L, E = q.shape
     S, EV = k.shape[2], v.shape[3]
     c = bwd_config(plan.arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options,
-                   captured_grads=bool(grad_slots(plan.program)))
+                   captured_grads=bool(grad_slots(plan.program)), tf32=plan.tf32)
     delta = _out((B, Hq, L), torch.float32, q.device)
     lse2 = _out((B, Hq, L), torch.float32, q.device)
     if dlse is not None:
@@ -426,7 +431,7 @@ def launches_for(call, arch: int) -> list[Launch]:
     out = torch.empty(B, Hq, L, EV, dtype=q.dtype, device="meta")
     lse = torch.empty(B, Hq, L, dtype=torch.float32, device="meta")
     c = bwd_config(arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options,
-                   captured_grads=bool(grad_slots(plan.program)))
+                   captured_grads=bool(grad_slots(plan.program)), tf32=plan.tf32)
     grads = {s: torch.empty(bufs[s].shape, dtype=_GRAD_ACC, device="meta")
              for s in grad_slots(plan.program)}
     return [fwd_launch(plan, q, k, v, out, lse, bufs),
@@ -484,8 +489,9 @@ def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> P
     opts = dict(call.kernel_options)
     fast = bool(opts.get("FAST_MATH", True)) and not interp
     short = bm is not None and bm.mean_kv_tokens() <= SHORT_KV_LOOP
-    cfg = fwd_config(arch, q.dtype, E, EV, L, S, sparse, opts, short_kv_loop=short)
-    return Plan(call.program, call.scale, kv, None, bm, sparse, cfg, opts, arch, interp, fast)
+    dot = _dot_precision(q.dtype, interp)
+    cfg = fwd_config(arch, q.dtype, E, EV, L, S, sparse, opts, short_kv_loop=short, tf32=dot == "tf32")
+    return Plan(call.program, call.scale, kv, None, bm, sparse, cfg, opts, arch, interp, fast, dot)
 
 
 def forward(call) -> tuple[torch.Tensor, torch.Tensor]:

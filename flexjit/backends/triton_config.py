@@ -62,7 +62,16 @@ _FWD_TABLE = {
     ("sm90", True, 64, "short_kv_loop"): (64, 64, 4, 3),
     ("sm90", True, 128, "short_kv_loop"): (64, 64, 4, 3),
 }
-_FWD_FP32 = {64: (64, 64, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)}
+# fp32 inputs, by (dot precision, padded head dim), any arch. Swept on the H200 at D=128, S=8k
+# causal (benchmarks/fp32.py --sweep, results/2026-12-01-gpu-s5-stage3; ms fwd / fwd+bwd):
+# * IEEE fp32 dots (torch's "highest") run on the CUDA cores: 32x64 tiles over 8 warps, 11.6 ms
+#   against 31.5 for the 64x32 x 4 warps entry before (its 4 warps held a 64x128 fp32 Q tile and
+#   spilled it: 7 KB of stack in ptxas's report). Larger tiles run 4-16x slower (stack again).
+# * TF32 (torch's "high"): tensor-core tiles, 128x64 over 8 warps, 1.45 ms against 2.08.
+# D=64 takes the D=128 entries (smaller tiles of the same shape); D=256 keeps the small
+# pre-sweep tiles (not measured).
+_FWD_FP32 = {("ieee", 64): (32, 64, 8, 2), ("ieee", 128): (32, 64, 8, 2), ("ieee", 256): (32, 32, 4, 2),
+             ("tf32", 64): (128, 64, 8, 3), ("tf32", 128): (128, 64, 8, 3), ("tf32", 256): (32, 32, 4, 2)}
 SHORT_KV_LOOP = 2048
 # Backward (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages), same keys. The dK/dV
 # role keeps a key tile's dK, dV in registers and streams query sub-tiles; the dQ role the
@@ -83,7 +92,12 @@ _BWD_TABLE = {
     # were verified with.
     ("sm90", True, 128, "captured_grads"): (32, 128, 128, 32, 8, 3),
 }
-_BWD_FP32 = {64: (32, 64, 64, 32, 4, 2), 128: (32, 64, 64, 32, 4, 2), 256: (16, 32, 32, 16, 4, 2)}
+# fp32 backward, same sweep: IEEE 32x64/64x32 tiles over 8 warps (the 4-warp entry before spilled
+# 9 KB; 79 against 442 ms forward + backward with the old forward), TF32 32x128/128x32 over 8
+# warps (7.4 against 10.2 ms).
+_BWD_FP32 = {("ieee", 64): (32, 64, 64, 32, 8, 2), ("ieee", 128): (32, 64, 64, 32, 8, 2),
+             ("ieee", 256): (16, 32, 32, 16, 4, 2), ("tf32", 64): (32, 128, 128, 32, 8, 2),
+             ("tf32", 128): (32, 128, 128, 32, 8, 2), ("tf32", 256): (16, 32, 32, 16, 4, 2)}
 _SMEM_BY_ARCH = {80: 163 << 10, 87: 163 << 10, 90: 227 << 10, 100: 227 << 10, 103: 227 << 10}
 
 
@@ -130,12 +144,13 @@ def _opt(opts: dict, names: tuple[str, ...], default):
 
 
 def _table_entry(table: dict, fp32: dict, arch: int, dtype: torch.dtype, e_pad: int,
-                 kind: str | None = None) -> tuple:
+                 kind: str | None = None, tf32: bool = False) -> tuple:
     """The table's config for (arch class, head dim); the ``kind``-specific entry if the table
-    has one (e.g. "short_kv_loop"), else the plain one."""
+    has one (e.g. "short_kv_loop"), else the plain one. fp32 inputs: the fp32 table's entry for
+    their dot precision (``tf32``)."""
     d = min(256, max(64, e_pad))
     if dtype == torch.float32:
-        return fp32[d]
+        return fp32[("tf32" if tf32 else "ieee", d)]
     cls = "sm90" if arch == 90 else "sm100" if arch in (100, 103) else "sm80"
     return table.get((cls, True, d, kind)) or table[(cls, True, d)]
 
@@ -157,41 +172,48 @@ def _bwd_smem(c: "BwdConfig", e_pad, ev_pad, elem) -> int:
     return elem * max(role_kv, role_q)
 
 
-def _warps(want: int, bm: int, bn: int) -> int:
-    return max(1, min(want, (bm * bn) // 512))
+def _warps(want: int, bm: int, bn: int, per_warp: int = 512) -> int:
+    """The table's warps, fewer where a fitted tile leaves under ``per_warp`` elements a warp
+    (fp32 tiles run their dots on the CUDA cores: 256 elements a warp, see the fp32 tables)."""
+    return max(1, min(want, (bm * bn) // per_warp))
+
+
+def _per_warp(dtype) -> int:
+    return 256 if dtype == torch.float32 else 512
 
 
 def fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
-               short_kv_loop: bool = False) -> FwdConfig:
+               short_kv_loop: bool = False, tf32: bool = False) -> FwdConfig:
     """The forward's block config: table default, fitted to the mask blocks, lengths and smem;
     ``kernel_options`` (BLOCK_M, BLOCK_N, num_warps, num_stages, or fwd_-prefixed) override.
-    ``short_kv_loop``: a block mask whose query blocks visit few keys (SHORT_KV_LOOP)."""
-    return _remembered(_fwd_config, arch, dtype, E, EV, L, S, sparse, opts, short_kv_loop)
+    ``short_kv_loop``: a block mask whose query blocks visit few keys (SHORT_KV_LOOP).
+    ``tf32``: fp32 inputs whose dots run in TF32."""
+    return _remembered(_fwd_config, arch, dtype, E, EV, L, S, sparse, opts, (short_kv_loop, tf32))
 
 
 _CONFIGS: dict[tuple, object] = {}
 
 
-def _remembered(build, arch, dtype, E, EV, L, S, sparse, opts: dict, flag: bool):
+def _remembered(build, arch, dtype, E, EV, L, S, sparse, opts: dict, flag: tuple):
     """``build(...)``, remembered by its arguments: a training loop asks the same question every
     step (~20-40 µs of Python each time on the H200's host)."""
     try:
         key = (build, arch, dtype, E, EV, L, S, sparse, tuple(sorted(opts.items())), flag)
         hit = _CONFIGS.get(key)
     except TypeError:  # an unhashable kernel_options value: answer, do not remember
-        return build(arch, dtype, E, EV, L, S, sparse, opts, flag)
+        return build(arch, dtype, E, EV, L, S, sparse, opts, *flag)
     if hit is None:
         if len(_CONFIGS) > 4096:
             _CONFIGS.clear()
-        hit = _CONFIGS[key] = build(arch, dtype, E, EV, L, S, sparse, opts, flag)
+        hit = _CONFIGS[key] = build(arch, dtype, E, EV, L, S, sparse, opts, *flag)
     return hit
 
 
 def _fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
-                short_kv_loop: bool) -> FwdConfig:
+                short_kv_loop: bool, tf32: bool = False) -> FwdConfig:
     e_pad, ev_pad = head_pad(E), head_pad(EV)
     bm, bn, warps, stages = _table_entry(_FWD_TABLE, _FWD_FP32, arch, dtype, max(e_pad, ev_pad),
-                                         "short_kv_loop" if short_kv_loop else None)
+                                         "short_kv_loop" if short_kv_loop else None, tf32)
     sq, skv = sparse if sparse is not None else (None, None)
     ubm = _user_block(opts, ("fwd_BLOCK_M", "BLOCK_M"), sq)
     ubn = _user_block(opts, ("fwd_BLOCK_N", "BLOCK_N"), skv)
@@ -204,24 +226,24 @@ def _fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts:
         stages -= 1
     while ubn is None and bn > 16 and _fwd_smem(bm, bn, stages, e_pad, ev_pad, elem) > smem_limit(arch):
         bn //= 2
-    warps = _opt(opts, ("fwd_num_warps", "num_warps"), _warps(warps, bm, bn))
+    warps = _opt(opts, ("fwd_num_warps", "num_warps"), _warps(warps, bm, bn, _per_warp(dtype)))
     return FwdConfig(bm, bn, warps, stages)
 
 
 def bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
-               captured_grads: bool = False) -> BwdConfig:
+               captured_grads: bool = False, tf32: bool = False) -> BwdConfig:
     """The backward's block config (table, fitted like the forward's; kernel_options BLOCK_M1,
     BLOCK_N1, BLOCK_M2, BLOCK_N2, bwd_num_warps, bwd_num_stages override). ``captured_grads``:
-    the kernel also accumulates captured tensors' gradients."""
-    return _remembered(_bwd_config, arch, dtype, E, EV, L, S, sparse, opts, captured_grads)
+    the kernel also accumulates captured tensors' gradients; ``tf32`` as for the forward."""
+    return _remembered(_bwd_config, arch, dtype, E, EV, L, S, sparse, opts, (captured_grads, tf32))
 
 
 def _bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
-                captured_grads: bool) -> BwdConfig:
+                captured_grads: bool, tf32: bool = False) -> BwdConfig:
     e_pad, ev_pad = head_pad(E), head_pad(EV)
     m1, n1, m2, n2, warps, stages = _table_entry(_BWD_TABLE, _BWD_FP32, arch, dtype,
                                                  max(e_pad, ev_pad),
-                                                 "captured_grads" if captured_grads else None)
+                                                 "captured_grads" if captured_grads else None, tf32)
     sq, skv = sparse if sparse is not None else (None, None)
     m1 = _user_block(opts, ("BLOCK_M1",), sq) or _fit_block(m1, sq, L)
     n1 = _user_block(opts, ("BLOCK_N1",), skv) or _fit_block(n1, skv, S)
@@ -233,5 +255,5 @@ def _bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts:
     while "bwd_num_stages" not in opts and c.num_stages > 1 and \
             _bwd_smem(c, e_pad, ev_pad, elem) > smem_limit(arch):
         c = dataclasses.replace(c, num_stages=c.num_stages - 1)
-    warps = _opt(opts, ("bwd_num_warps",), _warps(warps, max(m1, m2), max(n1, n2)))
+    warps = _opt(opts, ("bwd_num_warps",), _warps(warps, max(m1, m2), max(n1, n2), _per_warp(dtype)))
     return dataclasses.replace(c, num_warps=warps)
