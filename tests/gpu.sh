@@ -5,12 +5,13 @@
 #   bash tests/gpu.sh new $OUT       # code that has never run on a GPU first
 #   bash tests/gpu.sh cute $OUT      # every sm90 forward and backward test
 #   bash tests/gpu.sh triton $OUT    # the Triton backend's GPU tests
+#   bash tests/gpu.sh training $OUT  # autocast, torch.compile, CUDA graphs, fp32, transformers
 #
 # Each pytest run gets a wall-clock limit (a hung kernel fails the batch instead of the call)
 # and writes its log to $OUT/<batch>-<n>.txt; a summary line per run is printed.
 set -u
-batch=${1:?usage: gpu.sh new|cute|triton OUT_DIR}
-out=${2:?usage: gpu.sh new|cute|triton OUT_DIR}
+batch=${1:?usage: gpu.sh new|cute|triton|training OUT_DIR}
+out=${2:?usage: gpu.sh new|cute|triton|training OUT_DIR}
 mkdir -p "$out"
 n=0
 run() {  # run LIMIT_S pytest-args...
@@ -38,6 +39,9 @@ case $batch in
     ;;
   triton)
     run 560 tests/test_triton_gpu.py
+    ;;
+  training)
+    run 330 tests/test_training_gpu.py
     ;;
   *)
     echo "unknown batch $batch" >&2

@@ -97,3 +97,21 @@ def test_ncu_summary_reads_profile_kernels_output():
     assert (ours["duration"], fa4["duration"], ours["regs"]) == (1530.0, 1510.0, 168.0)
     assert rows[3]["tensor"] == 57.41 and rows[3]["xu"] == 30.33  # ALiBi
     assert "| cute:alibi:8192:fwd | FlexAttentionFwdSm90 | 1010 |" in ncu_summary.table(rows)
+
+
+def test_train_step_trains_and_compares_losses(tmp_path):
+    # benchmarks/train_step.py end to end on a tiny model: every row trained, its losses compared
+    # with eager attention's at every step (the correctness column), Gemma 2's sdpa marked as
+    # not computing the model (no softcapping).
+    pytest.importorskip("transformers")
+    from benchmarks import train_step
+    out = tmp_path / "train"
+    train_step.main(["--out", str(out), "--device", "cpu", "--tiny", "--seqs", "64", "--tokens", "128",
+                     "--warmup", "1", "--steps", "1", "--impls", "sdpa,eager,flexjit"])
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert len(rows) == 2 * 3
+    for r in rows:
+        assert r["status"] == "ok" and r["step_ms"] > 0, r
+        assert {"model", "impl", "seq", "batch", "step_ms", "loss_first", "loss_last", "correct"} <= set(r)
+        assert r["max_loss_dev_vs_eager"] < 1e-2, r
+        assert r["correct"] == (not (r["model"] == "gemma2" and r["impl"] == "sdpa")), r
