@@ -122,6 +122,41 @@ def test_reduce_overhead_cuda_graphs(backend):
         assert torch.equal(got, want), f"replay {seed}: {(got.float() - want.float()).abs().max()}"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reduce_overhead_training_step(backend):
+    # Forward and backward both captured: gradients from the replays equal eager's.
+    bm = create_block_mask(causal, None, None, S, S, device=DEV)
+
+    def f(q, k, v):
+        return flex_attention(q, k, v, score_mod=mods.softcap(30.0), block_mask=bm, enable_gqa=True,
+                              backend=backend)
+
+    cf = torch.compile(f, fullgraph=True, mode="reduce-overhead")
+    for seed in (11, 12, 13):
+        q, k, v = _qkv(seed)
+        got = [g.clone() for g in _grads(cf(q, k, v), [q, k, v])]
+        want = _grads(f(q, k, v), [q, k, v])
+        for a, b_ in zip(got, want):
+            torch.testing.assert_close(a, b_, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_block_mask_made_inside_the_compiled_graph(backend):
+    # create_block_mask inside torch.compile(fullgraph=True): document ids are a graph input; new
+    # ids give a new plan.
+    def f(q, k, v, doc):
+        def doc_causal(b, h, q_idx, kv_idx):
+            return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+        bm = create_block_mask(doc_causal, B, None, S, S, device=DEV)
+        return flex_attention(q, k, v, block_mask=bm, enable_gqa=True, backend=backend)
+
+    cf = torch.compile(f, fullgraph=True)
+    q, k, v = [t.detach() for t in _qkv(14)]
+    for cut in (300, 700):
+        doc = (torch.arange(S, device=DEV) >= cut).long().expand(B, S).contiguous()
+        assert torch.equal(cf(q, k, v, doc), f(q, k, v, doc)), cut
+
+
 def test_fp32_follows_the_matmul_precision():
     # fp32 inputs: IEEE dots by default, TF32 under set_float32_matmul_precision("high"); each
     # within twice the error of torch's own fp32 math at that precision (against float64).
