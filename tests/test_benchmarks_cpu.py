@@ -111,7 +111,11 @@ def test_train_step_trains_and_compares_losses(tmp_path):
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert len(rows) == 2 * 3
     for r in rows:
+        if r["model"] == "gemma2" and r["impl"] == "sdpa":
+            # sdpa cannot softcap: newer transformers refuse it for Gemma 2, older ones run it
+            # without; either way the row is not correct.
+            assert not r["correct"] and (r["status"] == "ok" or "does not support" in r["error"]), r
+            continue
         assert r["status"] == "ok" and r["step_ms"] > 0, r
         assert {"model", "impl", "seq", "batch", "step_ms", "loss_first", "loss_last", "correct"} <= set(r)
-        assert r["max_loss_dev_vs_eager"] < 1e-2, r
-        assert r["correct"] == (not (r["model"] == "gemma2" and r["impl"] == "sdpa")), r
+        assert r["max_loss_dev_vs_eager"] < 1e-2 and r["correct"], r

@@ -1,10 +1,13 @@
 """Hugging Face transformers with attn_implementation="flexjit" (issue #18), on the CPU.
 
 Tiny random models (2 layers, 4 query / 2 KV heads, 200 tokens over 128-blocks: ragged, several
-blocks) in float32 against the same weights run with SDPA in float64, the golden: flexjit's error
-on the logits and on every parameter's gradient must be within twice eager attention's (the
-models' own float32 path) plus a floor. Covers GQA, sliding-window layers (Mistral), softcapping
-with alternating sliding layers (Gemma 2), left and right padding, and packed sequences.
+blocks) in float32 against the golden: the same weights in float64 with the test's own dense
+attention ("golden" below: plain torch math on transformers' boolean mask, a fully masked row
+giving 0). flexjit's error on the logits and on every parameter's gradient must be within twice
+eager attention's (the models' own float32 path) plus a floor. Covers GQA, sliding-window layers
+(Mistral), softcapping with alternating sliding layers (Gemma 2), left and right padding, and
+packed sequences. (Not SDPA as the golden: transformers 5.24 refuses it for Gemma 2, and eager
+attention in float64 turns a fully padded row into NaN that leaks into the next layer.)
 """
 import copy
 
@@ -14,8 +17,35 @@ import torch
 transformers = pytest.importorskip("transformers")
 import flexjit.transformers as fjt  # noqa: E402  (registers "flexjit")
 from oracle import max_err  # noqa: E402
+from transformers.masking_utils import sdpa_mask  # noqa: E402
 
 L = 200
+
+
+def golden_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     softcap=None, **kwargs):
+    """Dense attention in the inputs' dtype (float64 here) on a (B, 1, L, S) keep-mask."""
+    g = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
+    s = query @ key.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if attention_mask is not None:
+        s = s.masked_fill(~attention_mask[:, :, :, : key.shape[-2]], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    e = torch.exp(s - torch.where(torch.isfinite(m), m, 0))
+    den = e.sum(-1, keepdim=True)
+    p = e / torch.where(den == 0, 1, den)
+    return (p @ value).transpose(1, 2).contiguous(), None
+
+
+def golden_mask(*args, **kwargs):
+    """transformers' boolean mask, always materialised, fully masked rows left masked."""
+    return sdpa_mask(*args, **dict(kwargs, allow_is_causal_skip=False, allow_torch_fix=False))
+
+
+transformers.AttentionInterface.register("golden", golden_attention)
+transformers.masking_utils.AttentionMaskInterface.register("golden", golden_mask)
 
 
 def _config(family: str):
@@ -37,7 +67,7 @@ def _models(family: str):
     torch.manual_seed(0)
     cfg = _config(family)
     make = transformers.AutoModelForCausalLM.from_config
-    golden = make(copy.deepcopy(cfg), attn_implementation="sdpa")
+    golden = make(copy.deepcopy(cfg), attn_implementation="golden")
     models = {impl: make(copy.deepcopy(cfg), attn_implementation=impl) for impl in ("eager", "flexjit")}
     for m in models.values():
         m.load_state_dict(golden.state_dict())
