@@ -95,22 +95,36 @@ def templates_dir() -> Path:
 
 def load_template(name: str):
     """Import the kernel skeleton ``templates/<name>.py`` as ``flexjit.templates.<name>``,
-    whether flexjit is installed or run from a source tree (e.g. PYTHONPATH=. on the GPU box)."""
+    whether flexjit is installed or run from a source tree (e.g. PYTHONPATH=. on the GPU box).
+    Templates import each other's shared modules normally (``from flexjit.templates.cute_common
+    import ...``): from a source tree ``templates_package`` first registers the package."""
+    import importlib
+
+    templates_package()
+    return importlib.import_module(f"flexjit.templates.{name}")
+
+
+def templates_package():
+    """The package ``flexjit.templates``: installed (pyproject's package-dir), or, from a source
+    tree, ``<repo>/templates`` registered under that name so that imports inside it resolve."""
     import importlib
     import importlib.util
     import sys
-    full = f"flexjit.templates.{name}"
-    if full in sys.modules:
-        return sys.modules[full]
+
+    if "flexjit.templates" in sys.modules:
+        return sys.modules["flexjit.templates"]
     try:
-        return importlib.import_module(full)
+        return importlib.import_module("flexjit.templates")
     except ModuleNotFoundError:
         pass
-    path = templates_dir() / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(full, path)
-    if spec is None or not path.exists():
-        raise ImportError(f"flexjit template {name!r} not found at {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[full] = module
-    spec.loader.exec_module(module)
-    return module
+    folder = templates_dir()
+    spec = importlib.util.spec_from_file_location("flexjit.templates", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    if spec is None or not folder.is_dir():
+        raise ImportError(f"flexjit's templates are not at {folder}")
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["flexjit.templates"] = package
+    spec.loader.exec_module(package)
+    import flexjit
+    flexjit.templates = package
+    return package

@@ -121,21 +121,12 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory.smem import SmemAllocator
 
-from flexjit.cache import load_template
-
-# Shared with the forward: the aux container the generated mods index, layout helpers, the
-# placeholder/TVM-FFI plumbing. (Both templates are part of the toolchain fingerprint.)
-_fwd = load_template("cute_sm90_fwd")
-Aux = _fwd.Aux
-_smem_layout, _permute, _transposed = _fwd._smem_layout, _fwd._permute, _fwd._transposed
-_placeholder, _ffi_function, _stream_context = _fwd._placeholder, _fwd._ffi_function, _fwd._stream_context
-_as_scalar, _aux_cutlass_dtype = _fwd._as_scalar, _fwd._aux_cutlass_dtype
-tvm_ffi_enabled = _fwd.tvm_ffi_enabled
-FloatIndices = _fwd.FloatIndices
-wgmma_gemm = _fwd.wgmma_gemm
-
-MASK_BLOCK = 128  # FlexAttention BlockMask granularity, rows and columns
-LOG2_E = math.log2(math.e)
+# Shared with the forward (and the kernels to come): the aux container the generated mods index,
+# layout helpers, the placeholder/TVM-FFI plumbing.
+from flexjit.templates.cute_common import (
+    LOG2_E, MASK_BLOCK, Aux, FloatIndices, as_scalar, aux_cutlass_dtype, ffi_function, permute,
+    placeholder, smem_layout, stream_context, transposed, tvm_ffi_enabled, wgmma_gemm,
+)
 
 # Named barrier ids (0 is __syncthreads).
 _BAR_MMA = 1  # the 256 MMA threads: dS tile complete in smem; epilogue
@@ -280,7 +271,7 @@ def _tma_tiles(atom: cute.CopyAtom, s: cute.Tensor, g: cute.Tensor):
 def _as_acc_layout(frag_a: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
     """The RS A-operand fragment ``frag_a`` ((2, 2, 2), MMA_M, K/16) viewed with the accumulator
     layout ((2, 2, V), MMA_M, MMA_N) of ``acc``: both are compact and enumerate (column pair,
-    row half, 8-column group) in the same order (the forward's ``_acc_as_operand_a`` is a pure
+    row half, 8-column group) in the same order (the forward's ``acc_as_operand_a`` is a pure
     regrouping), so
     P and dS are written straight into the registers the dV/dK GEMMs read: no second copy."""
     return cute.make_tensor(frag_a.iterator, cute.make_layout(acc.shape))
@@ -362,16 +353,16 @@ class FlexAttentionBwdSm90:
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
             raise TypeError("q/k dtype does not match the config")
         # Sequence-major views: (seq, dim, head, batch) and (Lpad, head, batch).
-        q, k, v, do, dk, dv, dqacc = [_permute(t, [2, 3, 1, 0])
+        q, k, v, do, dk, dv, dqacc = [permute(t, [2, 3, 1, 0])
                                       for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
-        lse2, delta = [_permute(t, [2, 1, 0]) for t in (mLSE2, mDelta)]
+        lse2, delta = [permute(t, [2, 1, 0]) for t in (mLSE2, mDelta)]
 
         D, Dv, tm, tn, st = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.num_stages
-        sQ_layout = _smem_layout(self.dtype, tm, D, st)
-        sdO_layout = _smem_layout(self.dtype, tm, Dv, st)
-        sK_layout = _smem_layout(self.dtype, tn, D)
-        sV_layout = _smem_layout(self.dtype, tn, Dv)
-        sdS_layout = _smem_layout(self.dtype, tm, tn, st)
+        sQ_layout = smem_layout(self.dtype, tm, D, st)
+        sdO_layout = smem_layout(self.dtype, tm, Dv, st)
+        sK_layout = smem_layout(self.dtype, tn, D)
+        sV_layout = smem_layout(self.dtype, tn, Dv)
+        sdS_layout = smem_layout(self.dtype, tm, tn, st)
         sdQ_layout = _dq_smem_layout(*self.dq_box)
         sRow_layout = cute.make_layout((tm, st))  # lse2 / delta stages
 
@@ -732,8 +723,8 @@ class FlexAttentionBwdSm90:
         tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
         tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sdO)))
-        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(_transposed(sQ)))
+        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO)))
+        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ)))
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed_2d(sK)))
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
@@ -750,7 +741,7 @@ class FlexAttentionBwdSm90:
         # dS (registers, transposed) -> smem as the dQ GEMM's K-major A operand.
         st_t = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(tidx)
-        tSsdS = thr_st_t.partition_D(_transposed(sdS))
+        tSsdS = thr_st_t.partition_D(transposed(sdS))
         # dQ accumulator -> this warpgroup's fp32 box, viewed as the whole (tm, D) tile.
         if const_expr(self.dq_split == "cols"):
             sdQ_tile = cute.group_modes(sdQ, 1, 3)  # (64, ((8, 8), 2)): D = 128 split by columns
@@ -1265,19 +1256,19 @@ def _tma_ready(t) -> bool:
 
 
 def _placeholder_main_args(cfg: BwdConfig, aux_tensors, aux_scalars) -> tuple:
-    q, k, v, do, dk, dv = [_placeholder(cfg.dtype, 4, 16, 8) for _ in range(6)]
-    lse2, delta = [_placeholder(Float32, 3, 16, 4) for _ in range(2)]
-    dqacc = _placeholder(Float32, 4, 16, 4)
+    q, k, v, do, dk, dv = [placeholder(cfg.dtype, 4, 16, 8) for _ in range(6)]
+    lse2, delta = [placeholder(Float32, 3, 16, 4) for _ in range(2)]
+    dqacc = placeholder(Float32, 4, 16, 4)
     qblocks = qorder = None
     if cfg.has_block_mask:
-        qblocks = QBlockLists(*[_placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
+        qblocks = QBlockLists(*[placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
         if cfg.deterministic:
-            qorder = QOrder(*[_placeholder(Int32, 4, 4) for _ in range(2)])
-    sem = _placeholder(Int32, 3, 4) if cfg.deterministic else None
-    tensors = tuple(_placeholder(_aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
+            qorder = QOrder(*[placeholder(Int32, 4, 4) for _ in range(2)])
+    sem = placeholder(Int32, 3, 4) if cfg.deterministic else None
+    tensors = tuple(placeholder(aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
                     for t in aux_tensors)
-    scalars = tuple(_as_scalar(x) for x in aux_scalars)
-    accs = tuple(_placeholder(cutlass.Float64, 1, 8) for _ in range(num_grad_accs(cfg)))
+    scalars = tuple(as_scalar(x) for x in aux_scalars)
+    accs = tuple(placeholder(cutlass.Float64, 1, 8) for _ in range(num_grad_accs(cfg)))
     return (q, k, v, do, lse2, delta, dqacc, dk, dv, Float32(1.0), Int32(1), qblocks, qorder, sem,
             tensors or None, scalars or None, accs or None)
 
@@ -1290,16 +1281,16 @@ def num_grad_accs(cfg: BwdConfig) -> int:
 
 
 def _placeholder_pre_args(cfg: BwdConfig) -> tuple:
-    o, do = [_placeholder(cfg.dtype, 4, 16, 8) for _ in range(2)]
-    lse, dlse = [_placeholder(Float32, 3, 4) for _ in range(2)]
-    lse2, delta = [_placeholder(Float32, 3, 16, 4) for _ in range(2)]
-    dqacc = _placeholder(Float32, 4, 16, 4)
-    sem = _placeholder(Int32, 3, 4) if cfg.deterministic else None
+    o, do = [placeholder(cfg.dtype, 4, 16, 8) for _ in range(2)]
+    lse, dlse = [placeholder(Float32, 3, 4) for _ in range(2)]
+    lse2, delta = [placeholder(Float32, 3, 16, 4) for _ in range(2)]
+    dqacc = placeholder(Float32, 4, 16, 4)
+    sem = placeholder(Int32, 3, 4) if cfg.deterministic else None
     return (o, do, lse, dlse, Int32(0), lse2, delta, dqacc, sem)
 
 
 def _placeholder_post_args(cfg: BwdConfig) -> tuple:
-    return (_placeholder(Float32, 4, 16, 4), _placeholder(cfg.dtype, 4, 16, 8), Float32(1.0))
+    return (placeholder(Float32, 4, 16, 4), placeholder(cfg.dtype, 4, 16, 8), Float32(1.0))
 
 
 class CompiledBwd:
@@ -1329,7 +1320,7 @@ class CompiledBwd:
         if stream is None:
             return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
                                 block_lists, aux_tensors, aux_scalars, q_order, grad_accs)
-        with _stream_context(stream):
+        with stream_context(stream):
             return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
                                 block_lists, aux_tensors, aux_scalars, q_order, grad_accs)
 
@@ -1390,7 +1381,7 @@ def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "
         raise RuntimeError("cute_sm90_bwd launches through TVM-FFI only (import tvm_ffi failed "
                            "or FLEXJIT_TVM_FFI=0)")
     signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
-        type(_as_scalar(x)).__name__ for x in aux_scalars)
+        type(as_scalar(x)).__name__ for x in aux_scalars)
     opts = f"{options} --enable-tvm-ffi".strip()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     built = {}
@@ -1404,7 +1395,7 @@ def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "
         else:
             raise ValueError(f"unknown part {name!r}")
         compiled = cute.compile(kernel, *args, stream, options=opts)
-        built[name] = _Part(compiled, _ffi_function(compiled))
+        built[name] = _Part(compiled, ffi_function(compiled))
     return CompiledBwd(cfg, built, signature)
 
 

@@ -7,9 +7,10 @@ What this module holds
   the ``@cute.jit`` ``__call__`` builds the TMA atoms, smem layouts and tiled MMAs and launches;
   the ``@cute.kernel`` body splits warpgroups into roles: ``load`` (producer warpgroup),
   ``mma`` (one per consumer warpgroup: both GEMMs plus the online softmax) and ``epilogue``.
-* A small host API: ``compile_fwd`` returns a ``CompiledFwd`` (cache it, call it again with new
-  shapes: sequence lengths, batch, heads and strides are runtime values) and ``flex_fwd_sm90``
-  (compile-or-reuse + launch on the current torch stream). By default the kernel is compiled
+* A small host API: ``compile_fwd`` returns a ``CompiledFwd`` (the backend caches it and calls
+  it again with new shapes: sequence lengths, batch, heads and strides are runtime values),
+  launched on the current torch stream. Shared pieces (``Aux``, layouts, reductions, the
+  TVM-FFI plumbing) come from ``cute_common``. By default the kernel is compiled
   for TVM-FFI and called with the torch tensors themselves (a few microseconds of host time
   per call instead of ~100 µs of per-call DLPack wrapping), and ``CompiledFwd.export`` writes
   it to an object file another process can load; see "Host API" below.
@@ -143,7 +144,6 @@ Hq = g·Hkv (query head h reads kv head h // g). Supported head dims: D == Dv in
 """
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
@@ -157,22 +157,16 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
-from cutlass.utils import LayoutEnum
 
-MASK_BLOCK = 128  # FlexAttention BlockMask granularity, rows and columns
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
+from flexjit.templates.cute_common import (
+    LN_2, LOG2_E, MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, as_scalar, aux_cutlass_dtype, fadd,
+    ffi_function, permute, placeholder, quad_allreduce, rows_cols, rows_cols_layout, smem_layout,
+    stream_context, transposed, tree, tvm_ffi_enabled, wgmma_gemm,
+)
 
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPILOGUE = 1
 _BAR_PINGPONG_BASE = 2  # 2 + consumer warpgroup index
-
-
-class Aux(NamedTuple):
-    """What the mods receive as ``aux``: captured global tensors and runtime scalars."""
-
-    tensors: tuple = ()
-    scalars: tuple = ()
 
 
 class BlockSparse(NamedTuple):
@@ -205,7 +199,7 @@ class Tiling:
 SMEM_CAPACITY = 227 * 1024  # sm90 opt-in maximum per CTA
 
 
-def _dynamic_schedule_default() -> bool:
+def dynamic_schedule_default() -> bool:
     """Whether persistent tilings built without an explicit choice claim tiles dynamically:
     yes unless ``FLEXJIT_CUTE_DYNAMIC_SCHEDULE=0`` (measured on the H200, it beat the static
     grid stride on every short-loop case: benchmarks/results/2026-11-30-gpu-s3-*)."""
@@ -240,7 +234,7 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     ``persistent``.
     """
     if dynamic_schedule is None:
-        dynamic_schedule = _dynamic_schedule_default()
+        dynamic_schedule = dynamic_schedule_default()
     dyn = bool(persistent and dynamic_schedule)
     if head_dim != head_dim_v:
         raise NotImplementedError("cute_sm90_fwd: head_dim_v must equal head_dim")
@@ -273,29 +267,6 @@ def smem_bytes(cfg: "FwdConfig") -> int:
     return 1024 + q_region + kv + bars  # 1024: worst-case padding to the first aligned buffer
 
 
-class FloatIndices:
-    """float32 copies of a thread's q_idx, kv_idx and kv_idx - q_idx for mods marked
-    ``.float_indices``: each is the first register's value, converted once, plus the register's
-    compile-time offset from it (the integer difference folds to a constant), so an element costs
-    one FADD instead of an int->float conversion, which issues on the MUFU pipe beside exp2
-    (ALiBi's float(kv) - float(q) is one FADD, not three). Exact: indices are below 2^22.
-    The last argument, (base, offset) of kv_idx - q_idx, lets a mod scale the difference by a
-    tile-uniform factor with one FFMA (see the holes' contract)."""
-
-    def __init__(self, q0, kv0):
-        self.q0, self.kv0 = q0, kv0
-        self.q0_f, self.kv0_f = Float32(q0), Float32(kv0)
-        self.d0_f = self.kv0_f - self.q0_f
-
-    def args(self, mod, q_idx, kv_idx) -> tuple:
-        if not getattr(mod, "float_indices", False):
-            return ()
-        dq, dkv = q_idx - self.q0, kv_idx - self.kv0
-        offset = Float32(dkv - dq)
-        return (self.q0_f + Float32(dq), self.kv0_f + Float32(dkv), self.d0_f + offset,
-                (self.d0_f, offset))
-
-
 @dataclass(frozen=True)
 class FwdConfig:
     """Frozen compile-time configuration. Everything not here is a runtime argument."""
@@ -318,90 +289,6 @@ class FwdConfig:
 # ---------------------------------------------------------------------------------------------
 # Layout helpers
 # ---------------------------------------------------------------------------------------------
-def _smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
-    """Swizzled K-major (row-major, `cols` contiguous) smem layout, optionally staged."""
-    atom_kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
-    atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
-    if stages is None:
-        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
-    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
-
-
-def _permute(t: cute.Tensor, order) -> cute.Tensor:
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=order))
-
-
-def _transposed(s: cute.Tensor) -> cute.Tensor:
-    """(rows, cols, stages) smem tensor viewed as (cols, rows, stages): Vᵀ for the PV GEMM."""
-    shape = (s.shape[1], s.shape[0], s.shape[2])
-    return cute.composition(s, cute.make_ordered_layout(shape, order=(1, 0, 2)))
-
-
-@cute.jit
-def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-               zero_init: cutlass.Constexpr):
-    """Issue one warpgroup GEMM over all k-blocks and commit it as one wgmma group (shared by
-    the forward and the backward)."""
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: its ACCUMULATE field is mutated
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for kb in cutlass.range_constexpr(cute.size(tA.shape[2])):
-        cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-
-
-def _rows_cols_layout(frag_layout: cute.Layout) -> cute.Layout:
-    """An sm90 accumulator fragment is ((2, 2, V), MMA_M, MMA_N): (column pair, row half,
-    8-column groups). Return a layout over the same registers indexed (row, col) =
-    ((2, MMA_M), (2, V, MMA_N))."""
-    dense = cute.make_layout(frag_layout.shape)
-    (c2, r2, v), mm, mn = dense.shape
-    (sc2, sr2, sv), smm, smn = dense.stride
-    rc = cute.make_layout(((r2, mm), (c2, v, mn)), stride=((sr2, smm), (sc2, sv, smn)))
-    return cute.composition(frag_layout, rc)
-
-
-def _rows_cols(frag: cute.Tensor) -> cute.Tensor:
-    return cute.make_tensor(frag.iterator, _rows_cols_layout(frag.layout))
-
-
-def _acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
-    """View the fp32 S accumulator ((2, 2, V), MMA_M, MMA_N) as the PV A-operand fragment
-    ((2, 2, 2), MMA_M, V/2 · MMA_N): two adjacent 8-column groups form one 16-wide k-block."""
-    dense = cute.make_layout(acc.layout.shape)
-    (c2, r2, v), mm, mn = dense.shape
-    (sc2, sr2, sv), smm, smn = dense.stride
-    assert v % 2 == 0
-    if const_expr(mn == 1):
-        k_mode = cute.make_layout(v // 2, stride=2 * sv)
-    else:
-        k_mode = cute.make_layout((v // 2, mn), stride=(2 * sv, smn))
-    frag = cute.make_layout(
-        ((c2, r2, 2), mm, k_mode.shape), stride=((sc2, sr2, sv), smm, k_mode.stride)
-    )
-    return cute.make_tensor(acc.iterator, cute.composition(acc.layout, frag))
-
-
-def _tree(values, op):
-    """Pairwise reduction of a Python list of DSL scalars (keeps the dependency chains short)."""
-    while len(values) > 1:
-        nxt = [op(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
-        if len(values) % 2:
-            nxt.append(values[-1])
-        values = nxt
-    return values[0]
-
-
-def _quad_allreduce(x, op):
-    """Reduce over the 4 threads (lane % 4) that hold one accumulator row."""
-    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-    return x
-
-
-def _fadd(a, b):
-    return a + b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,14 +346,14 @@ class FlexAttentionFwdSm90:
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
             raise TypeError("q/k dtype does not match the config")
         # Sequence-major views: (L, D, Hq, B), (S, D, Hkv, B), (S, Dv, Hkv, B), (L, Hq, B).
-        q, k, v, o = [_permute(t, [2, 3, 1, 0]) for t in (mQ, mK, mV, mO)]
-        lse = _permute(mLSE, [2, 1, 0])
+        q, k, v, o = [permute(t, [2, 3, 1, 0]) for t in (mQ, mK, mV, mO)]
+        lse = permute(mLSE, [2, 1, 0])
 
         D, Dv, tm, tn = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
-        sQ_layout = _smem_layout(self.dtype, tm, D)
-        sK_layout = _smem_layout(self.dtype, tn, D, self.num_stages)
-        sV_layout = _smem_layout(self.dtype, tn, Dv, self.num_stages)
-        sO_layout = _smem_layout(self.dtype, tm, Dv)
+        sQ_layout = smem_layout(self.dtype, tm, D)
+        sK_layout = smem_layout(self.dtype, tn, D, self.num_stages)
+        sV_layout = smem_layout(self.dtype, tn, Dv, self.num_stages)
+        sO_layout = smem_layout(self.dtype, tm, Dv)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, q, sQ_layout, (tm, D))
@@ -608,7 +495,7 @@ class FlexAttentionFwdSm90:
                 self.load(ld, hb_per_section, blocks, sched, sTile, tile_counter)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.mma(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, _transposed(sV), sO, tma_o, pipe_q,
+            self.mma(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, transposed(sV), sO, tma_o, pipe_q,
                      pipe_k, pipe_v, softmax_scale, hb_per_section, blocks, aux, sched, sTile)
 
     def _make_pipelines(self, storage):
@@ -982,7 +869,7 @@ class FlexAttentionFwdSm90:
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
         acc_O.fill(0.0)
         s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
-        n_rows = cute.size(_rows_cols_layout(cute.make_layout(s_shape)), mode=[0])
+        n_rows = cute.size(rows_cols_layout(cute.make_layout(s_shape)), mode=[0])
         row_max = cute.make_rmem_tensor(n_rows, Float32)
         row_sum = cute.make_rmem_tensor(n_rows, Float32)
         row_max.fill(-Float32.inf)
@@ -1093,7 +980,7 @@ class FlexAttentionFwdSm90:
                 else:
                     self._mods(ctx, acc_S, tile, "full")
         self._online_softmax(ctx, acc_S, first=True)
-        ctx.tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
 
     @cute.jit
     def _steady_tile(self, ctx, j: Int32, kv, tile: Int32, pipe_k: pipeline.PipelineAsync,
@@ -1117,7 +1004,7 @@ class FlexAttentionFwdSm90:
         row_scale = self._online_softmax(ctx, acc_S, first=False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
-        ctx.tOrP.store(_acc_as_operand_a(acc_S).load().to(self.dtype))
+        ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
         self._rescale_o(ctx.acc_O, row_scale)
         return kv
 
@@ -1179,14 +1066,14 @@ class FlexAttentionFwdSm90:
     def _online_softmax(self, ctx, acc_S: cute.Tensor, first: cutlass.Constexpr):
         """One online-softmax step over S (in place -> P, unnormalised). Returns the per-row
         factor O must be multiplied by (1.0 where the kept max did not change)."""
-        s_rc = _rows_cols(acc_S)
+        s_rc = rows_cols(acc_S)
         n_rows = cute.size(s_rc, mode=[0])
         n_cols = cute.size(s_rc, mode=[1])
         c = ctx.c
         row_scale = cute.make_rmem_tensor(n_rows, Float32)
         for r in cutlass.range_constexpr(n_rows):
-            blk_max = _tree([s_rc[r, k] for k in range(n_cols)], cute.arch.fmax)
-            blk_max = _quad_allreduce(blk_max, cute.arch.fmax)
+            blk_max = tree([s_rc[r, k] for k in range(n_cols)], cute.arch.fmax)
+            blk_max = quad_allreduce(blk_max, cute.arch.fmax)
             m_new = blk_max
             scale = Float32(1.0)
             if const_expr(not first):
@@ -1201,7 +1088,7 @@ class FlexAttentionFwdSm90:
             bias = m_safe * c
             for k in cutlass.range_constexpr(n_cols):
                 s_rc[r, k] = cute.math.exp2(cute.fma(s_rc[r, k], c, -bias), fastmath=True)
-            blk_sum = _tree([s_rc[r, k] for k in range(n_cols)], _fadd)
+            blk_sum = tree([s_rc[r, k] for k in range(n_cols)], fadd)
             if const_expr(first):
                 ctx.row_sum[r] = blk_sum
             else:
@@ -1212,9 +1099,9 @@ class FlexAttentionFwdSm90:
     @cute.jit
     def _rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
         """O *= row_scale, skipped when no row of this warp changed its kept max."""
-        smallest = _tree([row_scale[r] for r in range(cute.size(row_scale))], cute.arch.fmin)
+        smallest = tree([row_scale[r] for r in range(cute.size(row_scale))], cute.arch.fmin)
         if cute.arch.vote_any_sync(smallest < 1.0):
-            o_rc = _rows_cols(acc_O)
+            o_rc = rows_cols(acc_O)
             for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
                 for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
                     o_rc[r, k] = o_rc[r, k] * row_scale[r]
@@ -1228,11 +1115,11 @@ class FlexAttentionFwdSm90:
         """Normalise O, LSE in natural log, O -> smem (stmatrix; over Q, or into O's own buffer
         when persistent) -> gmem (TMA store)."""
         acc_O = ctx.acc_O
-        o_rc = _rows_cols(acc_O)
+        o_rc = rows_cols(acc_O)
         n_rows = cute.size(o_rc, mode=[0])
         lse = cute.make_rmem_tensor(n_rows, Float32)
         for r in cutlass.range_constexpr(n_rows):
-            total = _quad_allreduce(ctx.row_sum[r], _fadd)
+            total = quad_allreduce(ctx.row_sum[r], fadd)
             ok = total > 0.0  # false for an all-masked row (0) and for NaN
             inv = cute.arch.rcp_approx(total if ok else Float32(1.0))
             inv = inv if ok else Float32(0.0)
@@ -1276,7 +1163,7 @@ class FlexAttentionFwdSm90:
 
         # LSE: the thread holding column 0 of a row writes it (rows >= L are skipped).
         thr_pv = mma_pv.get_slice(tidx)
-        cO = _rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        cO = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         if cO[0, 0][1] == 0:
             seqlen_q = mQ.shape[0]
             for r in cutlass.range_constexpr(n_rows):
@@ -1369,14 +1256,6 @@ def _as_cute(t, align: int = 16):
     return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.ndim - 1)
 
 
-def _as_scalar(x):
-    if isinstance(x, (Float32, Int32)):
-        return x
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
-    return Int32(x) if isinstance(x, int) else Float32(x)
-
-
 def _hb_per_section(seqlen_k: int, head_dim: int, head_dim_v: int, elem_bytes: int,
                     num_hb: int, q_per_kv: int, l2_budget: int = 40 * 1024 * 1024) -> int:
     """How many (head, batch) pairs to schedule together so their K/V stay in L2."""
@@ -1397,77 +1276,20 @@ def _default_hb_per_section(cfg, q, k, block_mask) -> int:
                            hq // k.shape[1])
 
 
-def tvm_ffi_enabled() -> bool:
-    """Whether compiles use the TVM-FFI launch path (``tvm_ffi`` importable and the DSL has the
-    placeholder API; ``FLEXJIT_TVM_FFI=0`` forces the DLPack path)."""
-    import os
-
-    if os.environ.get("FLEXJIT_TVM_FFI", "1") == "0":
-        return False
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError:
-        return False
-    return all(hasattr(cute.runtime, n) for n in ("make_fake_tensor", "make_fake_stream"))
-
-
-def _aux_cutlass_dtype(torch_dtype):
-    import torch
-
-    table = {torch.float32: Float32, torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
-             torch.float64: cutlass.Float64, torch.int32: Int32, torch.int64: cutlass.Int64,
-             torch.int16: cutlass.Int16, torch.int8: cutlass.Int8, torch.uint8: cutlass.Uint8,
-             torch.bool: cutlass.Boolean}
-    if torch_dtype not in table:
-        raise TypeError(f"cute_sm90_fwd: unsupported aux tensor dtype {torch_dtype}")
-    return table[torch_dtype]
-
-
-def _placeholder(dtype, ndim: int, align: int, stride_div: int = 1):
-    """A compile-time stand-in for a torch tensor of this dtype and rank: every size is a runtime
-    Int32, every stride a runtime Int64 (divisible by ``stride_div``) but the last, which is 1 —
-    the same type ``from_dlpack(t).mark_layout_dynamic(leading_dim=ndim - 1)`` gives a CUDA
-    tensor (global memory), plus the divisibility the TMA contract already requires."""
-    shape = tuple(cute.sym_int32() for _ in range(ndim))
-    stride = tuple(cute.sym_int64(divisibility=stride_div) for _ in range(ndim - 1)) + (1,)
-    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
-
-
 def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
     """The compile-time arguments of the TVM-FFI path, in ``FlexAttentionFwdSm90.__call__``'s
     order (without the stream)."""
-    q, k, v, o = [_placeholder(cfg.dtype, 4, 16, 8) for _ in range(4)]  # TMA: 16 B, 8 elems
-    lse = _placeholder(Float32, 3, 4)
+    q, k, v, o = [placeholder(cfg.dtype, 4, 16, 8) for _ in range(4)]  # TMA: 16 B, 8 elems
+    lse = placeholder(Float32, 3, 4)
     blocks = None
     if cfg.has_block_mask:
-        blocks = BlockSparse(*[_placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
-    tensors = tuple(_placeholder(_aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
+        blocks = BlockSparse(*[placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
+    tensors = tuple(placeholder(aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
                     for t in aux_tensors)
-    scalars = tuple(_as_scalar(x) for x in aux_scalars)
-    counter = _placeholder(Int32, 1, 4) if cfg.tiling.dynamic_schedule else None
+    scalars = tuple(as_scalar(x) for x in aux_scalars)
+    counter = placeholder(Int32, 1, 4) if cfg.tiling.dynamic_schedule else None
     return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks, tensors or None, scalars or None,
             Int32(_CPU_NUM_SMS), counter)
-
-
-def _ffi_function(compiled):
-    """The bare ``tvm_ffi.Function`` of a TVM-FFI compile: positional arguments, no stream (the
-    environment stream is implicit), no Python wrapper. A function loaded from an exported
-    object file is already one."""
-    get = getattr(compiled, "__tvm_ffi_object__", None)
-    fn = get() if get is not None else compiled
-    if fn is None:
-        raise RuntimeError("the TVM-FFI function was not created (compiled for another arch?)")
-    return fn
-
-
-def _stream_context(stream):
-    """Run under ``stream`` (a torch stream, a CUstream or a raw handle) as torch's current
-    stream, which the TVM-FFI wrapper launches on."""
-    import torch
-
-    if isinstance(stream, torch.cuda.Stream):
-        return torch.cuda.stream(stream)
-    return torch.cuda.stream(torch.cuda.ExternalStream(int(stream)))
 
 
 class CompiledFwd:
@@ -1506,7 +1328,7 @@ class CompiledFwd:
                 args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
                                     aux_tensors, aux_scalars, hb_per_section, num_sms)
             else:
-                with _stream_context(stream):  # the tile counter belongs to the launch stream
+                with stream_context(stream):  # the tile counter belongs to the launch stream
                     args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
                                         aux_tensors, aux_scalars, hb_per_section, num_sms)
             self.compiled(*args, stream)
@@ -1515,7 +1337,7 @@ class CompiledFwd:
             self.ffi_fn(*_ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
                                           aux_tensors, aux_scalars, hb_per_section, num_sms))
         else:
-            with _stream_context(stream):  # the tile counter too belongs to the launch stream
+            with stream_context(stream):  # the tile counter too belongs to the launch stream
                 self.ffi_fn(*_ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale,
                                               block_mask, aux_tensors, aux_scalars,
                                               hb_per_section, num_sms))
@@ -1634,7 +1456,7 @@ def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, a
         hb_per_section = _default_hb_per_section(cfg, q, k, block_mask)
     hb = hb_per_section
     tensors = tuple(_as_cute(t.contiguous(), align=t.element_size()) for t in aux_tensors)
-    scalars = tuple(_as_scalar(x) for x in aux_scalars)
+    scalars = tuple(as_scalar(x) for x in aux_scalars)
     counter = None
     if cfg.tiling.dynamic_schedule:
         counter = _as_cute(_tile_counter(q.device), align=4)
@@ -1652,7 +1474,7 @@ def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=()
     if use_tvm_ffi is None:
         use_tvm_ffi = tvm_ffi_enabled()
     signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
-        type(_as_scalar(x)).__name__ for x in aux_scalars
+        type(as_scalar(x)).__name__ for x in aux_scalars
     )
     kernel = FlexAttentionFwdSm90(cfg)
     if not use_tvm_ffi:
@@ -1666,34 +1488,4 @@ def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=()
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     compiled = cute.compile(kernel, *_placeholder_args(cfg, aux_tensors, aux_scalars), stream,
                             options=f"{options} --enable-tvm-ffi".strip())
-    return CompiledFwd(cfg, compiled, signature, ffi_fn=_ffi_function(compiled))
-
-
-_CACHE = {}
-
-
-def flex_fwd_sm90(q, k, v, score_mod=None, mask_mod=None, block_mask=None, softmax_scale=None,
-                  aux_tensors=(), aux_scalars=(), mod_key=None, rescale_threshold=8.0,
-                  persistent=False, dynamic_schedule=None):
-    """Compile-or-reuse and launch. ``mod_key`` identifies the mods for the in-process cache (the
-    runtime passes the IR hash; default: the callables' identities). Returns (o, lse)."""
-    import torch
-
-    d, dv = q.shape[-1], v.shape[-1]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
-    cfg = FwdConfig(d, dv, _cutlass_dtype(q.dtype), score_mod, mask_mod,
-                    has_block_mask=block_mask is not None, rescale_threshold=rescale_threshold,
-                    tiling=choose_tiling(d, dv, block_mask is not None, persistent=persistent,
-                                         dynamic_schedule=dynamic_schedule))
-    o = torch.empty(*q.shape[:-1], dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    key = (mod_key if mod_key is not None else (id(score_mod), id(mask_mod)), d, dv, q.dtype,
-           block_mask is not None, rescale_threshold, cfg.tiling,
-           tuple((t.dtype, t.ndim) for t in aux_tensors),
-           tuple(type(_as_scalar(x)).__name__ for x in aux_scalars))
-    fn = _CACHE.get(key)
-    if fn is None:
-        fn = _CACHE[key] = compile_fwd(cfg, q, k, v, o, lse, block_mask, aux_tensors, aux_scalars)
-    fn(q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars)
-    return o, lse
+    return CompiledFwd(cfg, compiled, signature, ffi_fn=ffi_function(compiled))

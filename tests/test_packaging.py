@@ -20,3 +20,36 @@ def test_wheel_ships_templates(tmp_path):
     expected = {p.name for p in (ROOT / "templates").glob("*.py")}
     assert expected and expected <= shipped, expected - shipped
     assert "flexjit/cache.py" in names
+
+
+_SOURCE_TREE = """
+import sys
+# As on the GPU box (PYTHONPATH=<repo>, nothing installed): drop the editable install's finder.
+sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+sys.path.insert(0, sys.argv[1])
+import flexjit
+try:
+    import flexjit.templates
+    raise SystemExit("flexjit.templates importable without the source-tree registration")
+except ModuleNotFoundError:
+    pass
+from flexjit.cache import load_template
+bwd = load_template("cute_sm90_bwd")
+fwd = load_template("cute_sm90_fwd")
+assert bwd.__file__.startswith(sys.argv[1]) and fwd.Aux is bwd.Aux
+import flexjit.templates.cute_common as common
+assert common.Aux is fwd.Aux
+print("ok")
+"""
+
+
+def test_templates_import_each_other_from_a_source_tree(tmp_path):
+    # The templates import their shared module normally (flexjit.templates.cute_common), also
+    # where flexjit runs from a source tree and flexjit.templates is no installed package.
+    pytest.importorskip("cutlass")
+    import shutil
+    for part in ("flexjit", "templates"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    res = subprocess.run([sys.executable, "-c", _SOURCE_TREE, str(tmp_path)], capture_output=True,
+                         text=True, env={**__import__("os").environ, "CUTE_DSL_ARCH": "sm_90a"})
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr

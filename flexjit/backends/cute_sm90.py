@@ -367,6 +367,13 @@ def _template():
     return cache.load_template("cute_sm90_fwd")
 
 
+def _scalar_signature(program: Program) -> tuple:
+    """The DSL type name of each runtime scalar (Int32 / Float32): part of a loaded kernel's
+    argument check."""
+    as_scalar = cache.load_template("cute_common").as_scalar
+    return tuple(type(as_scalar(x)).__name__ for x in program.scalars)
+
+
 def supports(call) -> tuple[bool, str]:
     q, k, v = call.q, call.k, call.v
     if q.device.type != "cuda":
@@ -501,7 +508,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
         persistent = _persistent_fwd(D, block_mask, k.shape[2])
     # Persistent launches claim tiles dynamically unless FLEXJIT_CUTE_DYNAMIC_SCHEDULE=0: part
     # of the tiling, hence of both cache keys.
-    dynamic = persistent and tpl._dynamic_schedule_default()
+    dynamic = persistent and tpl.dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
            persistent, dynamic)
     fn = _COMPILED.get(key)
@@ -522,7 +529,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
         t0 = time.perf_counter()
         loaded = None if wants_artifacts else cute_cache.load(disk_key)
         if loaded is not None:
-            signature = sig + tuple(type(tpl._as_scalar(x)).__name__ for x in program.scalars)
+            signature = sig + _scalar_signature(program)
             fn = tpl.CompiledFwd(cfg, None, signature, ffi_fn=loaded)
             _announce(f"sm90 forward for {what}: loaded from disk in "
                       f"{time.perf_counter() - t0:.3f} s ({disk_key}.o)")
@@ -654,7 +661,7 @@ def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse
     what = f"{program.score_name}/{program.mask_name} D={head_dim} {str(dtype).replace('torch.', '')}"
     frozen = _kernel_config(cfg, aux_tensors, program, f"deterministic={deterministic}",
                             f"grad_slots={grad_slots(program)}")
-    signature = sig + tuple(type(tpl._as_scalar(x)).__name__ for x in program.scalars)
+    signature = sig + _scalar_signature(program)
     disk = cute_cache.available()
     keys = {part: cache.kernel_key(program.key if part == "main" else "", f"cute_sm90_bwd_{part}",
                                    frozen, "sm90") for part in tpl.PARTS}
