@@ -93,6 +93,32 @@ def _transpose_ordered(num, idx):
     return _dense_to_ordered(dense.transpose(-2, -1))
 
 
+def dq_order(block_lists) -> tuple:
+    """The deterministic sm90 backward's walk of the q blocks and its dQ accumulation order,
+    from the 8 block lists (kv lists, then q lists; zeros for absent full lists), as
+    ``(q_lists, (rank, full))``.
+
+    ``q_lists`` replaces the four transposed lists: per kv block, its partial and full q blocks
+    merged into one list in increasing q order (a block listed as both counts as partial), and
+    empty full lists. ``rank[b, h, n, j]`` = how many kv blocks n' > n list that q block (partial
+    or full), i.e. how many reduce-adds into its dQ tile come before kv block n's;
+    ``full[b, h, n, j]`` = 1 where the entry was a full block. All int32, shaped like q_indices
+    (Bm, Hm, nKV, nQ). Built from the q lists themselves (the sequence the kernel walks), so the
+    ranks of every q block are exactly 0..count-1. Torch ops on the lists' device; the backend
+    keeps it on the BlockMask (``BlockMask.derived``)."""
+    q_num, q_idx, fq_num, fq_idx = block_lists[4:]
+    n_q = q_idx.shape[-1]
+    part, full = _ordered_to_dense(q_num, q_idx, n_q), _ordered_to_dense(fq_num, fq_idx, n_q)
+    both = part | full  # (Bm, Hm, nKV, nQ) 0/1: kv block n lists q block m
+    num, idx = _dense_to_ordered(both)  # listed q blocks first, in increasing order
+    present = torch.arange(n_q, device=idx.device) < num.unsqueeze(-1)
+    after = torch.flip(torch.cumsum(torch.flip(both, [-2]), -2, dtype=torch.int32), [-2]) - both
+    rank = torch.where(present, torch.gather(after, -1, idx.long()), 0).to(torch.int32)
+    flag = torch.where(present, torch.gather(full & (1 - part), -1, idx.long()), 0).to(torch.int32)
+    q_lists = (num, idx, torch.zeros_like(num), torch.zeros_like(idx))
+    return q_lists, (rank.contiguous(), flag.contiguous())
+
+
 # --------------------------------------------------------------------------- BlockMask
 
 

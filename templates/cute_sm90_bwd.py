@@ -70,8 +70,8 @@ that number is below the SM count, i.e. on problems whose whole backward is shor
 Deterministic mode (``BwdConfig.deterministic``): each dQ box (b, h, q tile, half) receives one
 reduce-add from every kv block that lists its q block, in DEcreasing kv-block order. A semaphore
 per box counts the reduce-adds done; kv block n's dQ writer waits until it equals n's rank (how
-many listed kv blocks n' > n add into that q block; ``dq_order``, a host-side table computed once
-per BlockMask; nKV - 1 - n without a block mask), adds, waits for the add to complete, and
+many listed kv blocks n' > n add into that q block; ``flexjit.block_mask.dq_order``, a host-side
+table computed once per BlockMask; nKV - 1 - n without a block mask), adds, waits for the add to complete, and
 increments it (acquire/release at gpu scope, async-proxy fences on both sides). The MMA
 warpgroups keep working meanwhile (one tile ahead at most). dK/dV are deterministic by
 construction (see GQA).
@@ -1202,34 +1202,6 @@ class _Part:
 PARTS = ("pre", "main", "post")
 
 
-def dq_order(block_lists) -> tuple:
-    """Deterministic mode's q lists and dQ order: ``(q_lists, (rank, full))``.
-
-    ``q_lists`` replaces the four transposed lists: per kv block, its partial and full q blocks
-    merged into one list in increasing q order (a block listed as both counts as partial), and
-    empty full lists. ``rank[b, h, n, j]`` = how many kv blocks n' > n list that q block (partial
-    or full), i.e. how many reduce-adds into its dQ tile come before kv block n's;
-    ``full[b, h, n, j]`` = 1 where the entry was a full block. All int32, shaped like q_indices
-    (Bm, Hm, nKV, nQ). Built from the q lists themselves (the sequence the kernel walks), so the
-    ranks of every q block are exactly 0..count-1. Torch ops on the lists' device; cache it with
-    the BlockMask."""
-    import torch
-
-    from flexjit.block_mask import _dense_to_ordered, _ordered_to_dense
-
-    q_num, q_idx, fq_num, fq_idx = block_lists[4:]
-    n_q = q_idx.shape[-1]
-    part, full = _ordered_to_dense(q_num, q_idx, n_q), _ordered_to_dense(fq_num, fq_idx, n_q)
-    both = part | full  # (Bm, Hm, nKV, nQ) 0/1: kv block n lists q block m
-    num, idx = _dense_to_ordered(both)  # listed q blocks first, in increasing order
-    present = torch.arange(n_q, device=idx.device) < num.unsqueeze(-1)
-    after = torch.flip(torch.cumsum(torch.flip(both, [-2]), -2, dtype=torch.int32), [-2]) - both
-    rank = torch.where(present, torch.gather(after, -1, idx.long()), 0).to(torch.int32)
-    flag = torch.where(present, torch.gather(full & (1 - part), -1, idx.long()), 0).to(torch.int32)
-    q_lists = (num, idx, torch.zeros_like(num), torch.zeros_like(idx))
-    return q_lists, (rank.contiguous(), flag.contiguous())
-
-
 def _block_args(cfg: BwdConfig, block_lists, q_order):
     """(q lists, QOrder tensors or None) from the 8 BlockMask tensors (kv lists first, as in
     ``BlockMask._TENSOR_ATTRS``; zeros for absent full lists); (None, None) without a mask."""
@@ -1243,7 +1215,9 @@ def _block_args(cfg: BwdConfig, block_lists, q_order):
         raise ValueError("block_lists: kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, "
                          "full_q_num, full_q_idx (zeros for absent full lists)")
     if cfg.deterministic:
-        qlists, order = q_order if q_order is not None else dq_order(block_lists)
+        if q_order is None:
+            raise ValueError("a deterministic launch needs q_order = flexjit.block_mask.dq_order(block_lists)")
+        qlists, order = q_order
         return tuple(qlists), tuple(order)
     return tuple(t.to(torch.int32).contiguous() for t in block_lists[4:]), None  # no-op if int32
 
@@ -1313,7 +1287,8 @@ class CompiledBwd:
         ``lse`` is the forward's natural-log LSE (B, Hq, L) fp32; ``dlse`` its gradient or None;
         ``dout`` None means zeros (autograd passes None when only the LSE was used).
         ``block_lists``: the 8 BlockMask tensors (kv lists, then q lists) or None.
-        ``q_order``: ``dq_order(block_lists)`` if already computed (deterministic mode only).
+        ``q_order``: ``flexjit.block_mask.dq_order(block_lists)``, required in deterministic
+        mode (the host builds it once per BlockMask).
         ``grad_accs``: with ``BwdConfig.score_grads``, one zeroed contiguous float64 tensor per
         learnable captured tensor (``num_grad_accs``), shaped like it (or flat): the kernel adds
         d loss / d tensor into them."""

@@ -15,8 +15,9 @@ aux buffers; pre/postprocess ~0.3 s each; ptxas ~0.2-0.7 s. The whole file takes
 it the sweep over every core mod at D = 128 (the register-tight head dim). Sizes never matter
 (they are runtime values), so no example tensors are built except the captured buffers.
 
-CPU value tests: ``dq_order`` (the deterministic mode's merged lists and order table) against a
-brute-force count, and the launch path's marshalling with recording stand-ins for the kernels.
+CPU value tests: ``flexjit.block_mask.dq_order`` (the deterministic mode's merged lists and
+order table) against a brute-force count, and the launch path's marshalling with recording
+stand-ins for the kernels.
 """
 
 import os
@@ -32,7 +33,7 @@ cutlass = pytest.importorskip("cutlass")
 from flexjit import ir  # noqa: E402
 from flexjit import mods as fmods  # noqa: E402
 from flexjit.backends.cute_sm90 import _aux_tensor, load_mods  # noqa: E402
-from flexjit.block_mask import create_block_mask  # noqa: E402
+from flexjit.block_mask import create_block_mask, dq_order  # noqa: E402
 from flexjit.cache import load_template  # noqa: E402
 from flexjit.ir import Op  # noqa: E402
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
@@ -273,7 +274,7 @@ def test_dq_order_matches_brute_force(case):
     bm = create_block_mask(mask, B, H, 700, 900, device="cpu")
     lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
              bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
-    (num, idx, fnum, fidx), (rank, flag) = tpl.dq_order(lists)
+    (num, idx, fnum, fidx), (rank, flag) = dq_order(lists)
     want_num, want_idx, want_rank, want_flag = _brute_force_order(bm)
     assert all(t.dtype == torch.int32 for t in (num, idx, fnum, fidx, rank, flag))
     assert idx.shape == rank.shape == flag.shape == bm.q_indices.shape
@@ -322,7 +323,9 @@ def test_host_launch_marshals_workspaces_and_lists():
     lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
              bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    fn(q, k, v, out, dout, lse, None, dq, dk, dv, 0.125, lists, (), ())
+    with pytest.raises(ValueError, match="q_order"):  # deterministic: the host's order is required
+        fn(q, k, v, out, dout, lse, None, dq, dk, dv, 0.125, lists, (), ())
+    fn(q, k, v, out, dout, lse, None, dq, dk, dv, 0.125, lists, (), (), q_order=dq_order(lists))
     o, do, lse_arg, dlse_arg, has_dlse, lse2, delta, dqacc, sem = calls["pre"]
     assert has_dlse == 0 and dlse_arg is lse
     assert do.stride(-1) == 1 and torch.equal(do, dout)  # made contiguous for TMA
@@ -331,12 +334,12 @@ def test_host_launch_marshals_workspaces_and_lists():
     main = calls["main"]
     assert main[9] == 0.125 and main[10] == Hq // Hkv
     qblocks, qorder, sem_main = main[11], main[12], main[13]
-    want_lists, want_order = tpl.dq_order(lists)  # deterministic: the merged lists
+    want_lists, want_order = dq_order(lists)  # deterministic: the merged lists
     assert all(torch.equal(a, b) for a, b in zip(qblocks, want_lists))
     assert all(torch.equal(a, b) for a, b in zip(qorder, want_order))
     assert sem_main is sem and main[7] is dk and main[8] is dv and main[6] is dqacc
     assert calls["post"][0] is dqacc and calls["post"][1] is dq and calls["post"][2] == 0.125
     assert main[16] is None  # no captured-gradient accumulators
     with pytest.raises(ValueError, match="accumulators"):
-        fn(q, k, v, out, dout, lse, None, dq, dk, dv, 0.125, lists, (), (),
+        fn(q, k, v, out, dout, lse, None, dq, dk, dv, 0.125, lists, (), (), q_order=dq_order(lists),
            grad_accs=(torch.zeros(3, dtype=torch.float64),))

@@ -29,6 +29,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 import cutlass  # noqa: E402
 
 from flexjit import create_block_mask, flex_attention  # noqa: E402
+from flexjit.block_mask import dq_order  # noqa: E402
 from flexjit.backends.cute_sm90 import (  # noqa: E402
     _aux_tensor, bwd_block_lists, light_mods, load_mods)
 from flexjit.cache import load_template  # noqa: E402
@@ -85,7 +86,8 @@ def run_backward(case, q, k, v, dout, dlse, bm, sparse=True, deterministic=False
     fn, aux, scalars = _compiled(case, D, q.dtype, sparse and bm is not None, deterministic)
     dq, dk, dv = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     lists = bwd_block_lists(bm) if (sparse and bm is not None) else None
-    fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, 1.0 / math.sqrt(D), lists, aux, scalars)
+    order = dq_order(lists) if deterministic and lists is not None else None
+    fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, 1.0 / math.sqrt(D), lists, aux, scalars, q_order=order)
     torch.cuda.synchronize()
     return dq, dk, dv
 

@@ -634,7 +634,8 @@ def _bwd_block_lists(bm):
 
 def _dq_order(bm, lists):
     """Deterministic mode's merged q lists and dQ accumulation order, once per BlockMask."""
-    return bm.derived("cute_dq_order", lambda: _bwd_template().dq_order(lists))
+    from ..block_mask import dq_order
+    return bm.derived("cute_dq_order", lambda: dq_order(lists))
 
 
 _COMPILED_BWD: dict[tuple, object] = {}
