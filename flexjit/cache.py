@@ -9,16 +9,27 @@ content hash, torch, triton, nvidia-cutlass-dsl, Python). Nothing is keyed on a
 The disk folder is ``$FLEXJIT_CACHE_DIR`` or ``~/.cache/flexjit``. Writes are
 atomic (write a temporary file, then ``os.replace``), so processes sharing the
 folder never read a half-written entry; ``FLEXJIT_CACHE=0`` turns it off.
+
+:func:`cached` is the one compile-cache helper (quack's ``jit_cache``): memory, then
+disk, then a build. Every backend keeps its artifacts through it: the generated
+Triton and CuTe source modules (:func:`import_source`) and the compiled CuTeDSL
+kernels (their object files, ``backends.cute_cache``).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import platform
+import sys
 import tempfile
+import threading
 from importlib import metadata
 from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def enabled() -> bool:
@@ -64,6 +75,47 @@ def kernel_key(program_key: str, backend: str, config: tuple, arch: str) -> str:
     """The compile-cache key of one kernel."""
     text = "\n".join([program_key, backend, repr(config), arch, toolchain_fingerprint()])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+_BUILD_LOCK = threading.RLock()  # reentrant: a build may itself go through `cached`
+
+
+def cached(memory: dict, key, build: Callable[[], T], *, disk_key: str | None = None,
+           load: Callable[[str], T | None] | None = None,
+           store: Callable[[str, T], None] | None = None) -> T:
+    """``memory[key]``; on a miss, ``load(disk_key)`` (None: not on disk), else ``build()`` then
+    ``store(disk_key, value)``; the value is remembered under ``key``.
+
+    ``key`` is the artifact's in-process identity (``Program.key`` and what else shapes it; the
+    toolchain cannot change inside a process), ``disk_key`` its :func:`kernel_key` (which adds
+    the toolchain, so a stale file is never found). ``memory`` is the caller's table, read at
+    call time (tests swap it). Builds are serialised: two threads never compile one kernel."""
+    hit = memory.get(key)
+    if hit is not None:
+        return hit
+    with _BUILD_LOCK:
+        hit = memory.get(key)
+        if hit is not None:
+            return hit
+        value = load(disk_key) if disk_key is not None and load is not None else None
+        if value is None:
+            value = build()
+            if disk_key is not None and store is not None:
+                store(disk_key, value)
+        memory[key] = value
+        return value
+
+
+def import_source(path: Path, module_name: str, source: str | None = None):
+    """Import the generated module at ``path`` as ``module_name`` (kernels and mods need a real
+    file), writing ``source`` there first unless the file already holds it."""
+    if source is not None and (not path.exists() or path.read_text() != source):
+        atomic_write(path, source)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def atomic_write(path: Path, data: bytes | str) -> None:

@@ -2,7 +2,7 @@
 
 CPU (CUTE_DSL_ARCH=sm_90a; an object file that targets sm_90a loads on a machine without a
 driver, only its launch needs one):
-* ``flexjit.cute_cache`` mechanics with a stand-in exporter: temporary name then replace, one
+* ``flexjit.backends.cute_cache`` mechanics with a stand-in exporter: temporary name then replace, one
   export when several processes race, ``FLEXJIT_CACHE=0``, a corrupt file is dropped.
 * ``compile_program`` exports ``<kernel_key>.o`` holding exactly the cubin it compiled; a second
   process loads it with ``cute.compile`` patched to raise, and the loaded function's argument
@@ -38,7 +38,8 @@ pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 import cutlass.cute as cute  # noqa: E402
 
-from flexjit import cache, create_block_mask, cute_cache, mods  # noqa: E402
+from flexjit import cache, create_block_mask, mods  # noqa: E402
+from flexjit.backends import cute_cache  # noqa: E402
 from flexjit.backends import cute_sm90 as backend  # noqa: E402
 from flexjit.passes import lower  # noqa: E402
 from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
@@ -152,7 +153,7 @@ def test_racing_processes_export_once(cache_dir):
     code = f"""
         import json, sys
         from pathlib import Path
-        from flexjit import cute_cache
+        from flexjit.backends import cute_cache
         def export(path, name):
             import time
             with open({str(cache_dir / 'exports.log')!r}, "a") as f:

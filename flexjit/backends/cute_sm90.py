@@ -1,50 +1,37 @@
-"""The CuTeDSL Hopper backend: render a Program into the sm90 kernel's holes, compile, cache, launch.
+"""The CuTeDSL Hopper backend: fill the sm90 kernels' holes from a Program, compile, cache, launch.
 
 What this module holds
 ----------------------
-* The renderer: an op→code table over the IR gives straight-line CuTeDSL code for two
-  functions, ``score_mod(score, b, h, q_idx, kv_idx, aux, q_idx_f, kv_idx_f, kv_minus_q_f,
-  kv_minus_q_parts)`` and ``mask_mod(b, h, q_idx, kv_idx, aux, ...)`` likewise, the holes of
-  ``templates/cute_sm90_fwd.py`` (marked ``.float_indices = True``: the kernel passes the
-  indices as float32 too, formed cheaply, and kv - q as (base, offset) so that a tile-uniform
-  multiple of it, ALiBi's bias, is one FFMA). They
-  are plain Python over DSL values (no control flow), inlined into the kernel when it is
-  traced. Captured tensors are ``aux.tensors[i]`` and runtime scalars ``aux.scalars[j]``.
-* The cache: generated modules live in ``$FLEXJIT_CACHE_DIR/cute/mods_<key>.py``; compiled
-  kernels are kept in memory per (key, dtypes, head dims, block-mask presence) and, when
-  launched through TVM-FFI, on disk as ``$FLEXJIT_CACHE_DIR/cute/<kernel_key>.o``
-  (``flexjit.cute_cache``), so a second process loads them instead of compiling.
+* The generated mods module of a Program (``load_mods``: ``cute_render.render``, written to
+  ``$FLEXJIT_CACHE_DIR/cute/mods_<key>.py`` and imported once), the holes of
+  ``templates/cute_sm90_fwd.py`` and ``cute_sm90_bwd.py``.
+* Compile and load: ``compile_program`` (forward), ``compile_backward`` (its three kernels), kept
+  in memory per (key, dtypes, head dims, block-mask presence, tiling) and, when launched through
+  TVM-FFI, on disk as ``$FLEXJIT_CACHE_DIR/cute/<kernel_key>.o`` (``backends.cute_cache``), all
+  through ``cache.cached``, so a second process loads them instead of compiling.
 * The backend interface (``flexjit.dispatch``): ``supports``/``forward`` for the forward;
-  ``backward_supports``/``backward`` for the sm90 backward (``templates/cute_sm90_bwd.py``)
-  from the saved (out, lse). Where it refuses (head dims other than 64/128, captured tensors
-  whose gradient depends on the score), dispatch pairs this forward with the Triton backward. Learnable captured tensors
-  (bias tables, ALiBi slopes) get their gradients from the sm90 backward itself
-  (``render_captured_grads``).
-
-Semantics follow ``flexjit.interp``: integer ``//`` floors (the DSL's ``//`` lowers to
-``arith.floordivsi``), ``%`` is written as ``a - (a // b) * b`` so it takes the divisor's sign,
-indices wrap when negative and are clamped into range, and loads widen to float32.
+  ``backward_supports``/``backward`` for the sm90 backward from the saved (out, lse). Where it
+  refuses (head dims other than 64/128, captured tensors whose gradient depends on the score),
+  dispatch pairs this forward with the Triton backward. Learnable captured tensors (bias tables,
+  ALiBi slopes) get their gradients from the sm90 backward itself.
+* The block lists the kernels read (``block_sparse_args``, ``bwd_block_lists``, remembered on the
+  BlockMask) and the schedule choice (``_persistent_fwd``).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import logging
-import math
 import os
-import sys
-import threading
 import time
 
 import torch
 
-from .. import cache, cute_cache, ir
-from ..ir import DType, Node, Op
-from ..passes import Program, exact_float_nodes
-from . import capability
+from .. import cache, ir
+from ..ir import Op
+from ..passes import Program
+from . import capability, cute_cache
 
-_TYPES = {DType.FLOAT32: "Float32", DType.INT32: "Int32", DType.INT64: "Int64", DType.BOOL: "Boolean"}
 _HEAD_DIMS = (64, 128, 256)
 
 
@@ -54,310 +41,23 @@ def _cutlass_dtype(dtype: torch.dtype):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
-# --------------------------------------------------------------------------- renderer
+from .cute_render import captured_grads_in_kernel, grad_slots, render  # noqa: F401  (re-exported)
 
 
-def _const(n: Node) -> str:
-    if n.dtype is DType.BOOL:
-        return f"Boolean({bool(n.arg)})"
-    if n.dtype.is_float:
-        v = float(n.arg)
-        text = repr(v) if math.isfinite(v) else f"float({str(v)!r})"
-        return f"Float32({text})"
-    return f"{_TYPES[n.dtype]}({int(n.arg)})"
-
-
-def _binary(fmt: str):
-    return lambda n, a: fmt.format(*a)
-
-
-def _unary_math(name: str):
-    return lambda n, a, fast=False: f"cute.math.{name}({a[0]}{_FAST.get(name, '') if fast else ''})"
-
-
-# Hardware approximations (MUFU): tanh.approx, ex2.approx, lg2.approx, ... Used unless the
-# value feeds a discrete result (a comparison, floor, an index), where rounding must match
-# the interpreter (passes.exact_float_nodes).
-_FAST = {"tanh": ", approx=True", "exp": ", fastmath=True", "exp2": ", fastmath=True",
-         "log": ", fastmath=True", "log2": ", fastmath=True", "sqrt": ", fastmath=True",
-         "rsqrt": ", fastmath=True", "sin": ", fastmath=True", "cos": ", fastmath=True"}
-
-
-def _logic(fn: str, py: str):
-    def render(n, a):
-        if n.dtype is DType.BOOL:
-            return f"cutlass.{fn}({a[0]}, {a[1]})"
-        return f"({a[0]} {py} {a[1]})"
-    return render
-
-
-def _cast(n: Node, a: list[str]) -> str:
-    src = n.src[0].dtype
-    if n.dtype is DType.BOOL:
-        zero = "Float32(0.0)" if src.is_float else f"{_TYPES[src]}(0)"
-        return f"({a[0]} != {zero})"
-    return f"{_TYPES[n.dtype]}({a[0]})" if src is DType.BOOL else f"{a[0]}.to({_TYPES[n.dtype]})"
-
-
-def _minmax(fn: str):
-    return lambda n, a: f"{_TYPES[n.dtype]}(cutlass.{fn}({a[0]}, {a[1]}))"
-
-
-_OPS = {
-    Op.ADD: _binary("({} + {})"), Op.SUB: _binary("({} - {})"), Op.MUL: _binary("({} * {})"),
-    Op.DIV: _binary("({} / {})"), Op.NEG: lambda n, a: f"(-{a[0]})",
-    Op.FLOORDIV: lambda n, a: (f"cute.math.floor({a[0]} / {a[1]})" if n.dtype.is_float
-                               else f"({a[0]} // {a[1]})"),
-    Op.MOD: lambda n, a: (f"({a[0]} - cute.math.floor({a[0]} / {a[1]}) * {a[1]})" if n.dtype.is_float
-                          else f"({a[0]} - ({a[0]} // {a[1]}) * {a[1]})"),
-    Op.POW: lambda n, a: f"cute.math.pow({a[0]}, {a[1]})",
-    Op.MAX: _minmax("max"), Op.MIN: _minmax("min"),
-    Op.LT: _binary("({} < {})"), Op.LE: _binary("({} <= {})"), Op.GT: _binary("({} > {})"),
-    Op.GE: _binary("({} >= {})"), Op.EQ: _binary("({} == {})"), Op.NE: _binary("({} != {})"),
-    Op.AND: _logic("and_", "&"), Op.OR: _logic("or_", "|"),
-    Op.XOR: lambda n, a: f"({a[0]} != {a[1]})" if n.dtype is DType.BOOL else f"({a[0]} ^ {a[1]})",
-    Op.NOT: lambda n, a: f"cutlass.not_({a[0]})" if n.dtype is DType.BOOL else f"(~{a[0]})",
-    Op.ABS: lambda n, a: (f"cute.math.abs({a[0]})" if n.dtype.is_float
-                          else f"{_TYPES[n.dtype]}(cutlass.select_({a[0]} < 0, -{a[0]}, {a[0]}))"),
-    Op.EXP: _unary_math("exp"), Op.EXP2: _unary_math("exp2"), Op.LOG: _unary_math("log"),
-    Op.LOG2: _unary_math("log2"), Op.TANH: _unary_math("tanh"), Op.SQRT: _unary_math("sqrt"),
-    Op.RSQRT: _unary_math("rsqrt"), Op.SIN: _unary_math("sin"), Op.COS: _unary_math("cos"),
-    Op.FLOOR: _unary_math("floor"), Op.CEIL: _unary_math("ceil"),
-    Op.SIGMOID: lambda n, a, fast=False: (f"(Float32(1.0) / (Float32(1.0) + cute.math.exp(-{a[0]}"
-                                          f"{', fastmath=True' if fast else ''})))"),
-    Op.WHERE: lambda n, a: f"{_TYPES[n.dtype]}(cutlass.select_({a[0]}, {a[1]}, {a[2]}))",
-    Op.CAST: _cast,
-}
-
-
-def _load(n: Node, a: list[str]) -> str:
-    slot = n.src[0].arg[0]
-    t = f"aux.tensors[{slot}]"
-    if not a[1:]:
-        idx = "0"  # a 0-d captured tensor arrives as a 1-element tensor
-    else:
-        idx = ", ".join(f"_index({i}, {t}.shape[{d}])" for d, i in enumerate(a[1:]))
-    value = f"{t}[({idx},)]" if len(a[1:]) <= 1 else f"{t}[{idx}]"
-    if n.dtype is DType.BOOL:
-        return value
-    return f"{value}.to({_TYPES[n.dtype]})"
-
-
-_LEAVES = {Op.SCORE: "score", Op.B: "b", Op.H: "h", Op.Q_IDX: "q_idx", Op.KV_IDX: "kv_idx"}
-# float(q_idx) and float(kv_idx) arrive as arguments: the kernel forms them as one converted
-# base plus compile-time offsets, where a conversion per score element would load the MUFU
-# pipe as much as exp2 does (see passes._float_index_graphs).
-_FLOAT_LEAVES = {Op.Q_IDX: "q_idx_f", Op.KV_IDX: "kv_idx_f"}
-
-
-def _float_index_pair(n: Node):
-    """(a, b) when ``n`` is float(a) - float(b) for index leaves a, b, else None."""
-    if all(s.op is Op.CAST and s.dtype is DType.FLOAT32 and s.src[0].op in _FLOAT_LEAVES
-           for s in n.src):
-        return tuple(s.src[0].op for s in n.src)
-    return None
-
-
-def render_function(name: str, params: str, *roots: Node) -> str:
-    """One straight-line function computing ``roots`` (a tuple if several, sharing common
-    subexpressions); each non-leaf node is one statement."""
-    body, names = _render_body(roots)
-    body.append(f"    return {', '.join(names[id(r)] for r in roots)}")
-    return _wrap(name, params, body)
-
-
-def _wrap(name: str, params: str, body: list[str]) -> str:
-    return (f"def {name}({params}, q_idx_f, kv_idx_f, kv_minus_q_f, kv_minus_q_parts):\n"
-            + "\n".join(body) + "\n\n\n" f"{name}.float_indices = True\n")
-
-
-def _is_kv_minus_q(n: Node) -> bool:
-    return n.op is Op.SUB and _float_index_pair(n) == (Op.KV_IDX, Op.Q_IDX)
-
-
-def _scaled_kv_minus_q(n: Node, memo: dict):
-    """For ``X * float(kv - q)`` (either order) with X the same for every element of a tile
-    (ALiBi's slope): X's node, else None. The kernel forms it as fma(X, offset, X * base).
-    ``memo``: ``ir.varies_with``'s."""
-    if n.op is not Op.MUL or not n.dtype.is_float:
-        return None
-    a, b = n.src
-    if _is_kv_minus_q(b) and not ir.varies_with(a, memo):
-        return a
-    if _is_kv_minus_q(a) and not ir.varies_with(b, memo):
-        return b
-    return None
-
-
-def _render_body(roots) -> tuple[list[str], dict[int, str]]:
-    """The statements computing ``roots`` and the name of every node's value."""
-    names: dict[int, str] = {}
-    body: list[str] = []
-    exact = exact_float_nodes(list(roots))
-    varies = {}  # ir.varies_with's memo
-    for n in ir.toposort(list(roots)):
-        if n.op in _LEAVES:
-            names[id(n)] = _LEAVES[n.op]
-        elif n.op is Op.CAST and n.dtype is DType.FLOAT32 and n.src[0].op in _FLOAT_LEAVES:
-            names[id(n)] = _FLOAT_LEAVES[n.src[0].op]
-        elif _is_kv_minus_q(n):
-            names[id(n)] = "kv_minus_q_f"
-        elif n.op is Op.CONST:
-            names[id(n)] = _const(n)
-        elif n.op is Op.SCALAR:
-            names[id(n)] = f"aux.scalars[{n.arg}]"
-        elif n.op is Op.BUFFER:
-            names[id(n)] = ""
-        else:
-            args = [names[id(s)] for s in n.src]
-            scale = _scaled_kv_minus_q(n, varies)
-            if scale is not None:  # X * (base + offset) as one FFMA; X * base is shared
-                x = names[id(scale)]
-                expr = f"cute.fma({x}, kv_minus_q_parts[1], {x} * kv_minus_q_parts[0])"
-            elif n.op is Op.LOAD:
-                expr = _load(n, args)
-            elif n.op in ir.TRANSCENDENTAL:
-                expr = _OPS[n.op](n, args, fast=id(n) not in exact)
-            elif n.op is Op.DIV and id(n) not in exact:  # div.full.f32: 2 ulp, no slow path
-                expr = f"cute.math.div({args[0]}, {args[1]}, full=True)"
-            else:
-                expr = _OPS[n.op](n, args)
-            var = f"t{len(body)}"
-            body.append(f"    {var} = {expr}")
-            names[id(n)] = var
-    return body, names
-
-
-_HEADER = '''"""Generated by flexjit (CuTeDSL sm90). score_mod `{score}`, mask_mod `{mask}`.
-Program key {key}."""
-import cutlass
-import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Int64
-
-
-def _index(i, n):
-    # Python semantics for a negative index, then clamped: never an out-of-bounds read.
-    j = Int32(cutlass.select_(i < 0, i + n, i))
-    return Int32(cutlass.min(cutlass.max(j, Int32(0)), n - 1))
-
-'''
-
-
-def render(program: Program) -> str:
-    """The generated module's source: ``score_mod``, ``mask_mod`` and ``score_mod_and_grad``
-    (each may be None)."""
-    parts = [_HEADER.format(score=program.score_name, mask=program.mask_name, key=program.key)]
-    if program.score is not None:
-        parts.append(render_function("score_mod", "score, b, h, q_idx, kv_idx, aux", program.score))
-    else:
-        parts.append("score_mod = None\n")
-    parts.append("\n")
-    if program.mask is not None:
-        parts.append(render_function("mask_mod", "b, h, q_idx, kv_idx, aux", program.mask))
-    else:
-        parts.append("mask_mod = None\n")
-    parts.append("\n")
-    # For a backward kernel: the modded score and d(score_mod)/d(score) together, sharing work
-    # (softcap's tanh serves both). Gradients of captured tensors: render_captured_grads.
-    if program.score is not None:
-        parts.append(render_function("score_mod_and_grad", "score, b, h, q_idx, kv_idx, aux",
-                                     program.score, program.dscore))
-    else:
-        parts.append("score_mod_and_grad = None\n")
-    if program.grad_loads:
-        parts.append("\n")
-        parts.append(render_captured_grads(program))
-    return "".join(parts)
-
-
-def grad_slots(program: Program) -> list[int]:
-    """The captured tensors (slots) that receive a gradient, in the order of the kernel's fp64
-    accumulators."""
-    return sorted({g.slot for g in program.grad_loads})
-
-
-def _grad_roots(program: Program) -> list[Node]:
-    roots = [g.grad for g in program.grad_loads] + [i for g in program.grad_loads for i in g.load.src[1:]]
-    return roots + ([program.dscore] if program.dscore is not None else [])
-
-
-def captured_grads_in_kernel(program: Program) -> tuple[bool, str]:
-    """Whether the sm90 backward can accumulate this program's captured-tensor gradients
-    itself. It re-evaluates d score/d load, d score/d score and the loads' indices after the dP
-    GEMM, when the raw score is no longer in registers: none of them may depend on the score
-    (additive biases, ALiBi, relative-position tables qualify; ``score * scale[h]`` does not)."""
-    if any(n.op is Op.SCORE for n in ir.toposort(_grad_roots(program))):
-        return False, ("d score_mod / d captured tensor (or d score_mod / d score) depends on the "
-                       "score itself")
-    return True, "the sm90 backward accumulates them"
-
-
-def render_captured_grads(program: Program) -> str:
-    """For the backward's captured-tensor gradients (``Program.grad_loads``), two functions
-    evaluated per score element after the dP GEMM:
-
-    * ``score_grads(b, h, q_idx, kv_idx, aux, ..)`` -> (d score/d score, d score/d load 0, ..);
-      ``.unit_dscore`` says the first is the constant 1;
-    * ``grad_offsets(b, h, q_idx, kv_idx, aux, ..)`` -> each load's flat row-major offset into
-      its tensor (indices wrapped and clamped as the load reads them); ``.uniform[j]``: load j's
-      offset varies with neither q_idx nor kv_idx (the kernel then reduces over a warp before
-      one atomic); ``.acc[j]``: which fp64 accumulator (the position of the load's slot in
-      ``grad_slots``) receives it.
-
-    Both are None where ``captured_grads_in_kernel`` says no (the Triton backward serves)."""
-    ok, _ = captured_grads_in_kernel(program)
-    if not ok:
-        return "score_grads = None\ngrad_offsets = None\n"
-    params = "b, h, q_idx, kv_idx, aux"
-    dscore = program.dscore
-    roots = [dscore] + [g.grad for g in program.grad_loads]
-    parts = [render_function("score_grads", params, *roots)]
-    unit = dscore.op is Op.CONST and float(dscore.arg) == 1.0
-    parts.append(f"score_grads.unit_dscore = {unit}\n\n")
-    index_roots = [i for g in program.grad_loads for i in g.load.src[1:]]
-    body, names = _render_body(index_roots)
-    offsets, uniform, varies = [], [], {}
-    for j, g in enumerate(program.grad_loads):
-        t = f"aux.tensors[{g.slot}]"
-        idx = g.load.src[1:]
-        var = f"o{j}"
-        if not idx:
-            body.append(f"    {var} = Int32(0)")
-        for d, i in enumerate(idx):
-            term = f"_index({names[id(i)]}, {t}.shape[{d}])"
-            body.append(f"    {var} = {term}" if d == 0 else f"    {var} = {var} * {t}.shape[{d}] + {term}")
-        offsets.append(var)
-        uniform.append(not any(ir.varies_with(i, varies) for i in idx))
-    body.append(f"    return {', '.join(offsets)},")
-    parts.append(_wrap("grad_offsets", params, body))
-    slots = grad_slots(program)
-    parts.append(f"grad_offsets.uniform = {tuple(uniform)!r}\n")
-    parts.append(f"grad_offsets.acc = {tuple(slots.index(g.slot) for g in program.grad_loads)!r}\n")
-    return "".join(parts)
-
-
-_MODULES: dict[str, object] = {}
-_LOCK = threading.Lock()
+_MODULES: dict[str, object] = {}  # Program.key -> the imported generated module
 
 
 def load_mods(program: Program):
     """Import (generating once) the module holding this program's score_mod / mask_mod."""
+    return cache.cached(_MODULES, program.key, lambda: _import_mods(program))
+
+
+def _import_mods(program: Program):
     key = program.key
-    with _LOCK:
-        if key in _MODULES:
-            return _MODULES[key]
-        path = cache.cache_dir("cute") / f"mods_{key[:24]}.py"
-        src = render(program)
-        if not path.exists() or path.read_text() != src:
-            cache.atomic_write(path, src)
-        if os.environ.get("FLEXJIT_DEBUG"):
-            print(f"[flexjit] cute mods for {program.score_name}/{program.mask_name}: {path}")
-        spec = importlib.util.spec_from_file_location(f"flexjit_cute_mods_{key[:24]}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        _MODULES[key] = module
-        return module
+    path = cache.cache_dir("cute") / f"mods_{key[:24]}.py"
+    if os.environ.get("FLEXJIT_DEBUG"):
+        print(f"[flexjit] cute mods for {program.score_name}/{program.mask_name}: {path}")
+    return cache.import_source(path, f"flexjit_cute_mods_{key[:24]}", render(program))
 
 
 # --------------------------------------------------------------------------- backend interface
@@ -497,7 +197,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     heads, strides and scalar values are runtime arguments. Works on the CPU with
     CUTE_DSL_ARCH=sm_90a (for compile-only tests).
 
-    Disk cache (TVM-FFI launches only, ``flexjit.cute_cache``): a compiled kernel is exported to
+    Disk cache (TVM-FFI launches only, ``backends.cute_cache``): a compiled kernel is exported to
     ``cache_dir("cute")/<kernel_key>.o`` and a later process loads it instead of compiling. A
     caller asking for ``--keep-ptx``/``--keep-cubin`` always compiles (a loaded kernel has no
     PTX to show); its kernel is still exported."""
@@ -511,9 +211,9 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     dynamic = persistent and tpl.dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
            persistent, dynamic)
-    fn = _COMPILED.get(key)
-    if fn is not None:
-        return fn
+    hit = _COMPILED.get(key)
+    if hit is not None:  # the per-call path: no mods, config or disk key to build for `cached`
+        return hit
     mods = load_mods(program)
     # The tiling (persistent flag included) is part of _frozen_config, hence of the disk key.
     cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
@@ -525,26 +225,32 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     if tpl.tvm_ffi_enabled() and cute_cache.available():
         disk_key = cache.kernel_key(program.key, "cute_sm90_fwd",
                                     _frozen_config(cfg, aux_tensors, program, options), "sm90")
-        wants_artifacts = any(f in options.split() for f in _ARTIFACT_FLAGS)
+    wants_artifacts = any(f in options.split() for f in _ARTIFACT_FLAGS)
+
+    def load(disk_key):
         t0 = time.perf_counter()
         loaded = None if wants_artifacts else cute_cache.load(disk_key)
-        if loaded is not None:
-            signature = sig + _scalar_signature(program)
-            fn = tpl.CompiledFwd(cfg, None, signature, ffi_fn=loaded)
-            _announce(f"sm90 forward for {what}: loaded from disk in "
-                      f"{time.perf_counter() - t0:.3f} s ({disk_key}.o)")
-            _COMPILED[key] = fn
-            return fn
-    o = torch.empty(*q.shape[:-1], Dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    log.info("flexjit: compiling the sm90 forward for %s ...", what)
-    t0 = time.perf_counter()
-    fn = tpl.compile_fwd(cfg, q, k, v, o, lse, block_mask, aux_tensors, program.scalars, options=options)
-    _announce(f"sm90 forward for {what}: compiled in {time.perf_counter() - t0:.1f} s")
-    if disk_key is not None and fn.tvm_ffi:
-        cute_cache.store(disk_key, fn.export)
-    _COMPILED[key] = fn
-    return fn
+        if loaded is None:
+            return None
+        _announce(f"sm90 forward for {what}: loaded from disk in "
+                  f"{time.perf_counter() - t0:.3f} s ({disk_key}.o)")
+        return tpl.CompiledFwd(cfg, None, sig + _scalar_signature(program), ffi_fn=loaded)
+
+    def build():
+        o = torch.empty(*q.shape[:-1], Dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        log.info("flexjit: compiling the sm90 forward for %s ...", what)
+        t0 = time.perf_counter()
+        fn = tpl.compile_fwd(cfg, q, k, v, o, lse, block_mask, aux_tensors, program.scalars,
+                             options=options)
+        _announce(f"sm90 forward for {what}: compiled in {time.perf_counter() - t0:.1f} s")
+        return fn
+
+    def store(disk_key, fn):
+        if fn.tvm_ffi:
+            cute_cache.store(disk_key, fn.export)
+
+    return cache.cached(_COMPILED, key, build, disk_key=disk_key, load=load, store=store)
 
 
 def block_sparse_args(bm):
@@ -650,9 +356,15 @@ def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse
     tpl = _bwd_template()
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
     key = (program.key, dtype, head_dim, sparse, deterministic, sig, program.scalar_dtypes)
-    fn = _COMPILED_BWD.get(key)
-    if fn is not None:
-        return fn
+    return cache.cached(_COMPILED_BWD, key, lambda: _build_backward(
+        tpl, program, dtype, head_dim, sparse, deterministic, aux_tensors, sig))
+
+
+def _build_backward(tpl, program: Program, dtype, head_dim: int, sparse: bool, deterministic: bool,
+                    aux_tensors, sig):
+    """The three kernels, each from its own object file on disk, the missing ones compiled
+    together (and exported); the pre/postprocess keys leave the Program out: every mod shares
+    them."""
     mods = load_mods(program)
     cfg = tpl.BwdConfig(head_dim, head_dim, _cutlass_dtype(dtype), mods.score_mod_and_grad,
                         mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
@@ -662,7 +374,6 @@ def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse
     what = f"{program.score_name}/{program.mask_name} D={head_dim} {str(dtype).replace('torch.', '')}"
     frozen = _kernel_config(cfg, aux_tensors, program, f"deterministic={deterministic}",
                             f"grad_slots={grad_slots(program)}")
-    signature = sig + _scalar_signature(program)
     disk = cute_cache.available()
     keys = {part: cache.kernel_key(program.key if part == "main" else "", f"cute_sm90_bwd_{part}",
                                    frozen, "sm90") for part in tpl.PARTS}
@@ -680,9 +391,7 @@ def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse
                   f"{time.perf_counter() - t0:.1f} s")
     else:
         _announce(f"sm90 backward for {what}: loaded from disk in {time.perf_counter() - t0:.3f} s")
-    fn = tpl.load_bwd(cfg, loaded, signature)
-    _COMPILED_BWD[key] = fn
-    return fn
+    return tpl.load_bwd(cfg, loaded, sig + _scalar_signature(program))
 
 
 def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:

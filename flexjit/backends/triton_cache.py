@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import os
 import sys
 import tempfile
@@ -124,32 +123,28 @@ def import_triton():
 def load_module(p: Program, which: str, interpret: bool | None = None):
     """The imported generated module for (program, template), rendering it on a miss."""
     interpret = interpreting() if interpret is None else interpret
-    mod = _MODULES.get((p.key, which, interpret))
-    if mod is not None:  # the per-call path: no toolchain hash, no file system
-        return mod
+    return cache.cached(_MODULES, (p.key, which, interpret), lambda: _import(p, which, interpret))
+
+
+def _import(p: Program, which: str, interpret: bool):
     import_triton()
     key = cache_key(p, which)
     path = _source_dir() / f"{key}.py"
+    source = None
     if not path.exists():
         source = render(p, which)
         STATS["render"] += 1
-        cache.atomic_write(path, source)
         dump = os.environ.get("FLEXJIT_DUMP_DIR")
         if dump:
             Path(dump).mkdir(parents=True, exist_ok=True)
             (Path(dump) / f"{p.score_name}__{p.mask_name}__{key[:12]}_{which}.py").write_text(source)
     if os.environ.get("FLEXJIT_DEBUG"):
         print(f"[flexjit] triton {which} kernel for {p.score_name}/{p.mask_name}: {path}")
-    name = f"flexjit_triton_{key}{'_interp' if interpret else ''}"
     with interpret_env(interpret):  # triton.jit reads it at decoration
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+        mod = cache.import_source(path, f"flexjit_triton_{key}{'_interp' if interpret else ''}", source)
     if interpret:
         mod.libdevice = _interpreter_libdevice()
     STATS["import"] += 1
-    _MODULES[(p.key, which, interpret)] = mod
     return mod
 
 

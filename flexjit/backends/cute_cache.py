@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import cache
+from .. import cache
 
 log = logging.getLogger("flexjit")
 
