@@ -254,9 +254,16 @@ def _arith(n: Node, a: list):
         lo, hi = torch.rsqrt(a[0][2]), torch.rsqrt(a[0][1])
     elif op in (Op.SIN, Op.COS):
         lo, hi = torch.tensor(-1.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
-    else:  # POW, float MOD: no cheap sound rule
+    elif op in NO_CHEAP_RULE:
         return _unknown(n)
+    else:
+        raise NotImplementedError(f"no interval rule for {op.value}")
     return _clean(lo, hi, n.dtype)
+
+
+# Ops whose values the planner bounds by "unknown" (always sound; blocks using them are evaluated
+# densely): no cheap sound rule. Every other op has one above (float MOD is unknown too).
+NO_CHEAP_RULE = frozenset({Op.POW, Op.MOD})
 
 
 def _unknown(n: Node):

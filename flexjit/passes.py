@@ -233,8 +233,16 @@ def _local_grads(n: Node, g: Node) -> list[Node | None]:
         return [g, _neg(_mul(g, ir.node(Op.FLOOR, DType.FLOAT32, (_div(s[0], s[1]),))))]
     if op is Op.CAST:
         return [g if s[0].dtype.is_float else None]
-    # floor, ceil, float floordiv: zero almost everywhere; comparisons/logic: not differentiable
-    return [None] * len(s)
+    if op in NO_GRADIENT:
+        return [None] * len(s)
+    raise NotImplementedError(f"no derivative rule for {op.value}")
+
+
+# Ops through which no gradient flows: floor, ceil and float floordiv are zero almost everywhere,
+# comparisons and logic are not differentiable, a load's gradient goes to its buffer
+# (``Program.grad_loads``), leaves have no operands. Every other op has a rule in _local_grads.
+NO_GRADIENT = frozenset({Op.FLOOR, Op.CEIL, Op.FLOORDIV, Op.NOT, Op.LOAD}) | ir.COMPARE | ir.LOGIC \
+    | ir.LEAVES
 
 
 def derivative(out: Node, wrt: list[Node]) -> list[Node]:
@@ -481,7 +489,9 @@ def to_sympy(root: Node):
         Op.MAX: sp.Max, Op.MIN: sp.Min,
         Op.LT: lambda a, b: a < b, Op.LE: lambda a, b: a <= b, Op.GT: lambda a, b: a > b,
         Op.GE: lambda a, b: a >= b, Op.EQ: sp.Eq, Op.NE: sp.Ne,
-        Op.AND: sp.And, Op.OR: sp.Or, Op.NOT: sp.Not,
+        Op.AND: sp.And, Op.OR: sp.Or, Op.NOT: sp.Not, Op.XOR: sp.Xor,
+        Op.FLOOR: sp.floor, Op.CEIL: sp.ceiling, Op.FLOORDIV: lambda a, b: sp.floor(a / b),
+        Op.MOD: lambda a, b: a - sp.floor(a / b) * b,  # Python's: the divisor's sign
     }
     for n in ir.toposort([root]):
         args = [syms[id(s)] for s in n.src]
