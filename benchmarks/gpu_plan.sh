@@ -16,6 +16,7 @@
 # 3: benchmarks/fp32.py with its block-config sweep: flexjit's fp32 Triton kernels beside torch
 #    Flex-Triton's under both matmul precisions.
 # 4: stage 3's fp32 tables verified: the fp32 test and benchmarks/fp32.py without the sweep.
+# 5: issue #12's refactor on the GPU: sm90 tests and the 2k/8k benchmark beside FA4.
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
 stage=${1:?usage: gpu_plan.sh 1|2|3 OUT_DIR}
@@ -53,6 +54,15 @@ case $stage in
     # The fp32 tables from stage 3's sweep, measured as a user gets them (no kernel_options).
     pt 120 fp32_test.txt tests/test_training_gpu.py -k fp32
     timeout 300 python3 -m benchmarks.fp32 --out "$work/fp32" --budget-s 260 2>&1 | tail -11
+    ;;
+  5)
+    # Issue #12 (templates split into cute_common, one compile-cache helper, renderer module):
+    # the sm90 forward's core mods and the backward through the API, then the benchmark at
+    # 2k/8k beside FA4, to compare with the fourth session's run (s4-bench).
+    pt 170 cute_fwd.txt tests/test_cute_gpu.py -k core_mods
+    pt 90 cute_bwd.txt tests/test_cute_sm90_bwd_gpu.py -k "autograd or through_the_api"
+    timeout 150 python3 -m benchmarks.run --out "$work/bench" --S 2k,8k --variants full,causal \
+      --impls flexjit-cute,fa4 --no-png --budget-s 125 2>&1 | tail -12
     ;;
   *)
     echo "unknown stage $stage" >&2
