@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flexjit
-from flexjit import create_block_mask, dispatch, flex_attention, mods
+from flexjit import create_block_mask, flex_attention, mods
 
 B, H, L, E = 2, 4, 200, 32
 BLOCK = 64
@@ -163,17 +163,11 @@ def test_a_captured_scalar_that_changes_gives_the_right_answer():
     torch._dynamo.config.error_on_recompile = False
 
 
-def test_the_compiled_graph_runs_the_eager_program(monkeypatch):
+def test_the_compiled_graph_runs_the_eager_program(programs_run):
     # Same IR, same Program.key: the compiled graph runs the kernels eager mode compiled. A mod
     # capturing a number differs on the first compile only, where dynamo specialises the number
     # into a constant; once it has changed it is a graph input, hence a runtime scalar as in eager.
-    seen = []
-    real = dispatch.forward
-
-    def spy(name, call):
-        seen.append((name, call.program.key))
-        return real(name, call)
-    monkeypatch.setattr(dispatch, "forward", spy)
+    seen = programs_run
     bm = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
 
     def f(q, k, v, cap):

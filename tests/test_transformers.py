@@ -174,3 +174,29 @@ def test_dropout_and_sinks_are_refused_clearly():
         fjt.flexjit_attention(attn, q, kv, kv, None, dropout=0.1)
     with pytest.raises(NotImplementedError, match="sinks"):
         fjt.flexjit_attention(attn, q, kv, kv, None, s_aux=torch.zeros(4))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_a_hand_made_4d_mask_is_applied(kind):
+    # A caller may hand the attention function its own (B, 1, L, S) mask instead of a BlockMask:
+    # keep/drop booleans or an additive float mask, wider than the keys (it is cut to S).
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 40, 16, generator=g)
+    k, v = (torch.randn(2, 2, 40, 16, generator=g) for _ in range(2))
+    keep = torch.rand(2, 1, 40, 48, generator=g) > 0.3
+    keep[..., 0] = True  # no fully masked row
+    mask = keep if kind == "bool" else torch.where(keep, 0.0, float("-inf")) + 0.1 * torch.randn(2, 1, 40, 48, generator=g)
+    module = torch.nn.Module()
+    got, _ = fjt.flexjit_attention(module, q, k, v, mask, scaling=0.3)
+    if kind == "bool":
+        want, _ = golden_attention(module, q.double(), k.double(), v.double(), mask, scaling=0.3)
+    else:
+        want, _ = _additive_golden(q, k, v, mask, 0.3)
+    assert max_err(got, want) < 1e-5  # float32 math against float64: rounding only
+
+
+def _additive_golden(q, k, v, mask, scaling):
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = q.double() @ kk.transpose(-1, -2) * scaling + mask[..., : k.shape[-2]].double()
+    return (torch.softmax(s, -1) @ vv).transpose(1, 2), None
