@@ -14,8 +14,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import compile as compiled, dispatch
-from .block_mask import BlockMask
+from . import compile as compiled, dispatch, options
+from .block_mask import BlockMask, from_torch_block_mask
 from .passes import FLOAT_INDEX_LIMIT, Program, lower
 from .trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
 from .ir import Op, uses
@@ -78,12 +78,17 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     if return_aux is not None and return_lse:
         raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
-    if return_aux is not None and not isinstance(return_aux, AuxRequest):
-        raise TypeError(f"return_aux must be an AuxRequest, got {type(return_aux).__name__}")
+    return_aux = _aux_request(return_aux)
     if return_aux is not None and return_aux.max_scores:
         raise NotImplementedError("AuxRequest(max_scores=True) is not supported by flexjit yet")
     query, key, value = autocast_inputs(query, key, value)
-    if torch.compiler.is_compiling():
+    key, value = _broadcast_batch(query, key, value)
+    block_mask = from_torch_block_mask(block_mask)
+    kernel_options, backend = options.validate(kernel_options, backend)
+    empty = _empty_result(query, key, value, enable_gqa)
+    if empty is not None:
+        out, lse = empty
+    elif torch.compiler.is_compiling():
         out, lse = _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa,
                              kernel_options, backend)
     else:
@@ -129,8 +134,47 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
             kernel_options=None, *, backend: str = "auto") -> "dispatch.Choice":
     """Which backend flex_attention would run for these arguments, and why. Runs nothing."""
     query, key, value = autocast_inputs(query, key, value)
+    key, value = _broadcast_batch(query, key, value)
+    block_mask = from_torch_block_mask(block_mask)
+    kernel_options, backend = options.validate(kernel_options, backend)
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
     return dispatch.select(backend, call)
+
+
+def _aux_request(req):
+    """flexjit's AuxRequest for ``return_aux``: ours, torch's (the same fields), or None."""
+    if req is None or isinstance(req, AuxRequest):
+        return req
+    if type(req).__name__ == "AuxRequest" and hasattr(req, "lse") and hasattr(req, "max_scores"):
+        return AuxRequest(lse=bool(req.lse), max_scores=bool(req.max_scores))
+    raise TypeError(f"return_aux must be an AuxRequest (flexjit's or torch's), got {type(req).__name__}")
+
+
+def _broadcast_batch(q, k, v):
+    """A key/value batch of 1 broadcasts over the query's batch (a view: no copy)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return k, v  # _check_tensors says what is wrong
+    B = q.shape[0]
+    if B != 1 and k.shape[0] == 1 and v.shape[0] == 1:
+        return k.expand(B, *k.shape[1:]), v.expand(B, *v.shape[1:])
+    return k, v
+
+
+def _empty_result(q, k, v, enable_gqa: bool):
+    """(out, lse) for inputs with no queries or no keys (B, H, L or S of 0), or None. No keys:
+    every row is fully masked, so out is 0 and lse -inf; gradients are zeros."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return None  # prepare_call says what is wrong
+    B, Hq, L, _ = q.shape
+    S = k.shape[2]
+    if min(B, Hq, L, S) > 0:
+        return None
+    _check_tensors(q, k, v, enable_gqa, allow_empty=True)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    zero = (q.sum() + k.sum() + v.sum()) * 0  # ties the outputs to the inputs for autograd
+    out = torch.zeros(B, Hq, L, v.shape[-1], dtype=q.dtype, device=q.device) + zero.to(q.dtype)
+    lse = torch.full((B, Hq, L), float("-inf"), dtype=lse_dtype, device=q.device)
+    return out, lse
 
 
 def autocast_inputs(q, k, v):
@@ -178,7 +222,7 @@ def _is_noop(fn) -> bool:
         getattr(fn, "__module__", "").startswith("torch.nn.attention")
 
 
-def _check_tensors(q, k, v, enable_gqa: bool) -> None:
+def _check_tensors(q, k, v, enable_gqa: bool, allow_empty: bool = False) -> None:
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -202,9 +246,9 @@ def _check_tensors(q, k, v, enable_gqa: bool) -> None:
         raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} must agree on heads and length")
     if E != Ek:
         raise ValueError(f"query head dim {E} != key head dim {Ek}")
-    if min(L, S, E, v.shape[-1], B, Hq, Hkv) == 0:
+    if min(E, v.shape[-1]) == 0 or (not allow_empty and min(L, S, B, Hq, Hkv) == 0):
         raise ValueError(f"empty input: query {tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}")
-    if Hq != Hkv:
+    if Hq != Hkv and Hkv > 0:
         if not enable_gqa:
             raise ValueError(f"query has {Hq} heads but key/value have {Hkv}; pass enable_gqa=True "
                              "for grouped-query attention")
@@ -214,7 +258,7 @@ def _check_tensors(q, k, v, enable_gqa: bool) -> None:
 
 def _check_block_mask(bm, q, k) -> None:
     if not isinstance(bm, BlockMask):
-        raise TypeError(f"block_mask must be a flexjit BlockMask (from flexjit.create_block_mask), "
+        raise TypeError(f"block_mask must be a BlockMask (flexjit.create_block_mask, or torch's), "
                         f"got {type(bm).__module__}.{type(bm).__name__}")
     L, S = q.shape[2], k.shape[2]
     if tuple(bm.seq_lengths) != (L, S):

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -138,6 +139,8 @@ class BlockMask:
             raise RuntimeError("BlockMask must have at least 2 dimensions")
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise ValueError("full_kv_num_blocks and full_kv_indices must be both provided or omitted")
+        if (full_q_num_blocks is None) != (full_q_indices is None):
+            raise ValueError("full_q_num_blocks and full_q_indices must be both provided or omitted")
         self.seq_lengths = tuple(int(x) for x in seq_lengths)
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
@@ -178,20 +181,43 @@ class BlockMask:
         *batch, _, _ = self.kv_indices.shape
         return tuple(batch) + self.seq_lengths
 
-    def as_tuple(self):
-        return (self.seq_lengths[0], self.seq_lengths[1], *[getattr(self, a) for a in self._TENSOR_ATTRS],
-                *self.BLOCK_SIZE, self.mask_mod)
+    def as_tuple(self, flatten: bool = True):
+        """(Q_LEN, KV_LEN, the eight lists, BLOCK_SIZE, mask_mod), as torch's; ``flatten=False``
+        keeps the two pairs as tuples."""
+        lengths = tuple(self.seq_lengths) if flatten else (self.seq_lengths,)
+        block = tuple(self.BLOCK_SIZE) if flatten else (self.BLOCK_SIZE,)
+        return (*lengths, *[getattr(self, a) for a in self._TENSOR_ATTRS], *block, self.mask_mod)
 
     def numel(self) -> int:
+        """Elements of the mask, B·H·Q_LEN·KV_LEN (sparsity not counted)."""
         return math.prod(self.shape)
 
     def sparsity(self) -> float:
-        """Percentage of the (block-padded) Q×KV area that is skipped."""
+        """Percentage of the Q×KV area not computed, as torch counts it: listed blocks times the
+        block area against B·H·Q_LEN·KV_LEN (a ragged edge block counts whole)."""
         computed = int(self.kv_num_blocks.sum().item())
         if self.full_kv_num_blocks is not None:
             computed += int(self.full_kv_num_blocks.sum().item())
-        total = math.prod(self.kv_indices.shape[:-2]) * self.kv_indices.shape[-2] * self.kv_indices.shape[-1]
-        return 100.0 * (1 - computed / max(total, 1))
+        return 100.0 * (1 - computed * self.BLOCK_SIZE[0] * self.BLOCK_SIZE[1] / max(self.numel(), 1))
+
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
+        """The BlockMask for shorter (Q_LEN, KV_LEN): the lists cut to the blocks that remain
+        (torch's ``_adjust``, which its error messages recommend)."""
+        rows = -(-new_q_len // self.BLOCK_SIZE[0])
+        cols = -(-new_kv_len // self.BLOCK_SIZE[1])
+
+        def cut(num, idx):
+            idx = idx[:, :, :rows, :cols]
+            num = torch.clamp(num[:, :, :rows], max=cols)
+            return (idx < num.unsqueeze(-1)).sum(-1).to(torch.int32), idx
+
+        kv_num, kv_idx = cut(self.kv_num_blocks, self.kv_indices)
+        fkv_num = fkv_idx = None
+        if self.full_kv_num_blocks is not None:
+            fkv_num, fkv_idx = cut(self.full_kv_num_blocks, self.full_kv_indices)
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE,
+                                        mask_mod=self.mask_mod, seq_lengths=(new_q_len, new_kv_len),
+                                        compute_q_blocks=self.q_indices is not None)
 
     def derived(self, name: str, build):
         """``build()``, remembered on this BlockMask while its list tensors are the same objects
@@ -243,7 +269,9 @@ class BlockMask:
         return kinds
 
     def to_string(self, grid_size=(20, 20), limit: int = 4) -> str:
-        """A picture of the block structure: █ listed, ░ partly, blank skipped."""
+        """A picture of the block structure, as torch draws it: █ listed, ░ partly, blank
+        skipped; one picture per (batch, head), at most ``limit`` of them. ``grid_size=-1``
+        draws every block."""
         dense = self.to_dense()
         *batch, rows, cols = dense.shape
         if grid_size == -1:
@@ -256,21 +284,21 @@ class BlockMask:
         out = []
         for i, idx in enumerate(itertools.product(*[range(n) for n in batch])):
             if i == limit:
-                out.append("...\nTo print out more, set BlockMask.to_string(limit=N)")
+                out += ["...", "To print out more, set BlockMask.to_string(limit=N)",
+                        "You can also index (BlockMask[batch, head]) to choose a specific batch or head"]
                 break
             m = dense[idx].float()
-            lines = [f"{idx}"]
+            text = f"{idx}\n"
             for r in range(0, rows, rs):
-                line = ""
                 for c in range(0, cols, cs):
                     frac = m[r:r + rs, c:c + cs].mean().item()
-                    line += ("█" if frac == 1 else " " if frac == 0 else "░") * 2
-                lines.append(line)
-            out.append("\n".join(lines))
+                    text += ("█" if frac == 1 else " " if frac == 0 else "░") * 2
+                text += "\n"
+            out.append(text)
         return "\n".join(out)
 
     def __str__(self):
-        return f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%,\n{self.to_string()}\n)"
+        return f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n{self.to_string().strip()}\n)"
 
     def __repr__(self):
         return (f"BlockMask(shape={self.shape}, BLOCK_SIZE={self.BLOCK_SIZE}, "
@@ -329,6 +357,29 @@ class BlockMask:
         return (qmap.numel() - 1) * bq + tail
 
 
+_FROM_TORCH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def from_torch_block_mask(bm):
+    """flexjit's BlockMask for torch's (``torch.nn.attention.flex_attention.BlockMask``): the
+    same lists, block size, lengths and mask_mod, made once per torch object; anything else is
+    returned as it is. (torch lists a ragged edge block as partial where flexjit lists it full
+    when every valid element is kept: both are right, the partial one evaluates mask_mod.)"""
+    if bm is None or isinstance(bm, BlockMask) or type(bm).__name__ != "BlockMask" \
+            or not type(bm).__module__.startswith("torch.nn.attention"):
+        return bm
+    hit = _FROM_TORCH.get(bm)
+    if hit is not None and all(getattr(hit, a) is getattr(bm, a) for a in BlockMask._TENSOR_ATTRS):
+        return hit
+    ours = BlockMask(bm.seq_lengths, *[getattr(bm, a) for a in BlockMask._TENSOR_ATTRS],
+                     BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod)
+    try:
+        _FROM_TORCH[bm] = ours
+    except TypeError:  # not weak-referenceable: convert every call
+        pass
+    return ours
+
+
 def _index_map(i, n: int, device) -> torch.Tensor:
     """The original indices an index expression selects along a dimension of size n."""
     base = torch.arange(n, device=device)
@@ -382,12 +433,17 @@ def _default_device():
 
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
                       device=None, BLOCK_SIZE=_DEFAULT_BLOCK, _compile: bool = False,
-                      separate_full_blocks: bool = True) -> BlockMask:
+                      separate_full_blocks: bool = True, compute_dq_write_order: bool = False,
+                      dq_kv_order: bool = True) -> BlockMask:
     """Plan the block sparsity of ``mask_mod`` for (B, H, Q_LEN, KV_LEN).
 
     B or H set to None plans one batch/head that broadcasts. ``device`` defaults to
     CUDA when available (the BlockMask's tensors live there), else the CPU.
     ``_compile`` is accepted for torch compatibility and ignored: nothing dense is built.
+    ``separate_full_blocks=False`` lists every block as partial (mask_mod everywhere), as torch.
+    ``compute_dq_write_order`` / ``dq_kv_order`` (torch's deterministic FLASH backward) are accepted
+    and need nothing here: flexjit's deterministic backward builds its order (``dq_order``) from the
+    lists when it first runs.
     Inside ``torch.compile`` the planner runs as a custom op (``flexjit.compile``).
     """
     bq, bkv = _block_size(BLOCK_SIZE)

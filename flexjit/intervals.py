@@ -16,6 +16,13 @@ boundaries, for (S,) and (B, S) document ids alike.
 
 Bounds are float64 (exact for integers below 2**53). An int32 node whose
 interval leaves the int32 range widens to unknown, since kernels wrap there.
+
+NaN: a float interval whose bound is NaN means "any value, NaN included". A NaN
+compares False (True for !=), so it must never let a block be called full or
+empty: it arises where an op leaves its domain (log, sqrt, asin of a range that
+crosses it), from a captured tensor holding NaN, and from bounds with no answer
+(inf * 0, a division by a range containing 0); every arithmetic rule passes it
+on, comparisons turn it into "both possible", an int cast into the whole range.
 """
 from __future__ import annotations
 
@@ -72,8 +79,10 @@ class _Buffers:
     def global_range(self, slot: int) -> tuple[float, float]:
         if slot not in self._global:
             t = self.buffers[slot].to(torch.float64)
-            if t.numel() == 0 or torch.isnan(t).any():
+            if t.numel() == 0:
                 self._global[slot] = (-INF, INF)
+            elif torch.isnan(t).any():  # a NaN entry may be read: any value, NaN included
+                self._global[slot] = (math.nan, math.nan)
             else:
                 self._global[slot] = (t.min().item(), t.max().item())
         return self._global[slot]
@@ -102,7 +111,10 @@ def _as_num(v):
 
 
 def _clean(lo, hi, dtype: DType):
-    """Replace NaN bounds by unknown, and int32 bounds that overflow by unknown."""
+    """Float bounds as they are (NaN: maybe NaN); int bounds: NaN (a NaN cast, no answer) and
+    int32 bounds that overflow become unknown."""
+    if dtype.is_float:
+        return _num(lo, hi)
     lo = torch.where(torch.isnan(lo), -INF, lo)
     hi = torch.where(torch.isnan(hi), INF, hi)
     if dtype is DType.INT32:
@@ -114,9 +126,9 @@ def _clean(lo, hi, dtype: DType):
 
 def _mul(a, b):
     cands = torch.stack(torch.broadcast_tensors(a[1] * b[1], a[1] * b[2], a[2] * b[1], a[2] * b[2]))
-    unknown = torch.isnan(cands).any(0)
-    lo = torch.where(unknown, -INF, torch.nan_to_num(cands, nan=0.0).amin(0))
-    hi = torch.where(unknown, INF, torch.nan_to_num(cands, nan=0.0).amax(0))
+    unknown = torch.isnan(cands).any(0)  # inf * 0: no bound (and a NaN value possible)
+    lo = torch.where(unknown, math.nan, torch.nan_to_num(cands, nan=0.0).amin(0))
+    hi = torch.where(unknown, math.nan, torch.nan_to_num(cands, nan=0.0).amax(0))
     return lo, hi
 
 
@@ -130,7 +142,7 @@ def _div(a, b, floor: bool):
     lo, hi = cands.nan_to_num(0.0).amin(0), cands.nan_to_num(0.0).amax(0)
     if floor:
         lo, hi = torch.floor(lo), torch.floor(hi)
-    return torch.where(unknown, -INF, lo), torch.where(unknown, INF, hi)
+    return torch.where(unknown, math.nan, lo), torch.where(unknown, math.nan, hi)
 
 
 def _mod(a, b):
@@ -153,6 +165,20 @@ def _mod(a, b):
 _MONOTONE = {Op.EXP: torch.exp, Op.EXP2: torch.exp2, Op.LOG: torch.log, Op.LOG2: torch.log2,
              Op.TANH: torch.tanh, Op.SIGMOID: torch.sigmoid, Op.SQRT: torch.sqrt,
              Op.FLOOR: torch.floor, Op.CEIL: torch.ceil}
+
+
+def _compare(op: Op, al, ah, bl, bh, outcome: bool):
+    """Whether ``a op b`` can be ``outcome`` for a in [al, ah], b in [bl, bh] (no NaN)."""
+    if op in (Op.EQ, Op.NE):
+        overlap = (al <= bh) & (bl <= ah)
+        same_point = (al == ah) & (bl == bh) & (al == bl)
+        return overlap if (op is Op.EQ) == outcome else ~same_point
+    if op in (Op.GT, Op.GE):  # a > b is b < a
+        al, ah, bl, bh = bl, bh, al, ah
+        op = Op.LT if op is Op.GT else Op.LE
+    if op is Op.LT:
+        return al < bh if outcome else ah >= bl
+    return al <= bh if outcome else ah > bl  # LE
 
 
 def _rule(n: Node, a: list, env: dict):
@@ -187,19 +213,8 @@ def _rule(n: Node, a: list, env: dict):
         return _exact_or_unknown(n, a)
     if op in ir.COMPARE:
         (_, al, ah), (_, bl, bh) = _as_num(a[0]), _as_num(a[1])
-        if op is Op.LT:
-            return _bool(ah >= bl, al < bh)
-        if op is Op.LE:
-            return _bool(ah > bl, al <= bh)
-        if op is Op.GT:
-            return _bool(al <= bh, ah > bl)
-        if op is Op.GE:
-            return _bool(al < bh, ah >= bl)
-        overlap = (al <= bh) & (bl <= ah)
-        same_point = (al == ah) & (bl == bh) & (al == bl)
-        if op is Op.EQ:
-            return _bool(~same_point, overlap)
-        return _bool(overlap, ~same_point)
+        nan = torch.isnan(al) | torch.isnan(ah) | torch.isnan(bl) | torch.isnan(bh)
+        return _bool(_compare(op, al, ah, bl, bh, False) | nan, _compare(op, al, ah, bl, bh, True) | nan)
     if op is Op.WHERE:
         c = a[0]
         x, y = a[1], a[2]
@@ -215,7 +230,8 @@ def _rule(n: Node, a: list, env: dict):
         src = a[0]
         if n.dtype is DType.BOOL:
             _, lo, hi = _as_num(src)
-            return _bool((lo <= 0) & (hi >= 0), ~((lo == 0) & (hi == 0)))
+            nan = torch.isnan(lo) | torch.isnan(hi)
+            return _bool(((lo <= 0) & (hi >= 0)) | nan, ~((lo == 0) & (hi == 0)) | nan)
         _, lo, hi = _as_num(src)
         if n.dtype.is_int and n.src[0].dtype.is_float:
             lo, hi = torch.trunc(lo), torch.trunc(hi)
@@ -252,12 +268,18 @@ def _arith(n: Node, a: list):
         lo, hi = f(a[0][1]), f(a[0][2])
     elif op is Op.RSQRT:
         lo, hi = torch.rsqrt(a[0][2]), torch.rsqrt(a[0][1])
-    elif op in (Op.SIN, Op.COS):
-        lo, hi = torch.tensor(-1.0, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    elif op in (Op.SIN, Op.COS):  # NaN at infinity
+        finite = torch.isfinite(a[0][1]) & torch.isfinite(a[0][2])
+        lo, hi = torch.where(finite, -1.0, math.nan), torch.where(finite, 1.0, math.nan)
     elif op in NO_CHEAP_RULE:
         return _unknown(n)
     else:
         raise NotImplementedError(f"no interval rule for {op.value}")
+    if n.dtype.is_float:  # a NaN operand makes a NaN result (min/max too: they propagate NaN)
+        nan = torch.zeros((), dtype=torch.bool)
+        for x in a:
+            nan = nan | torch.isnan(x[1]) | torch.isnan(x[2])
+        lo, hi = torch.where(nan, math.nan, lo), torch.where(nan, math.nan, hi)
     return _clean(lo, hi, n.dtype)
 
 
@@ -269,6 +291,8 @@ NO_CHEAP_RULE = frozenset({Op.POW, Op.MOD})
 def _unknown(n: Node):
     if n.dtype is DType.BOOL:
         return _bool(torch.tensor(True), torch.tensor(True))
+    if n.dtype.is_float:  # anything, NaN included
+        return _num(torch.tensor(math.nan, dtype=torch.float64), torch.tensor(math.nan, dtype=torch.float64))
     return _num(torch.tensor(-INF, dtype=torch.float64), torch.tensor(INF, dtype=torch.float64))
 
 

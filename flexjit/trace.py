@@ -163,8 +163,9 @@ def _coerce(ctx: _Context, x, like: DType | None = None) -> Node:
     if isinstance(x, Proxy):
         return x.node
     if isinstance(x, BufferView):
-        ctx.fail("a captured tensor was used without indexing it down to one element",
-                 f"index all {x.ndim} dimensions, e.g. t[{', '.join(['i'] * x.ndim)}]")
+        given = [_index_label(n) for n in x.index]
+        ctx.fail(f"a captured tensor of {x.tensor.dim()} dimensions was indexed with {len(given)}, not down "
+                 "to one element", f"index every dimension at once, e.g. t[{', '.join(given + ['i'] * x.ndim)}]")
     if isinstance(x, torch.Tensor):
         if x.dim() == 0:
             return ir.node(Op.LOAD, _TORCH_DTYPES[x.dtype], (ctx.buffer(x),))
@@ -182,6 +183,15 @@ def _coerce(ctx: _Context, x, like: DType | None = None) -> Node:
         return ir.const(x, DType.FLOAT32)
     ctx.fail(f"value of type {type(x).__name__} cannot be used in a mod",
              "use Python numbers, the traced arguments, or captured tensors")
+
+
+def _index_label(n: Node) -> str:
+    """How an index appears in a hint: the traced argument's name, a literal, else ``...``."""
+    if n.op in ir.INDEX_LEAVES:
+        return n.op.value
+    if n.op is Op.CONST:
+        return repr(n.arg)
+    return "..."
 
 
 def _binary(ctx: _Context, op: Op, a, b) -> "Proxy":
@@ -325,7 +335,14 @@ class Proxy:
 
     def __float__(self): return float(self._number("float()/math.*"))
     def __int__(self): return int(self._number("int()"))
-    def __index__(self): return int(self._number("use as a Python index"))
+
+    def __index__(self):
+        v = _concrete(self)
+        if v is None:
+            self.ctx.fail("a Python list, tuple or range indexed by a traced value: its value differs "
+                          "per element", "put the values in a tensor outside the mod and index that, "
+                          "e.g. table = torch.tensor(values); ... table[q_idx]")
+        return int(v)
 
     def __iter__(self):
         self.ctx.fail("iterating over a traced value", "a traced value is one element, not a tensor")

@@ -17,10 +17,10 @@ def qkv(B=1, Hq=2, Hkv=2, L=64, S=64, E=16, dtype=torch.float32):
     (lambda q, k, v: (q, k, v.bfloat16()), ValueError, "share a dtype.*torch.autocast"),
     (lambda q, k, v: (q, k[:, :, :, :8], v), ValueError, "head dim"),
     (lambda q, k, v: (q, k, v[:, :, :32]), ValueError, "agree on heads and length"),
-    (lambda q, k, v: (q.expand(2, -1, -1, -1), k, v), ValueError, "batch sizes differ"),
+    (lambda q, k, v: (q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)), ValueError, "batch sizes differ"),
     (lambda q, k, v: (q, k[:, :1], v[:, :1]), ValueError, "enable_gqa=True"),
     (lambda q, k, v: ("q", k, v), TypeError, "torch.Tensor"),
-    (lambda q, k, v: (q[:, :, :0], k, v), ValueError, "empty input"),
+    (lambda q, k, v: (q[..., :0], k[..., :0], v), ValueError, "empty input"),  # head dim 0
 ])
 def test_bad_tensors(mutate, err, msg):
     q, k, v = mutate(*qkv())
@@ -59,12 +59,19 @@ def test_broadcast_mask_that_depends_on_batch_is_refused():
         flex_attention(q, k, v, block_mask=bm)
 
 
-def test_torch_block_mask_is_refused_with_advice():
-    from torch.nn.attention.flex_attention import create_block_mask as torch_cbm
+def test_torchs_block_mask_and_aux_request_are_accepted():
+    # Issue #14: code written for torch's flex keeps its BlockMask and AuxRequest objects.
+    from torch.nn.attention import flex_attention as tflex
     q, k, v = qkv()
-    bm = torch_cbm(lambda b, h, q, kv: q >= kv, 1, 1, 64, 64, device="cpu")
-    with pytest.raises(TypeError, match="flexjit.create_block_mask"):
-        flex_attention(q, k, v, block_mask=bm)
+    causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
+    theirs = tflex.create_block_mask(causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16)
+    ours = create_block_mask(causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16)
+    want, want_aux = flex_attention(q, k, v, block_mask=ours, return_aux=AuxRequest(lse=True))
+    got, got_aux = flex_attention(q, k, v, block_mask=theirs, return_aux=tflex.AuxRequest(lse=True))
+    assert torch.equal(got, want) and torch.equal(got_aux.lse, want_aux.lse)
+    assert explain(q, k, v, block_mask=theirs).name == "reference"
+    with pytest.raises(TypeError, match="BlockMask"):
+        flex_attention(q, k, v, block_mask=object())
 
 
 def test_mod_arity_is_checked_before_running():
@@ -121,6 +128,54 @@ def test_backward_is_chosen_as_a_pair_with_the_forward(monkeypatch):
     assert "no backward can train it" in dict(choice.passed_over)["cute"]
     with pytest.raises(NotImplementedError, match="no backward can train it"):
         dispatch.select("cute", call)
+
+
+def test_kernel_options_take_torchs_keys_and_refuse_unknown_ones():
+    q, k, v = qkv()
+    want = flex_attention(q, k, v)
+    # torch's keys (with fwd_/bwd_ prefixes) are accepted; these tune torch's own template
+    for opts in ({"PRESCALE_QK": True}, {"fwd_num_warps": 4, "bwd_BLOCK_M1": 16}, {"USE_TMA": False},
+                 {"BACKEND": "AUTO"}):
+        assert torch.equal(flex_attention(q, k, v, kernel_options=opts), want), opts
+    with pytest.raises(ValueError, match="unknown kernel_options \\['BLOCK_X'\\].*PRESCALE_QK"):
+        flex_attention(q, k, v, kernel_options={"BLOCK_X": 64})
+    with pytest.raises(ValueError, match="BACKEND"):
+        flex_attention(q, k, v, kernel_options={"BACKEND": "NOPE"})
+    # BACKEND asks for a backend as torch's does: FLASH is flexjit's CuTeDSL kernel (no GPU here)
+    with pytest.raises(NotImplementedError, match="backend='cute'"):
+        flex_attention(q, k, v, kernel_options={"BACKEND": "FLASH"})
+
+
+def test_empty_inputs_give_empty_outputs():
+    # Issue #14: no queries (B, H or L of 0) is an empty output; no keys (S = 0) leaves every row
+    # fully masked: out 0, lse -inf, zero gradients.
+    for qs, ks in (((0, 2, 8, 16), (0, 2, 8, 16)), ((1, 2, 0, 16), (1, 2, 8, 16)),
+                   ((1, 0, 8, 16), (1, 0, 8, 16)), ((1, 2, 8, 16), (1, 2, 0, 16))):
+        q = torch.randn(qs, requires_grad=True)
+        k, v = (torch.randn(ks, requires_grad=True) for _ in range(2))
+        out, lse = flex_attention(q, k, v, return_lse=True)
+        assert out.shape == (*qs[:3], 16) and lse.shape == qs[:3]
+        assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+        out.sum().backward()
+        for t in (q, k, v):
+            assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
+    with pytest.raises(ValueError, match="empty input"):
+        flex_attention(torch.randn(1, 2, 8, 0), torch.randn(1, 2, 8, 0), torch.randn(1, 2, 8, 16))
+
+
+def test_a_key_value_batch_of_one_broadcasts():
+    # Issue #14: k/v of batch 1 serve every query batch (a view); gradients sum over the batch.
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 2, 32, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 32, 16, generator=g, requires_grad=True) for _ in range(2))
+    out = flex_attention(q, k, v, score_mod=mods.softcap(20.0))
+    kk, vv = (t.detach().expand(3, -1, -1, -1).clone().requires_grad_(True) for t in (k, v))
+    want = flex_attention(q.detach(), kk, vv, score_mod=mods.softcap(20.0))
+    assert torch.allclose(out, want, atol=1e-6)
+    out.sum().backward()
+    want.sum().backward()
+    assert torch.allclose(k.grad, kk.grad.sum(0, keepdim=True), atol=1e-5)
+    assert torch.allclose(v.grad, vv.grad.sum(0, keepdim=True), atol=1e-5)
 
 
 def test_return_aux_and_lse():

@@ -200,3 +200,52 @@ def test_derived_values_follow_the_list_tensors():
     bm.kv_num_blocks = torch.zeros_like(bm.kv_num_blocks)
     assert bm.derived("total", total) == 0 and len(builds) == 2
     assert bm.to("cpu").derived("total", total) == 0 and len(builds) == 3  # a new BlockMask
+
+
+def test_block_mask_surface_matches_torchs():
+    # Issue #14, against torch's own BlockMask on the CPU: sparsity on ragged lengths (counted
+    # over B·H·Q_LEN·KV_LEN), str(), _adjust, as_tuple, the full_q pair's validation, and the
+    # create_block_mask keyword arguments torch has.
+    from torch.nn.attention import flex_attention as tflex
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    ours = create_block_mask(causal, 1, 1, 1000, 999, device="cpu")
+    theirs = tflex.create_block_mask(causal, 1, 1, 1000, 999, device="cpu")
+    assert ours.sparsity() == pytest.approx(theirs.sparsity()) and round(ours.sparsity(), 2) == 40.96
+    ours = create_block_mask(causal, 3, 2, 512, 384, device="cpu", compute_dq_write_order=True,
+                             dq_kv_order=True)
+    theirs = tflex.create_block_mask(causal, 3, 2, 512, 384, device="cpu")
+    assert str(ours) == str(theirs)
+    small, small_t = ours._adjust(300, 200), theirs._adjust(300, 200)
+    assert small.seq_lengths == (300, 200) == tuple(small_t.seq_lengths)
+    for a in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(small, a), getattr(small_t, a)), a
+    flat = ours.as_tuple()
+    assert flat[:2] == (512, 384) and flat[-3:-1] == (128, 128) and flat[-1] is ours.mask_mod
+    nested = ours.as_tuple(flatten=False)
+    assert nested[0] == (512, 384) and nested[-2] == (128, 128)
+    assert ours.numel() == 3 * 2 * 512 * 384
+    with pytest.raises(ValueError, match="full_q"):
+        BlockMask(ours.seq_lengths, ours.kv_num_blocks, ours.kv_indices, ours.full_kv_num_blocks,
+                  ours.full_kv_indices, ours.q_num_blocks, ours.q_indices, ours.full_q_num_blocks, None)
+
+
+_NAN_TABLE = torch.tensor([float("nan") if i % 7 == 3 else float(i % 5) - 2 for i in range(300)])
+
+
+@pytest.mark.parametrize("mask", [
+    lambda b, h, q, kv: torch.log(q.float() - 100.0) < 10.0,  # NaN (False) below q = 100
+    lambda b, h, q, kv: torch.maximum(torch.sqrt(q.float() - kv.float()), torch.zeros_like(q.float())) >= 0,
+    lambda b, h, q, kv: torch.maximum(_NAN_TABLE[kv], torch.zeros_like(q.float())) > -1.0,  # NaN entries
+    lambda b, h, q, kv: (torch.sqrt(kv.float() - 150.0) * 0.0) == 0.0,
+    lambda b, h, q, kv: torch.abs(torch.log(q.float() - kv.float())) >= 0,
+], ids=["log", "max_sqrt", "nan_table", "sqrt_times_zero", "abs_log"])
+def test_planner_is_sound_where_a_mask_is_nan(mask):
+    # A NaN in a mask's arithmetic compares False: a block where some element is NaN is never
+    # full, however the NaN is hidden (max, abs, * 0). The intervals carry "may be NaN".
+    B, H, L, S = 1, 1, 300, 300
+    bm = create_block_mask(mask, B, H, L, S, device="cpu", BLOCK_SIZE=64)
+    dense = create_mask(mask, B, H, L, S, device="cpu")
+    assert torch.equal(bm.block_kinds(), expected_kinds(dense, 64, 64))

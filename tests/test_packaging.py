@@ -53,3 +53,16 @@ def test_templates_import_each_other_from_a_source_tree(tmp_path):
     res = subprocess.run([sys.executable, "-c", _SOURCE_TREE, str(tmp_path)], capture_output=True,
                          text=True, env={**__import__("os").environ, "CUTE_DSL_ARCH": "sm_90a"})
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_version_and_demo_argument_errors():
+    # Issue #14: `flexjit --version`, and argparse's own error (exit 2) for a bad demo argument.
+    run = lambda *a: subprocess.run([sys.executable, "-m", "flexjit", *a], capture_output=True,  # noqa: E731
+                                    text=True, cwd=ROOT)
+    import flexjit
+    res = run("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"flexjit {flexjit.__version__}"
+    for bad, why in ((["demo", "--seq-len", "-5"], "at least 128"), (["demo", "--seq-len", "x"], "not an integer"),
+                     (["demo", "--bogus"], "unrecognized arguments")):
+        res = run(*bad)
+        assert res.returncode == 2 and why in res.stderr and "Traceback" not in res.stderr, res.stderr

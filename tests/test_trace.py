@@ -163,6 +163,24 @@ def test_math_function_on_traced_value_suggests_torch():
         trace_mod(bad, SCORE_MOD)
 
 
+def test_hints_for_partial_indexing_and_python_lists():
+    # Issue #14: t[h] on a 2-D tensor points at t[h, i] (not t[i]); a Python list indexed by a
+    # traced value says to use a tensor (not the math.* hint of other conversions).
+    table = torch.randn(4, 8)
+
+    def partial(score, b, h, q_idx, kv_idx):
+        return score + table[h]
+    with pytest.raises(TraceError, match=r"(?s)2 dimensions was indexed with 1.*t\[h, i\]"):
+        trace_mod(partial, SCORE_MOD)
+    values = [0.5, 0.25, 0.125, 0.0625]
+
+    def from_list(score, b, h, q_idx, kv_idx):
+        return score + values[h]
+    with pytest.raises(TraceError, match=r"(?s)Python list.*torch.tensor\(values\)") as info:
+        trace_mod(from_list, SCORE_MOD)
+    assert "math" not in str(info.value)
+
+
 def test_wrong_arity_is_a_type_error_with_advice():
     with pytest.raises(TypeError, match="must take 5 arguments.*looks like a mask_mod"):
         trace_mod(lambda b, h, q, kv: q >= kv, SCORE_MOD)

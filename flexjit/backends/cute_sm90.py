@@ -89,6 +89,9 @@ def supports(call) -> tuple[bool, str]:
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False, f"{name} needs a contiguous last dim and 16-byte aligned strides for TMA"
+        if t.shape[0] > 1 and t.stride(0) == 0:
+            return False, (f"{name} is broadcast over the batch (stride 0), which the sm90 kernel's "
+                           "TMA descriptors are not built for")
     bm = call.block_mask
     if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
         return False, f"block size {bm.BLOCK_SIZE}; the sm90 kernel's tiles are 128x128"
