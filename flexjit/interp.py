@@ -47,11 +47,14 @@ _UNARY = {
     Op.EXP: torch.exp, Op.EXP2: torch.exp2, Op.LOG: torch.log, Op.LOG2: torch.log2,
     Op.TANH: torch.tanh, Op.SIGMOID: torch.sigmoid, Op.SQRT: torch.sqrt, Op.RSQRT: torch.rsqrt,
     Op.SIN: torch.sin, Op.COS: torch.cos, Op.FLOOR: torch.floor, Op.CEIL: torch.ceil,
-    Op.NEG: torch.neg, Op.ABS: torch.abs,
+    Op.NEG: torch.neg, Op.ABS: torch.abs, Op.ROUND: torch.round, Op.TRUNC: torch.trunc,
+    Op.TAN: torch.tan, Op.ATAN: torch.atan, Op.SINH: torch.sinh, Op.COSH: torch.cosh,
+    Op.ASIN: torch.asin, Op.ACOS: torch.acos, Op.LOG1P: torch.log1p, Op.EXPM1: torch.expm1,
+    Op.ERF: torch.erf,
 }
 _BINARY = {
     Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.true_divide,
-    Op.MOD: torch.remainder, Op.POW: torch.pow, Op.MAX: torch.maximum, Op.MIN: torch.minimum,
+    Op.MOD: torch.remainder, Op.FMOD: torch.fmod, Op.POW: torch.pow, Op.MAX: torch.maximum, Op.MIN: torch.minimum,
     Op.LT: torch.lt, Op.LE: torch.le, Op.GT: torch.gt, Op.GE: torch.ge, Op.EQ: torch.eq, Op.NE: torch.ne,
     Op.AND: torch.bitwise_and, Op.OR: torch.bitwise_or, Op.XOR: torch.bitwise_xor,
 }

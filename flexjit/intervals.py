@@ -162,9 +162,12 @@ def _mod(a, b):
     return lo, hi
 
 
+# Non-decreasing on their domain (outside it they give NaN, which the rules carry).
 _MONOTONE = {Op.EXP: torch.exp, Op.EXP2: torch.exp2, Op.LOG: torch.log, Op.LOG2: torch.log2,
              Op.TANH: torch.tanh, Op.SIGMOID: torch.sigmoid, Op.SQRT: torch.sqrt,
-             Op.FLOOR: torch.floor, Op.CEIL: torch.ceil}
+             Op.FLOOR: torch.floor, Op.CEIL: torch.ceil, Op.ROUND: torch.round, Op.TRUNC: torch.trunc,
+             Op.ATAN: torch.atan, Op.SINH: torch.sinh, Op.ASIN: torch.asin, Op.LOG1P: torch.log1p,
+             Op.EXPM1: torch.expm1, Op.ERF: torch.erf}
 
 
 def _compare(op: Op, al, ah, bl, bh, outcome: bool):
@@ -268,6 +271,12 @@ def _arith(n: Node, a: list):
         lo, hi = f(a[0][1]), f(a[0][2])
     elif op is Op.RSQRT:
         lo, hi = torch.rsqrt(a[0][2]), torch.rsqrt(a[0][1])
+    elif op is Op.ACOS:  # non-increasing
+        lo, hi = torch.acos(a[0][2]), torch.acos(a[0][1])
+    elif op is Op.COSH:  # even: its minimum at 0
+        l, h = a[0][1], a[0][2]
+        lo = torch.where((l <= 0) & (h >= 0), 1.0, torch.minimum(torch.cosh(l), torch.cosh(h)))
+        hi = torch.maximum(torch.cosh(l), torch.cosh(h))
     elif op in (Op.SIN, Op.COS):  # NaN at infinity
         finite = torch.isfinite(a[0][1]) & torch.isfinite(a[0][2])
         lo, hi = torch.where(finite, -1.0, math.nan), torch.where(finite, 1.0, math.nan)
@@ -285,7 +294,7 @@ def _arith(n: Node, a: list):
 
 # Ops whose values the planner bounds by "unknown" (always sound; blocks using them are evaluated
 # densely): no cheap sound rule. Every other op has one above (float MOD is unknown too).
-NO_CHEAP_RULE = frozenset({Op.POW, Op.MOD})
+NO_CHEAP_RULE = frozenset({Op.POW, Op.MOD, Op.FMOD, Op.TAN})
 
 
 def _unknown(n: Node):

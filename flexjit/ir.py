@@ -78,6 +78,17 @@ class Op(enum.Enum):
     COS = "cos"
     FLOOR = "floor"
     CEIL = "ceil"
+    ROUND = "round"  # half to even, as torch.round
+    TRUNC = "trunc"
+    TAN = "tan"
+    ATAN = "atan"
+    SINH = "sinh"
+    COSH = "cosh"
+    ASIN = "asin"
+    ACOS = "acos"
+    LOG1P = "log1p"
+    EXPM1 = "expm1"
+    ERF = "erf"
     NOT = "not"  # logical not on bool, bitwise not on ints
     CAST = "cast"  # arg: target DType
     # binary
@@ -87,6 +98,7 @@ class Op(enum.Enum):
     DIV = "div"  # true division, float result
     FLOORDIV = "floordiv"  # Python semantics: rounds toward -inf
     MOD = "mod"  # Python semantics: sign of the divisor
+    FMOD = "fmod"  # C semantics (torch.fmod): sign of the dividend
     POW = "pow"
     MAX = "max"
     MIN = "min"
@@ -105,11 +117,13 @@ class Op(enum.Enum):
 
 LEAVES = frozenset({Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX, Op.CONST, Op.SCALAR, Op.BUFFER})
 INDEX_LEAVES = frozenset({Op.B, Op.H, Op.Q_IDX, Op.KV_IDX})
-UNARY = frozenset({Op.NEG, Op.ABS, Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.TANH, Op.SIGMOID,
-                   Op.SQRT, Op.RSQRT, Op.SIN, Op.COS, Op.FLOOR, Op.CEIL, Op.NOT, Op.CAST})
 TRANSCENDENTAL = frozenset({Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.TANH, Op.SIGMOID, Op.SQRT,
-                            Op.RSQRT, Op.SIN, Op.COS})
-ARITH = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.FLOORDIV, Op.MOD, Op.POW, Op.MAX, Op.MIN})
+                            Op.RSQRT, Op.SIN, Op.COS, Op.TAN, Op.ATAN, Op.SINH, Op.COSH, Op.ASIN,
+                            Op.ACOS, Op.LOG1P, Op.EXPM1, Op.ERF})
+ROUNDING = frozenset({Op.FLOOR, Op.CEIL, Op.ROUND, Op.TRUNC})  # float -> float; ints unchanged
+UNARY = TRANSCENDENTAL | ROUNDING | frozenset({Op.NEG, Op.ABS, Op.NOT, Op.CAST})
+ARITH = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.FLOORDIV, Op.MOD, Op.FMOD, Op.POW, Op.MAX,
+                   Op.MIN})
 LOGIC = frozenset({Op.AND, Op.OR, Op.XOR})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 BINARY = ARITH | LOGIC | COMPARE

@@ -231,6 +231,26 @@ def _local_grads(n: Node, g: Node) -> list[Node | None]:
         return [None, _where(s[0], g, zero), _where(s[0], zero, g)]
     if op is Op.MOD:  # remainder: a - floor(a/b) * b
         return [g, _neg(_mul(g, ir.node(Op.FLOOR, DType.FLOAT32, (_div(s[0], s[1]),))))]
+    if op is Op.FMOD:  # a - trunc(a/b) * b
+        return [g, _neg(_mul(g, ir.node(Op.TRUNC, DType.FLOAT32, (_div(s[0], s[1]),))))]
+    if op is Op.TAN:
+        return [_mul(g, ir.node(Op.ADD, DType.FLOAT32, (_c(1.0), _mul(n, n))))]
+    if op is Op.ATAN:
+        return [_div(g, ir.node(Op.ADD, DType.FLOAT32, (_c(1.0), _mul(s[0], s[0]))))]
+    if op is Op.SINH:
+        return [_mul(g, ir.node(Op.COSH, DType.FLOAT32, (s[0],)))]
+    if op is Op.COSH:
+        return [_mul(g, ir.node(Op.SINH, DType.FLOAT32, (s[0],)))]
+    if op in (Op.ASIN, Op.ACOS):
+        root = ir.node(Op.RSQRT, DType.FLOAT32, (ir.node(Op.SUB, DType.FLOAT32, (_c(1.0), _mul(s[0], s[0]))),))
+        return [_mul(g, root) if op is Op.ASIN else _neg(_mul(g, root))]
+    if op is Op.LOG1P:
+        return [_div(g, ir.node(Op.ADD, DType.FLOAT32, (_c(1.0), s[0])))]
+    if op is Op.EXPM1:
+        return [_mul(g, ir.node(Op.ADD, DType.FLOAT32, (n, _c(1.0))))]
+    if op is Op.ERF:  # 2/sqrt(pi) * exp(-x^2)
+        return [_mul(g, _mul(_c(2.0 / math.sqrt(math.pi)),
+                             ir.node(Op.EXP, DType.FLOAT32, (_neg(_mul(s[0], s[0])),))))]
     if op is Op.CAST:
         return [g if s[0].dtype.is_float else None]
     if op in NO_GRADIENT:
@@ -241,7 +261,7 @@ def _local_grads(n: Node, g: Node) -> list[Node | None]:
 # Ops through which no gradient flows: floor, ceil and float floordiv are zero almost everywhere,
 # comparisons and logic are not differentiable, a load's gradient goes to its buffer
 # (``Program.grad_loads``), leaves have no operands. Every other op has a rule in _local_grads.
-NO_GRADIENT = frozenset({Op.FLOOR, Op.CEIL, Op.FLOORDIV, Op.NOT, Op.LOAD}) | ir.COMPARE | ir.LOGIC \
+NO_GRADIENT = frozenset({Op.FLOORDIV, Op.NOT, Op.LOAD}) | ir.ROUNDING | ir.COMPARE | ir.LOGIC \
     | ir.LEAVES
 
 
@@ -261,7 +281,7 @@ def derivative(out: Node, wrt: list[Node]) -> list[Node]:
 
 # --------------------------------------------------------------------------- precision analysis
 
-_DISCONTINUOUS = frozenset({Op.FLOOR, Op.CEIL, Op.FLOORDIV, Op.MOD, Op.LOAD}) | ir.COMPARE
+_DISCONTINUOUS = frozenset({Op.FLOORDIV, Op.MOD, Op.FMOD, Op.LOAD}) | ir.ROUNDING | ir.COMPARE
 
 
 def exact_float_nodes(roots: list[Node]) -> set[int]:
@@ -492,6 +512,11 @@ def to_sympy(root: Node):
         Op.AND: sp.And, Op.OR: sp.Or, Op.NOT: sp.Not, Op.XOR: sp.Xor,
         Op.FLOOR: sp.floor, Op.CEIL: sp.ceiling, Op.FLOORDIV: lambda a, b: sp.floor(a / b),
         Op.MOD: lambda a, b: a - sp.floor(a / b) * b,  # Python's: the divisor's sign
+        Op.FMOD: lambda a, b: a - sp.Function("trunc")(a / b) * b,  # C's: the dividend's sign
+        Op.ROUND: sp.Function("round_half_even"), Op.TRUNC: sp.Function("trunc"),
+        Op.TAN: sp.tan, Op.ATAN: sp.atan, Op.SINH: sp.sinh, Op.COSH: sp.cosh, Op.ASIN: sp.asin,
+        Op.ACOS: sp.acos, Op.LOG1P: lambda a: sp.log(1 + a), Op.EXPM1: lambda a: sp.exp(a) - 1,
+        Op.ERF: sp.erf,
     }
     for n in ir.toposort([root]):
         args = [syms[id(s)] for s in n.src]

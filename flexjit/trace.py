@@ -232,8 +232,8 @@ def cast(n: Node, dt: DType) -> Node:
 
 def _unary(ctx: _Context, op: Op, x) -> "Proxy":
     n = _coerce(ctx, x)
-    if op in ir.TRANSCENDENTAL or op in (Op.FLOOR, Op.CEIL):
-        if op in (Op.FLOOR, Op.CEIL) and not n.dtype.is_float:
+    if op in ir.TRANSCENDENTAL or op in ir.ROUNDING:
+        if op in ir.ROUNDING and not n.dtype.is_float:
             return Proxy(n, ctx)
         n = cast(n, DType.FLOAT32)
         return Proxy(ir.node(op, DType.FLOAT32, (n,)), ctx)
@@ -525,6 +525,50 @@ def _h_logic(op):
     return lambda a, b: _logic(_find_ctx((a, b), {}), op, a, b)
 
 
+def _truth(ctx: _Context, x) -> Node:
+    """``x`` as torch's logical ops read it: a bool, or ``x != 0``."""
+    n = _coerce(ctx, x)
+    return n if n.dtype is DType.BOOL else build_binary(Op.NE, n, ir.const(0, n.dtype))
+
+
+def _h_logical(op):
+    """torch.logical_and/or/xor: bool results of the operands' truth (not bitwise on ints)."""
+    def h(a, b, **kw):
+        ctx = _find_ctx((a, b), {})
+        return Proxy(ir.node(op, DType.BOOL, (_truth(ctx, a), _truth(ctx, b))), ctx)
+    return h
+
+
+def _h_logical_not(x, **kw):
+    ctx = _find_ctx((x,), {})
+    return Proxy(ir.node(Op.NOT, DType.BOOL, (_truth(ctx, x),)), ctx)
+
+
+def _h_sign(x, **kw):
+    """torch.sign: -1, 0 or 1 in x's dtype (two comparisons: exact, no gradient)."""
+    ctx = _find_ctx((x,), {})
+    n = _coerce(ctx, x)
+    if n.dtype is DType.BOOL:
+        return Proxy(n, ctx)
+    one, zero = ir.const(1, n.dtype), ir.const(0, n.dtype)
+    neg = ir.node(Op.WHERE, n.dtype, (build_binary(Op.LT, n, zero), ir.const(-1, n.dtype), zero))
+    return Proxy(ir.node(Op.WHERE, n.dtype, (build_binary(Op.GT, n, zero), one, neg)), ctx)
+
+
+def _h_silu(x, inplace=False):
+    """silu(x) = x * sigmoid(x)."""
+    if inplace:
+        _find_ctx((x,), {}).fail("an in-place silu", "use inplace=False")
+    return x * _unary(_find_ctx((x,), {}), Op.SIGMOID, x)
+
+
+def _h_round(x, *, decimals=0):
+    if decimals:
+        _find_ctx((x,), {}).fail("torch.round with decimals", "scale, round and scale back: "
+                                 "torch.round(x * 100) / 100")
+    return _unary(_find_ctx((x,), {}), Op.ROUND, x)
+
+
 def _h_rbinary(op):
     return lambda a, b: _binary(_find_ctx((a, b), {}), op, b, a)
 
@@ -616,7 +660,15 @@ def _register():
         Op.SIN: [torch.sin, T.sin], Op.COS: [torch.cos, T.cos],
         Op.FLOOR: [torch.floor, T.floor], Op.CEIL: [torch.ceil, T.ceil],
         Op.ABS: [torch.abs, T.abs, T.__abs__], Op.NEG: [torch.neg, T.neg, T.__neg__, torch.negative],
-        Op.NOT: [torch.logical_not, T.logical_not, torch.bitwise_not, T.bitwise_not, T.__invert__],
+        Op.NOT: [torch.bitwise_not, T.bitwise_not, T.__invert__],
+        Op.TAN: [torch.tan, T.tan], Op.ATAN: [torch.atan, T.atan, torch.arctan, T.arctan],
+        Op.SINH: [torch.sinh, T.sinh], Op.COSH: [torch.cosh, T.cosh],
+        Op.ASIN: [torch.asin, T.asin, torch.arcsin, T.arcsin],
+        Op.ACOS: [torch.acos, T.acos, torch.arccos, T.arccos],
+        Op.LOG1P: [torch.log1p, T.log1p, torch.special.log1p],
+        Op.EXPM1: [torch.expm1, T.expm1, torch.special.expm1],
+        Op.ERF: [torch.erf, T.erf, torch.special.erf],
+        Op.TRUNC: [torch.trunc, T.trunc, torch.fix, T.fix],
     }
     for op, funcs in unary.items():
         for f in funcs:
@@ -635,11 +687,21 @@ def _register():
     for op, funcs in binary.items():
         for f in funcs:
             _HANDLERS[f] = _h_binary(op)
-    for op, funcs in {Op.AND: [torch.logical_and, T.logical_and, torch.bitwise_and, T.bitwise_and, T.__and__, T.__rand__],
-                      Op.OR: [torch.logical_or, T.logical_or, torch.bitwise_or, T.bitwise_or, T.__or__, T.__ror__],
-                      Op.XOR: [torch.logical_xor, T.logical_xor, torch.bitwise_xor, T.bitwise_xor, T.__xor__, T.__rxor__]}.items():
+    for op, funcs in {Op.AND: [torch.bitwise_and, T.bitwise_and, T.__and__, T.__rand__],
+                      Op.OR: [torch.bitwise_or, T.bitwise_or, T.__or__, T.__ror__],
+                      Op.XOR: [torch.bitwise_xor, T.bitwise_xor, T.__xor__, T.__rxor__]}.items():
         for f in funcs:
             _HANDLERS[f] = _h_logic(op)
+    for op, funcs in {Op.AND: [torch.logical_and, T.logical_and], Op.OR: [torch.logical_or, T.logical_or],
+                      Op.XOR: [torch.logical_xor, T.logical_xor]}.items():
+        for f in funcs:
+            _HANDLERS[f] = _h_logical(op)
+    _HANDLERS[torch.logical_not] = _HANDLERS[T.logical_not] = _h_logical_not
+    for f in [torch.sign, T.sign, torch.sgn, T.sgn]:
+        _HANDLERS[f] = _h_sign
+    _HANDLERS[torch.nn.functional.silu] = _h_silu
+    _HANDLERS[torch.round] = _HANDLERS[T.round] = _h_round
+    _HANDLERS[torch.fmod] = _HANDLERS[T.fmod] = _h_binary(Op.FMOD)
     for op, f in [(Op.SUB, T.__rsub__), (Op.DIV, T.__rtruediv__), (Op.FLOORDIV, T.__rfloordiv__),
                   (Op.MOD, T.__rmod__), (Op.POW, T.__rpow__)]:
         _HANDLERS[f] = _h_rbinary(op)

@@ -135,3 +135,22 @@ def lowered(score_mod, mask_mod):
     from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
     return lower(trace_mod(score_mod, SCORE_MOD) if score_mod else None,
                  trace_mod(mask_mod, MASK_MOD) if mask_mod else None, float_index=True)
+
+
+# Issue #14's pointwise ops, each in a score_mod on bounded arguments (asin/acos read tanh's
+# (-1, 1)); the float64 oracle evaluates the same mods eagerly with torch (integer terms are cast
+# to the score's dtype, so that it stays float64).
+POINTWISE = {
+    "tan": lambda s, b, h, q, kv: s + torch.tan(torch.tanh(s)),
+    "atan": lambda s, b, h, q, kv: torch.atan(s) * 2.0,
+    "sinh_cosh": lambda s, b, h, q, kv: torch.sinh(s * 0.5) + torch.cosh(s * 0.25),
+    "asin_acos": lambda s, b, h, q, kv: torch.asin(torch.tanh(s)) + torch.acos(torch.tanh(s * 0.5)),
+    "log1p_expm1": lambda s, b, h, q, kv: torch.log1p(torch.abs(s)) + torch.expm1(s * 0.25),
+    "erf": lambda s, b, h, q, kv: s + torch.erf(s),
+    "round_trunc_sign": lambda s, b, h, q, kv: s + torch.round(s) * 0.5 + torch.trunc(s * 2) * 0.25 + torch.sign(s),
+    "fmod": lambda s, b, h, q, kv: s + torch.fmod(s * 3.0, 1.5) + torch.fmod(q - kv, 5).to(s.dtype) * 0.1,
+    "silu": lambda s, b, h, q, kv: torch.nn.functional.silu(s) + torch.sigmoid(s) * s,
+    "pow_float": lambda s, b, h, q, kv: torch.pow(torch.abs(s) + 1.0, 1.5),
+    "logical_ints": lambda s, b, h, q, kv: s + torch.logical_and(q % 3, kv % 2).to(s.dtype)
+    + torch.logical_not(q % 4).to(s.dtype) + torch.logical_xor(q % 2, kv % 3).to(s.dtype),
+}

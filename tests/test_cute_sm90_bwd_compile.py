@@ -343,3 +343,28 @@ def test_host_launch_marshals_workspaces_and_lists():
     with pytest.raises(ValueError, match="accumulators"):
         fn(q, k, v, out, dout, lse, None, dq, dk, dv, 0.125, lists, (), (), q_order=dq_order(lists),
            grad_accs=(torch.zeros(3, dtype=torch.float64),))
+
+
+def test_pointwise_ops_compile_forward_and_backward(tmp_path):
+    # Issue #14's pointwise ops (mods_catalog.POINTWISE: tan, atan, sinh, cosh, asin, acos, log1p,
+    # expm1, erf, round, trunc, sign, fmod on floats and ints, silu, logical ops on ints) through
+    # the CuTe renderer into both sm90 kernels: every one of them is in the DSL's math and compiles.
+    from mods_catalog import POINTWISE
+
+    def every_op(score, b, h, q_idx, kv_idx):
+        return sum((mod(score, b, h, q_idx, kv_idx) for mod in POINTWISE.values()), score) * 0.1
+
+    program = _program(every_op, None)
+    ops = {n.op for n in ir.walk(program.score)}
+    assert {Op.TAN, Op.ATAN, Op.SINH, Op.COSH, Op.ASIN, Op.ACOS, Op.LOG1P, Op.EXPM1, Op.ERF,
+            Op.ROUND, Op.TRUNC, Op.FMOD} <= ops
+    ptx = _compile(tmp_path, 128, every_op, parts=("main",))
+    assert "wgmma.mma_async" in ptx["main"]
+    fwd_tpl = load_template("cute_sm90_fwd")
+    mods = load_mods(program)
+    cfg = fwd_tpl.FwdConfig(128, 128, cutlass.BFloat16, mods.score_mod, None)
+    q = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 500, 128, dtype=torch.bfloat16)
+    fn = fwd_tpl.compile_fwd(cfg, q, k, k.clone(), torch.empty_like(q), torch.empty(2, 4, 300), None,
+                             (), (), options=f"--keep-ptx --dump-dir {tmp_path}")
+    assert "wgmma.mma_async" in fn.compiled.__ptx__

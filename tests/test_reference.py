@@ -7,7 +7,7 @@ import torch
 
 from flexjit import create_block_mask, flex_attention
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, random_qkv
-from mods_catalog import CORE, make_case
+from mods_catalog import CORE, POINTWISE, make_case
 
 
 
@@ -128,3 +128,19 @@ def test_scale_and_default_scale():
     default = flex_attention(q, k, v)
     explicit = flex_attention(q, k, v, scale=1 / math.sqrt(32))
     assert torch.equal(default, explicit)
+
+
+@pytest.mark.parametrize("name", sorted(POINTWISE))
+def test_pointwise_ops_float64(name):
+    # Issue #14's pointwise ops on the reference backend, float64 end to end: rounding only.
+    mod = POINTWISE[name]
+    q, k, v = random_qkv(1, 2, 2, 70, 50, 16, 16, torch.float64, 3)
+    out, lse = flex_attention(q, k, v, score_mod=mod, return_lse=True, backend="reference")
+    ref, ref_lse = dense_attention(q, k, v, mod, None, dtype=torch.float64)
+    assert_close_to_oracle("out", out, ref, ref, FLOOR[torch.float64])
+    assert_close_to_oracle("lse", lse, ref_lse, ref_lse, FLOOR[torch.float64])
+    g = torch.randn(out.shape, dtype=torch.float64)
+    got = torch.autograd.grad((out * g).sum(), [q, k, v])
+    want = torch.autograd.grad((ref * g).sum(), [q, k, v])
+    for label, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert_close_to_oracle(label, a, b, b, FLOOR[torch.float64] * max(1.0, b.abs().max().item()))

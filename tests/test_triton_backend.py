@@ -26,7 +26,7 @@ from flexjit.backends import triton as tb
 from flexjit.backends.triton_config import _fwd_config as _fresh_fwd_config
 from flexjit.ir import Op, uses
 from flexjit.trace import MASK_MOD, trace_mod
-from mods_catalog import CORE, case_and_oracle, lowered, make_case
+from mods_catalog import CORE, POINTWISE, Case, case_and_oracle, lowered, make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err, random_qkv
 
 GOLDEN = Path(__file__).parent / "golden" / "triton_mods"
@@ -629,3 +629,9 @@ def test_fp32_configs_come_from_the_precisions_table():
     assert (b_tf32.BLOCK_M1, b_tf32.BLOCK_N1, b_tf32.BLOCK_M2, b_tf32.BLOCK_N2) == (32, 128, 128, 32)
     # remembered per precision: the TF32 answer is not served for IEEE
     assert tb.fwd_config(90, torch.float32, 128, 128, 8192, 8192, (128, 128), {}) is ieee
+
+
+@pytest.mark.parametrize("name", sorted(POINTWISE))
+def test_pointwise_ops(interp, name):
+    # Issue #14's pointwise ops (mods_catalog.POINTWISE) on the Triton kernels, with gradients.
+    check(Case(POINTWISE[name], None), 1, 2, 2, 64, 48, 16, 16, torch.float32, 32)

@@ -77,6 +77,15 @@ def _cast(n: Node, a: list[str]) -> str:
     return f"{_TYPES[n.dtype]}({a[0]})" if src is DType.BOOL else f"{a[0]}.to({_TYPES[n.dtype]})"
 
 
+def _int_fmod(n: Node, a: list[str]) -> str:
+    """C's remainder (the dividend's sign) from the DSL's floor division: Python's remainder,
+    moved by one divisor where the operands' signs differ and it is not zero."""
+    t = _TYPES[n.dtype]
+    r = f"({a[0]} - ({a[0]} // {a[1]}) * {a[1]})"
+    return (f"{t}(cutlass.select_(({r} != {t}(0)) & (({a[0]} < {t}(0)) != ({a[1]} < {t}(0))), "
+            f"{r} - {a[1]}, {r}))")
+
+
 def _minmax(fn: str):
     return lambda n, a: f"{_TYPES[n.dtype]}(cutlass.{fn}({a[0]}, {a[1]}))"
 
@@ -101,6 +110,11 @@ _OPS = {
     Op.LOG2: _unary_math("log2"), Op.TANH: _unary_math("tanh"), Op.SQRT: _unary_math("sqrt"),
     Op.RSQRT: _unary_math("rsqrt"), Op.SIN: _unary_math("sin"), Op.COS: _unary_math("cos"),
     Op.FLOOR: _unary_math("floor"), Op.CEIL: _unary_math("ceil"),
+    Op.ROUND: _unary_math("roundeven"), Op.TRUNC: _unary_math("trunc"), Op.TAN: _unary_math("tan"),
+    Op.ATAN: _unary_math("atan"), Op.SINH: _unary_math("sinh"), Op.COSH: _unary_math("cosh"),
+    Op.ASIN: _unary_math("asin"), Op.ACOS: _unary_math("acos"), Op.LOG1P: _unary_math("log1p"),
+    Op.EXPM1: _unary_math("expm1"), Op.ERF: _unary_math("erf"),
+    Op.FMOD: lambda n, a: (f"cute.math.rem({a[0]}, {a[1]})" if n.dtype.is_float else _int_fmod(n, a)),
     Op.SIGMOID: lambda n, a, fast=False: (f"(Float32(1.0) / (Float32(1.0) + cute.math.exp(-{a[0]}"
                                           f"{', fastmath=True' if fast else ''})))"),
     Op.WHERE: lambda n, a: f"{_TYPES[n.dtype]}(cutlass.select_({a[0]}, {a[1]}, {a[2]}))",

@@ -107,6 +107,19 @@ def _interpreter_libdevice():
     # Looked up at call time: the interpreter patches tl's builtins only while a kernel runs.
     ns = {name: (lambda name: lambda x: getattr(tl, name)(x))(name)
           for name in ("exp", "exp2", "log", "log2", "sin", "cos", "rsqrt")}
+    # The rest have no tl op: numpy on the interpreter's own arrays (its tensors hold them).
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    def elementwise(fn):
+        def f(x):
+            h = x.handle
+            return tl.core.tensor(TensorHandle(fn(h.data).astype(h.data.dtype), h.dtype.scalar), x.type)
+        return f
+    ns.update({name: elementwise(fn) for name, fn in (
+        ("rint", np.rint), ("trunc", np.trunc), ("tan", np.tan), ("atan", np.arctan),
+        ("sinh", np.sinh), ("cosh", np.cosh), ("asin", np.arcsin), ("acos", np.arccos),
+        ("log1p", np.log1p), ("expm1", np.expm1))})
     return types.SimpleNamespace(tanh=tanh, pow=pow, **ns)
 
 

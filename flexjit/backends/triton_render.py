@@ -82,6 +82,11 @@ _OPS = {
     Op.TANH: "_tanh({0}, FAST_MATH)", Op.SIGMOID: "1.0 / (1.0 + tl.exp(-{0}))", Op.SQRT: "tl.sqrt({0})",
     Op.RSQRT: "tl.rsqrt({0})", Op.SIN: "tl.sin({0})", Op.COS: "tl.cos({0})",
     Op.FLOOR: "tl.floor({0})", Op.CEIL: "tl.ceil({0})", Op.POW: "libdevice.pow({0}, {1})",
+    Op.ROUND: "libdevice.rint({0})", Op.TRUNC: "libdevice.trunc({0})", Op.TAN: "libdevice.tan({0})",
+    Op.ATAN: "libdevice.atan({0})", Op.SINH: "libdevice.sinh({0})", Op.COSH: "libdevice.cosh({0})",
+    Op.ASIN: "libdevice.asin({0})", Op.ACOS: "libdevice.acos({0})", Op.LOG1P: "libdevice.log1p({0})",
+    Op.EXPM1: "libdevice.expm1({0})", Op.ERF: "tl.erf({0})",
+    Op.FMOD: "{0} % {1}",  # C's remainder on ints and floats: torch.fmod's
     Op.LT: "{0} < {1}", Op.LE: "{0} <= {1}", Op.GT: "{0} > {1}", Op.GE: "{0} >= {1}",
     Op.EQ: "{0} == {1}", Op.NE: "{0} != {1}",
     Op.AND: "{0} & {1}", Op.OR: "{0} | {1}", Op.XOR: "{0} ^ {1}",
