@@ -454,9 +454,10 @@ def _index(ctx: _Context, t: torch.Tensor, prefix: tuple[Node, ...], idx) -> Pro
         if it is None or it is Ellipsis or isinstance(it, slice):
             ctx.fail(f"indexing a captured tensor with {it!r}",
                      "index every dimension with one traced or Python integer")
-        if isinstance(it, torch.Tensor):
-            ctx.fail("indexing a captured tensor with another tensor",
-                     "index it with traced values (b, h, q_idx, kv_idx or expressions of them)")
+        if isinstance(it, torch.Tensor) and (it.dim() != 0 or it.is_floating_point() or it.is_complex()):
+            ctx.fail(f"indexing a captured tensor with a tensor of shape {tuple(it.shape)} and dtype {it.dtype}",
+                     "index it with traced values (b, h, q_idx, kv_idx or expressions of them), or "
+                     "with a captured 0-d integer tensor")
         n = _coerce(ctx, it)
         if not n.dtype.is_int:
             ctx.fail(f"index of dtype {n.dtype.value} into a captured tensor",

@@ -635,3 +635,25 @@ def test_fp32_configs_come_from_the_precisions_table():
 def test_pointwise_ops(interp, name):
     # Issue #14's pointwise ops (mods_catalog.POINTWISE) on the Triton kernels, with gradients.
     check(Case(POINTWISE[name], None), 1, 2, 2, 64, 48, 16, 16, torch.float32, 32)
+
+
+def test_index_by_a_captured_0d_tensor(interp):
+    # Issue #14: bias[b][h][which, q_idx] with which = torch.tensor(1): the 0-d tensor is read at
+    # run time (a new value needs no new trace), on the Triton kernels and the reference. (The
+    # oracle writes bias[b, h, w, q_idx]: eager torch cannot chain tensor indices.)
+    bias = torch.randn(1, 2, 3, 64)
+    which = torch.tensor(1)
+
+    def picked(score, b, h, q_idx, kv_idx):
+        return score + bias[b][h][which, q_idx]
+    q, k, v = random_qkv(1, 2, 2, 64, 48, 16, 16, torch.float32, 5)
+    for w in (1, 2):
+        which.fill_(w)
+
+        def oracle(score, b, h, q_idx, kv_idx, w=w):
+            return score + bias[b, h, w, q_idx]
+        ref = dense_attention(q, k, v, oracle, None, dtype=torch.float64)[0]
+        low = dense_attention(q, k, v, oracle, None, dtype=torch.float32)[0]
+        for backend in ("triton", "reference"):
+            got = flex_attention(q, k, v, score_mod=picked, backend=backend)
+            assert_close_to_oracle(f"{backend} which={w}", got, ref, low, FLOOR[torch.float32])
