@@ -209,8 +209,9 @@ def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, ke
     traced_mask = None
     if block_mask is not None and not _is_noop(block_mask.mask_mod):
         traced_mask = trace_mod(block_mask.mask_mod, MASK_MOD)
-    program = lower(traced_score, traced_mask, float_index=max(
-        query.shape[0], query.shape[1], query.shape[2], key.shape[2]) < FLOAT_INDEX_LIMIT)
+    lengths = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    program = lower(traced_score, traced_mask, float_index=max(lengths) < FLOAT_INDEX_LIMIT,
+                    lengths=lengths)
     if block_mask is not None and program.mask is not None:
         _check_broadcast(block_mask, program, query)
     return Call(query, key, value, program, block_mask, float(scale), dict(kernel_options or {}))

@@ -25,6 +25,7 @@ import torch
 from . import intervals, ir
 from .interp import Env, evaluate
 from .ir import Op
+from .passes import widen
 from .trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
 
 _DEFAULT_BLOCK = 128
@@ -459,7 +460,8 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     B_ = 1 if B is None else int(B)
     H_ = 1 if H is None else int(H)
     t0 = time.perf_counter()
-    kinds = plan_blocks(traced.out, traced.buffers, traced.scalars, B_, H_, Q_LEN, KV_LEN, bq, bkv)
+    mask = widen([traced.out], (B_, H_, Q_LEN, KV_LEN), traced.scalars)[0]
+    kinds = plan_blocks(mask, traced.buffers, traced.scalars, B_, H_, Q_LEN, KV_LEN, bq, bkv)
     if not separate_full_blocks:
         kinds = torch.where(kinds == 2, torch.ones_like(kinds), kinds)
     kv_num, kv_idx = _dense_to_ordered(kinds == 1)
@@ -542,7 +544,7 @@ def create_mask(mod_fn: Callable, B: int | None, H: int | None, Q_LEN: int, KV_L
               kv_idx=torch.arange(KV_LEN, device=device).view(1, 1, 1, -1),
               score=torch.zeros(B_, H_, Q_LEN, KV_LEN, device=device),
               buffers=tuple(traced.buffers), scalars=tuple(traced.scalars), device=device)
-    out = evaluate(traced.out, env)
+    out = evaluate(widen([traced.out], (B_, H_, Q_LEN, KV_LEN), traced.scalars)[0], env)
     if kind == SCORE_MOD:
         out = ~torch.isneginf(out)
     return out.expand(B_, H_, Q_LEN, KV_LEN).contiguous()

@@ -96,7 +96,7 @@ def _decode(text: str) -> dict:
     return spec
 
 
-def _program(text: str, buffers, iscalars, fscalars):
+def _program(text: str, buffers, iscalars, fscalars, lengths):
     spec = _decode(text)
     ints, floats = iter(iscalars), iter(fscalars)
     scalars = [int(next(ints)) if kind == "i" else float(next(floats).item()) for kind in spec["scalars"]]
@@ -106,7 +106,7 @@ def _program(text: str, buffers, iscalars, fscalars):
         score = TracedMod(SCORE_MOD, spec["names"][0], spec["score"], list(buffers[:nb]), scalars[:ns])
     if spec["mask"] is not None:
         mask = TracedMod(MASK_MOD, spec["names"][1], spec["mask"], list(buffers[nb:]), scalars[ns:])
-    return lower(score, mask, spec["float_index"], learnable=tuple(spec["learnable"])), spec
+    return lower(score, mask, spec["float_index"], learnable=tuple(spec["learnable"]), lengths=lengths), spec
 
 
 def _block_mask(lists, L: int, S: int, block, mean_kv_tokens: float) -> BlockMask | None:
@@ -124,7 +124,7 @@ def _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, me
           options, train):
     from .api import Call
 
-    prog, _ = _program(program, buffers, iscalars, fscalars)
+    prog, _ = _program(program, buffers, iscalars, fscalars, (*q.shape[:3], k.shape[2]))
     bm = _block_mask(lists, q.shape[2], k.shape[2], block, mean_kv_tokens)
     opts = {}
     for entry in filter(None, options.split("\n")):
@@ -223,7 +223,7 @@ def block_mask_op(buffers: list[torch.Tensor], iscalars: list[int], fscalars: li
                   device: torch.device) -> list[torch.Tensor]:
     """The eight block lists of create_block_mask (kv partial/full, then q partial/full); the
     planner runs on the CPU, as in eager mode."""
-    prog, _ = _program(program, buffers, iscalars, fscalars)
+    prog, _ = _program(program, buffers, iscalars, fscalars, (B, H, L, S))
     bq, bkv = block
     kinds = plan_blocks(prog.mask, prog.buffers, prog.scalars, B, H, L, S, bq, bkv)
     kv_num, kv_idx = _dense_to_ordered(kinds == 1)

@@ -317,8 +317,13 @@ def _exact_or_unknown(n: Node, a: list):
 
 
 def _load(n: Node, idx: list, env: dict):
-    slot, ndim, _ = n.src[0].arg
-    bufs: _Buffers = env["buffers"]
+    slot, ndim, storage = n.src[0].arg
+    bufs: _Buffers | None = env["buffers"]
+    if bufs is None:  # over a whole call: any value the storage dtype holds (float: anything)
+        lo, hi = (torch.tensor(v, dtype=torch.float64) for v in _STORAGE_RANGE.get(storage, (math.nan,) * 2))
+        if n.dtype is DType.BOOL:
+            return _bool(lo <= 0, hi >= 1)
+        return _clean(lo, hi, n.dtype)
     t = bufs.buffers[slot]
     glo, ghi = bufs.global_range(slot)
     if ndim == 0:
@@ -360,6 +365,28 @@ def _load(n: Node, idx: list, env: dict):
     if n.dtype is DType.BOOL:
         return _bool(out[1] <= 0, out[2] >= 1)
     return _clean(out[1], out[2], n.dtype)
+
+
+_STORAGE_RANGE = {"bool": (0.0, 1.0), "uint8": (0.0, 255.0), "int8": (-128.0, 127.0),
+                  "int16": (-(2.0 ** 15), 2.0 ** 15 - 1), "int32": _I32, "int64": (-(2.0 ** 63), 2.0 ** 63)}
+
+
+def domain(lengths: tuple[int, int, int, int], scalars) -> dict:
+    """The environment of :func:`bound` over every position of one call: b, h, q_idx and kv_idx
+    over [0, n - 1] for lengths (B, H, L, S), the score anything, the scalars at their values, a load of a captured
+    tensor over its storage dtype's whole range (no tensor is read: its values may change)."""
+    f64 = torch.float64
+    leaves = {op: _num(torch.tensor(0.0, dtype=f64), torch.tensor(float(max(n, 1) - 1), dtype=f64))
+              for op, n in zip((Op.B, Op.H, Op.Q_IDX, Op.KV_IDX), lengths)}
+    leaves[Op.SCORE] = _num(torch.tensor(math.nan, dtype=f64), torch.tensor(math.nan, dtype=f64))  # any
+    return {"leaves": leaves, "scalars": scalars, "buffers": None}
+
+
+def bound(n: Node, args: list, env: dict) -> tuple:
+    """One node's interval from its operands' (None for a BUFFER operand): ("num", lo, hi) as
+    float64 tensors, or ("bool", can_be_false, can_be_true). An int32 node's bounds are clamped
+    to int32 (kernels wrap); evaluate its int64 twin to see whether the true value fits."""
+    return _rule(n, args, env)
 
 
 def classify(mask: Node, b: torch.Tensor, h: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor,

@@ -6,6 +6,10 @@ Pipeline (``lower``), in order:
   3. ``derivative``-- reverse-mode d(score_mod)/d(score) and d(score_mod)/d(load) for
                       every load of a captured tensor that requires grad.
   4. ``simplify``  -- again, on the derivative graphs.
+  5. ``float index``-- (lengths below FLOAT_INDEX_LIMIT) float casts of index sums move onto
+                      the leaves.
+  6. ``widen``     -- per call: int32 arithmetic that can overflow at the call's lengths and
+                      scalar values is computed in int64.
 
 The result, a :class:`Program`, is everything a backend renders. Its ``key`` is
 the structural digest of all its graphs: the compile-cache key.
@@ -297,6 +301,86 @@ def exact_float_nodes(roots: list[Node]) -> set[int]:
     return exact
 
 
+# --------------------------------------------------------------------------- int64 where int32 overflows
+
+# Integer ops whose exact result can leave their operands' range; the rest (min, max, %, the
+# bitwise ops) stay inside it.
+_CAN_OVERFLOW = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.NEG, Op.ABS, Op.FLOORDIV})
+# Ops whose result has their operands' dtype (for WHERE: the two values).
+_SAME_DTYPE = ir.ARITH | ir.LOGIC | frozenset({Op.NEG, Op.ABS, Op.NOT, Op.WHERE})
+_I32_LIMITS = (-(2.0 ** 31), 2.0 ** 31 - 1)
+_I64_LIMITS = (-(2.0 ** 63), 2.0 ** 63)
+
+
+def _int64_twin(n: Node, srcs: tuple[Node, ...]) -> Node:
+    """``n`` computed in int64: its integer value operands cast up."""
+    first = 1 if n.op is Op.WHERE else 0
+    srcs = srcs[:first] + tuple(cast(s, DType.INT64) if s.dtype is DType.INT32 else s for s in srcs[first:])
+    return ir.node(n.op, DType.INT64, srcs, n.arg)
+
+
+def widen(roots: list[Node], lengths: tuple[int, int, int, int], scalars) -> list[Node]:
+    """Integer arithmetic that can leave int32 in this call is computed in int64.
+
+    Over every position of a call with lengths (B, H, L, S), with these scalar values and with
+    captured integer tensors holding anything their dtype holds, an int32 add, subtract,
+    multiply, negate, abs or floor division whose exact result can leave int32 becomes int64,
+    and so does everything computed from it; the rest is untouched (int32 is what the kernels'
+    indices are). This is the answer torch's eager mods give, whose indices are int64:
+    ``(q_idx * 100000000) > kv_idx`` at S=256 wraps in int32 and is right in int64. int64
+    arithmetic wraps, as in torch. (One difference stays: ``.int()`` of a value the IR already
+    holds in int32 is no cast at all, so it does not make the value wrap where torch's would.)
+    """
+    roots = list(roots)
+    if not _has_int32_arith(tuple(roots)):
+        return roots
+    key = (tuple(roots), tuple(lengths), tuple(scalars))
+    found = _WIDENED.get(key)
+    if found is not None:
+        return list(found)
+    from . import intervals
+    env = intervals.domain(tuple(lengths), tuple(scalars))
+    bounds: dict[Node, tuple] = {}  # keyed by node: keeps the int64 twins alive while in use
+
+    def bound(n: Node) -> tuple:
+        if n not in bounds:
+            b = intervals.bound(n, [None if s.op is Op.BUFFER else bound(s) for s in n.src], env)
+            if n.dtype.is_int:  # a typed value lies in its type: drops "unknown" (±inf) bounds
+                lo, hi = _I32_LIMITS if n.dtype is DType.INT32 else _I64_LIMITS
+                b = ("num", b[1].nan_to_num(lo).clamp(lo, hi), b[2].nan_to_num(hi).clamp(lo, hi))
+            bounds[n] = b
+        return bounds[n]
+
+    def fn(n: Node, srcs: tuple[Node, ...]) -> Node:
+        if n.op is Op.CAST:
+            return cast(srcs[0], n.dtype)
+        if n.dtype is DType.INT32 and n.op in _SAME_DTYPE and any(s.dtype is DType.INT64 for s in srcs):
+            return _int64_twin(n, srcs)
+        if n.op in ir.COMPARE and {s.dtype for s in srcs} == {DType.INT32, DType.INT64}:
+            srcs = tuple(cast(s, DType.INT64) for s in srcs)
+        m = ir.node(n.op, n.dtype, srcs, n.arg)
+        if m.dtype is DType.INT32 and m.op in _CAN_OVERFLOW:
+            twin = _int64_twin(m, m.src)
+            _, lo, hi = bound(twin)
+            if lo.item() < _I32_LIMITS[0] or hi.item() > _I32_LIMITS[1]:
+                return twin
+        return m
+
+    out = rewrite(roots, fn)
+    if len(_WIDENED) > 4096:
+        _WIDENED.clear()
+    _WIDENED[key] = tuple(out)
+    return out
+
+
+_WIDENED: dict[tuple, tuple] = {}
+
+
+@functools.lru_cache(maxsize=4096)
+def _has_int32_arith(roots: tuple[Node, ...]) -> bool:
+    return any(n.dtype is DType.INT32 and n.op in _CAN_OVERFLOW for n in ir.toposort(list(roots)))
+
+
 # --------------------------------------------------------------------------- program
 
 
@@ -396,16 +480,27 @@ def _float_index_node(n: Node, srcs: tuple[Node, ...]) -> Node:
     return n
 
 
-def _float_index_graphs(score, mask, dscore, grad_loads: tuple) -> tuple:
+def _float_index_graphs(graphs: tuple) -> tuple:
     """``float(kv_idx - q_idx)`` -> ``float(kv_idx) - float(q_idx)`` in a program's four graphs,
     exact while every index is below FLOAT_INDEX_LIMIT (the caller checks the lengths). Kernels
     then convert each index once per row or column (Triton: a 1-D vector; CuTe: one base plus
     constants) instead of once per score element: an int->float conversion runs at the MUFU's
-    quarter rate on Hopper, beside exp2, so ALiBi's conversions were as costly as its softmax.
-    The loads of ``grad_loads`` are rewritten with the rest, so they stay the graph's nodes."""
+    quarter rate on Hopper, beside exp2, so ALiBi's conversions were as costly as its softmax."""
+    return _on_graphs(graphs, lambda roots: rewrite(roots, _float_index_node))
+
+
+def _widen_graphs(graphs: tuple, lengths, scalars) -> tuple:
+    """``widen`` on a program's four graphs at once."""
+    return _on_graphs(graphs, lambda roots: widen(roots, lengths, scalars))
+
+
+def _on_graphs(graphs: tuple, transform: Callable[[list[Node]], list[Node]]) -> tuple:
+    """(score, mask, dscore, grad_loads) through ``transform(roots) -> new roots``, all at once:
+    the loads of grad_loads are rewritten with the rest, so they stay the graphs' nodes."""
+    score, mask, dscore, grad_loads = graphs
     roots = [r for r in (score, mask, dscore) if r is not None]
     roots += [g.load for g in grad_loads] + [g.grad for g in grad_loads]
-    new = iter(rewrite(roots, _float_index_node))
+    new = iter(transform(roots))
     score, mask, dscore = [next(new) if r is not None else None for r in (score, mask, dscore)]
     loads = [next(new) for _ in grad_loads]
     return score, mask, dscore, tuple(GradLoad(ld, next(new)) for ld in loads)
@@ -416,7 +511,8 @@ def _loads(root: Node) -> list[Node]:
 
 
 def lower(score: TracedMod | None, mask: TracedMod | None, float_index: bool = False,
-          learnable: tuple[bool, ...] | None = None) -> Program:
+          learnable: tuple[bool, ...] | None = None,
+          lengths: tuple[int, int, int, int] | None = None) -> Program:
     """Run the pass pipeline on a traced score_mod and mask_mod.
 
     The graph work depends only on the traced IR (interned, so identity is structure), the
@@ -424,7 +520,9 @@ def lower(score: TracedMod | None, mask: TracedMod | None, float_index: bool = F
     exactly that, so a call with the same mods costs a dictionary lookup. ``float_index``: also
     move float casts of index sums onto the leaves (``_float_index_graphs``; the caller checks
     that every length is below FLOAT_INDEX_LIMIT). ``learnable``: which captured tensors get
-    gradients, where it is not their ``requires_grad`` (inside a custom op, ``flexjit.compile``)."""
+    gradients, where it is not their ``requires_grad`` (inside a custom op, ``flexjit.compile``).
+    ``lengths``: the call's (B, Hq, L, S); integer arithmetic that can overflow int32 there is
+    computed in int64 (``widen``). Every caller that runs a program passes them."""
     buffers = tuple((score.buffers if score else []) + (mask.buffers if mask else []))
     scalars = tuple((score.scalars if score else []) + (mask.scalars if mask else []))
     n_score_bufs = len(score.buffers) if score else 0
@@ -437,10 +535,12 @@ def lower(score: TracedMod | None, mask: TracedMod | None, float_index: bool = F
     if graphs is None:
         graphs = _lower_graphs(*key[:-1])
         if float_index:
-            graphs = _float_index_graphs(*graphs)
+            graphs = _float_index_graphs(graphs)
         if len(_LOWERED) > 4096:
             _LOWERED.clear()
         _LOWERED[key] = graphs
+    if lengths is not None:
+        graphs = _widen_graphs(graphs, lengths, scalars)
     program = Program(*graphs, buffers, scalars, score.name if score else "identity",
                       mask.name if mask else "noop")
     if os.environ.get("FLEXJIT_DEBUG"):

@@ -249,3 +249,22 @@ def test_planner_is_sound_where_a_mask_is_nan(mask):
     bm = create_block_mask(mask, B, H, L, S, device="cpu", BLOCK_SIZE=64)
     dense = create_mask(mask, B, H, L, S, device="cpu")
     assert torch.equal(bm.block_kinds(), expected_kinds(dense, 64, 64))
+
+
+def test_index_math_past_int32_matches_torch():
+    # Issue #14: q_idx * 100000000 leaves int32 at these lengths; the planner, create_mask and the
+    # attention all compute it in int64, as torch's eager create_mask does (it gave 33,536 True
+    # entries, torch 65,280).
+    from torch.nn.attention.flex_attention import create_mask as torch_create_mask
+
+    def product(b, h, q_idx, kv_idx):
+        return (q_idx * 100000000) > kv_idx
+    want = torch_create_mask(product, 1, 1, 256, 256, device="cpu")
+    assert want.sum().item() == 65280
+    assert torch.equal(create_mask(product, 1, 1, 256, 256, device="cpu"), want)
+    bm = create_block_mask(product, 1, 1, 256, 256, device="cpu", BLOCK_SIZE=64)
+    assert torch.equal(bm.block_kinds(), expected_kinds(want, 64, 64))
+    q, k, v = (torch.randn(1, 1, 256, 16, dtype=torch.float64) for _ in range(3))
+    ref = dense_attention(q, k, v, None, product)[0]
+    got = flex_attention(q, k, v, block_mask=bm, backend="reference")
+    assert (got - ref).abs().max().item() < 1e-12

@@ -62,8 +62,8 @@ def _softcap_alibi_document():
 
 
 def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False,
-             deterministic=False, parts=tpl.PARTS, overlap_dp=None):
-    program = _program(score_mod, mask_mod)
+             deterministic=False, parts=tpl.PARTS, overlap_dp=None, program=None):
+    program = program or _program(score_mod, mask_mod)
     mods = load_mods(program)
     cfg = tpl.BwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod_and_grad,
                         mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
@@ -368,3 +368,34 @@ def test_pointwise_ops_compile_forward_and_backward(tmp_path):
     fn = fwd_tpl.compile_fwd(cfg, q, k, k.clone(), torch.empty_like(q), torch.empty(2, 4, 300), None,
                              (), (), options=f"--keep-ptx --dump-dir {tmp_path}")
     assert "wgmma.mma_async" in fn.compiled.__ptx__
+
+
+def test_int64_index_math_compiles_forward_and_backward(tmp_path):
+    # Issue #14: index arithmetic that leaves int32 at the call's lengths is int64 in the program
+    # (passes.widen); both sm90 kernels render and compile it (the values: the Triton and
+    # reference tests against torch's eager mods).
+    from flexjit.passes import lower
+    from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
+    offset = torch.tensor([2 ** 31 - 20, 3], dtype=torch.int32)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + ((q_idx * 50000000 - kv_idx * 70000000) % 1000).float() * 0.001
+
+    def mask(b, h, q_idx, kv_idx):
+        return ((kv_idx * 100000000) > q_idx) & (offset[b] + kv_idx >= 0)
+    program = lower(trace_mod(bias, SCORE_MOD), trace_mod(mask, MASK_MOD), float_index=True,
+                    lengths=(2, 4, 300, 500))
+    muls = {n.dtype for r in (program.score, program.mask) for n in ir.walk(r)
+            if n.op is Op.MUL and n.dtype.is_int}
+    assert muls == {ir.DType.INT64}
+    ptx = _compile(tmp_path, 128, program=program, parts=("main",))
+    assert "wgmma.mma_async" in ptx["main"] and "mul.lo.s64" in ptx["main"]
+    fwd_tpl = load_template("cute_sm90_fwd")
+    mods = load_mods(program)
+    cfg = fwd_tpl.FwdConfig(128, 128, cutlass.BFloat16, mods.score_mod, mods.mask_mod)
+    q = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 500, 128, dtype=torch.bfloat16)
+    aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
+    fn = fwd_tpl.compile_fwd(cfg, q, k, k.clone(), torch.empty_like(q), torch.empty(2, 4, 300), None,
+                             aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}")
+    assert "wgmma.mma_async" in fn.compiled.__ptx__ and "mul.lo.s64" in fn.compiled.__ptx__

@@ -381,3 +381,43 @@ def test_long_sequences_keep_integer_index_math():
     assert _casts_of_sums(prepare_call(short, short, short, alibi, None, None, False, None).program) == []
     long_call = prepare_call(long_q, short, short, alibi, None, None, False, None)
     assert len(_casts_of_sums(long_call.program)) == 1
+
+
+def _int_dtypes(p, op):
+    return {n.dtype for root in (p.score, p.mask) if root is not None for n in ir.walk(root) if n.op is op}
+
+
+def test_index_math_that_overflows_int32_is_computed_in_int64():
+    # Issue #14: int32 arithmetic that can leave int32 at the call's lengths (with the scalars'
+    # values, and a captured int32 tensor holding anything int32 holds) is int64, as torch's
+    # eager mods compute it; where it cannot, the program is untouched (int32 kernel indices).
+    def product(b, h, q_idx, kv_idx):
+        return (q_idx * 100000000) > kv_idx
+
+    mask = trace_mod(product, MASK_MOD)
+    assert _int_dtypes(lower(None, mask, lengths=(1, 1, 16, 16)), Op.MUL) == {ir.DType.INT32}
+    wide = lower(None, mask, lengths=(1, 1, 256, 256))
+    assert _int_dtypes(wide, Op.MUL) == {ir.DType.INT64}
+    q, kv = torch.meshgrid(torch.arange(256), torch.arange(256), indexing="ij")
+    got = evaluate(wide.mask, Env(b=torch.tensor(0), h=torch.tensor(0), q_idx=q.int(), kv_idx=kv.int()))
+    assert torch.equal(got, product(0, 0, q, kv))  # eager torch: int64 aranges
+
+    factor = 3
+
+    def scaled(b, h, q_idx, kv_idx):
+        return q_idx * factor + kv_idx < 1000
+    for value, want in [(3, ir.DType.INT32), (10 ** 7, ir.DType.INT64)]:
+        factor = value
+        p = lower(None, trace_mod(scaled, MASK_MOD), lengths=(1, 1, 512, 512))
+        assert _int_dtypes(p, Op.ADD) == {want}, value
+
+    offsets = torch.tensor([5, 9], dtype=torch.int32)
+    small = torch.tensor([5, 9], dtype=torch.int8)
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + (offsets[b] + q_idx).float() + (small[b] + kv_idx).float()
+    p = lower(trace_mod(shifted, SCORE_MOD), None, lengths=(2, 1, 64, 64))
+    # int32 + index can pass 2**31 - 1; an int8 table's value + index cannot.
+    adds = sorted(n.dtype.value for n in ir.walk(p.score) if n.op is Op.ADD and n.dtype.is_int)
+    assert adds == ["int32", "int64"]
+

@@ -657,3 +657,18 @@ def test_index_by_a_captured_0d_tensor(interp):
         for backend in ("triton", "reference"):
             got = flex_attention(q, k, v, score_mod=picked, backend=backend)
             assert_close_to_oracle(f"{backend} which={w}", got, ref, low, FLOOR[torch.float32])
+
+
+def test_index_math_past_int32_runs_in_int64(interp):
+    # Issue #14: at these lengths q_idx * 50000000 and kv_idx * 100000000 leave int32, and a
+    # captured int32 offset near the top of int32 plus kv_idx does: the kernels compute them in
+    # int64, as torch's eager mods (the oracle) do. In int32 the mask and the bias would wrap.
+    offset = torch.tensor([2 ** 31 - 20, 3], dtype=torch.int32)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + ((q_idx * 50000000 - kv_idx * 70000000) % 1000).float() * 0.001
+
+    def mask(b, h, q_idx, kv_idx):
+        return ((kv_idx * 100000000) > q_idx) & (offset[b] + kv_idx >= 0)
+    check(Case(bias, mask), B=2, Hq=2, Hkv=2, L=64, S=48, E=16, Ev=16, dtype=torch.float32,
+          block_size=32)
