@@ -47,6 +47,7 @@ class Call:
     kernel_options: dict
     grad: bool | None = None  # whether gradients will be needed, where autograd cannot tell
                               # (inside flexjit.compile's custom ops); None: ask autograd
+    max_scores: bool = False  # whether the forward also returns the row max of the modded scores
 
     @property
     def shape(self):
@@ -73,14 +74,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ``scale`` defaults to 1/sqrt(E). Hq != Hkv needs ``enable_gqa=True``.
     With ``return_lse`` (or ``return_aux=AuxRequest(lse=True)``) the log-sum-exp
     over kv is returned too: float32 (float64 for float64 inputs), natural log,
-    shape (B, Hq, L), -inf on a fully masked row (whose output is 0).
+    shape (B, Hq, L), -inf on a fully masked row (whose output is 0). With
+    ``return_aux=AuxRequest(max_scores=True)`` the row max of the modded (scaled) scores is
+    returned too, in the same dtype and shape, -inf on a fully masked row, without a gradient.
     ``backend``: "auto", "cute", "triton" or "reference"; see :func:`flexjit.explain`.
     """
     if return_aux is not None and return_lse:
         raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
     return_aux = _aux_request(return_aux)
-    if return_aux is not None and return_aux.max_scores:
-        raise NotImplementedError("AuxRequest(max_scores=True) is not supported by flexjit yet")
+    want_max = return_aux is not None and return_aux.max_scores
     query, key, value = autocast_inputs(query, key, value)
     key, value = _broadcast_batch(query, key, value)
     block_mask = from_torch_block_mask(block_mask)
@@ -88,23 +90,27 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     empty = _empty_result(query, key, value, enable_gqa)
     if empty is not None:
         out, lse = empty
+        max_scores = lse.clone() if want_max else None  # -inf: no score is kept
     elif torch.compiler.is_compiling():
-        out, lse = _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                             kernel_options, backend)
+        out, lse, max_scores = _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                         kernel_options, backend, want_max)
     else:
         call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+        call.max_scores = want_max
         choice = dispatch.select(backend, call)
         if os.environ.get("FLEXJIT_DEBUG"):
             print(f"[flexjit] {choice}")
-        out, lse = dispatch.run(choice, call)
+        out, lse, max_scores = dispatch.run(choice, call)
     if return_aux is not None:
-        return out, AuxOutput(lse=lse if return_aux.lse else None)
+        return out, AuxOutput(lse=lse if return_aux.lse else None,
+                              max_scores=max_scores if want_max else None)
     if return_lse:
         return out, lse
     return out
 
 
-def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, backend):
+def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, backend,
+              want_max: bool):
     """flex_attention inside a graph dynamo traces (``flexjit.compile``): the same validation,
     minus what needs the traced mods (the HOP's wrapper checks that at AOT time)."""
     _check_tensors(query, key, value, enable_gqa)
@@ -119,7 +125,7 @@ def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     if block_mask is not None and not _is_noop(block_mask.mask_mod):
         mask_mod = block_mask.mask_mod
     return compiled.flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
-                                   backend, mask_mod)
+                                   backend, mask_mod, want_max)
 
 
 def _scale(scale, query) -> float:
@@ -131,13 +137,16 @@ def _scale(scale, query) -> float:
 
 
 def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-            kernel_options=None, *, backend: str = "auto") -> "dispatch.Choice":
+            kernel_options=None, *, return_aux: AuxRequest | None = None,
+            backend: str = "auto") -> "dispatch.Choice":
     """Which backend flex_attention would run for these arguments, and why. Runs nothing."""
+    return_aux = _aux_request(return_aux)
     query, key, value = autocast_inputs(query, key, value)
     key, value = _broadcast_batch(query, key, value)
     block_mask = from_torch_block_mask(block_mask)
     kernel_options, backend = options.validate(kernel_options, backend)
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    call.max_scores = return_aux is not None and return_aux.max_scores
     return dispatch.select(backend, call)
 
 

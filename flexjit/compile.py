@@ -140,21 +140,27 @@ def _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, me
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: list[torch.Tensor | None],
                  buffers: list[torch.Tensor], iscalars: list[int], fscalars: list[torch.Tensor], program: str,
                  scale: float, block: list[int], mean_kv_tokens: float, options: str, backend: str,
-                 train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of flex_attention; ``train``: whether the backward will run, so the forward is
-    the one dispatch pairs with a backward, as in eager mode."""
+                 train: bool, want_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, max_scores) of flex_attention; ``train``: whether the backward will run, so the
+    forward is the one dispatch pairs with a backward, as in eager mode; max_scores is empty
+    unless ``want_max``."""
     call = _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_kv_tokens,
                  options, train)
-    out, lse = dispatch.forward(dispatch.select(backend, call).name, call)
-    return out, lse.float() if q.dtype != torch.float64 else lse
+    call.max_scores = want_max
+    out, lse, max_scores = dispatch.forward(dispatch.select(backend, call).name, call)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if max_scores is None:
+        max_scores = q.new_empty(0, dtype=lse_dtype)
+    return out, lse.to(lse_dtype), max_scores.to(lse_dtype)
 
 
 @attention_op.register_fake
 def _(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_kv_tokens, options,
-      backend, train):
+      backend, train, want_max):
     B, Hq, L, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(B, Hq, L, v.shape[-1]), q.new_empty(B, Hq, L, dtype=lse_dtype)
+    return (q.new_empty(B, Hq, L, v.shape[-1]), q.new_empty(B, Hq, L, dtype=lse_dtype),
+            q.new_empty(*((B, Hq, L) if want_max else (0,)), dtype=lse_dtype))
 
 
 @torch.library.custom_op("flexjit::attention_backward", mutates_args=())
@@ -184,9 +190,10 @@ def _(q, k, v, out, lse, dout, dlse, lists, buffers, iscalars, fscalars, program
 
 def _setup_attention(ctx, inputs, output):
     (q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean, options, backend,
-     _train) = inputs
+     _train, _want_max) = inputs
     present = [t is not None for t in lists]
-    ctx.save_for_backward(q, k, v, *output, *[t for t in lists if t is not None], *buffers)
+    ctx.mark_non_differentiable(output[2])  # max_scores, as torch's: no gradient
+    ctx.save_for_backward(q, k, v, *output[:2], *[t for t in lists if t is not None], *buffers)
     ctx.present, ctx.n_buffers = present, len(buffers)
     # How autograd flattens the inputs: a list holding tensors, or an empty one, is a list of
     # gradients; a non-empty list of numbers is one leaf.
@@ -195,7 +202,7 @@ def _setup_attention(ctx, inputs, output):
     ctx.args = (iscalars, fscalars, program, scale, block, mean, options, backend)
 
 
-def _attention_grad(ctx, dout, dlse):
+def _attention_grad(ctx, dout, dlse, _dmax):
     q, k, v, out, lse, *rest = ctx.saved_tensors
     it = iter(rest[:len(rest) - ctx.n_buffers])
     lists = [next(it) if p else None for p in ctx.present]
@@ -330,7 +337,7 @@ class _Captured:
 
 def _bind_attention(static: tuple, gm: torch.fx.GraphModule):
     """The HOP's wrapper: at AOT-trace time, retrace the mods and call ``flexjit::attention``."""
-    (names, has, n_tensors, present, scale, block, mean, options, backend, float_index) = static
+    (names, has, n_tensors, present, scale, block, mean, options, backend, float_index, want_max) = static
 
     def run(*args):
         cap = _Captured(gm, args, n_tensors)
@@ -339,7 +346,7 @@ def _bind_attention(static: tuple, gm: torch.fx.GraphModule):
         lists = [next(it) if p else None for p in present]
         score = mask = None
         src_s = src_m = []
-        out_index = 2
+        out_index = 3  # after out, lse, max_scores
         if has[0]:
             score, src_s = cap.trace(SCORE_MOD, names[0], out_index)
             out_index += 1
@@ -352,12 +359,12 @@ def _bind_attention(static: tuple, gm: torch.fx.GraphModule):
         program = _encode(score, mask, learnable, float_index, kinds)
         lower(score, mask, float_index)  # errors in the mods surface here, at compile time
         train = torch.is_grad_enabled() and any(t.requires_grad for t in [q, k, v, *buffers])
-        out, lse = attention_op(q, k, v, lists, buffers, ints, floats, program, scale, list(block),
-                                mean, options, backend, train)
+        out, lse, max_scores = attention_op(q, k, v, lists, buffers, ints, floats, program, scale,
+                                            list(block), mean, options, backend, train, want_max)
         extra = [torch.empty(n.meta["example_value"].shape, dtype=n.meta["example_value"].dtype,
                              device=n.meta["example_value"].device)
-                 for n in list(gm.graph.output_node().args[0])[2:]]
-        return (out, lse, *extra)
+                 for n in list(gm.graph.output_node().args[0])[3:]]
+        return (out, lse, max_scores, *extra)
     return run
 
 
@@ -394,8 +401,8 @@ def _mod_name(fn) -> str:
 
 
 def flex_attention(q, k, v, score_mod, block_mask, scale: float, kernel_options, backend: str,
-                   mask_mod):
-    """(out, lse) of a validated call, inside a graph dynamo is tracing."""
+                   mask_mod, want_max: bool = False):
+    """(out, lse, max_scores or None) of a validated call, inside a graph dynamo is tracing."""
     B, Hq, L, _ = q.shape
     S, Ev = k.shape[2], v.shape[-1]
     lists = [getattr(block_mask, a) for a in _LIST_ATTRS] if block_mask is not None else []
@@ -410,12 +417,14 @@ def flex_attention(q, k, v, score_mod, block_mask, scale: float, kernel_options,
              _mod_name(mask_mod) if mask_mod is not None else "noop")
     if score_mod is None and mask_mod is None:
         train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        return attention_op(tensors[0], tensors[1], tensors[2], _unflatten(tensors[3:], present), [],
-                            [], [], _NO_MODS, scale, list(block), mean, options, backend, train)
+        out, lse, max_scores = attention_op(
+            tensors[0], tensors[1], tensors[2], _unflatten(tensors[3:], present), [], [], [], _NO_MODS,
+            scale, list(block), mean, options, backend, train, want_max)
+        return out, lse, max_scores if want_max else None
     _require_hop()
     float_index = max(B, Hq, L, S) < FLOAT_INDEX_LIMIT
     static = (names, (score_mod is not None, mask_mod is not None), len(tensors), present, scale,
-              block, mean, options, backend, float_index)
+              block, mean, options, backend, float_index, want_max)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     def inner(*args):
@@ -424,8 +433,10 @@ def flex_attention(q, k, v, score_mod, block_mask, scale: float, kernel_options,
         anchor = ts[0].sum()  # first use fixes the order in which dynamo lifts these inputs
         for t in ts[1:]:
             anchor = anchor + t.sum()
+        zero = (anchor * 0).to(lse_dtype)
         outs = [ts[0].new_empty((B, Hq, L, Ev)) + anchor * 0,
-                torch.empty((B, Hq, L), dtype=lse_dtype, device=q.device) + (anchor * 0).to(lse_dtype)]
+                torch.empty((B, Hq, L), dtype=lse_dtype, device=q.device) + zero,
+                torch.empty((B, Hq, L) if want_max else (0,), dtype=lse_dtype, device=q.device) + zero]
         if score_mod is not None:
             outs.append(score_mod(score, b, h, q_idx, kv_idx))
         if mask_mod is not None:
@@ -435,7 +446,7 @@ def flex_attention(q, k, v, score_mod, block_mask, scale: float, kernel_options,
 
     roles = _role_tensors(q.device, ("score", "b", "h", "q_idx", "kv_idx"))
     res = dynamo_bypassing_wrapper(functools.partial(_bind_attention, static), inner, *tensors, *roles)
-    return res[0], res[1]
+    return res[0], res[1], res[2] if want_max else None
 
 
 def _unflatten(tensors, present):

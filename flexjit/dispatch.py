@@ -3,7 +3,8 @@
 Each backend module exposes
 
 * ``supports(call) -> (bool, reason)``: whether its forward can run the call;
-* ``forward(call) -> (out, lse)``: the forward, no autograd;
+* ``forward(call) -> (out, lse, max_scores)``: the forward, no autograd; max_scores (the row max
+  of the modded scores) when ``call.max_scores`` asks for it, else None;
 * ``backward_supports(call) -> (bool, reason)``: whether its backward can;
 * ``backward(call, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv, *captured grads)``, one
   gradient per ``Program.buffers`` entry (None where none is computed).
@@ -140,8 +141,8 @@ def _preference(device: torch.device) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- running
 
 
-def forward(name: str, call) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of backend ``name``'s forward, outside autograd and autocast."""
+def forward(name: str, call) -> tuple:
+    """(out, lse, max_scores or None) of backend ``name``'s forward, outside autograd and autocast."""
     with torch.autocast(call.q.device.type, enabled=False):
         return module(name).forward(call)
 
@@ -159,13 +160,16 @@ class _FlexAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, choice: Choice, q, k, v, *buffers):
-        out, lse = forward(choice.name, call)
+        out, lse, max_scores = forward(choice.name, call)
         ctx.call, ctx.backend = call, choice.backward
         ctx.save_for_backward(q, k, v, out, lse, *buffers)
-        return out, lse
+        if max_scores is None:
+            return out, lse
+        ctx.mark_non_differentiable(max_scores)  # as torch's: no gradient through the row max
+        return out, lse, max_scores
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, dmax=None):
         q, k, v, out, lse, *_ = ctx.saved_tensors
         if os.environ.get("FLEXJIT_DEBUG"):
             print(f"[flexjit] backward on {ctx.backend}")
@@ -174,9 +178,11 @@ class _FlexAttention(torch.autograd.Function):
         return (None, None, dq, dk, dv, *[g if want else None for g, want in zip(dbufs, wanted)])
 
 
-def run(choice: Choice, call) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) for a validated call; differentiable in q, k, v and captured tensors."""
+def run(choice: Choice, call) -> tuple:
+    """(out, lse, max_scores or None) for a validated call; out and lse are differentiable in
+    q, k, v and captured tensors."""
     if choice.backward is None:
         with torch.no_grad():
             return forward(choice.name, call)
-    return _FlexAttention.apply(call, choice, call.q, call.k, call.v, *call.program.buffers)
+    res = _FlexAttention.apply(call, choice, call.q, call.k, call.v, *call.program.buffers)
+    return res if len(res) == 3 else (*res, None)

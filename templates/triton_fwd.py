@@ -127,7 +127,8 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
 
 @_jit
 def flex_fwd(
-    Q, K, V, O, LSE,  # q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, EV), o like q/v, lse (B, Hq, L)
+    Q, K, V, O, LSE, MAXS,  # q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, EV), o like q/v,
+                            # lse and (with OUTPUT_MAX) the row max of the modded scores (B, Hq, L)
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -143,7 +144,7 @@ def flex_fwd(
     HAS_BLOCK_MASK: tl.constexpr, HAS_PARTIAL: tl.constexpr, HAS_FULL: tl.constexpr,
     HAS_MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, OUTPUT_MAX: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-first under causal-like masks
     off_h = tl.program_id(1)
@@ -199,8 +200,13 @@ def flex_fwd(
     offs_dv = tl.arange(0, EV_PAD)
     o_ptrs = O + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
     _store_tile(o_ptrs, out, offs_m, offs_dv, L, EV, EVEN_M, EV == EV_PAD)
-    lse_ptrs = LSE + (off_b * Hq + off_h).to(tl.int64) * L + offs_m
+    row = (off_b * Hq + off_h).to(tl.int64) * L + offs_m
     if EVEN_M:
-        tl.store(lse_ptrs, lse)
+        tl.store(LSE + row, lse)
     else:
-        tl.store(lse_ptrs, lse, mask=offs_m < L)
+        tl.store(LSE + row, lse, mask=offs_m < L)
+    if OUTPUT_MAX:  # m is the log2-domain running max: -inf where nothing is kept
+        if EVEN_M:
+            tl.store(MAXS + row, m_i * LN2)
+        else:
+            tl.store(MAXS + row, m_i * LN2, mask=offs_m < L)

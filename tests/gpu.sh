@@ -23,15 +23,12 @@ run() {  # run LIMIT_S pytest-args...
 }
 case $batch in
   new)
-    # The newest code's GPU tests; point it at the next change before its first GPU run. Now:
-    # BlockMask.derived (the block lists every backend derives, rebuilt when a list is replaced)
-    # and the memoised Triton host path, which came after the fourth session's last GPU call:
-    # the cute forward's block-sparse and lists-without-full-blocks paths, the sm90 backward's
-    # lists and deterministic order, and the Triton kernels through the API (fwd, bwd, compile
-    # counting). The earlier batch (ALiBi as one FFMA, the core list) passed in that session.
-    run 190 tests/test_cute_gpu.py -k "core_mods or q_len or causal_16k"
-    run 150 tests/test_cute_sm90_bwd_gpu.py -k "determin or mask_mod_without or autograd or empty_kv"
-    run 190 tests/test_triton_gpu.py -k "core_mods or compiles_are_counted or dispatch"
+    # The newest code's GPU tests; point it at the next change before its first GPU run. Now
+    # (fifth session, after its last GPU call): issue #14's max_scores on the Triton forward and
+    # int64 index math on both backends; issue #18's CUDA-graph training step and the planner
+    # inside a compiled graph. Then run `cute` (issue #12's refactor has not had a full run).
+    run 150 tests/test_triton_gpu.py -k "max_scores"
+    run 200 tests/test_training_gpu.py -k "reduce_overhead_training_step or block_mask_made_inside"
     ;;
   cute)
     run 330 tests/test_cute_gpu.py tests/test_cute_cache.py

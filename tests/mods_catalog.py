@@ -154,3 +154,17 @@ POINTWISE = {
     "logical_ints": lambda s, b, h, q, kv: s + torch.logical_and(q % 3, kv % 2).to(s.dtype)
     + torch.logical_not(q % 4).to(s.dtype) + torch.logical_xor(q % 2, kv % 3).to(s.dtype),
 }
+
+
+def past_int32():
+    """(score_mod, mask_mod) whose index math leaves int32 at 64 or more positions (issue #14):
+    q_idx * 50000000, kv_idx * 100000000, and a captured int32 offset near the top of int32 plus
+    kv_idx; torch's eager mods (int64 indices) compute them exactly, int32 would wrap."""
+    offset = torch.tensor([2 ** 31 - 20, 3], dtype=torch.int32)
+
+    def big_bias(score, b, h, q_idx, kv_idx):
+        return score + ((q_idx * 50000000 - kv_idx * 70000000) % 1000).float() * 0.001
+
+    def big_mask(b, h, q_idx, kv_idx):
+        return ((kv_idx * 100000000) > q_idx) & (offset[b] + kv_idx >= 0)
+    return big_bias, big_mask

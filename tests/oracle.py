@@ -21,12 +21,27 @@ def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=to
     GQA: query head h reads kv head h // (Hq // Hkv). A fully masked row gives 0 and -inf.
     Differentiable (autograd) in q, k, v and any captured tensor the mods use.
     """
+    s = dense_scores(q, k, score_mod, mask_mod, scale, dtype)
+    vv = v.to(dtype).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    den = e.sum(-1, keepdim=True)
+    empty = den == 0
+    p = e / torch.where(empty, torch.ones_like(den), den)
+    out = torch.matmul(p, vv)
+    lse = torch.where(empty, torch.full_like(den, -math.inf),
+                      torch.log(torch.where(empty, torch.ones_like(den), den)) + m).squeeze(-1)
+    return out, lse
+
+
+def dense_scores(q, k, score_mod=None, mask_mod=None, scale=None, dtype=torch.float64):
+    """The modded scores (B,Hq,L,S) in ``dtype``, -inf where the mask_mod is false: their row max
+    is torch's ``max_scores``."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    g = Hq // Hkv
     scale = 1.0 / math.sqrt(E) if scale is None else scale
-    kk = k.to(dtype).repeat_interleave(g, dim=1)
-    vv = v.to(dtype).repeat_interleave(g, dim=1)
+    kk = k.to(dtype).repeat_interleave(Hq // Hkv, dim=1)
     s = torch.matmul(q.to(dtype), kk.transpose(-1, -2)) * scale
     dev = q.device
     b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
@@ -38,16 +53,7 @@ def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=to
     if mask_mod is not None:
         keep = torch.as_tensor(mask_mod(b, h, qi, ki), device=dev).expand(B, Hq, L, S)
         s = torch.where(keep, s, torch.tensor(float("-inf"), dtype=dtype, device=dev))
-    m = s.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(s - m)
-    den = e.sum(-1, keepdim=True)
-    empty = den == 0
-    p = e / torch.where(empty, torch.ones_like(den), den)
-    out = torch.matmul(p, vv)
-    lse = torch.where(empty, torch.full_like(den, -math.inf),
-                      torch.log(torch.where(empty, torch.ones_like(den), den)) + m).squeeze(-1)
-    return out, lse
+    return s
 
 
 def random_qkv(B, Hq, Hkv, L, S, E, Ev, dtype, seed):

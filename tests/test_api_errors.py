@@ -186,8 +186,41 @@ def test_return_aux_and_lse():
     assert torch.equal(out, out2) and torch.equal(aux.lse, lse)
     with pytest.raises(ValueError, match="not both"):
         flex_attention(q, k, v, return_lse=True, return_aux=AuxRequest(lse=True))
-    with pytest.raises(NotImplementedError, match="max_scores"):
-        flex_attention(q, k, v, return_aux=AuxRequest(max_scores=True))
+
+
+def test_max_scores():
+    # torch's AuxRequest(max_scores=True): the row max of the modded scores (-inf on a fully
+    # masked row), with or without the lse, no gradient; out and its gradients are unchanged.
+    from oracle import FLOOR, assert_close_to_oracle, dense_scores, random_qkv
+    q, k, v = random_qkv(2, 4, 2, 64, 48, 16, 16, torch.float32, 3)
+    score = mods.softcap(20.0)
+
+    def mask(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx - 5  # rows 0-4 keep nothing
+    bm = create_block_mask(mask, None, None, 64, 48, device="cpu", BLOCK_SIZE=32)
+    out, aux = flex_attention(q, k, v, score, bm, enable_gqa=True,
+                              return_aux=AuxRequest(lse=True, max_scores=True))
+    got = aux.max_scores
+    assert got.shape == (2, 4, 64) and got.dtype == torch.float32 and not got.requires_grad
+    assert torch.isneginf(got[:, :, :5]).all() and torch.isfinite(got[:, :, 5:]).all()
+    ref = dense_scores(q, k, score, mask).amax(-1)
+    low = dense_scores(q, k, score, mask, dtype=torch.float32).amax(-1)
+    assert_close_to_oracle("max_scores", got, ref, low, FLOOR[torch.float32])
+    plain = flex_attention(q, k, v, score, bm, enable_gqa=True)
+    assert torch.equal(out, plain)
+    only = flex_attention(q, k, v, score, bm, enable_gqa=True, return_aux=AuxRequest(max_scores=True))[1]
+    assert only.lse is None and torch.equal(only.max_scores, got)
+    dq, = torch.autograd.grad(out.sum(), q)
+    want_dq, = torch.autograd.grad(plain.sum(), q)
+    assert torch.equal(dq, want_dq)
+    torch_aux = pytest.importorskip("torch.nn.attention.flex_attention").AuxRequest
+    assert torch.equal(flex_attention(q, k, v, score, bm, enable_gqa=True,
+                                      return_aux=torch_aux(max_scores=True))[1].max_scores, got)
+    empty = flex_attention(q[:, :, :0], k, v, enable_gqa=True, return_aux=AuxRequest(max_scores=True))[1]
+    assert empty.max_scores.shape == (2, 4, 0)
+    no_keys = flex_attention(q, k[:, :, :0], v[:, :, :0], enable_gqa=True,
+                             return_aux=AuxRequest(max_scores=True))[1]
+    assert torch.isneginf(no_keys.max_scores).all() and no_keys.max_scores.shape == (2, 4, 64)
 
 
 def test_scale_must_be_a_number():

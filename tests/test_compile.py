@@ -223,3 +223,29 @@ def test_a_mod_flexjit_cannot_trace_fails_the_compile_with_its_reason():
         f(q, k, v)
     with pytest.raises(Exception, match="cannot trace score_mod `reduces`(.|\n)*reduction"):
         torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_max_scores_inside_the_graph(backend):
+    # AuxRequest(max_scores=True) through the custom op, with mods and without: the same row max
+    # and lse as eager mode, and gradients through out as before (the max has none).
+    from flexjit import AuxRequest
+    bm = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
+
+    def with_mods(q, k, v):
+        out, aux = flex_attention(q, k, v, score_mod=learnable_alibi, block_mask=bm, enable_gqa=True,
+                                  return_aux=AuxRequest(lse=True, max_scores=True))
+        return out, aux.lse, aux.max_scores
+
+    def plain(q, k, v):
+        out, aux = flex_attention(q, k, v, enable_gqa=True, return_aux=AuxRequest(max_scores=True))
+        assert aux.lse is None
+        return out, aux.max_scores
+
+    q, k, v = _qkv(8, Hkv=2)
+    for f in (with_mods, plain):
+        want = f(q, k, v)
+        got = torch.compile(f, fullgraph=True, backend=backend)(q, k, v)
+        _assert_equal(got, want, f.__name__)
+        assert not got[-1].requires_grad and got[-1].shape == (B, H, L)
+        _assert_equal(_grads(got[0], [q, k, v]), _grads(want[0], [q, k, v]), f"{f.__name__} grads")

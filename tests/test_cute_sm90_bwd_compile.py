@@ -376,13 +376,8 @@ def test_int64_index_math_compiles_forward_and_backward(tmp_path):
     # reference tests against torch's eager mods).
     from flexjit.passes import lower
     from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
-    offset = torch.tensor([2 ** 31 - 20, 3], dtype=torch.int32)
-
-    def bias(score, b, h, q_idx, kv_idx):
-        return score + ((q_idx * 50000000 - kv_idx * 70000000) % 1000).float() * 0.001
-
-    def mask(b, h, q_idx, kv_idx):
-        return ((kv_idx * 100000000) > q_idx) & (offset[b] + kv_idx >= 0)
+    from mods_catalog import past_int32
+    bias, mask = past_int32()
     program = lower(trace_mod(bias, SCORE_MOD), trace_mod(mask, MASK_MOD), float_index=True,
                     lengths=(2, 4, 300, 500))
     muls = {n.dtype for r in (program.score, program.mask) for n in ir.walk(r)

@@ -532,6 +532,20 @@ def test_every_core_mod_compiles(name, arch):
     assert all(_ARCH_INSTR[arch] in ptx[k] for k in ("flex_fwd", "flex_bwd"))
 
 
+def test_max_scores_forward_compiles_for_sm90():
+    # The OUTPUT_MAX forward (AuxRequest(max_scores=True)) as the GPU builds it: one more store.
+    case = make_case("softcap", 2, 4, 512, 512)
+    q = torch.randn(2, 4, 512, 64, dtype=torch.bfloat16)
+    call = prepare_call(q, q, q, case.score_mod, None, None, False, None)
+    plain = tb.compile_launch(tb.make_plan(call, arch=90, interpret=False),
+                              tb.launches_for(call, 90)[0], 90).asm["ptx"]
+    call.max_scores = True
+    launch = tb.launches_for(call, 90)[0]
+    assert launch.constexprs["OUTPUT_MAX"]
+    ptx = tb.compile_launch(tb.make_plan(call, arch=90, interpret=False), launch, 90).asm["ptx"]
+    assert "wgmma" in ptx and ptx.count("st.global") > plain.count("st.global")
+
+
 def test_fp16_and_fp32_compile():
     ptx16 = _compile_all("causal", 64, 90, torch.float16)
     assert "wgmma" in ptx16["flex_fwd"]
@@ -663,12 +677,30 @@ def test_index_math_past_int32_runs_in_int64(interp):
     # Issue #14: at these lengths q_idx * 50000000 and kv_idx * 100000000 leave int32, and a
     # captured int32 offset near the top of int32 plus kv_idx does: the kernels compute them in
     # int64, as torch's eager mods (the oracle) do. In int32 the mask and the bias would wrap.
-    offset = torch.tensor([2 ** 31 - 20, 3], dtype=torch.int32)
-
-    def bias(score, b, h, q_idx, kv_idx):
-        return score + ((q_idx * 50000000 - kv_idx * 70000000) % 1000).float() * 0.001
-
-    def mask(b, h, q_idx, kv_idx):
-        return ((kv_idx * 100000000) > q_idx) & (offset[b] + kv_idx >= 0)
-    check(Case(bias, mask), B=2, Hq=2, Hkv=2, L=64, S=48, E=16, Ev=16, dtype=torch.float32,
+    from mods_catalog import past_int32
+    check(Case(*past_int32()), B=2, Hq=2, Hkv=2, L=64, S=48, E=16, Ev=16, dtype=torch.float32,
           block_size=32)
+
+
+@pytest.mark.parametrize("name,L,S,block_size", [("softcap", 64, 48, 32), ("document", 72, 64, 32),
+                                                 ("alibi", 64, 64, None)])
+def test_max_scores(interp, name, L, S, block_size):
+    # AuxRequest(max_scores=True) on the Triton forward: the row max of the modded scores, -inf
+    # on a fully masked row (the oracle: the float64 scores' max), ragged rows included.
+    from oracle import dense_scores
+    from flexjit import AuxRequest
+    case = make_case(name, 1, 2, L, S)
+    mask = case.mask_mod
+
+    def starts_late(b, h, q_idx, kv_idx):  # the first rows keep nothing
+        return (q_idx >= 3) & (mask(b, h, q_idx, kv_idx) if mask is not None else True)
+    q, k, v = random_qkv(1, 2, 2, L, S, 16, 16, torch.float32, 7)
+    bm = _block_mask(starts_late, 1, 2, L, S, block_size or 64)
+    out, aux = flex_attention(q, k, v, case.score_mod, bm, backend="triton",
+                              return_aux=AuxRequest(lse=True, max_scores=True))
+    ref = dense_scores(q, k, case.score_mod, starts_late).amax(-1)
+    low = dense_scores(q, k, case.score_mod, starts_late, dtype=torch.float32).amax(-1)
+    assert torch.isneginf(aux.max_scores[:, :, :3]).all()
+    assert_close_to_oracle("max_scores", aux.max_scores, ref, low, FLOOR[torch.float32])
+    plain, lse = flex_attention(q, k, v, case.score_mod, bm, backend="triton", return_lse=True)
+    assert torch.equal(out, plain) and torch.equal(aux.lse, lse)

@@ -203,3 +203,36 @@ def test_dispatch_picks_triton():
     out = flex_attention(q32, q32, q32)
     ref, _ = dense_attention(q32, q32, q32)
     assert max_err(out, ref) < 1e-4
+
+
+def test_max_scores_and_int64_index_math():
+    # Issue #14's newest paths compiled for the GPU: AuxRequest(max_scores=True) (auto routes it
+    # off the sm90 forward, which does not write the row max, and says why) and index math that
+    # leaves int32 at these lengths (computed in int64): both against the float64 oracle.
+    from flexjit import AuxRequest
+    from oracle import dense_scores
+
+    def big(b, h, q_idx, kv_idx):
+        return ((kv_idx * 100000000) > q_idx) & (q_idx >= 7)
+    q, k, v = _inputs(2, 4, 2, 1000, 777, 128, 128, torch.bfloat16, 31)
+    bm = create_block_mask(big, None, None, 1000, 777, device=DEV)
+    aux_req = AuxRequest(lse=True, max_scores=True)
+    mods_softcap = flexjit.mods.softcap(20.0)
+    choice = flexjit.explain(q, k, v, mods_softcap, bm, enable_gqa=True, return_aux=aux_req)
+    assert choice.name == "triton", str(choice)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert "max_scores" in str(choice), str(choice)
+    out, aux = flex_attention(q, k, v, mods_softcap, bm, enable_gqa=True, return_aux=aux_req)
+    ref, ref_lse = dense_attention(q, k, v, mods_softcap, big, dtype=torch.float64)
+    low, low_lse = dense_attention(q, k, v, mods_softcap, big, dtype=torch.bfloat16)
+    assert_close_to_oracle("out", out, ref, low, FLOOR[torch.bfloat16])
+    assert_close_to_oracle("lse", aux.lse, ref_lse, low_lse, FLOOR[torch.bfloat16])
+    mx64 = dense_scores(q, k, mods_softcap, big).amax(-1)
+    mx16 = dense_scores(q, k, mods_softcap, big, dtype=torch.bfloat16).amax(-1)
+    assert torch.isneginf(aux.max_scores[:, :, :7]).all()
+    assert_close_to_oracle("max_scores", aux.max_scores, mx64, mx16, FLOOR[torch.bfloat16])
+    for backend in ("cute", "triton"):  # the plain call (no max) on both, int64 mask included
+        if backend == "cute" and torch.cuda.get_device_capability()[0] != 9:
+            continue
+        got = flex_attention(q, k, v, mods_softcap, bm, enable_gqa=True, backend=backend)
+        assert_close_to_oracle(f"{backend} out", got, ref, low, FLOOR[torch.bfloat16])

@@ -95,6 +95,8 @@ def supports(call) -> tuple[bool, str]:
     bm = call.block_mask
     if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
         return False, f"block size {bm.BLOCK_SIZE}; the sm90 kernel's tiles are 128x128"
+    if call.max_scores:
+        return False, "AuxRequest(max_scores=True): the sm90 forward does not write the row max yet"
     try:
         _template()
     except ImportError as e:
@@ -267,7 +269,8 @@ def block_sparse_args(bm):
     return (bm.kv_num_blocks, bm.kv_indices, full_num, full_idx)
 
 
-def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(call) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """(out, lse, None): max_scores is not written here (``supports`` refuses the request)."""
     prog = call.program
     q, k, v = call.q, call.k, call.v
     bm = call.block_mask
@@ -277,7 +280,8 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
                          persistent=_persistent_fwd(q.shape[-1], sparse, k.shape[2], owner=bm))
     o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    return fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars)
+    o, lse = fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars)
+    return o, lse, None
 
 
 # --------------------------------------------------------------------------- backward

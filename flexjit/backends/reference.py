@@ -43,7 +43,8 @@ def _chunk_rows(B: int, H: int, S: int, bq: int, elem: int) -> int:
 
 def _forward_chunk(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r0: int,
                    buffers: tuple, compute: torch.dtype):
-    """out (B, Hq, rows, Ev) and lse (B, Hq, rows) for query rows [r0, r0 + rows)."""
+    """out (B, Hq, rows, Ev), lse and the row max of the kept modded scores (B, Hq, rows; -inf
+    where nothing is kept) for query rows [r0, r0 + rows)."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -59,8 +60,8 @@ def _forward_chunk(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     keep = _keep(plan, env, r0, L, S)
     if keep is not None:
         s = torch.where(keep, s, torch.tensor(float("-inf"), dtype=compute, device=dev))
-    m = s.amax(-1, keepdim=True).detach()  # softmax is shift-invariant: no gradient through m
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    row_max = s.amax(-1, keepdim=True).detach()  # softmax is shift-invariant: no gradient through m
+    m = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     e = torch.exp(s - m)
     denom = e.sum(-1, keepdim=True)
     empty = denom == 0
@@ -68,7 +69,7 @@ def _forward_chunk(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     out = torch.matmul(p.view(B, Hkv, g, L, S), v.to(compute).unsqueeze(2)).view(B, Hq, L, -1)
     lse = torch.where(empty, torch.full_like(denom, float("-inf")),
                       torch.log(torch.where(empty, torch.ones_like(denom), denom)) + m).squeeze(-1)
-    return out, lse
+    return out, lse, row_max.squeeze(-1)
 
 
 def _keep(plan: Plan, env: Env, r0: int, L: int, S: int) -> torch.Tensor | None:
@@ -108,16 +109,18 @@ def _plan(call) -> Plan:
     return Plan(call.program, call.scale, kinds, block_size)
 
 
-def _attention(plan: Plan, q, k, v, buffers) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention(plan: Plan, q, k, v, buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     compute = _compute_dtype(q)
     B, Hq, L, _ = q.shape
     out = torch.empty(B, Hq, L, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, L, dtype=compute, device=q.device)
+    row_max = torch.empty(B, Hq, L, dtype=compute, device=q.device)
     for r0, r1 in _rows(plan, q, k):
-        o, l_ = _forward_chunk(plan, q[:, :, r0:r1], k, v, r0, buffers, compute)
+        o, l_, m = _forward_chunk(plan, q[:, :, r0:r1], k, v, r0, buffers, compute)
         out[:, :, r0:r1] = o.to(q.dtype)
         lse[:, :, r0:r1] = l_
-    return out, lse
+        row_max[:, :, r0:r1] = m
+    return out, lse, row_max
 
 
 def _gradients(plan: Plan, q, k, v, buffers, dout, dlse) -> tuple:
@@ -134,7 +137,7 @@ def _gradients(plan: Plan, q, k, v, buffers, dout, dlse) -> tuple:
     for r0, r1 in _rows(plan, q, k):
         qc = q[:, :, r0:r1].detach().requires_grad_(True)
         with _autograd_on():
-            o, l_ = _forward_chunk(plan, qc, kd, vd, r0, tuple(bufs), compute)
+            o, l_, _ = _forward_chunk(plan, qc, kd, vd, r0, tuple(bufs), compute)
             outs, grads_in = [o], [dout[:, :, r0:r1].to(compute)]
             if dlse is not None:
                 outs.append(l_)
@@ -175,10 +178,13 @@ def backward_supports(call) -> tuple[bool, str]:
     return True, "recomputes the reference forward under autograd, chunk by chunk"
 
 
-def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse): lse in float32 (float64 for float64 inputs)."""
-    out, lse = _attention(_plan(call), call.q, call.k, call.v, call.program.buffers)
-    return out, lse if call.q.dtype == torch.float64 else lse.float()
+def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, max_scores): lse and max_scores (if ``call.max_scores``, else None) in float32
+    (float64 for float64 inputs)."""
+    out, lse, row_max = _attention(_plan(call), call.q, call.k, call.v, call.program.buffers)
+    if call.q.dtype != torch.float64:
+        lse, row_max = lse.float(), row_max.float()
+    return out, lse, row_max if call.max_scores else None
 
 
 def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:

@@ -180,19 +180,20 @@ def _options(num_warps: int, num_stages: int) -> dict:
     return dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True)
 
 
-def fwd_launch(plan: Plan, q, k, v, out, lse, bufs) -> Launch:
+def fwd_launch(plan: Plan, q, k, v, out, lse, bufs, max_scores=None) -> Launch:
+    """``max_scores``: a (B, Hq, L) fp32 tensor for the row max of the modded scores, or None."""
     B, Hq, L, E = q.shape
     Hkv, S, EV = k.shape[1], k.shape[2], v.shape[3]
     c = plan.fwd
     lists = plan.kv_lists
-    args = [q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+    args = [q, k, v, out, lse, max_scores if max_scores is not None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *lists.args(lse), Hq, L, S, Hq // Hkv, triton_cdiv(S, c.BLOCK_N),
             plan.scale, plan.scale * LOG2E, *_capture_args(plan.program, bufs)]
     consts = _common_constexprs(plan, E, EV)
     consts.update(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, HAS_PARTIAL=lists.num is not None,
                   HAS_FULL=lists.full_num is not None, EVEN_M=L % c.BLOCK_M == 0,
                   EVEN_N=_even(S, c.BLOCK_N, plan.sparse, 1), DOT_PRECISION=plan.dot,
-                  NUM_STAGES=c.num_stages)
+                  NUM_STAGES=c.num_stages, OUTPUT_MAX=max_scores is not None)
     return Launch("fwd", "flex_fwd", (triton_cdiv(L, c.BLOCK_M), Hq, B), args, consts,
                   _options(c.num_warps, c.num_stages))
 
@@ -248,14 +249,16 @@ def _log_first_launch(plan: Plan, launch: Launch, seconds: float) -> None:
         log.info("flexjit: %s: ready in %.2f s (from Triton's disk cache)", what, seconds)
 
 
-def _forward(plan: Plan, q, k, v, bufs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel: out (B, Hq, L, EV) in q's dtype, lse (B, Hq, L) fp32."""
+def _forward(plan: Plan, q, k, v, bufs, want_max: bool = False):
+    """Launch the forward kernel: out (B, Hq, L, EV) in q's dtype, lse (B, Hq, L) fp32, and the
+    row max of the modded scores (B, Hq, L) fp32 if ``want_max``, else None."""
     B, Hq, L, _ = q.shape
     out = _out((B, Hq, L, v.shape[3]), q.dtype, q.device)
     lse = _out((B, Hq, L), torch.float32, q.device)
-    _run(plan, fwd_launch(plan, q, k, v, out, lse, bufs))
+    max_scores = _out((B, Hq, L), torch.float32, q.device) if want_max else None
+    _run(plan, fwd_launch(plan, q, k, v, out, lse, bufs, max_scores))
     STATS["fwd_launch"] += 1
-    return out, lse
+    return out, lse, max_scores
 
 
 def _out(shape, dtype, device) -> torch.Tensor:
@@ -434,7 +437,8 @@ def launches_for(call, arch: int) -> list[Launch]:
                    captured_grads=bool(grad_slots(plan.program)), tf32=plan.tf32)
     grads = {s: torch.empty(bufs[s].shape, dtype=_GRAD_ACC, device="meta")
              for s in grad_slots(plan.program)}
-    return [fwd_launch(plan, q, k, v, out, lse, bufs),
+    max_scores = torch.empty_like(lse) if call.max_scores else None
+    return [fwd_launch(plan, q, k, v, out, lse, bufs, max_scores),
             preprocess_launch(plan, out, out, lse, None, lse, lse),
             bwd_launch(plan, c, q, k, v, out, lse, lse, q, k, v, bufs, grads)]
 
@@ -494,11 +498,11 @@ def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> P
     return Plan(call.program, call.scale, kv, None, bm, sparse, cfg, opts, arch, interp, fast, dot)
 
 
-def forward(call) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the Triton forward for a validated call (no autograd: ``dispatch`` pairs it
-    with a backward)."""
+def forward(call):
+    """(out, lse, max_scores or None) of the Triton forward for a validated call (no autograd:
+    ``dispatch`` pairs it with a backward)."""
     bufs = [t.to(call.q.device) for t in call.program.buffers]
-    return _forward(make_plan(call), call.q, call.k, call.v, bufs)
+    return _forward(make_plan(call), call.q, call.k, call.v, bufs, call.max_scores)
 
 
 def backward_supports(call) -> tuple[bool, str]:
