@@ -57,6 +57,7 @@ _BINARY = {
     Op.MOD: torch.remainder, Op.FMOD: torch.fmod, Op.POW: torch.pow, Op.MAX: torch.maximum, Op.MIN: torch.minimum,
     Op.LT: torch.lt, Op.LE: torch.le, Op.GT: torch.gt, Op.GE: torch.ge, Op.EQ: torch.eq, Op.NE: torch.ne,
     Op.AND: torch.bitwise_and, Op.OR: torch.bitwise_or, Op.XOR: torch.bitwise_xor,
+    Op.SHL: torch.bitwise_left_shift, Op.SHR: torch.bitwise_right_shift,
 }
 
 

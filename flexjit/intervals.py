@@ -145,6 +145,18 @@ def _div(a, b, floor: bool):
     return torch.where(unknown, math.nan, lo), torch.where(unknown, math.nan, hi)
 
 
+def _shift(a, b, left: bool):
+    """a << b, a >> b: exact for a single amount in [0, 62] (a times or floor-divided by 2**b);
+    any other amount: unknown for <<, between a and 0 (or -1) for >>."""
+    point = (b[1] == b[2]) & (b[1] >= 0) & (b[1] <= 62)
+    p = torch.exp2(torch.where(point, b[1], 0.0))
+    if left:
+        return torch.where(point, a[1] * p, -INF), torch.where(point, a[2] * p, INF)
+    lo, hi = torch.floor(a[1] / p), torch.floor(a[2] / p)
+    return (torch.where(point, lo, torch.clamp(a[1], max=0.0)),
+            torch.where(point, hi, torch.clamp(a[2], min=0.0)))
+
+
 def _mod(a, b):
     """Python remainder by a positive constant-ish divisor; unknown otherwise."""
     c = b[1]
@@ -258,6 +270,8 @@ def _arith(n: Node, a: list):
         lo, hi = _div(a[0], a[1], floor=True)
     elif op is Op.MOD and n.dtype.is_int:
         lo, hi = _mod(a[0], a[1])
+    elif op in ir.SHIFT:
+        lo, hi = _shift(a[0], a[1], op is Op.SHL)
     elif op is Op.ABS:
         l, h = a[0][1], a[0][2]
         lo = torch.where(l >= 0, l, torch.where(h <= 0, -h, torch.zeros_like(l)))

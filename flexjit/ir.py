@@ -105,6 +105,8 @@ class Op(enum.Enum):
     AND = "and"  # logical on bool, bitwise on ints
     OR = "or"
     XOR = "xor"
+    SHL = "shl"  # integer shifts, torch's: an amount outside [0, bits) gives 0 (>>: 0 or -1)
+    SHR = "shr"  # arithmetic: rounds toward -inf
     LT = "lt"
     LE = "le"
     GT = "gt"
@@ -125,8 +127,9 @@ UNARY = TRANSCENDENTAL | ROUNDING | frozenset({Op.NEG, Op.ABS, Op.NOT, Op.CAST})
 ARITH = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.FLOORDIV, Op.MOD, Op.FMOD, Op.POW, Op.MAX,
                    Op.MIN})
 LOGIC = frozenset({Op.AND, Op.OR, Op.XOR})
+SHIFT = frozenset({Op.SHL, Op.SHR})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
-BINARY = ARITH | LOGIC | COMPARE
+BINARY = ARITH | LOGIC | SHIFT | COMPARE
 COMMUTATIVE = frozenset({Op.ADD, Op.MUL, Op.MAX, Op.MIN, Op.AND, Op.OR, Op.XOR, Op.EQ, Op.NE})
 
 

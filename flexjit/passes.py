@@ -266,7 +266,7 @@ def _local_grads(n: Node, g: Node) -> list[Node | None]:
 # comparisons and logic are not differentiable, a load's gradient goes to its buffer
 # (``Program.grad_loads``), leaves have no operands. Every other op has a rule in _local_grads.
 NO_GRADIENT = frozenset({Op.FLOORDIV, Op.NOT, Op.LOAD}) | ir.ROUNDING | ir.COMPARE | ir.LOGIC \
-    | ir.LEAVES
+    | ir.SHIFT | ir.LEAVES
 
 
 def derivative(out: Node, wrt: list[Node]) -> list[Node]:
@@ -305,9 +305,9 @@ def exact_float_nodes(roots: list[Node]) -> set[int]:
 
 # Integer ops whose exact result can leave their operands' range; the rest (min, max, %, the
 # bitwise ops) stay inside it.
-_CAN_OVERFLOW = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.NEG, Op.ABS, Op.FLOORDIV})
+_CAN_OVERFLOW = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.NEG, Op.ABS, Op.FLOORDIV, Op.SHL})
 # Ops whose result has their operands' dtype (for WHERE: the two values).
-_SAME_DTYPE = ir.ARITH | ir.LOGIC | frozenset({Op.NEG, Op.ABS, Op.NOT, Op.WHERE})
+_SAME_DTYPE = ir.ARITH | ir.LOGIC | ir.SHIFT | frozenset({Op.NEG, Op.ABS, Op.NOT, Op.WHERE})
 _I32_LIMITS = (-(2.0 ** 31), 2.0 ** 31 - 1)
 _I64_LIMITS = (-(2.0 ** 63), 2.0 ** 63)
 
@@ -324,9 +324,9 @@ def widen(roots: list[Node], lengths: tuple[int, int, int, int], scalars) -> lis
 
     Over every position of a call with lengths (B, H, L, S), with these scalar values and with
     captured integer tensors holding anything their dtype holds, an int32 add, subtract,
-    multiply, negate, abs or floor division whose exact result can leave int32 becomes int64,
-    and so does everything computed from it; the rest is untouched (int32 is what the kernels'
-    indices are). This is the answer torch's eager mods give, whose indices are int64:
+    multiply, negate, abs, floor division or left shift whose exact result can leave int32
+    becomes int64, and so does everything computed from it; the rest is untouched (int32 is
+    what the kernels' indices are). This is the answer torch's eager mods give, whose indices are int64:
     ``(q_idx * 100000000) > kv_idx`` at S=256 wraps in int32 and is right in int64. int64
     arithmetic wraps, as in torch. (One difference stays: ``.int()`` of a value the IR already
     holds in int32 is no cast at all, so it does not make the value wrap where torch's would.)
@@ -610,6 +610,7 @@ def to_sympy(root: Node):
         Op.LT: lambda a, b: a < b, Op.LE: lambda a, b: a <= b, Op.GT: lambda a, b: a > b,
         Op.GE: lambda a, b: a >= b, Op.EQ: sp.Eq, Op.NE: sp.Ne,
         Op.AND: sp.And, Op.OR: sp.Or, Op.NOT: sp.Not, Op.XOR: sp.Xor,
+        Op.SHL: lambda a, b: a * 2 ** b, Op.SHR: lambda a, b: sp.floor(a / 2 ** b),  # in range
         Op.FLOOR: sp.floor, Op.CEIL: sp.ceiling, Op.FLOORDIV: lambda a, b: sp.floor(a / b),
         Op.MOD: lambda a, b: a - sp.floor(a / b) * b,  # Python's: the divisor's sign
         Op.FMOD: lambda a, b: a - sp.Function("trunc")(a / b) * b,  # C's: the dividend's sign

@@ -207,6 +207,11 @@ def build_binary(op: Op, na: Node, nb: Node) -> Node:
             raise TypeError(f"`{op.value}` needs bool or integer operands")
         dt = ir.promote(na.dtype, nb.dtype)
         return ir.node(op, dt, (cast(na, dt), cast(nb, dt)))
+    if op in ir.SHIFT:
+        if na.dtype.is_float or nb.dtype.is_float:
+            raise TypeError(f"`{op.value}` needs integer operands")
+        dt = ir.promote(na.dtype, nb.dtype, DType.INT32)  # bools shift as ints
+        return ir.node(op, dt, (cast(na, dt), cast(nb, dt)))
     if op in ir.COMPARE:
         dt = ir.promote(na.dtype, nb.dtype)
         return ir.node(op, DType.BOOL, (cast(na, dt), cast(nb, dt)))
@@ -314,6 +319,10 @@ class Proxy:
     def __ror__(self, o): return _logic(self.ctx, Op.OR, o, self)
     def __xor__(self, o): return _logic(self.ctx, Op.XOR, self, o)
     def __rxor__(self, o): return _logic(self.ctx, Op.XOR, o, self)
+    def __lshift__(self, o): return _shift(self.ctx, Op.SHL, self, o)
+    def __rlshift__(self, o): return _shift(self.ctx, Op.SHL, o, self)
+    def __rshift__(self, o): return _shift(self.ctx, Op.SHR, self, o)
+    def __rrshift__(self, o): return _shift(self.ctx, Op.SHR, o, self)
 
     # Python-level conversions: allowed only for values that do not depend on the
     # position (captured scalars and constants); resolved against today's values.
@@ -411,6 +420,13 @@ def _logic(ctx: _Context, op: Op, a, b) -> Proxy:
                      "compare first to get a bool, e.g. (x > 0) & (y < 1)")
         if isinstance(x, float):
             ctx.fail("a bitwise/logical op with a float constant", "use a bool or an int")
+    return _binary(ctx, op, a, b)
+
+
+def _shift(ctx: _Context, op: Op, a, b) -> Proxy:
+    for x in (a, b):
+        if (isinstance(x, Proxy) and x.node.dtype.is_float) or isinstance(x, float):
+            ctx.fail(f"`{'<<' if op is Op.SHL else '>>'}` on a floating value", "shift integers only")
     return _binary(ctx, op, a, b)
 
 
@@ -524,6 +540,14 @@ def _h_binary(op):
 
 def _h_logic(op):
     return lambda a, b: _logic(_find_ctx((a, b), {}), op, a, b)
+
+
+def _h_shift(op, reflected=False):
+    def h(a, b):
+        if reflected:  # t.__rlshift__(x) is x << t
+            a, b = b, a
+        return _shift(_find_ctx((a, b), {}), op, a, b)
+    return h
 
 
 def _truth(ctx: _Context, x) -> Node:
@@ -693,6 +717,13 @@ def _register():
                       Op.XOR: [torch.bitwise_xor, T.bitwise_xor, T.__xor__, T.__rxor__]}.items():
         for f in funcs:
             _HANDLERS[f] = _h_logic(op)
+    for op, funcs, reflected in ((Op.SHL, [torch.bitwise_left_shift, T.bitwise_left_shift, T.__lshift__],
+                                  T.__rlshift__),
+                                 (Op.SHR, [torch.bitwise_right_shift, T.bitwise_right_shift, T.__rshift__],
+                                  T.__rrshift__)):
+        for f in funcs:
+            _HANDLERS[f] = _h_shift(op)
+        _HANDLERS[reflected] = _h_shift(op, reflected=True)
     for op, funcs in {Op.AND: [torch.logical_and, T.logical_and], Op.OR: [torch.logical_or, T.logical_or],
                       Op.XOR: [torch.logical_xor, T.logical_xor]}.items():
         for f in funcs:

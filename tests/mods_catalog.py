@@ -153,6 +153,10 @@ POINTWISE = {
     "pow_float": lambda s, b, h, q, kv: torch.pow(torch.abs(s) + 1.0, 1.5),
     "logical_ints": lambda s, b, h, q, kv: s + torch.logical_and(q % 3, kv % 2).to(s.dtype)
     + torch.logical_not(q % 4).to(s.dtype) + torch.logical_xor(q % 2, kv % 3).to(s.dtype),
+    # amounts past the width and negative ones (torch: 0, or -1 for a negative >>); << by up to
+    # 39 leaves int32 (so it runs in int64, as torch's int64 indices do)
+    "shifts": lambda s, b, h, q, kv: s + ((q - kv) >> (kv % 5 - 1)).to(s.dtype) * 0.1
+    + ((kv << (q % 40)) % 7).to(s.dtype) * 0.05 + ((q - 30) >> 40).to(s.dtype),
 }
 
 

@@ -357,7 +357,7 @@ def test_pointwise_ops_compile_forward_and_backward(tmp_path):
     program = _program(every_op, None)
     ops = {n.op for n in ir.walk(program.score)}
     assert {Op.TAN, Op.ATAN, Op.SINH, Op.COSH, Op.ASIN, Op.ACOS, Op.LOG1P, Op.EXPM1, Op.ERF,
-            Op.ROUND, Op.TRUNC, Op.FMOD} <= ops
+            Op.ROUND, Op.TRUNC, Op.FMOD, Op.SHL, Op.SHR} <= ops
     ptx = _compile(tmp_path, 128, every_op, parts=("main",))
     assert "wgmma.mma_async" in ptx["main"]
     fwd_tpl = load_template("cute_sm90_fwd")

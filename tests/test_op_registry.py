@@ -77,6 +77,8 @@ EXAMPLES = {
     Op.AND: (MASK_MOD, lambda b, h, q, kv: (q > 1) & (kv > 1)),
     Op.OR: (MASK_MOD, lambda b, h, q, kv: (q > 5) | (kv > 5)),
     Op.XOR: (MASK_MOD, lambda b, h, q, kv: (q > 2) ^ (kv > 2)),
+    Op.SHL: (MASK_MOD, lambda b, h, q, kv: (q << (kv % 3)) > kv),
+    Op.SHR: (MASK_MOD, lambda b, h, q, kv: (q >> 2) == (kv >> (q % 3))),
     Op.LT: (MASK_MOD, lambda b, h, q, kv: q < kv),
     Op.LE: (MASK_MOD, lambda b, h, q, kv: q <= kv),
     Op.GT: (MASK_MOD, lambda b, h, q, kv: q > kv),

@@ -421,3 +421,21 @@ def test_index_math_that_overflows_int32_is_computed_in_int64():
     adds = sorted(n.dtype.value for n in ir.walk(p.score) if n.op is Op.ADD and n.dtype.is_int)
     assert adds == ["int32", "int64"]
 
+
+
+def test_shifts_follow_torch_and_refuse_floats():
+    # << and >> (and torch.bitwise_*_shift, on captured tensors too): torch's results for amounts
+    # past the width and negative ones; a float operand is refused with the reason.
+    table = torch.tensor([1, 2, 3, 40, -7], dtype=torch.int32)
+
+    def shifts(b, h, q_idx, kv_idx):
+        x = (q_idx - kv_idx) << (kv_idx % 7)
+        y = torch.bitwise_right_shift(q_idx - 8, kv_idx % 6 - 1) + (table[q_idx % 5] >> table[kv_idx % 5])
+        return (x + y + (3 << (q_idx % 4))) % 3 == 0
+    p = lower(None, trace_mod(shifts, MASK_MOD), lengths=(1, 1, 16, 16))
+    q, kv = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    got = evaluate(p.mask, Env(b=torch.tensor(0), h=torch.tensor(0), q_idx=q.int(), kv_idx=kv.int(),
+                               buffers=(table,)))
+    assert torch.equal(got, shifts(0, 0, q, kv))
+    with pytest.raises(TraceError, match="floating"):
+        trace_mod(lambda score, b, h, q_idx, kv_idx: score << 1, SCORE_MOD)

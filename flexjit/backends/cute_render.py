@@ -86,6 +86,20 @@ def _int_fmod(n: Node, a: list[str]) -> str:
             f"{r} - {a[1]}, {r}))")
 
 
+def _shift(n: Node, a: list[str]) -> str:
+    """torch's shifts: an amount outside [0, bits) gives 0 (>>: -1 for a negative a), where the
+    DSL's (MLIR's) would be poison; >> on signed ints is arithmetic."""
+    t, bits = _TYPES[n.dtype], 64 if n.dtype is DType.INT64 else 32
+    sym = "<<" if n.op is Op.SHL else ">>"
+    y = n.src[1]
+    if y.op is Op.CONST and 0 <= y.arg < bits:
+        return f"({a[0]} {sym} {a[1]})"
+    shifted = f"({a[0]} {sym} ({a[1]} & {t}({bits - 1})))"
+    ok = f"(({a[1]} >= {t}(0)) & ({a[1]} < {t}({bits})))"
+    other = f"{t}(0)" if n.op is Op.SHL else f"{t}(cutlass.select_({a[0]} < {t}(0), {t}(-1), {t}(0)))"
+    return f"{t}(cutlass.select_({ok}, {shifted}, {other}))"
+
+
 def _minmax(fn: str):
     return lambda n, a: f"{_TYPES[n.dtype]}(cutlass.{fn}({a[0]}, {a[1]}))"
 
@@ -104,6 +118,7 @@ _OPS = {
     Op.AND: _logic("and_", "&"), Op.OR: _logic("or_", "|"),
     Op.XOR: lambda n, a: f"({a[0]} != {a[1]})" if n.dtype is DType.BOOL else f"({a[0]} ^ {a[1]})",
     Op.NOT: lambda n, a: f"cutlass.not_({a[0]})" if n.dtype is DType.BOOL else f"(~{a[0]})",
+    Op.SHL: _shift, Op.SHR: _shift,
     Op.ABS: lambda n, a: (f"cute.math.abs({a[0]})" if n.dtype.is_float
                           else f"{_TYPES[n.dtype]}(cutlass.select_({a[0]} < 0, -{a[0]}, {a[0]}))"),
     Op.EXP: _unary_math("exp"), Op.EXP2: _unary_math("exp2"), Op.LOG: _unary_math("log"),

@@ -150,6 +150,8 @@ class _Lowering:
             return self._tmp(f"{a[0]} == 0" if n.dtype is DType.BOOL else f"~{a[0]}")
         if op in (Op.FLOORDIV, Op.MOD):
             return self._floor_div_mod(n, a[0], a[1])
+        if op in (Op.SHL, Op.SHR):
+            return self._shift(n, a[0], a[1])
         if op in (Op.MAX, Op.MIN):
             if n.dtype is DType.BOOL:
                 return self._tmp(f"{a[0]} | {a[1]}" if op is Op.MAX else f"{a[0]} & {a[1]}")
@@ -191,6 +193,19 @@ class _Lowering:
         if n.op is Op.MOD:
             return self._tmp(f"tl.where({fix}, {r} + {b}, {r})")
         return self._tmp(f"tl.where({fix}, {a} // {b} - 1, {a} // {b})")
+
+    def _shift(self, n: Node, a: str, b: str) -> str:
+        """torch's shifts: an amount outside [0, bits) gives 0 (>>: -1 for a negative a), where
+        Triton's (LLVM's) would be poison; >> on signed ints is arithmetic."""
+        bits = 64 if n.dtype is DType.INT64 else 32
+        sym = "<<" if n.op is Op.SHL else ">>"
+        y = n.src[1]
+        if y.op is Op.CONST and 0 <= y.arg < bits:
+            return self._tmp(f"{a} {sym} {b}")
+        shifted = self._tmp(f"{a} {sym} ({b} & {bits - 1})")
+        ok = self._tmp(f"({b} >= 0) & ({b} < {bits})")
+        other = "0" if n.op is Op.SHL else f"tl.where({a} < 0, -1, 0)"
+        return self._tmp(f"tl.where({ok}, {shifted}, {other})")
 
     def _load(self, n: Node) -> str:
         slot, ndim, storage = n.src[0].arg
