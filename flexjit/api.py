@@ -81,12 +81,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     if return_aux is not None and return_lse:
         raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
-    return_aux = _aux_request(return_aux)
+    query, key, value, block_mask, kernel_options, backend, return_aux = _normalize(
+        query, key, value, block_mask, kernel_options, backend, return_aux)
     want_max = return_aux is not None and return_aux.max_scores
-    query, key, value = autocast_inputs(query, key, value)
-    key, value = _broadcast_batch(query, key, value)
-    block_mask = from_torch_block_mask(block_mask)
-    kernel_options, backend = options.validate(kernel_options, backend)
     empty = _empty_result(query, key, value, enable_gqa)
     if empty is not None:
         out, lse = empty
@@ -95,8 +92,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out, lse, max_scores = _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                          kernel_options, backend, want_max)
     else:
-        call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
-        call.max_scores = want_max
+        call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
+                            max_scores=want_max)
         choice = dispatch.select(backend, call)
         if os.environ.get("FLEXJIT_DEBUG"):
             print(f"[flexjit] {choice}")
@@ -117,10 +114,7 @@ def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     if block_mask is not None:
         _check_block_mask(block_mask, query, key)
     scale = _scale(scale, query)
-    if kernel_options is not None and not isinstance(kernel_options, dict):
-        raise TypeError("kernel_options must be a dict")
-    if backend not in dispatch.BACKENDS + ("auto",):
-        raise ValueError(f"backend must be one of {('auto',) + dispatch.BACKENDS}, got {backend!r}")
+    dispatch.check_backend(backend)  # kernel_options: checked by options.validate already
     mask_mod = None
     if block_mask is not None and not _is_noop(block_mask.mask_mod):
         mask_mod = block_mask.mask_mod
@@ -140,14 +134,21 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
             kernel_options=None, *, return_aux: AuxRequest | None = None,
             backend: str = "auto") -> "dispatch.Choice":
     """Which backend flex_attention would run for these arguments, and why. Runs nothing."""
-    return_aux = _aux_request(return_aux)
+    query, key, value, block_mask, kernel_options, backend, return_aux = _normalize(
+        query, key, value, block_mask, kernel_options, backend, return_aux)
+    call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
+                        max_scores=return_aux is not None and return_aux.max_scores)
+    return dispatch.select(backend, call)
+
+
+def _normalize(query, key, value, block_mask, kernel_options, backend, return_aux):
+    """The arguments as every backend sees them: autocast applied, a kv batch of 1 broadcast,
+    torch's BlockMask and AuxRequest converted, kernel_options checked (and BACKEND read)."""
     query, key, value = autocast_inputs(query, key, value)
     key, value = _broadcast_batch(query, key, value)
-    block_mask = from_torch_block_mask(block_mask)
     kernel_options, backend = options.validate(kernel_options, backend)
-    call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
-    call.max_scores = return_aux is not None and return_aux.max_scores
-    return dispatch.select(backend, call)
+    return (query, key, value, from_torch_block_mask(block_mask), kernel_options, backend,
+            _aux_request(return_aux))
 
 
 def _aux_request(req):
@@ -205,7 +206,8 @@ def autocast_inputs(q, k, v):
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options) -> Call:
+def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
+                 max_scores: bool = False) -> Call:
     _check_tensors(query, key, value, enable_gqa)
     if score_mod is not None:
         check_arity(score_mod, SCORE_MOD)
@@ -223,7 +225,8 @@ def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, ke
                     lengths=lengths)
     if block_mask is not None and program.mask is not None:
         _check_broadcast(block_mask, program, query)
-    return Call(query, key, value, program, block_mask, float(scale), dict(kernel_options or {}))
+    return Call(query, key, value, program, block_mask, float(scale), dict(kernel_options or {}),
+                max_scores=max_scores)
 
 
 def _is_noop(fn) -> bool:

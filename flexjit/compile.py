@@ -121,7 +121,7 @@ def _block_mask(lists, L: int, S: int, block, mean_kv_tokens: float) -> BlockMas
 
 
 def _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_kv_tokens,
-          options, train):
+          options, train, want_max=False):
     from .api import Call
 
     prog, _ = _program(program, buffers, iscalars, fscalars, (*q.shape[:3], k.shape[2]))
@@ -130,7 +130,7 @@ def _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, me
     for entry in filter(None, options.split("\n")):
         key, value = entry.split("=", 1)
         opts[key] = ast.literal_eval(value)
-    return Call(q, k, v, prog, bm, scale, opts, grad=train)
+    return Call(q, k, v, prog, bm, scale, opts, grad=train, max_scores=want_max)
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -145,8 +145,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: list[
     forward is the one dispatch pairs with a backward, as in eager mode; max_scores is empty
     unless ``want_max``."""
     call = _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_kv_tokens,
-                 options, train)
-    call.max_scores = want_max
+                 options, train, want_max)
     out, lse, max_scores = dispatch.forward(dispatch.select(backend, call).name, call)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if max_scores is None:

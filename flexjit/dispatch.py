@@ -109,9 +109,13 @@ def _pair(name: str, reason: str, call, passed=()) -> Choice | str:
     return Choice(name, reason, tuple(passed), bwd, why)
 
 
-def select(requested: str, call) -> Choice:
+def check_backend(requested: str) -> None:
     if requested not in BACKENDS + ("auto",):
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {requested!r}")
+
+
+def select(requested: str, call) -> Choice:
+    check_backend(requested)
     if requested != "auto":
         ok, reason = _supports(requested, call)
         choice = _pair(requested, f"requested; {reason}", call) if ok else reason

@@ -387,8 +387,9 @@ _STORAGE_RANGE = {"bool": (0.0, 1.0), "uint8": (0.0, 255.0), "int8": (-128.0, 12
 
 def domain(lengths: tuple[int, int, int, int], scalars) -> dict:
     """The environment of :func:`bound` over every position of one call: b, h, q_idx and kv_idx
-    over [0, n - 1] for lengths (B, H, L, S), the score anything, the scalars at their values, a load of a captured
-    tensor over its storage dtype's whole range (no tensor is read: its values may change)."""
+    over [0, n - 1] for lengths (B, H, L, S), the score anything, the scalars at their values, a
+    load of a captured tensor over its storage dtype's whole range (no tensor is read: its
+    values may change)."""
     f64 = torch.float64
     leaves = {op: _num(torch.tensor(0.0, dtype=f64), torch.tensor(float(max(n, 1) - 1), dtype=f64))
               for op, n in zip((Op.B, Op.H, Op.Q_IDX, Op.KV_IDX), lengths)}

@@ -28,10 +28,10 @@ from typing import Callable
 
 import torch
 
-from . import ir
+from . import intervals, ir
 from .interp import Env, evaluate
 from .ir import DType, Node, Op
-from .trace import TracedMod, cast
+from .trace import TracedMod, build_binary, cast
 
 LN2 = math.log(2.0)
 
@@ -326,10 +326,11 @@ def widen(roots: list[Node], lengths: tuple[int, int, int, int], scalars) -> lis
     captured integer tensors holding anything their dtype holds, an int32 add, subtract,
     multiply, negate, abs, floor division or left shift whose exact result can leave int32
     becomes int64, and so does everything computed from it; the rest is untouched (int32 is
-    what the kernels' indices are). This is the answer torch's eager mods give, whose indices are int64:
-    ``(q_idx * 100000000) > kv_idx`` at S=256 wraps in int32 and is right in int64. int64
-    arithmetic wraps, as in torch. (One difference stays: ``.int()`` of a value the IR already
-    holds in int32 is no cast at all, so it does not make the value wrap where torch's would.)
+    what the kernels' indices are). This is the answer torch's eager mods give, whose indices
+    are int64: ``(q_idx * 100000000) > kv_idx`` at S=256 wraps in int32 and is right in int64.
+    int64 arithmetic wraps, as in torch. (One difference stays: ``.int()`` of a value the IR
+    already holds in int32 is no cast at all, so it does not make the value wrap where torch's
+    would.)
     """
     roots = list(roots)
     if not _has_int32_arith(tuple(roots)):
@@ -338,7 +339,6 @@ def widen(roots: list[Node], lengths: tuple[int, int, int, int], scalars) -> lis
     found = _WIDENED.get(key)
     if found is not None:
         return list(found)
-    from . import intervals
     env = intervals.domain(tuple(lengths), tuple(scalars))
     bounds: dict[Node, tuple] = {}  # keyed by node: keeps the int64 twins alive while in use
 
@@ -356,8 +356,8 @@ def widen(roots: list[Node], lengths: tuple[int, int, int, int], scalars) -> lis
             return cast(srcs[0], n.dtype)
         if n.dtype is DType.INT32 and n.op in _SAME_DTYPE and any(s.dtype is DType.INT64 for s in srcs):
             return _int64_twin(n, srcs)
-        if n.op in ir.COMPARE and {s.dtype for s in srcs} == {DType.INT32, DType.INT64}:
-            srcs = tuple(cast(s, DType.INT64) for s in srcs)
+        if n.op in ir.COMPARE:
+            return build_binary(n.op, *srcs)  # casts an int32 side up to a widened one
         m = ir.node(n.op, n.dtype, srcs, n.arg)
         if m.dtype is DType.INT32 and m.op in _CAN_OVERFLOW:
             twin = _int64_twin(m, m.src)

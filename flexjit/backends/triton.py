@@ -186,7 +186,8 @@ def fwd_launch(plan: Plan, q, k, v, out, lse, bufs, max_scores=None) -> Launch:
     Hkv, S, EV = k.shape[1], k.shape[2], v.shape[3]
     c = plan.fwd
     lists = plan.kv_lists
-    args = [q, k, v, out, lse, max_scores if max_scores is not None else lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+    maxs = max_scores if max_scores is not None else lse  # unread unless OUTPUT_MAX
+    args = [q, k, v, out, lse, maxs, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *lists.args(lse), Hq, L, S, Hq // Hkv, triton_cdiv(S, c.BLOCK_N),
             plan.scale, plan.scale * LOG2E, *_capture_args(plan.program, bufs)]
     consts = _common_constexprs(plan, E, EV)
