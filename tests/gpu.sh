@@ -14,12 +14,15 @@ batch=${1:?usage: gpu.sh new|cute|triton|training OUT_DIR}
 out=${2:?usage: gpu.sh new|cute|triton|training OUT_DIR}
 mkdir -p "$out"
 n=0
-run() {  # run LIMIT_S pytest-args...
-  local limit=$1; shift
+run() {  # run LIMIT_S pytest-args...   (one after another)
   n=$((n + 1))
-  local log="$out/$batch-$n.txt"
+  run_as "$batch-$n" "$@"
+}
+run_as() {  # run_as NAME LIMIT_S pytest-args...   (NAME: the log's name; may run in the background)
+  local name=$1 limit=$2; shift 2
+  local log="$out/$name.txt"
   timeout "$limit" python -m pytest -q -p no:cacheprovider -m gpu -W ignore "$@" >"$log" 2>&1
-  echo "[$batch-$n rc=$?] $* :: $(tail -1 "$log")"
+  echo "[$name rc=$?] $* :: $(tail -1 "$log")"
 }
 case $batch in
   new)
@@ -31,8 +34,10 @@ case $batch in
     run 200 tests/test_training_gpu.py -k "reduce_overhead_training_step or block_mask_made_inside"
     ;;
   cute)
-    run 330 tests/test_cute_gpu.py tests/test_cute_cache.py
-    run 240 tests/test_cute_sm90_bwd_gpu.py
+    # Two processes side by side: the time is the kernels' compiles (one CPU core each).
+    run_as cute-1 420 tests/test_cute_gpu.py tests/test_cute_cache.py &
+    run_as cute-2 300 tests/test_cute_sm90_bwd_gpu.py &
+    wait
     ;;
   triton)
     run 560 tests/test_triton_gpu.py
