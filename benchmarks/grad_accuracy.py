@@ -1,7 +1,7 @@
 """Gradient accuracy under torch's error-ratio oracle (issue #14), flexjit against torch's flex.
 
     python -m benchmarks.grad_accuracy [--S 1024] [--impls flexjit-cute,flexjit-triton,torch-flex-triton]
-                                       [--out DIR]
+                                       [--seeds N] [--out DIR]
 
 For each case every implementation runs the same bf16 inputs forward and backward; a float64
 "golden" runs the same math (tests/oracle.py's dense attention, mods called eagerly) on the
@@ -116,13 +116,12 @@ def _err(a, golden) -> float:
     return math.inf if torch.isnan(d).any() else d.mean().item()
 
 
-def measure(S: int, impls: list[str], device, B: int = 2, H: int = 8, D: int = 128) -> list[dict]:
+def measure(S: int, impls: list[str], device, B: int = 2, H: int = 8, D: int = 128,
+            seeds: int = 1) -> list[dict]:
+    """One row per (case, tensor): each implementation's mean |golden - result|, averaged over
+    ``seeds`` fresh draws of q, k, v and dout (the tables stay)."""
     rows = []
     for case, (make, tables, mask_mod) in _cases(S, device).items():
-        g = torch.Generator().manual_seed(0)
-        q, k, v, do = (torch.randn(B, H, S, D, generator=g).to(torch.bfloat16).to(device)
-                       for _ in range(4))
-
         def dense(dtype):
             def fn(leaves):
                 t = {n: leaves[n].to(dtype) if dtype == torch.float64 else leaves[n]
@@ -131,27 +130,34 @@ def measure(S: int, impls: list[str], device, B: int = 2, H: int = 8, D: int = 1
                                               mask_mod, dtype=dtype)[0]
             return fn
 
-        results = {"golden": _grads(dense(torch.float64), q, k, v, tables, do.double()),
-                   "eager": _grads(dense(torch.bfloat16), q, k, v, tables, do)}
-        for name in impls:
-            run = _impl(name, device)
-            try:
-                results[name] = _grads(
-                    lambda lv: run(lv["q"], lv["k"], lv["v"],
-                                   make({n: lv[n] for n in tables}), mask_mod),
-                    q, k, v, tables, do)
-            except Exception as e:  # noqa: BLE001  (recorded in the table, not hidden)
-                print(f"[grad_accuracy] {case} {name}: {type(e).__name__}: {e}", flush=True)
-                results[name] = None
-        gold_out, gold = results["golden"]
+        runs = {name: _impl(name, device) for name in impls}
+        sums: dict = {}
+        for seed in range(seeds):
+            g = torch.Generator().manual_seed(seed)
+            q, k, v, do = (torch.randn(B, H, S, D, generator=g).to(torch.bfloat16).to(device)
+                           for _ in range(4))
+            results = {"golden": _grads(dense(torch.float64), q, k, v, tables, do.double()),
+                       "eager": _grads(dense(torch.bfloat16), q, k, v, tables, do)}
+            for name, run in runs.items():
+                try:
+                    results[name] = _grads(
+                        lambda lv: run(lv["q"], lv["k"], lv["v"],
+                                       make({n: lv[n] for n in tables}), mask_mod),
+                        q, k, v, tables, do)
+                except Exception as e:  # noqa: BLE001  (recorded in the table, not hidden)
+                    print(f"[grad_accuracy] {case} {name}: {type(e).__name__}: {e}", flush=True)
+                    results[name] = None
+            gold_out, gold = results["golden"]
+            for tensor in ["out", "q", "k", "v"] + list(tables):
+                ref = gold_out if tensor == "out" else gold[tensor]
+                for name, res in results.items():
+                    if name != "golden":
+                        err = math.nan if res is None else _err(
+                            res[0] if tensor == "out" else res[1][tensor], ref)
+                        sums[(tensor, name)] = sums.get((tensor, name), 0.0) + err / seeds
         for tensor in ["out", "q", "k", "v"] + list(tables):
-            ref = gold_out if tensor == "out" else gold[tensor]
-            row = {"case": case, "tensor": tensor}
-            for name, res in results.items():
-                if name == "golden":
-                    continue
-                row[name] = math.nan if res is None else _err(
-                    res[0] if tensor == "out" else res[1][tensor], ref)
+            row = {"case": case, "tensor": tensor, "seeds": seeds,
+                   **{name: sums[(tensor, name)] for name in ["eager"] + impls}}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -177,11 +183,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--S", type=int, default=1024)
     p.add_argument("--impls", default="flexjit-cute,flexjit-triton,torch-flex-triton")
+    p.add_argument("--seeds", type=int, default=1, help="fresh inputs per case, errors averaged")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     impls = a.impls.split(",")
-    rows = measure(a.S, impls, device)
+    rows = measure(a.S, impls, device, seeds=a.seeds)
     md = report(rows, impls)
     print(md)
     if a.out:
