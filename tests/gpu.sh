@@ -27,11 +27,10 @@ run_as() {  # run_as NAME LIMIT_S pytest-args...   (NAME: the log's name; may ru
 case $batch in
   new)
     # The newest code's GPU tests; point it at the next change before its first GPU run. Now
-    # (fifth session, after its last GPU call): issue #14's max_scores on the Triton forward and
-    # int64 index math on both backends; issue #18's CUDA-graph training step and the planner
-    # inside a compiled graph. Then run `cute` (issue #12's refactor has not had a full run).
+    # (sixth session): max_scores on the sm90 forward (issue #14) and the negative-scale
+    # routing, the max_scores/int64 Triton test as rewritten for it.
+    run 200 tests/test_cute_gpu.py -k "max_scores or negative_scale"
     run 150 tests/test_triton_gpu.py -k "max_scores"
-    run 200 tests/test_training_gpu.py -k "reduce_overhead_training_step or block_mask_made_inside"
     ;;
   cute)
     # Two processes side by side: the time is the kernels' compiles (one CPU core each).
