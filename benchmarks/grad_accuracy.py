@@ -59,6 +59,7 @@ def _cases(S: int, device):
         return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
 
     return {
+        "plain": (lambda t: None, {}, None),
         "rel_bias": (rel_bias, {}, None),
         "rel_bias_causal": (rel_bias, {}, causal),
         "two_tables(bf16 q, fp32 kv)": (two_tables, {"bias1": tab(S, torch.bfloat16, 1),

@@ -46,6 +46,24 @@ def test_run_takes_unequal_head_dims_and_one_long_sequence(tmp_path):
     assert run.parse_sizes("128k") == [131072]
 
 
+def test_long_sequences_are_checked_on_one_kv_head(tmp_path, monkeypatch):
+    # From REF_ONE_HEAD_FROM_S on, the reference covers the first KV head's group only (GQA
+    # 16/4 here: query heads 0-3 and KV head 0); the rows are still checked and pass.
+    from benchmarks import run
+    monkeypatch.setattr(run, "REF_ONE_HEAD_FROM_S", 256)
+    shapes, reference = [], run.attention_reference
+    monkeypatch.setattr(run, "attention_reference",
+                        lambda q, k, v, *a: shapes.append((q.shape[1], k.shape[1])) or reference(q, k, v, *a))
+    out = tmp_path / "bench"
+    run.main(["--out", str(out), "--device", "cpu", "--impls", "flexjit-reference", "--variants", "alibi",
+              "--S", "256", "--tokens", "256", "--hkv", "4", "--passes", "fwdbwd", "--no-png",
+              "--rep-ms", "5", "--warmup-ms", "1"])
+    (row,) = json.loads((out / "results.json").read_text())
+    assert row["status"] == "ok" and row["correct"], row
+    assert set(row["check"]) == {"out", "dq", "dk", "dv"}
+    assert shapes == [(4, 1), (4, 1)]  # fp32 and bf16 references, one KV head's group
+
+
 def test_grad_accuracy_reports_errors_against_float64(tmp_path):
     # On the CPU only the reference backend runs; its errors are far below bf16 eager math's.
     from benchmarks import grad_accuracy
