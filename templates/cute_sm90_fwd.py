@@ -159,9 +159,10 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute_common import (
-    LN_2, LOG2_E, MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, as_scalar, aux_cutlass_dtype, fadd,
-    ffi_function, permute, placeholder, quad_allreduce, rows_cols, rows_cols_layout, smem_layout,
-    stream_context, transposed, tree, tvm_ffi_enabled, wgmma_gemm,
+    LN_2, LOG2_E, MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, as_scalar, aux_cutlass_dtype,
+    device_num_sms, fadd, ffi_function, permute, placeholder, quad_allreduce, rows_cols,
+    rows_cols_layout, scheduler_counter, smem_layout, stream_context, transposed, tree,
+    tvm_ffi_enabled, wgmma_gemm,
 )
 
 # Named barrier ids (0 is __syncthreads).
@@ -1377,62 +1378,6 @@ class CompiledFwd:
 
 _CPU_NUM_SMS = 132  # H100/H200 SXM; what a compile (or a launch on CPU tensors) assumes
 
-# Dynamic scheduler counters, one (2,) int32 tensor per (device, stream): [0] tiles claimed
-# beyond the first grid_dim, [1] CTAs finished. Zeroed once when allocated (on the launch
-# stream, so stream-ordered before the first launch); each launch leaves them at zero again
-# (the last CTA to finish resets them), and launches on one stream are serialised, so no
-# per-launch memset is needed. A different stream gets its own counter (concurrent launches
-# must not share one). Dropping entries is safe: the caching allocator reuses a freed block
-# only in stream order after the kernels of the stream it was allocated on.
-_TILE_COUNTERS = {}
-_MAX_TILE_COUNTERS = 64
-
-
-def _tile_counter(device):
-    """The dynamic scheduler's counter for ``device`` and torch's current stream there (the
-    launch stream: callers switch to it first)."""
-    import torch
-
-    if device.type != "cuda":  # compile-only (CPU example tensors)
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.current_stream(index).cuda_stream)
-    counter = _TILE_COUNTERS.get(key)
-    if counter is None:
-        if len(_TILE_COUNTERS) >= _MAX_TILE_COUNTERS:
-            _TILE_COUNTERS.clear()
-        # Counters live for the process: they come from a pool of their own, never from a CUDA
-        # graph's (torch.compile's mode="reduce-overhead" warms up in its graph pool and refuses
-        # tensors there that outlive the call).
-        with torch.cuda.device(index), _counter_pool(index):
-            counter = torch.zeros(2, dtype=torch.int32, device=device)
-        _TILE_COUNTERS[key] = counter
-    return counter
-
-
-_COUNTER_POOLS: dict = {}
-
-
-def _counter_pool(index: int):
-    import contextlib
-
-    import torch
-
-    if not hasattr(torch.cuda, "use_mem_pool"):  # torch < 2.6: no pools of one's own
-        return contextlib.nullcontext()
-    pool = _COUNTER_POOLS.get(index)
-    if pool is None:
-        pool = _COUNTER_POOLS[index] = torch.cuda.MemPool()
-    return torch.cuda.use_mem_pool(pool, device=index)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_num_sms(index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _num_sms(cfg, q, num_sms=None) -> int:
     """The persistent grid cap: the device's SM count (cached per device) unless given. The
     non-persistent kernel ignores it (1, no device query)."""
@@ -1447,7 +1392,7 @@ def _num_sms(cfg, q, num_sms=None) -> int:
         import torch
 
         index = torch.cuda.current_device()
-    return _device_num_sms(index)
+    return device_num_sms(index)
 
 
 def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
@@ -1465,7 +1410,7 @@ def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensor
     for x in aux_scalars:
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
-    counter = _tile_counter(q.device) if cfg.tiling.dynamic_schedule else None
+    counter = scheduler_counter(q.device) if cfg.tiling.dynamic_schedule else None
     return (q, k, v, o, lse, float(softmax_scale), int(hb_per_section), blocks, tensors,
             tuple(aux_scalars) or None, _num_sms(cfg, q, num_sms), counter, max_scores)
 
@@ -1490,7 +1435,7 @@ def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, a
     scalars = tuple(as_scalar(x) for x in aux_scalars)
     counter = None
     if cfg.tiling.dynamic_schedule:
-        counter = _as_cute(_tile_counter(q.device), align=4)
+        counter = _as_cute(scheduler_counter(q.device), align=4)
     return (_as_cute(q), _as_cute(k), _as_cute(v), _as_cute(o), _as_cute(lse, align=4),
             Float32(softmax_scale), Int32(hb), blocks, tensors or None, scalars or None,
             Int32(_num_sms(cfg, q, num_sms)), counter,

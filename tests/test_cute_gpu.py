@@ -18,13 +18,12 @@ atomic counter, published to the consumers with each tile's Q); those check as w
 launch leaves its counter at zero (the next launch on the stream depends on it) and that
 launches on two streams at once do not share a counter.
 """
-import inspect
 import math
 
 import pytest
 import torch
 
-from flexjit import create_block_mask, explain, flex_attention
+from flexjit import cache, create_block_mask, explain, flex_attention
 from flexjit.backends import cute_sm90 as backend
 from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_program
 from mods_catalog import CORE, lowered, make_case
@@ -58,16 +57,11 @@ def dynamic(request, monkeypatch):
     return request.param
 
 
-def _template_of(fn):
-    return inspect.getmodule(type(fn))
-
-
 def assert_counter_reset(fn, device, stream=None):
     """After a dynamic launch has finished, its (device, stream) counter is back at [0, 0]."""
-    tpl = _template_of(fn)
     with torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(
             torch.cuda.current_stream()):
-        counter = tpl._tile_counter(device)
+        counter = cache.load_template("cute_common").scheduler_counter(device)
     assert counter.tolist() == [0, 0], f"tile counter not reset: {counter.tolist()}"
 
 
