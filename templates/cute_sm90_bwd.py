@@ -864,6 +864,11 @@ class FlexAttentionBwdSm90:
                 acc_dP[i] = acc_S[i] * (acc_dP[i] - tSsDelta[i])
         rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
         rdS.store(acc_dP.load().to(self.dtype))
+        # Identity moves on the packed dS: otherwise the compiler converts dS to bf16 a second
+        # time for the dK GEMM (after the barrier) instead of keeping what the stmatrix used.
+        rdS_words = cute.recast_tensor(rdS, Int32)
+        for i in cutlass.range_constexpr(cute.size(rdS_words)):
+            rdS_words[i] = _opaque_i32(rdS_words[i])
         # dSᵀ -> smem; both warpgroups' halves are needed by each dQ GEMM.
         cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
         cute.arch.fence_view_async_shared()
