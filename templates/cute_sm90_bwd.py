@@ -262,6 +262,25 @@ def _opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(value)
 
 
+def _opaque_smem(t: cute.Tensor, swizzle) -> cute.Tensor:
+    """``t``, a ``swizzle``d smem tile starting on a 1024-byte boundary (a swizzle atom), rebased
+    on its address passed through a volatile move: the same tile, the same wgmma descriptors.
+
+    It keeps ptxas from splitting the descriptors' 64-bit adds. From an address the compiler
+    can follow (a stage slice ``sQ[None, None, idx]``, or a constant offset from the smem base),
+    the DSL forms each k-block's descriptor as a 64-bit add to one whose high word is the
+    constant 0x40000040 (stride byte offset and swizzle mode), and ptxas turns each add into
+    UIADD3 + UIADD3.X plus UMOVs that re-materialise the high word; from an opaque address it
+    builds the tile's descriptor once and adds each k-block's offset with one UIADD3.64 (a
+    ULOP3 on the low word where the DSL knows the offset's bits are clear). Call
+    it inside the Q-tile loop: rebased once before it, K and V's descriptors are hoisted into
+    vector registers (an R2UR per use, and registers the elementwise work needs)."""
+    addr = _opaque_i32(t.iterator.toint())
+    ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.smem, assumed_align=1024,
+                        swizzle_=swizzle)
+    return cute.make_tensor(ptr, t.layout)
+
+
 def _tma_tiles(atom: cute.CopyAtom, s: cute.Tensor, g: cute.Tensor):
     """TMA partition of a 2-D tile (its two modes grouped into the TMA box mode): (smem, gmem)."""
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
@@ -482,6 +501,13 @@ class FlexAttentionBwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
+        # One swizzle for every GEMM operand tile (``_opaque_smem`` rebuilds them with it); each
+        # tile and stage is whole swizzle atoms, so every start is 1024-byte aligned.
+        swizzle = sQ_layout.inner
+        for layout in (sdO_layout, sK_layout, sV_layout, sdS_layout):
+            assert str(layout.inner) == str(swizzle)
+        for layout in (sQ_layout, sdO_layout, sdS_layout):
+            assert cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1])) % 1024 == 0
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -507,7 +533,8 @@ class FlexAttentionBwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             sched = self._schedule(mQ, mK, q_per_kv)
-            self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
+            self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, _SmemTiles(sQ, sdO, sK, sV, sdS, swizzle),
+                     sdQ, sLSE, sDelta,
                      tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, qorder, aux,
                      tuple(grad_accs) if const_expr(grad_accs is not None) else ())
 
@@ -706,7 +733,7 @@ class FlexAttentionBwdSm90:
     # -----------------------------------------------------------------------------------------
     @cute.jit
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-            mdK: cute.Tensor, mdV: cute.Tensor, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
+            mdK: cute.Tensor, mdV: cute.Tensor, smem: "_SmemTiles", sdQ, sLSE, sDelta,
             tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, pipe_kv: pipeline.PipelineAsync,
             pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
             softmax_scale: Float32, sched, qblocks, qorder, aux: Aux, grad_accs: tuple):
@@ -718,15 +745,7 @@ class FlexAttentionBwdSm90:
         wg_dq = mma_dq.get_slice(wg * 128)
         thr_sdp = mma_sdp.get_slice(tidx)
         tm, tn = self.tile_m, self.tile_n
-        # Operands. B operands of dV/dK/dQ are the same smem viewed transposed (MN-major).
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO)))
-        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ)))
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed_2d(sK)))
+        # Register operands (the smem ones are made per tile: ``_smem_operands``).
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
         tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim_v)), Float32)
@@ -741,7 +760,7 @@ class FlexAttentionBwdSm90:
         # dS (registers, transposed) -> smem as the dQ GEMM's K-major A operand.
         st_t = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(tidx)
-        tSsdS = thr_st_t.partition_D(transposed(sdS))
+        tSsdS = thr_st_t.partition_D(transposed(smem.sdS))
         # dQ accumulator -> this warpgroup's fp32 box, viewed as the whole (tm, D) tile.
         if const_expr(self.dq_split == "cols"):
             sdQ_tile = cute.group_modes(sdQ, 1, 3)  # (64, ((8, 8), 2)): D = 128 split by columns
@@ -753,9 +772,9 @@ class FlexAttentionBwdSm90:
         c = Float32(LOG2_E)
         if const_expr(self.score_mod is None):
             c = softmax_scale * LOG2_E
-        ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdO, tKrQ, tQrdS, tQrK,
-                      tVrP, tKrdS, acc_dV, acc_dK, tScS, tSsLSE, tSsDelta, thr_st_t, st_t, tSsdS,
-                      tQsdQ, wg_sdp.partition_shape_C((tn, tm)),
+        ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dq, wg_sdp, wg_dkv, wg_dq, smem, tVrP, tKrdS, acc_dV,
+                      acc_dK, tScS, tSsLSE, tSsDelta, thr_st_t, st_t, tSsdS, tQsdQ,
+                      wg_sdp.partition_shape_C((tn, tm)),
                       wg_dq.partition_shape_C((tm, self.head_dim)), c, softmax_scale, sched, aux, wg,
                       grad_accs)
 
@@ -791,7 +810,7 @@ class FlexAttentionBwdSm90:
                         state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "partial")
                     else:
                         state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head, m, kv_ragged)
-        self.epilogue(ctx, mdK, mdV, sK, sV, tma_dk, tma_dv, tidx)
+        self.epilogue(ctx, mdK, mdV, smem.sK, smem.sV, tma_dk, tma_dv, tidx)
 
     @cute.jit
     def _full_q_tile(self, ctx, pipe_q, pipe_do, state, head: Int32, m: Int32, kv_ragged):
@@ -810,13 +829,14 @@ class FlexAttentionBwdSm90:
         stage's index: both warpgroups pass this tile's barrier only after finishing the
         previous tile, whose dQ GEMM was the last reader of the other buffer."""
         idx = state.index
+        ops = self._smem_operands(ctx, idx)
         pipe_q.consumer_wait(state)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
-        wgmma_gemm(ctx.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, idx], zero_init=True)
+        wgmma_gemm(ctx.mma_sdp, acc_S, ops.tSrK, ops.tSrQ, zero_init=True)
         acc_dP = cute.make_rmem_tensor(ctx.s_shape, Float32)
         if const_expr(self.overlap_dp):
             pipe_do.consumer_wait(state)
-            wgmma_gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
+            wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
             warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under the elementwise work below
         else:
             warpgroup.wait_group(0)
@@ -826,14 +846,14 @@ class FlexAttentionBwdSm90:
         if const_expr(not self.overlap_dp):
             pipe_do.consumer_wait(state)
         # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
-        wgmma_gemm(ctx.mma_dkv, ctx.acc_dV, ctx.tVrP, ctx.tVrdO[None, None, None, idx], zero_init=False)
+        wgmma_gemm(ctx.mma_dkv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
         if const_expr(self.overlap_dp):
             warpgroup.wait_group(1)  # dPᵀ done (dV may still run)
         else:
             # After dV, which reads P: ptxas keeps wgmmas in order, so it cannot hoist this one
             # above the elementwise work (it does hoist a dP GEMM issued right after P, and
             # the register peak comes back: 44 bytes of spills for softcap at D = 128).
-            wgmma_gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
+            wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
             warpgroup.wait_group(0)
         tSsDelta = ctx.tSsDelta[None, None, None, idx]
         sums = None
@@ -844,15 +864,20 @@ class FlexAttentionBwdSm90:
                 acc_dP[i] = acc_S[i] * (acc_dP[i] - tSsDelta[i])
         rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
         rdS.store(acc_dP.load().to(self.dtype))
+        # Identity moves on the packed dS: otherwise the compiler converts dS to bf16 a second
+        # time for the dK GEMM (after the barrier) instead of keeping what the stmatrix used.
+        rdS_words = cute.recast_tensor(rdS, Int32)
+        for i in cutlass.range_constexpr(cute.size(rdS_words)):
+            rdS_words[i] = _opaque_i32(rdS_words[i])
         # dSᵀ -> smem; both warpgroups' halves are needed by each dQ GEMM.
         cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(ctx.dq_shape, Float32)
-        wgmma_gemm(ctx.mma_dq, acc_dQ, ctx.tQrdS[None, None, None, idx], ctx.tQrK, zero_init=True)
+        wgmma_gemm(ctx.mma_dq, acc_dQ, ops.tQrdS, ops.tQrK, zero_init=True)
         warpgroup.wait_group(1)  # dV done: dO is free
         pipe_do.consumer_release(state)
-        wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ctx.tKrQ[None, None, None, idx], zero_init=False)
+        wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ops.tKrQ, zero_init=False)
         warpgroup.wait_group(1)  # dQ done
         cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
         cute.autovec_copy(acc_dQ, ctx.tQsdQ)
@@ -864,6 +889,26 @@ class FlexAttentionBwdSm90:
             self._flush_uniform_grads(ctx, sums, head, m)
         state.advance()
         return state
+
+    def _smem_operands(self, ctx, idx: Int32) -> "_SmemOperands":
+        """This tile's smem GEMM operands: K, V and stage ``idx`` of Q, dO, dS, each rebased on
+        an opaque address (``_opaque_smem``: shorter descriptor arithmetic, same descriptors).
+        The B operands of dV/dK/dQ are the same smem viewed transposed (MN-major)."""
+        sm = ctx.smem
+        sQ, sdO, sdS = [_opaque_smem(t[None, None, idx], sm.swizzle)
+                        for t in (sm.sQ, sm.sdO, sm.sdS)]
+        sK, sV = [_opaque_smem(t, sm.swizzle) for t in (sm.sK, sm.sV)]
+        sdp, dkv, dq = ctx.wg_sdp, ctx.wg_dkv, ctx.wg_dq
+        return _SmemOperands(
+            tSrK=sdp.make_fragment_A(sdp.partition_A(sK)),
+            tSrQ=sdp.make_fragment_B(sdp.partition_B(sQ)),
+            tPrV=sdp.make_fragment_A(sdp.partition_A(sV)),
+            tPrdO=sdp.make_fragment_B(sdp.partition_B(sdO)),
+            tVrdO=dkv.make_fragment_B(dkv.partition_B(_transposed_2d(sdO))),
+            tKrQ=dkv.make_fragment_B(dkv.partition_B(_transposed_2d(sQ))),
+            tQrdS=dq.make_fragment_A(dq.partition_A(sdS)),
+            tQrK=dq.make_fragment_B(dq.partition_B(_transposed_2d(sK))),
+        )
 
     @cute.jit
     def _probabilities(self, ctx, acc_S: cute.Tensor, rP: cute.Tensor, tLSE: cute.Tensor,
@@ -1049,20 +1094,41 @@ class _BwdSchedule(NamedTuple):
     n_kv_tiles: object  # ceil(S / tile_n) = the grid's x extent
 
 
+class _SmemTiles(NamedTuple):
+    """The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V
+    (kv tile, D), all K-major with one swizzle."""
+
+    sQ: object
+    sdO: object
+    sK: object
+    sV: object
+    sdS: object
+    swizzle: object
+
+
+class _SmemOperands(NamedTuple):
+    """One Q tile's smem wgmma fragments (``FlexAttentionBwdSm90._smem_operands``)."""
+
+    tSrK: object  # Sᵀ = K Qᵀ
+    tSrQ: object
+    tPrV: object  # dPᵀ = V dOᵀ
+    tPrdO: object
+    tVrdO: object  # dV += Pᵀ dO (B)
+    tKrQ: object  # dK += dSᵀ Q (B)
+    tQrdS: object  # dQ = dS K
+    tQrK: object
+
+
 class _BwdCtx(NamedTuple):
     """Per-CTA MMA-warpgroup state threaded through the per-tile helpers (trace-time)."""
 
     mma_sdp: object
     mma_dkv: object
     mma_dq: object
-    tSrK: object
-    tSrQ: object
-    tPrV: object
-    tPrdO: object
-    tVrdO: object
-    tKrQ: object
-    tQrdS: object
-    tQrK: object
+    wg_sdp: object  # the warpgroup's slices of the three tiled MMAs
+    wg_dkv: object
+    wg_dq: object
+    smem: object  # _SmemTiles
     tVrP: object
     tKrdS: object
     acc_dV: object
