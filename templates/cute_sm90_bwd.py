@@ -59,7 +59,9 @@ dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own s
 swizzle: see ``_dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
 warpgroup, 160 threads); the writer issues ``cp.reduce.async.bulk.tensor...add.f32`` of the box
 into the accumulator (B, Hq, Lpad, D) and frees the box once the bulk copy has read it. The
-accumulator has the natural row-major layout, so the postprocess is a plain scale-and-convert.
+accumulator holds dQ permuted within each 16-row × 8-column block (``_dq_box_view``) so that
+a thread's accumulator values form 16-byte runs in the box (one STS.128 per 4 values instead of
+an STS.64 per 2); the postprocess undoes the permutation.
 
 GQA: query head h reads kv head h // g. A CTA loops over the g query heads of its kv head and
 keeps accumulating dK/dV in registers (FlashAttention-2's choice). Why: dK/dV need no fp32
@@ -281,6 +283,24 @@ def _opaque_smem(t: cute.Tensor, swizzle) -> cute.Tensor:
     return cute.make_tensor(ptr, t.layout)
 
 
+@cute.jit
+def _store_dq_acc(acc: cute.Tensor, dst: cute.Tensor):
+    """The dQ accumulator ((2, 2, V), MMA_M, MMA_N) -> its smem box partition ``dst`` (same
+    shape, through ``_dq_box_view``): the 4 values (e, h) of each 8-column group are adjacent
+    in smem and 16-byte aligned (the box starts on 1024 bytes, the run on a multiple of 4
+    fp32): one 128-bit store each."""
+    for m in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+        for n in cutlass.range_constexpr(cute.size(acc, mode=[2])):
+            for g in cutlass.range_constexpr(cute.size(acc.shape[0][2])):
+                run = cute.make_rmem_tensor((4,), Float32)
+                for h in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        run[2 * h + e] = acc[(e, h, g), m, n]
+                at = dst.iterator + cute.crd2idx(((0, 0, g), m, n), dst.layout)
+                ptr = cute.make_ptr(Float32, at.toint(), cute.AddressSpace.smem, assumed_align=16)
+                cute.autovec_copy(run, cute.make_tensor(ptr, cute.make_layout(4)))
+
+
 def _tma_tiles(atom: cute.CopyAtom, s: cute.Tensor, g: cute.Tensor):
     """TMA partition of a 2-D tile (its two modes grouped into the TMA box mode): (smem, gmem)."""
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
@@ -294,6 +314,23 @@ def _as_acc_layout(frag_a: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
     regrouping), so
     P and dS are written straight into the registers the dV/dK GEMMs read: no second copy."""
     return cute.make_tensor(frag_a.iterator, cute.make_layout(acc.shape))
+
+
+def _dq_box_view(box_rows: int, box_cols: int):
+    """(row, column) of dQ in one box -> smem offset in the box: (row layout, column layout).
+
+    Row r = 16a + 8h + ρ, column c = 8g + 2t + e (the wgmma accumulator gives lane 4ρ + t of
+    a warp rows ρ and ρ + 8 (h), columns 2t + e of every 8-column group g) is stored at box row
+    16a + 2ρ + t // 2, box column 8g + 4·(t % 2) + 2h + e: a permutation within each
+    16-row × 8-column block, the same for every box and kv block, that puts a thread's 4
+    values (e, h) of group g (4 consecutive accumulator registers) in one 16-byte run: one
+    STS.128 per 4 values instead of an STS.64 per 2, no register moves. A warp's store covers
+    512 contiguous bytes (conflict-free). ``FlexAttentionBwdPostSm90`` reads it back. Box
+    (row, column) sits at 8·row + (column % 8) + 8·rows·(column // 8) (``_dq_smem_layout``)."""
+    assert box_rows % 16 == 0
+    rows = cute.make_layout((8, 2, box_rows // 16), stride=(16, 2, 128))
+    cols = cute.make_layout((2, (2, 2), box_cols // 8), stride=(1, (4, 8), 8 * box_rows))
+    return rows, cols
 
 
 def _dq_smem_layout(box_rows: int, box_cols: int):
@@ -762,11 +799,18 @@ class FlexAttentionBwdSm90:
         thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(tidx)
         tSsdS = thr_st_t.partition_D(transposed(smem.sdS))
         # dQ accumulator -> this warpgroup's fp32 box, viewed as the whole (tm, D) tile.
+        # Rows and columns through _dq_box_view (16-byte runs per thread).
+        box_r, box_c = self.dq_box
+        rows, cols = _dq_box_view(box_r, box_c)
+        box_stride = box_r * box_c
         if const_expr(self.dq_split == "cols"):
-            sdQ_tile = cute.group_modes(sdQ, 1, 3)  # (64, ((8, 8), 2)): D = 128 split by columns
+            # (64, (cols, 2)): D = 128 split by columns
+            sdQ_tile = cute.make_tensor(sdQ.iterator, cute.make_layout(
+                (rows.shape, (cols.shape, 2)), stride=(rows.stride, (cols.stride, box_stride))))
         else:
-            rows_first = cute.make_tensor(sdQ.iterator, cute.select(sdQ.layout, mode=[0, 2, 1]))
-            sdQ_tile = cute.group_modes(rows_first, 0, 2)  # ((64, 2), (8, 8)): D = 64 split by rows
+            # ((64, 2), cols): D = 64 split by rows
+            sdQ_tile = cute.make_tensor(sdQ.iterator, cute.make_layout(
+                ((rows.shape, 2), cols.shape), stride=((rows.stride, box_stride), cols.stride)))
         tQsdQ = mma_dq.get_slice(tidx).partition_C(sdQ_tile)
 
         c = Float32(LOG2_E)
@@ -880,7 +924,7 @@ class FlexAttentionBwdSm90:
         wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ops.tKrQ, zero_init=False)
         warpgroup.wait_group(1)  # dQ done
         cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
-        cute.autovec_copy(acc_dQ, ctx.tQsdQ)
+        _store_dq_acc(acc_dQ, ctx.tQsdQ)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
         cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
         warpgroup.wait_group(0)  # dK done: Q is free
@@ -1219,18 +1263,23 @@ class FlexAttentionBwdPreSm90:
 
 
 class FlexAttentionBwdPostSm90:
-    """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only)."""
+    """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only).
+
+    The accumulator is dQ permuted within 16-row × 8-column blocks (``_dq_box_view``): a
+    thread takes accumulator rows 16a + 2ρ + {0, 1}, columns 8g..8g+7 (two 16-byte loads per
+    row), which hold dQ rows 16a + ρ + {0, 8}, columns 8g..8g+7 (one 16-byte store each)."""
 
     def __init__(self, cfg: BwdConfig):
         self.dtype = cfg.dtype
         self.head_dim = cfg.head_dim
         self.lanes_per_row = self.head_dim // 8
-        self.rows_per_cta = 128 // self.lanes_per_row
+        self.units_per_cta = 128 // self.lanes_per_row  # a unit: 2 accumulator rows
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
                  stream: cuda.CUstream):
-        grid = [cute.ceil_div(mdQ.shape[2], self.rows_per_cta), mdQ.shape[1], mdQ.shape[0]]
+        grid = [cute.ceil_div(cute.ceil_div(mdQ.shape[2], 16) * 8, self.units_per_cta),
+                mdQ.shape[1], mdQ.shape[0]]
         self.kernel(mdQacc, mdQ, softmax_scale).launch(grid=grid, block=[128, 1, 1], stream=stream)
 
     @cute.kernel
@@ -1238,14 +1287,24 @@ class FlexAttentionBwdPostSm90:
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         lpr = self.lanes_per_row
-        row = bx * self.rows_per_cta + tidx // lpr
-        part = tidx % lpr
-        if row < mdQ.shape[2]:
-            acc = cute.make_rmem_tensor((8,), Float32)
-            cute.autovec_copy(cute.local_tile(mdQacc[batch, head, row, None], (8,), (part,)), acc)
-            out = cute.make_rmem_tensor((8,), self.dtype)
-            out.store((acc.load() * softmax_scale).to(self.dtype))
-            cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (8,), (part,)))
+        unit = bx * self.units_per_cta + tidx // lpr  # = 8a + ρ
+        g = tidx % lpr
+        base = 16 * (unit // 8) + unit % 8  # dQ row 16a + ρ
+        if base < mdQ.shape[2]:
+            acc = [cute.make_rmem_tensor((8,), Float32) for _ in range(2)]  # acc. row 16a+2ρ+t1
+            for t1 in cutlass.range_constexpr(2):
+                cute.autovec_copy(
+                    cute.local_tile(mdQacc[batch, head, 2 * unit + t1, None], (8,), (g,)), acc[t1])
+            for h in cutlass.range_constexpr(2):
+                row = base + 8 * h
+                if row < mdQ.shape[2]:
+                    out = cute.make_rmem_tensor((8,), self.dtype)
+                    # dQ column 8g + 2t + e, t = t0 + 2·t1: accumulator column 8g + 4·t0 + 2h + e
+                    for t in cutlass.range_constexpr(4):
+                        for e in cutlass.range_constexpr(2):
+                            out[2 * t + e] = (acc[t // 2][4 * (t % 2) + 2 * h + e]
+                                              * softmax_scale).to(self.dtype)
+                    cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (8,), (g,)))
 
 
 # ---------------------------------------------------------------------------------------------
