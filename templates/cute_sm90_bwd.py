@@ -349,7 +349,8 @@ def _dq_smem_layout(box_rows: int, box_cols: int):
     groups × 2 row halves; with a swizzle their smem addresses differ by non-constant amounts,
     and the compiler hoists all of them (16 for D = 128) out of the Q-tile loop, live across it:
     spills at the 240-register cap. Here every address is one base + a constant, and a warp's
-    store covers 256 contiguous bytes (8 rows × 32 B), which is conflict-free. The TMA unit
+    STS.128 (dQ placed through ``_dq_box_view``) covers 512 contiguous bytes, conflict-free. The
+    TMA unit
     reduces the box as cols/8 boxes of 8 × rows (32-byte rows: the L2 sector size)."""
     return cute.make_layout((box_rows, (8, box_cols // 8), 2),
                             stride=(8, (1, 8 * box_rows), box_rows * box_cols))
