@@ -8,7 +8,8 @@
 # A case is backend:variant:S:pass (e.g. cute:causal:8192:fwd; backend fa4-bhsd profiles FA4's own
 # kernels on the same memory layout: its forward, or its backward's three kernels). Per kernel: Speed Of Light,
 # warp stall reasons, and every pipe's utilisation (tensor = wgmma/mma, xu = MUFU: exp2, tanh,
-# int<->float conversions; fma/alu = FP32/integer) and issue-slot use.
+# int<->float conversions; fma/alu = FP32/integer), issue-slot use, and every stall reason per
+# issued instruction.
 set -u
 out=${1:?usage: profile_kernels.sh OUT_FILE [backend:variant:S:pass ...]}
 shift
@@ -20,6 +21,9 @@ fi
 metrics="regex:sm__pipe_(tensor_op_gmma|tensor_op_hmma|fma|alu|xu|fmaheavy)_cycles_active.avg.pct_of_peak_sustained_active"
 metrics+=",regex:sm__inst_executed_pipe_(xu|fma|alu|lsu|uniform).avg.pct_of_peak_sustained_active"
 metrics+=",sm__instruction_throughput.avg.pct_of_peak_sustained_active"
+# Every stall reason, as warps stalled per issued instruction (they add up to the warp cycles per
+# issued instruction): what a latency-bound loop waits on.
+metrics+=",regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
 for c in "${cases[@]}"; do
   IFS=: read -r backend variant S pass <<<"$c"
   if [ "$pass" = fwd ]; then
