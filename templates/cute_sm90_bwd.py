@@ -19,7 +19,8 @@ rendered by the backend): per element, P∘(dP − delta) · d score_mod / d loa
 fp64 accumulator per tensor (``FlexAttentionBwdSm90._captured_grads``); warp-reduced first where
 the load's index is uniform over the tile. Supported when those derivatives and the indices do
 not depend on the score itself (the backend checks; else the Triton backward serves).
-Out of scope here: head dims other than 64 and 128, and sm100.
+Out of scope here: head dims other than 32, 64, 96 and 128 (``HEAD_DIMS``; 192 and (192, 128)
+need smaller kv tiles than one mask block, see ``choose_bwd_tiling``), and sm100.
 
 Algorithm (FlashAttention-2 §3.2 backward; FlashAttention-3 §3 Hopper pipelining)
 --------------------------------------------------------------------------------
@@ -51,9 +52,9 @@ come out already in the A-operand layout of the dV/dK GEMMs, which read them fro
 ``overlap_dp`` (``choose_bwd_tiling``) forms P while the dP GEMM runs; for D = 128 it fits the
 registers only without mods or with light ones, so by default heavier mods issue dP after P.
 
-Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for D = 128 and 64. The kv tile is
-one mask block, so a CTA reads exactly one column of the transposed block lists; a listed q mask
-block is two Q tiles. Smem 194 KB (D = 128) / 114 KB (D = 64).
+Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for every head dim (32, 64, 96, 128).
+The kv tile is one mask block, so a CTA reads exactly one column of the transposed block lists; a
+listed q mask block is two Q tiles. Smem 194 KB (D = 128) / 153 KB (96) / 114 KB (64) / 73 KB (32).
 
 dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
 swizzle: see ``_dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
@@ -153,6 +154,10 @@ class QOrder(NamedTuple):
     full: cute.Tensor
 
 
+# (head_dim, head_dim_v) pairs with a row in ``choose_bwd_tiling``'s table.
+HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128))
+
+
 @dataclass(frozen=True)
 class BwdTiling:
     tile_m: int  # query rows per iteration (the N of the swapped S GEMM)
@@ -184,15 +189,24 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       (advisory C7512: a wait after every wgmma), with or without overlap_dp
       (``BwdTiling(128, 128, 2, "rows", ..)`` builds). FA4 sheds registers there by holding each
       LSE/delta value in one thread of 8 and shuffling; that is the next step for speed.
+    * D = 32: D = 64's row (overlap always).
+    * D = 96: D = 128's row, but overlap always: dV + dK = 96 registers leave room for every
+      core mod's temporaries beside Sᵀ, dPᵀ and P (all 18 compile spill-free overlapped, heavy
+      ones included). Smem 153 KB.
+      K's swizzle atom is 32 bytes, not 64 (``_k_atom_cols``: the dQ GEMM splits K's 96 columns
+      at 48 between the warpgroups).
+    * D = 192 and (192, 128): no row. dK + dV alone are D/2 + Dv/2 = 192 (160) registers per
+      thread with 64 keys per warpgroup, Sᵀ and dPᵀ 32 more each: over the cap before P, dS
+      and the dQ accumulator. FA3 runs them with 64 × 96 tiles and swapped dK/dV GEMMs; here
+      a kv tile smaller than the mask block (and a second GEMM arrangement) is the missing piece.
     Registers: 2 MMA warpgroups at 240 + the producer warpgroup at 24 = 64512 (the launch's
     168 per thread × 384): setmaxnreg.inc can only take what .dec released, so 240/24 is the
     largest split (240/32 would leave the MMA warpgroups waiting forever).
     """
-    if head_dim != head_dim_v:
-        raise NotImplementedError("cute_sm90_bwd: head_dim_v must equal head_dim")
-    if head_dim not in (64, 128):
-        raise NotImplementedError(f"cute_sm90_bwd: head_dim {head_dim} not in (64, 128)")
-    return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim == 64, 240, 24)
+    if (head_dim, head_dim_v) not in HEAD_DIMS:
+        raise NotImplementedError(
+            f"cute_sm90_bwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
+    return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim <= 96, 240, 24)
 
 
 @dataclass(frozen=True)
@@ -275,6 +289,17 @@ def _as_acc_layout(frag_a: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
     regrouping), so
     P and dS are written straight into the registers the dV/dK GEMMs read: no second copy."""
     return cute.make_tensor(frag_a.iterator, cute.make_layout(acc.shape))
+
+
+def _k_atom_cols(head_dim: int, dq_split: str) -> int:
+    """The column count K's smem swizzle atom is chosen for. The dQ GEMM reads K MN-major with
+    each warpgroup's N = D/2 columns ("cols" split), and a warpgroup's columns must start on a
+    swizzle-atom boundary unless all of D lies in one atom: D = 96 would get 32-column (64-byte)
+    atoms and split at column 48, so it takes 16-column (32-byte) atoms instead. Every other
+    head dim keeps the atom of its full width (64 and 128: 128-byte, 32: 64-byte)."""
+    atom = next(a for a in (64, 32, 16, 8) if head_dim % a == 0)  # 16-bit elements per atom
+    half = head_dim // 2
+    return half if dq_split == "cols" and head_dim > atom and half % atom else head_dim
 
 
 def _dq_smem_layout(box_rows: int, box_cols: int):
@@ -360,7 +385,7 @@ class FlexAttentionBwdSm90:
         D, Dv, tm, tn, st = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.num_stages
         sQ_layout = smem_layout(self.dtype, tm, D, st)
         sdO_layout = smem_layout(self.dtype, tm, Dv, st)
-        sK_layout = smem_layout(self.dtype, tn, D)
+        sK_layout = smem_layout(self.dtype, tn, D, atom_cols=_k_atom_cols(D, self.dq_split))
         sV_layout = smem_layout(self.dtype, tn, Dv)
         sdS_layout = smem_layout(self.dtype, tm, tn, st)
         sdQ_layout = _dq_smem_layout(*self.dq_box)

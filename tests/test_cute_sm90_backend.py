@@ -88,3 +88,86 @@ def test_alibi_bias_is_cheap_per_score(tmp_path):
     for op in ("mul.f32", "add.f32"):
         assert count(alibi, op) <= count(causal, op) + 32, (op, count(alibi, op), count(causal, op))
     assert count(alibi, "fma.rn.f32") > count(causal, "fma.rn.f32") + 128  # the bias, per score
+
+
+# --------------------------------------------------------------------------- head dims (issue #13)
+
+
+class _OnHopper:
+    """A CPU tensor that reports a CUDA device: ``supports`` reads only shapes, strides and
+    dtypes (with ``capability`` patched to sm_90), so its head-dim rules run without a GPU."""
+
+    device = torch.device("cuda", 0)
+
+    def __init__(self, t):
+        self._t = t
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+def _hopper_call(monkeypatch, D, Dv, block_mask=None):
+    import dataclasses
+
+    from flexjit.api import prepare_call
+    from flexjit.backends import cute_sm90
+    monkeypatch.setattr(cute_sm90, "capability", lambda device: (9, 0))
+    q, k = (torch.randn(1, 2, 256, D, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, 2, 256, Dv, dtype=torch.bfloat16)
+    call = prepare_call(q, k, v, None, block_mask, None, False, None)
+    return dataclasses.replace(call, q=_OnHopper(q), k=_OnHopper(k), v=_OnHopper(v))
+
+
+@pytest.mark.parametrize("dims", [(32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128),
+                                  (256, 256)], ids=lambda d: f"d{d[0]}_v{d[1]}")
+def test_forward_supports_head_dims(monkeypatch, dims):
+    from flexjit.backends.cute_sm90 import supports
+    ok, why = supports(_hopper_call(monkeypatch, *dims))
+    assert ok, why
+    # A causal block mask (128x128 blocks) as well: every tile maps onto the mask blocks.
+    bm = create_block_mask(mods.causal(), None, None, 256, 256, device="cpu")
+    assert supports(_hopper_call(monkeypatch, *dims, block_mask=bm))[0]
+
+
+@pytest.mark.parametrize("dims", [(80, 80), (16, 16), (512, 512), (128, 96), (96, 128), (192, 64),
+                                  (128, 192), (256, 128)], ids=lambda d: f"d{d[0]}_v{d[1]}")
+def test_forward_refuses_other_head_dims(monkeypatch, dims):
+    from flexjit.backends.cute_sm90 import supports
+    ok, why = supports(_hopper_call(monkeypatch, *dims))
+    assert not ok and f"head dims {dims}" in why, why
+
+
+@pytest.mark.parametrize("dims", [(32, 32), (64, 64), (96, 96), (128, 128)],
+                         ids=lambda d: f"d{d[0]}_v{d[1]}")
+def test_backward_supports_head_dims(monkeypatch, dims):
+    from flexjit.backends.cute_sm90 import backward_supports
+    ok, why = backward_supports(_hopper_call(monkeypatch, *dims))
+    if "TVM-FFI" in why:
+        pytest.skip(why)
+    assert ok, why
+
+
+@pytest.mark.parametrize("dims", [(192, 192), (192, 128)], ids=lambda d: f"d{d[0]}_v{d[1]}")
+def test_backward_refuses_head_dim_192_with_a_reason(monkeypatch, dims):
+    """The forward runs 192 on sm90; the backward does not yet (its dK/dV accumulators do not
+    fit the registers with a 128-key tile), and says so, naming the Triton backward."""
+    from flexjit.backends.cute_sm90 import backward_supports, supports
+    call = _hopper_call(monkeypatch, *dims)
+    assert supports(call)[0]
+    ok, why = backward_supports(call)
+    assert not ok and f"head dims {dims}" in why and "192" in why and "Triton" in why, why
+
+
+@pytest.mark.parametrize("dims", [(256, 256), (80, 80), (128, 96)], ids=lambda d: f"d{d[0]}_v{d[1]}")
+def test_backward_refuses_other_head_dims(monkeypatch, dims):
+    from flexjit.backends.cute_sm90 import backward_supports
+    ok, why = backward_supports(_hopper_call(monkeypatch, *dims))
+    assert not ok and f"head dims {dims}" in why, why
+
+
+def test_backend_head_dims_match_the_templates():
+    """The backend's tables (kept free of cutlass imports) list exactly the templates' rows."""
+    from flexjit.backends import cute_sm90
+    from flexjit.cache import load_template
+    assert set(cute_sm90._HEAD_DIMS) == set(load_template("cute_sm90_fwd").HEAD_DIMS)
+    assert set(cute_sm90._BWD_HEAD_DIMS) == set(load_template("cute_sm90_bwd").HEAD_DIMS)

@@ -290,7 +290,10 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor, None]:
 
 # --------------------------------------------------------------------------- backward
 
-_BWD_HEAD_DIMS = (64, 128)
+# (head_dim, head_dim_v) pairs the sm90 backward has a tile for (``cute_sm90_bwd.HEAD_DIMS``).
+# Not yet: 192 and (192, 128): dK + dV alone hold D/2 + Dv/2 fp32 registers per thread with
+# 64 keys per warpgroup (192 and 160), and Sᵀ + dPᵀ 32 more each: over the 240 cap.
+_BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128))
 
 
 def _bwd_template():
@@ -302,8 +305,13 @@ def backward_supports(call) -> tuple[bool, str]:
     D, Dv = call.q.shape[-1], call.v.shape[-1]
     if os.environ.get("FLEXJIT_CUTE_BWD", "1") == "0":
         return False, "FLEXJIT_CUTE_BWD=0"
-    if D != Dv or D not in _BWD_HEAD_DIMS:
-        return False, f"head dims ({D}, {Dv}); the sm90 backward takes equal head dims in {_BWD_HEAD_DIMS}"
+    if (D, Dv) not in _BWD_HEAD_DIMS:
+        if D == 192:
+            return False, (f"head dims ({D}, {Dv}): the sm90 backward has no tile for head dim 192 "
+                           "yet (its dK/dV accumulators do not fit the registers with 128 keys "
+                           "per CTA); the Triton backward serves it")
+        return False, (f"head dims ({D}, {Dv}); the sm90 backward takes (head_dim, head_dim_v) in "
+                       f"{_BWD_HEAD_DIMS}")
     if call.program.grad_loads:
         if os.environ.get("FLEXJIT_CUTE_BWD_GRADS", "1") == "0":
             # On by default since its GPU tests passed on the H200 (tests/test_cute_sm90_bwd_gpu.py
