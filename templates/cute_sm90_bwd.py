@@ -1121,7 +1121,7 @@ class FlexAttentionBwdPreSm90:
         self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
         self.tile_m = cfg.tiling.tile_m
         self.deterministic = cfg.deterministic
-        self.lanes_per_row = self.head_dim_v // 8
+        self.lanes_per_row = _lanes_per_row(self.head_dim_v)
         self.rows_per_cta = 128 // self.lanes_per_row
 
     @cute.jit
@@ -1143,12 +1143,13 @@ class FlexAttentionBwdPreSm90:
         part = tidx % lpr
         seqlen_q = mO.shape[2]
         dot = Float32(0.0)
+        chunk = self.head_dim_v // lpr  # elements per lane: 8, or 24 for Dv = 96
         if row < seqlen_q:
-            rO = cute.make_rmem_tensor((8,), self.dtype)
-            rdO = cute.make_rmem_tensor((8,), self.dtype)
-            cute.autovec_copy(cute.local_tile(mO[batch, head, row, None], (8,), (part,)), rO)
-            cute.autovec_copy(cute.local_tile(mdO[batch, head, row, None], (8,), (part,)), rdO)
-            for i in cutlass.range_constexpr(8):
+            rO = cute.make_rmem_tensor((chunk,), self.dtype)
+            rdO = cute.make_rmem_tensor((chunk,), self.dtype)
+            cute.autovec_copy(cute.local_tile(mO[batch, head, row, None], (chunk,), (part,)), rO)
+            cute.autovec_copy(cute.local_tile(mdO[batch, head, row, None], (chunk,), (part,)), rdO)
+            for i in cutlass.range_constexpr(chunk):
                 dot += rO[i].to(Float32) * rdO[i].to(Float32)
         for off in cutlass.range_constexpr(int(math.log2(lpr))):
             dot += cute.arch.shuffle_sync_bfly(dot, offset=(lpr // 2) >> off)
@@ -1177,13 +1178,23 @@ class FlexAttentionBwdPreSm90:
             cute.autovec_copy(zeros, cute.local_tile(mdQacc[batch, head, row, None], (per,), (part,)))
 
 
+def _lanes_per_row(head_dim: int) -> int:
+    """Lanes that share one row in the pre/postprocess: one 16-byte vector (8 elements) each
+    when head_dim / 8 is a power of two (32: 4, 64: 8, 128: 16), else the largest power of two
+    dividing it, each lane taking several vectors (96: 4 lanes of 24 elements). A power of two
+    dividing 32, so that a row's lanes sit in one warp and the butterfly reduction covers them
+    exactly (12 lanes for 96 would straddle warps and leave 8 threads on the next CTA's rows)."""
+    n = head_dim // 8
+    return n & -n
+
+
 class FlexAttentionBwdPostSm90:
     """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only)."""
 
     def __init__(self, cfg: BwdConfig):
         self.dtype = cfg.dtype
         self.head_dim = cfg.head_dim
-        self.lanes_per_row = self.head_dim // 8
+        self.lanes_per_row = _lanes_per_row(self.head_dim)
         self.rows_per_cta = 128 // self.lanes_per_row
 
     @cute.jit
@@ -1199,12 +1210,13 @@ class FlexAttentionBwdPostSm90:
         lpr = self.lanes_per_row
         row = bx * self.rows_per_cta + tidx // lpr
         part = tidx % lpr
+        chunk = self.head_dim // lpr  # elements per lane: 8, or 24 for D = 96
         if row < mdQ.shape[2]:
-            acc = cute.make_rmem_tensor((8,), Float32)
-            cute.autovec_copy(cute.local_tile(mdQacc[batch, head, row, None], (8,), (part,)), acc)
-            out = cute.make_rmem_tensor((8,), self.dtype)
+            acc = cute.make_rmem_tensor((chunk,), Float32)
+            cute.autovec_copy(cute.local_tile(mdQacc[batch, head, row, None], (chunk,), (part,)), acc)
+            out = cute.make_rmem_tensor((chunk,), self.dtype)
             out.store((acc.load() * softmax_scale).to(self.dtype))
-            cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (8,), (part,)))
+            cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (chunk,), (part,)))
 
 
 # ---------------------------------------------------------------------------------------------

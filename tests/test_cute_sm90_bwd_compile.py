@@ -166,6 +166,11 @@ def test_backward_tile_table():
     assert tpl.choose_bwd_tiling(32, 32, False) == T(64, 128, 2, "cols", True, 240, 24)
     assert tpl.choose_bwd_tiling(96, 96, False) == T(64, 128, 2, "cols", True, 240, 24)
     assert [tpl._k_atom_cols(d, "cols") for d in (32, 64, 96, 128)] == [32, 64, 48, 128]
+    # Pre/postprocess: a row's lanes are a power of two within one warp, covering the row.
+    assert [tpl._lanes_per_row(d) for d in (32, 64, 96, 128)] == [4, 8, 4, 16]
+    for d in (32, 64, 96, 128):
+        n = tpl._lanes_per_row(d)
+        assert 32 % n == 0 and (d // n) % 8 == 0
     for d, dv in ((192, 192), (192, 128), (256, 256), (128, 96)):
         with pytest.raises(NotImplementedError, match="head dims"):
             tpl.choose_bwd_tiling(d, dv)
