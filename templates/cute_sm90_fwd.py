@@ -17,7 +17,7 @@ What this module holds
 
 Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pipelining)
 -------------------------------------------------------------------------------------
-* One CTA computes a tile_m-row query tile (128; 192 for dense D=32/64) of one (batch, query head).
+* One CTA computes a tile_m-row query tile (128; 192 for dense D=64) of one (batch, query head).
   Warpgroup 0 is the producer:
   it drops to ``load_regs`` registers (``setmaxnreg.dec``) and one warp issues TMA loads of Q
   (once), then K and V tiles through two ``PipelineTmaAsync`` rings (``num_stages`` deep each).
@@ -228,7 +228,8 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
       registers per thread; an S tile of 64 columns (32 regs) keeps the total under 240. FA4 uses
       tile_n = 80, which would not divide the mask block. No ping-pong (the long PV GEMM makes the
       two warpgroups' turns uneven).
-    * D = 32: D = 64's rows (the GEMMs are shorter still; smem 61 KB dense, 57 KB sparse).
+    * D = 32: D = 64's block-sparse row, dense too (57 KB): the 192-row 3-warpgroup tile at 160
+      registers spills 48 bytes with a gathered bias (relative_bias), 240 leaves room.
     * D = 96: D = 128's row (smem 24 + 2×(24+24) = 120 KB). FA3 runs 192×144 with 3 consumer
       warpgroups; here 192×128 at 160 registers spills 144 bytes (O 48 + S 64 + P 32 per thread
       leaves too little for the rest), and 144 would not divide the mask block.
@@ -243,7 +244,7 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     compiles without spills with the heaviest core mods (tests/test_cute_sm90_compile.py).
 
     ``persistent`` adds a separate O buffer (tile_m × Dv): D = 128 needs 192 KB, D = 64 128 KB
-    (block-sparse) or 144 KB (dense), D = 96 145 KB, D = 32 73 KB (dense); D = 256 would need
+    (block-sparse) or 144 KB (dense), D = 96 145 KB, D = 32 65 KB; D = 256 would need
     256 KB > 227 KB and (192, 128) 240 KB, so they are refused; (192, 192) would fit (192 KB) but
     is refused as well until it is measured.
 
@@ -265,9 +266,11 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
         raise NotImplementedError(
             f"cute_sm90_fwd: the persistent variant does not support head dims ({head_dim}, "
             f"{head_dim_v}) (no smem for a separate O buffer beside 2 K/V stages)")
-    if head_dim in (32, 64):
+    if head_dim == 64:
         if not block_sparse:
             return Tiling(192, 128, 3, 3, True, 160, 32, persistent, dyn)
+        return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
+    if head_dim == 32:
         return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
     if head_dim in (96, 128):
         return Tiling(128, 128, 2, 2, True, 240, 24, persistent, dyn)

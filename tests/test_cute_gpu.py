@@ -105,8 +105,8 @@ def test_d64_and_4k(name):
 
 
 # Issue #13's head dims: each with causal (block-sparse, 128-row tiles) and one more mod;
-# relative_bias has no mask_mod, so it runs the dense tiling (D = 32: 192 rows, 3 consumer
-# warpgroups). (192, 128): q/k wider than v. Ragged L = S = 1000, GQA 8/2. 192 has no
+# relative_bias has no mask_mod, so it runs the dense path (every kv tile visited, a gathered
+# bias). (192, 128): q/k wider than v. Ragged L = S = 1000, GQA 8/2. 192 has no
 # persistent variant: both fixture runs launch the same per-tile kernel.
 @pytest.mark.parametrize("D,Dv,name", [
     (32, 32, "causal"), (32, 32, "relative_bias"),
