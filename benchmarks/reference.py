@@ -73,7 +73,8 @@ def _attend(q_rows, k, v, row0: int, variant: Variant, scale: float):
 
 
 def attention_reference(q, k, v, variant: Variant, scale: float, dtype: torch.dtype, dout=None):
-    """Attention of q [B,Hq,S,D] over k, v [B,Hkv,S,D] computed in `dtype`, chunked over rows.
+    """Attention of q [B,Hq,S,D] over k [B,Hkv,S,D], v [B,Hkv,S,Dv], computed in `dtype`, chunked
+    over rows.
 
     Returns float32 tensors: {"out"} and, when `dout` is given, also {"dq", "dk", "dv"}.
     """
@@ -84,11 +85,11 @@ def attention_reference(q, k, v, variant: Variant, scale: float, dtype: torch.dt
     qc, kc, vc = (t.detach().to(dtype) for t in (q, k, v))
     kc.requires_grad_(want_grad)
     vc.requires_grad_(want_grad)
-    res = {"out": torch.empty(B, Hq, S, D, dtype=torch.float32, device=q.device)}
+    res = {"out": torch.empty(B, Hq, S, v.shape[-1], dtype=torch.float32, device=q.device)}
     if want_grad:
-        res["dq"] = torch.empty_like(res["out"])
+        res["dq"] = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         res["dk"] = torch.zeros(kc.shape, dtype=torch.float32, device=q.device)
-        res["dv"] = torch.zeros_like(res["dk"])
+        res["dv"] = torch.zeros(vc.shape, dtype=torch.float32, device=q.device)
     with _full_fp32_matmul(), torch.set_grad_enabled(want_grad):
         for r0 in range(0, S, rows_per_chunk):
             rows = slice(r0, min(S, r0 + rows_per_chunk))

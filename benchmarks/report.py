@@ -17,12 +17,22 @@ from .variants import VARIANTS
 
 COLUMNS = FLEXJIT_IMPLS + BASELINE_IMPLS + EXTRA_IMPLS
 BASELINES = BASELINE_IMPLS + EXTRA_IMPLS  # everything that is not flexjit
-CASE_KEYS = ("pass", "Hkv", "D", "variant", "S", "B", "Hq", "dtype")
+CASE_KEYS = ("pass", "Hkv", "D", "Dv", "variant", "S", "B", "Hq", "dtype")
 CELL = {"wrong": "wrong", "error": "err", "skipped": "–"}
 
 
 def _s(S: int) -> str:
     return f"{S // 1024}k" if S % 1024 == 0 else str(S)
+
+
+def dims(r: dict) -> str:
+    """The head dims as the tables name them: "128", or q/k over v ("192/128")."""
+    dv = r.get("Dv", r["D"])
+    return str(r["D"]) if dv == r["D"] else f"{r['D']}/{dv}"
+
+
+def _key(r: dict, k: str):
+    return r.get("Dv", r["D"]) if k == "Dv" else r[k]
 
 
 def _tf(x: float) -> str:
@@ -32,7 +42,7 @@ def _tf(x: float) -> str:
 def row_line(r: dict) -> str:
     """One printed line per measurement."""
     head = (f"{r['pass']:6} {r['variant']:14} S={_s(r['S']):>3} B={r['B']:<2} Hkv={r['Hkv']:<2} "
-            f"D={r['D']:<3} {r['impl']:18}")
+            f"D={dims(r):<3} {r['impl']:18}")
     if r["status"] == "ok":
         return f"{head} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s  (first call {r.get('first_call_s', 0):.1f} s)"
     return f"{head} {r['status'].upper():7} {r['error']}"
@@ -42,11 +52,11 @@ def _cases(rows):
     """Rows grouped by case: fwd before fwdbwd, then Hkv (MHA first), D, variant, S."""
     groups = defaultdict(dict)
     for r in rows:
-        groups[tuple(r[k] for k in CASE_KEYS)][r["impl"]] = r
+        groups[tuple(_key(r, k) for k in CASE_KEYS)][r["impl"]] = r
 
     def order(key):
-        pass_, hkv, d, variant, S = key[:5]
-        return (pass_ != "fwd", -hkv, d, VARIANTS.index(variant) if variant in VARIANTS else 99, S)
+        pass_, hkv, d, dv, variant, S = key[:6]
+        return (pass_ != "fwd", -hkv, d, dv, VARIANTS.index(variant) if variant in VARIANTS else 99, S)
 
     return {k: groups[k] for k in sorted(groups, key=order)}
 
@@ -64,12 +74,12 @@ def table(rows: list[dict]) -> str:
     head = ["variant", "S", "B", "density"] + impls + ["best baseline"] + [f"{c.removeprefix('flexjit-')} / best" for c in fj]
     out, current = [], None
     for key, by_impl in _cases(rows).items():
-        pass_, hkv, d = key[:3]
+        pass_, hkv = key[:2]
         some = next(iter(by_impl.values()))
-        if (pass_, hkv, d) != current:
-            current = (pass_, hkv, d)
-            out += ["", f"**{pass_}**, Hq={some['Hq']}, Hkv={hkv}, D={d}, {some['dtype']}, TFLOP/s "
-                        f"on the mask's true density ({'4' if pass_ == 'fwd' else '14'}·B·Hq·S²·D·density)", "",
+        if key[:4] != current:
+            current = key[:4]
+            out += ["", f"**{pass_}**, Hq={some['Hq']}, Hkv={hkv}, D={dims(some)}, {some['dtype']}, TFLOP/s "
+                        f"on the mask's true density ({'2' if pass_ == 'fwd' else '7'}·B·Hq·S²·(D+Dv)·density)", "",
                     "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         dens = next((r["density"] for r in by_impl.values() if r.get("density") is not None), None)
         cells = [some["variant"], _s(some["S"]), str(some["B"]), "–" if dens is None else f"{dens:.3f}"]
@@ -89,10 +99,10 @@ def table(rows: list[dict]) -> str:
 def notes(rows: list[dict]) -> str:
     """Every row that was not timed, grouped by impl and reason."""
     groups = defaultdict(list)
-    several = len({(r["Hkv"], r["D"]) for r in rows}) > 1  # then name Hkv and D too
+    several = len({(r["Hkv"], dims(r)) for r in rows}) > 1  # then name Hkv and D too
     for r in rows:
         if r["status"] != "ok":
-            where = f"{r['pass']} {r['variant']} {_s(r['S'])}" + (f" Hkv={r['Hkv']} D={r['D']}" if several else "")
+            where = f"{r['pass']} {r['variant']} {_s(r['S'])}" + (f" Hkv={r['Hkv']} D={dims(r)}" if several else "")
             groups[(r["impl"], r["status"], r["error"][:400])].append(where)
     if not groups:
         return "All measurements ran and passed the check."
@@ -126,13 +136,14 @@ def plot(rows: list[dict], path: Path) -> str:
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return "no chart: no timed rows"
-    panels = sorted({(r["pass"], r["Hkv"], r["D"]) for r in ok}, key=lambda p: (p[0] != "fwd", -p[1], p[2]))
+    panels = sorted({(r["pass"], r["Hkv"], dims(r)) for r in ok},
+                    key=lambda p: (p[0] != "fwd", -p[1], [int(x) for x in p[2].split("/")]))
     impls = [c for c in COLUMNS if any(r["impl"] == c for r in ok)]
     fig, axes = plt.subplots(len(panels), 1, squeeze=False,
                              figsize=(max(8.0, 0.9 * len({(r['variant'], r['S']) for r in ok}) + 3), 3.6 * len(panels)))
     width = 0.8 / len(impls)
     for ax, (pass_, hkv, d) in zip(axes[:, 0], panels):
-        mine = [r for r in ok if (r["pass"], r["Hkv"], r["D"]) == (pass_, hkv, d)]
+        mine = [r for r in ok if (r["pass"], r["Hkv"], dims(r)) == (pass_, hkv, d)]
         groups = sorted({(r["variant"], r["S"]) for r in mine},
                         key=lambda g: (VARIANTS.index(g[0]) if g[0] in VARIANTS else 99, g[1]))
         for i, impl in enumerate(impls):

@@ -63,6 +63,15 @@ def parse_sizes(text: str) -> list[int]:
     return out
 
 
+def parse_head_dims(text: str) -> list[tuple[int, int]]:
+    """'64,192/128' -> [(64, 64), (192, 128)]: q/k's head dim, then v's."""
+    out = []
+    for part in text.split(","):
+        qk, _, v = part.strip().partition("/")
+        out.append((int(qk), int(v or qk)))
+    return out
+
+
 def parse_list(text: str, known) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     unknown = [x for x in items if x not in known]
@@ -76,9 +85,11 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="folder for results.json/.md/.png and log.txt")
     p.add_argument("--S", default=None, help="sequence lengths, e.g. 2k,8k (default 2k,8k)")
     p.add_argument("--hkv", default=None, help="KV heads, e.g. 16,4 (default 16)")
-    p.add_argument("--d", default=None, help="head dims, e.g. 64,128 (default 128)")
+    p.add_argument("--d", default=None,
+                   help="head dims, e.g. 64,128, or q/k over v as 192/128 (default 128)")
     p.add_argument("--hq", type=int, default=16, help="query heads (default 16)")
-    p.add_argument("--tokens", type=int, default=16384, help="B*S per case (default 16384)")
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="B*S per case (default 16384); a longer S runs one sequence (B=1)")
     p.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default both)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="default: all seven")
     known_impls = impl_mod.DEFAULT_IMPLS + impl_mod.EXTRA_IMPLS
@@ -105,7 +116,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.S = parse_sizes(args.S) if args.S else list(ALL_S if args.all else DEFAULT_S)
     args.hkv = parse_sizes(args.hkv) if args.hkv else ([16, 4] if args.all else [16])
-    args.d = parse_sizes(args.d) if args.d else ([64, 128] if args.all else [128])
+    args.d = parse_head_dims(args.d) if args.d else ([(64, 64), (128, 128)] if args.all else [(128, 128)])
     args.passes = parse_list(args.passes, ("fwd", "fwdbwd"))
     args.variants = parse_list(args.variants, VARIANTS)
     args.impls = parse_list(args.impls, known_impls)
@@ -113,7 +124,7 @@ def parse_args(argv=None):
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(2**31)
     for S in args.S:
-        if args.tokens % S:
+        if S < args.tokens and args.tokens % S:
             raise SystemExit(f"--tokens {args.tokens} is not a multiple of S={S}")
     for hkv in args.hkv:
         if args.hq % hkv:
@@ -198,18 +209,19 @@ def rotation_count(case: Case, device: torch.device, l2_bytes: int | None) -> in
     if device.type != "cuda":
         return 1
     itemsize = torch.tensor([], dtype=case.dtype).element_size()
-    one_set = case.B * case.S * case.D * (2 * case.Hq + 2 * case.Hkv) * itemsize  # q, dout, k, v
+    one_set = case.B * case.S * (case.D + case.dv) * (case.Hq + case.Hkv) * itemsize  # q, dout, k, v
     return max(1, min(8, math.ceil(2 * (l2_bytes or 60 << 20) / one_set)))
 
 
 def make_inputs(case: Case, device, n_sets: int) -> list[dict]:
-    """n_sets of fresh random q, k, v (leaves that require grad) and dout, all [B, H, S, D]."""
+    """n_sets of fresh random q, k, v (leaves that require grad) and dout, all [B, H, S, D] (v and
+    dout: [B, H, S, Dv])."""
     sets = []
     for _ in range(n_sets):
         q = torch.randn(case.B, case.Hq, case.S, case.D, device=device, dtype=case.dtype)
         k = torch.randn(case.B, case.Hkv, case.S, case.D, device=device, dtype=case.dtype)
-        v = torch.randn(case.B, case.Hkv, case.S, case.D, device=device, dtype=case.dtype)
-        do = torch.randn_like(q)
+        v = torch.randn(case.B, case.Hkv, case.S, case.dv, device=device, dtype=case.dtype)
+        do = torch.randn(case.B, case.Hq, case.S, case.dv, device=device, dtype=case.dtype)
         sets.append({"q": q.requires_grad_(), "k": k.requires_grad_(), "v": v.requires_grad_(), "do": do})
     return sets
 
@@ -246,9 +258,10 @@ def poison_allocator(case: Case, device) -> None:
     """
     if device.type != "cuda":
         return
-    q_shape, kv_shape = (case.B, case.Hq, case.S, case.D), (case.B, case.Hkv, case.S, case.D)
+    shapes = [(case.B, case.Hq, case.S, case.D), (case.B, case.Hq, case.S, case.dv),
+              (case.B, case.Hkv, case.S, case.D), (case.B, case.Hkv, case.S, case.dv)]
     blocks = [torch.full(shape, float("nan"), dtype=dt, device=device)
-              for shape in (q_shape, q_shape, kv_shape, kv_shape) for dt in (case.dtype, torch.float32)]
+              for shape in shapes for dt in (case.dtype, torch.float32)]
     del blocks
 
 
@@ -297,17 +310,33 @@ def time_ms(step, device, warmup_ms: float, rep_ms: float) -> float:
     return statistics.median(times)
 
 
+# From this S on, the references cover the first KV head and its query heads only: a head's
+# output and gradients depend on no other head, and the fp32 reference of all 16 heads of a 128k
+# sequence would take minutes (it computes every score, masked or not).
+REF_ONE_HEAD_FROM_S = 32768
+
+
 class Refs:
-    """The float32 and test-dtype references of one (pass, case, variant), computed on first need."""
+    """The float32 and test-dtype references of one (pass, case, variant), computed on first need.
+    Long sequences: of the first KV head's group of heads (``restrict`` cuts results to match)."""
 
     def __init__(self, s: dict, variant, scale: float, pass_: str, dtype):
         self.s, self.variant, self.scale, self.pass_, self.dtype = s, variant, scale, pass_, dtype
+        q, k = s["q"], s["k"]
+        self.group = q.shape[1] // k.shape[1] if q.shape[2] >= REF_ONE_HEAD_FROM_S else None
         self._pair = None
+
+    def restrict(self, got: dict) -> dict:
+        if self.group is None:
+            return got
+        return {n: t[:, :1] if n in ("dk", "dv") else t[:, :self.group] for n, t in got.items()}
 
     def pair(self):
         if self._pair is None:
-            dout = self.s["do"] if self.pass_ == "fwdbwd" else None
-            args = (self.s["q"], self.s["k"], self.s["v"], self.variant, self.scale)
+            s = self.s if self.group is None else {
+                n: t[:, :1] if n in ("k", "v") else t[:, :self.group] for n, t in self.s.items()}
+            dout = s["do"] if self.pass_ == "fwdbwd" else None
+            args = (s["q"], s["k"], s["v"], self.variant, self.scale)
             self._pair = (attention_reference(*args, torch.float32, dout),
                           attention_reference(*args, self.dtype, dout))
         return self._pair
@@ -338,7 +367,7 @@ def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: R
         return {**row, "status": "error", "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=6)}
     row["first_call_s"] = round(time.perf_counter() - t0, 3)
     ref, low = refs.pair()
-    verdict = check(got, ref, low)
+    verdict = check(refs.restrict(got), ref, low)
     del got
     row["check"] = verdict.detail
     if not verdict.ok:
@@ -355,7 +384,12 @@ def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: R
 # ---- the run -----------------------------------------------------------------------------------
 
 
-ROW_KEY = ("impl", "variant", "S", "B", "Hq", "Hkv", "D", "dtype", "pass")
+ROW_KEY = ("impl", "variant", "S", "B", "Hq", "Hkv", "D", "Dv", "dtype", "pass")
+
+
+def row_key(r: dict) -> tuple:
+    """A row's ROW_KEY values (rows from before v's own head dim was recorded: Dv = D)."""
+    return tuple(r.get(k, r["D"]) if k == "Dv" else r[k] for k in ROW_KEY)
 
 
 def _never_tried(row: dict) -> bool:
@@ -369,7 +403,7 @@ def previous_rows(path: str | None) -> dict:
     if not path:
         return {}
     rows = json.loads(Path(path).read_text())
-    return {tuple(r[k] for k in ROW_KEY): r for r in rows if not _never_tried(r)}
+    return {row_key(r): r for r in rows if not _never_tried(r)}
 
 
 class Runner:
@@ -390,7 +424,8 @@ class Runner:
     def run_case(self, pass_: str, case: Case, vname: str) -> None:
         """Every impl on one (pass, case, variant); inputs and references are made on first need."""
         args = self.args
-        keys = {n: (n, vname, case.S, case.B, case.Hq, case.Hkv, case.D, args.dtype, pass_) for n in self.order}
+        keys = {n: (n, vname, case.S, case.B, case.Hq, case.Hkv, case.D, case.dv, args.dtype, pass_)
+                for n in self.order}
         self.rows += [self.kept[keys[n]] for n in self.order if keys[n] in self.kept]
         prep = None
         for name in (n for n in self.order if keys[n] not in self.kept):
@@ -400,7 +435,7 @@ class Runner:
                 res = prep.get("error") or measure(self.adapters[name], prep["variant"], case, pass_,
                                                    prep["sets"], prep["refs"], args)
             self.record({"impl": name, "variant": vname, "S": case.S, "B": case.B, "Hq": case.Hq,
-                         "Hkv": case.Hkv, "D": case.D, "dtype": args.dtype, "pass": pass_, "ms": None,
+                         "Hkv": case.Hkv, "D": case.D, "Dv": case.dv, "dtype": args.dtype, "pass": pass_, "ms": None,
                          "tflops": None, "correct": False, **res, "date": self.env["date"],
                          "gpu": self.env["gpu"], "density": (prep or {}).get("density"),
                          "flops": (prep or {}).get("flops"), "seed": args.seed})
@@ -463,8 +498,8 @@ def main(argv=None) -> int:
     (out / "meta.json").write_text(json.dumps(env, indent=1))
     print("benchmarks.run:", json.dumps(env))
     runner = Runner(args, env, out)
-    cases = [Case(args.tokens // S, S, args.hq, hkv, d, DTYPES[args.dtype])
-             for S, hkv, d in itertools.product(args.S, args.hkv, args.d)]
+    cases = [Case(max(1, args.tokens // S), S, args.hq, hkv, d, DTYPES[args.dtype], None if dv == d else dv)
+             for S, hkv, (d, dv) in itertools.product(args.S, args.hkv, args.d)]
     for pass_, case, vname in itertools.product(args.passes, cases, args.variants):
         runner.run_case(pass_, case, vname)
     rows = runner.rows

@@ -1,6 +1,7 @@
 """Our sm90 kernel's steady-state loop against FA4's, instruction by instruction, on the CPU.
 
-    python -m benchmarks.sass_compare [--pass fwd|bwd] [--causal] [--fa4-site DIR]
+    python -m benchmarks.sass_compare [--pass fwd|bwd] [--causal] [--head-dim 128|64]
+                                      [--fa4-site DIR]
 
 No GPU: both kernels are compiled for sm_90a (CUTE_DSL_ARCH) and their cubins disassembled with
 the cuobjdump in Triton's wheel. Ours comes through the templates (dense, or causal with a block
@@ -87,7 +88,7 @@ def hot_path(ins: list[tuple[int, str]]) -> tuple[list[str], int]:
     return [t for _, t in body], 0
 
 
-def _ours(pass_: str, causal: bool, out: str) -> str:
+def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128) -> str:
     import cutlass
     import torch
 
@@ -104,9 +105,10 @@ def _ours(pass_: str, causal: bool, out: str) -> str:
     options = f"--keep-cubin --dump-dir {out}"
     if pass_ == "fwd":
         tpl = load_template("cute_sm90_fwd")
-        cfg = tpl.FwdConfig(128, 128, cutlass.BFloat16, mods.score_mod, mods.mask_mod, has_block_mask=causal)
-        q = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16)
-        k = torch.randn(2, 4, 500, 128, dtype=torch.bfloat16)
+        cfg = tpl.FwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod, mods.mask_mod,
+                            has_block_mask=causal)
+        q = torch.randn(2, 4, 300, head_dim, dtype=torch.bfloat16)
+        k = torch.randn(2, 4, 500, head_dim, dtype=torch.bfloat16)
         lists = None
         if causal:
             ones, idx = torch.ones(1, 1, 3, dtype=torch.int32), torch.zeros(1, 1, 3, 4, dtype=torch.int32)
@@ -115,13 +117,13 @@ def _ours(pass_: str, causal: bool, out: str) -> str:
                         (), (), options=options)
     else:
         tpl = load_template("cute_sm90_bwd")
-        cfg = tpl.BwdConfig(128, 128, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
-                            has_block_mask=causal)
+        cfg = tpl.BwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod_and_grad,
+                            mods.mask_mod, has_block_mask=causal)
         tpl.compile_bwd(cfg, (), (), options=options, parts=("main",))
     return _largest_cubin(out)
 
 
-def _fa4(pass_: str, causal: bool, out: str, site: str) -> str:
+def _fa4(pass_: str, causal: bool, out: str, site: str, head_dim: int = 128) -> str:
     os.makedirs(out, exist_ok=True)
     os.environ.update(FLASH_ATTENTION_ARCH="sm_90", FLASH_ATTENTION_NUM_SMS="132")
     sys.path.insert(0, site)
@@ -144,7 +146,7 @@ def _fa4(pass_: str, causal: bool, out: str, site: str) -> str:
     fa.cute.compile = _Keep()
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            B, H, S, D = 2, 16, 8192, 128
+            B, H, S, D = 2, 16, 8192, head_dim
             if pass_ == "fwd":  # [B, H, S, D] memory, as torch Flex's FLASH backend passes it
                 q, k, v = [torch.empty(B, H, S, D, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
                            for _ in range(3)]
@@ -173,26 +175,28 @@ def _largest_cubin(folder: str, exclude=()) -> str:
 def _rows_per_iteration(path: list[str], pass_: str) -> int:
     """Query rows one pass of ``path`` covers: the forward's loop is over kv tiles of a 128-row
     Q tile shared by 2 warpgroups (64 rows each); the backward's over Q tiles whose row count is
-    the N of the S GEMM (HGMMA.64xN), ×2 when ptxas unrolled two per stretch."""
+    the N of the S GEMM (HGMMA.64xN): the most frequent N, since the S, dP (and, at D = tile_m,
+    dV, dK) GEMMs share it (the smallest N is wrong at D = 64, where our dQ GEMM is 64x32)."""
     if pass_ == "fwd":
         return 64
     sizes = collections.Counter(int(m.group(1)) for t in path
                                 for m in [re.match(r"HGMMA\.64x(\d+)x16", _opcode(t))] if m)
-    return min(sizes) if sizes else 64
+    return sizes.most_common(1)[0][0] if sizes else 64
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sass_compare")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
     p.add_argument("--fa4-site", default=None)
     p.add_argument("--top", type=int, default=24)
     a = p.parse_args(argv)
     kernels = {}
     with tempfile.TemporaryDirectory() as d:
-        kernels["flexjit"] = _ours(a.pass_, a.causal, f"{d}/ours")
+        kernels["flexjit"] = _ours(a.pass_, a.causal, f"{d}/ours", a.head_dim)
         if a.fa4_site:
-            kernels["fa4"] = _fa4(a.pass_, a.causal, f"{d}/fa4", a.fa4_site)
+            kernels["fa4"] = _fa4(a.pass_, a.causal, f"{d}/fa4", a.fa4_site, a.head_dim)
         hist = {}
         for name, cubin in kernels.items():
             ins = disassemble(cubin)
@@ -206,7 +210,8 @@ def main(argv=None) -> None:
     names = list(hist)
     ops = sorted({o for h in hist.values() for o in h},
                  key=lambda o: -max(h.get(o, 0) for h in hist.values()))
-    print(f"\nper 64 query rows per thread ({a.pass_}, {'causal' if a.causal else 'full'}):")
+    print(f"\nper 64 query rows per thread ({a.pass_}, {'causal' if a.causal else 'full'}, "
+          f"D={a.head_dim}):")
     print(f"  {'opcode':36s}" + "".join(f"{n:>10s}" for n in names))
     for o in ops[:a.top]:
         print(f"  {o:36s}" + "".join(f"{hist[n].get(o, 0):10.1f}" for n in names))

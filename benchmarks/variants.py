@@ -41,10 +41,15 @@ class Case:
     Hkv: int
     D: int
     dtype: torch.dtype = torch.bfloat16
+    Dv: int | None = None  # v's head dim where it differs from q/k's (e.g. 192/128)
 
     @property
     def gqa(self) -> bool:
         return self.Hq != self.Hkv
+
+    @property
+    def dv(self) -> int:
+        return self.D if self.Dv is None else self.Dv
 
 
 @dataclass
@@ -153,8 +158,8 @@ def build(name: str, case: Case, device: torch.device, gen: torch.Generator) -> 
 
 
 def attention_flops(case: Case, density: float, pass_: str) -> float:
-    """4·B·Hq·S²·D·density for the forward (two matmuls), 3.5× that for forward+backward."""
-    fwd = 4.0 * case.B * case.Hq * case.S * case.S * case.D * density
+    """2·B·Hq·S²·(D + Dv)·density for the forward (QKᵀ and PV), 3.5× that for forward+backward."""
+    fwd = 2.0 * case.B * case.Hq * case.S * case.S * (case.D + case.dv) * density
     return fwd if pass_ == "fwd" else 3.5 * fwd
 
 

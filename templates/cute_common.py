@@ -14,10 +14,12 @@ nothing here is a template of its own.
   accumulator row), ``fadd``.
 * Host plumbing for the TVM-FFI launch path: ``tvm_ffi_enabled``, ``placeholder`` (compile-time
   stand-ins for torch tensors), ``aux_cutlass_dtype``, ``as_scalar``, ``ffi_function``,
-  ``stream_context``.
+  ``stream_context``; for persistent kernels, ``scheduler_counter`` (the dynamic scheduler's zeroed
+  per-stream counter, from a memory pool of its own) and ``device_num_sms``.
 * Constants: ``MASK_BLOCK`` (the BlockMask's 128x128 granularity), ``LOG2_E``, ``LN_2``.
 """
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -214,3 +216,59 @@ def stream_context(stream):
     if isinstance(stream, torch.cuda.Stream):
         return torch.cuda.stream(stream)
     return torch.cuda.stream(torch.cuda.ExternalStream(int(stream)))
+
+
+# Dynamic scheduler counters, one (2,) int32 tensor per (device, stream): [0] tiles claimed
+# beyond the first grid_dim, [1] CTAs finished. Zeroed once when allocated (on the launch
+# stream, so stream-ordered before the first launch); each launch leaves them at zero again
+# (the last CTA to finish resets them), and launches on one stream are serialised, so no
+# per-launch memset is needed. A different stream gets its own counter (concurrent launches
+# must not share one). Dropping entries is safe: the caching allocator reuses a freed block
+# only in stream order after the kernels of the stream it was allocated on.
+_TILE_COUNTERS = {}
+_MAX_TILE_COUNTERS = 64
+
+
+def scheduler_counter(device):
+    """A persistent kernel's dynamic-scheduler counter for ``device`` and torch's current stream
+    there (the launch stream: callers switch to it first)."""
+    import torch
+
+    if device.type != "cuda":  # compile-only (CPU example tensors)
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        if len(_TILE_COUNTERS) >= _MAX_TILE_COUNTERS:
+            _TILE_COUNTERS.clear()
+        # Counters live for the process: they come from a pool of their own, never from a CUDA
+        # graph's (torch.compile's mode="reduce-overhead" warms up in its graph pool and refuses
+        # tensors there that outlive the call).
+        with torch.cuda.device(index), _counter_pool(index):
+            counter = torch.zeros(2, dtype=torch.int32, device=device)
+        _TILE_COUNTERS[key] = counter
+    return counter
+
+
+_COUNTER_POOLS: dict = {}
+
+
+def _counter_pool(index: int):
+    import contextlib
+
+    import torch
+
+    if not hasattr(torch.cuda, "use_mem_pool"):  # torch < 2.6: no pools of one's own
+        return contextlib.nullcontext()
+    pool = _COUNTER_POOLS.get(index)
+    if pool is None:
+        pool = _COUNTER_POOLS[index] = torch.cuda.MemPool()
+    return torch.cuda.use_mem_pool(pool, device=index)
+
+
+@functools.lru_cache(maxsize=None)
+def device_num_sms(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -60,7 +60,9 @@ dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own s
 swizzle: see ``_dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
 warpgroup, 160 threads); the writer issues ``cp.reduce.async.bulk.tensor...add.f32`` of the box
 into the accumulator (B, Hq, Lpad, D) and frees the box once the bulk copy has read it. The
-accumulator has the natural row-major layout, so the postprocess is a plain scale-and-convert.
+accumulator holds dQ permuted within each 16-row × 8-column block (``_dq_box_view``) so that
+a thread's accumulator values form 16-byte runs in the box (one STS.128 per 4 values instead of
+an STS.64 per 2); the postprocess undoes the permutation.
 
 GQA: query head h reads kv head h // g. A CTA loops over the g query heads of its kv head and
 keeps accumulating dK/dV in registers (FlashAttention-2's choice). Why: dK/dV need no fp32
@@ -276,6 +278,50 @@ def _opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(value)
 
 
+def _opaque_smem(t: cute.Tensor, swizzle) -> cute.Tensor:
+    """``t``, a ``swizzle``d smem tile starting on a 1024-byte boundary (a swizzle atom), rebased
+    on its address passed through a volatile move: the same tile, the same wgmma descriptors.
+
+    It keeps ptxas from splitting the descriptors' 64-bit adds. From an address the compiler
+    can follow (a stage slice ``sQ[None, None, idx]``, or a constant offset from the smem base),
+    the DSL forms each k-block's descriptor as a 64-bit add to one whose high word is the
+    constant 0x40000040 (stride byte offset and swizzle mode), and ptxas turns each add into
+    UIADD3 + UIADD3.X plus UMOVs that re-materialise the high word; from an opaque address it
+    builds the tile's descriptor once and adds each k-block's offset with one UIADD3.64 (a
+    ULOP3 on the low word where the DSL knows the offset's bits are clear). Call
+    it inside the Q-tile loop: rebased once before it, K and V's descriptors are hoisted into
+    vector registers (an R2UR per use, and registers the elementwise work needs).
+
+    The rebased pointer claims 16-byte alignment only (true: the tile is 1024-aligned; the
+    descriptor's address field is addr >> 4 either way, and the swizzle acts on the address
+    bits, not on what the compiler assumes). Claiming 1024 lets the DSL OR the first k-blocks'
+    offsets into the low word, each OR needing the high word 0x40000040 re-materialised (UMOV);
+    at 16 it adds them (UIADD3.64): CPU SASS hot loop D=128 4 fewer instructions, D=64 0-1
+    (32 and 128 give the same code as 1024)."""
+    addr = _opaque_i32(t.iterator.toint())
+    ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.smem, assumed_align=16,
+                        swizzle_=swizzle)
+    return cute.make_tensor(ptr, t.layout)
+
+
+@cute.jit
+def _store_dq_acc(acc: cute.Tensor, dst: cute.Tensor):
+    """The dQ accumulator ((2, 2, V), MMA_M, MMA_N) -> its smem box partition ``dst`` (same
+    shape, through ``_dq_box_view``): the 4 values (e, h) of each 8-column group are adjacent
+    in smem and 16-byte aligned (the box starts on 1024 bytes, the run on a multiple of 4
+    fp32): one 128-bit store each."""
+    for m in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+        for n in cutlass.range_constexpr(cute.size(acc, mode=[2])):
+            for g in cutlass.range_constexpr(cute.size(acc.shape[0][2])):
+                run = cute.make_rmem_tensor((4,), Float32)
+                for h in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        run[2 * h + e] = acc[(e, h, g), m, n]
+                at = dst.iterator + cute.crd2idx(((0, 0, g), m, n), dst.layout)
+                ptr = cute.make_ptr(Float32, at.toint(), cute.AddressSpace.smem, assumed_align=16)
+                cute.autovec_copy(run, cute.make_tensor(ptr, cute.make_layout(4)))
+
+
 def _tma_tiles(atom: cute.CopyAtom, s: cute.Tensor, g: cute.Tensor):
     """TMA partition of a 2-D tile (its two modes grouped into the TMA box mode): (smem, gmem)."""
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
@@ -289,6 +335,23 @@ def _as_acc_layout(frag_a: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
     regrouping), so
     P and dS are written straight into the registers the dV/dK GEMMs read: no second copy."""
     return cute.make_tensor(frag_a.iterator, cute.make_layout(acc.shape))
+
+
+def _dq_box_view(box_rows: int, box_cols: int):
+    """(row, column) of dQ in one box -> smem offset in the box: (row layout, column layout).
+
+    Row r = 16a + 8h + ρ, column c = 8g + 2t + e (the wgmma accumulator gives lane 4ρ + t of
+    a warp rows ρ and ρ + 8 (h), columns 2t + e of every 8-column group g) is stored at box row
+    16a + 2ρ + t // 2, box column 8g + 4·(t % 2) + 2h + e: a permutation within each
+    16-row × 8-column block, the same for every box and kv block, that puts a thread's 4
+    values (e, h) of group g (4 consecutive accumulator registers) in one 16-byte run: one
+    STS.128 per 4 values instead of an STS.64 per 2, no register moves. A warp's store covers
+    512 contiguous bytes (conflict-free). ``FlexAttentionBwdPostSm90`` reads it back. Box
+    (row, column) sits at 8·row + (column % 8) + 8·rows·(column // 8) (``_dq_smem_layout``)."""
+    assert box_rows % 16 == 0
+    rows = cute.make_layout((8, 2, box_rows // 16), stride=(16, 2, 128))
+    cols = cute.make_layout((2, (2, 2), box_cols // 8), stride=(1, (4, 8), 8 * box_rows))
+    return rows, cols
 
 
 def _k_atom_cols(head_dim: int, dq_split: str) -> int:
@@ -311,7 +374,8 @@ def _dq_smem_layout(box_rows: int, box_cols: int):
     groups × 2 row halves; with a swizzle their smem addresses differ by non-constant amounts,
     and the compiler hoists all of them (16 for D = 128) out of the Q-tile loop, live across it:
     spills at the 240-register cap. Here every address is one base + a constant, and a warp's
-    store covers 256 contiguous bytes (8 rows × 32 B), which is conflict-free. The TMA unit
+    STS.128 (dQ placed through ``_dq_box_view``) covers 512 contiguous bytes, conflict-free. The
+    TMA unit
     reduces the box as cols/8 boxes of 8 × rows (32-byte rows: the L2 sector size)."""
     return cute.make_layout((box_rows, (8, box_cols // 8), 2),
                             stride=(8, (1, 8 * box_rows), box_rows * box_cols))
@@ -507,6 +571,13 @@ class FlexAttentionBwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
+        # One swizzle for every GEMM operand tile (``_opaque_smem`` rebuilds them with it); each
+        # tile and stage is whole swizzle atoms, so every start is 1024-byte aligned.
+        swizzle = sQ_layout.inner
+        for layout in (sdO_layout, sK_layout, sV_layout, sdS_layout):
+            assert str(layout.inner) == str(swizzle)
+        for layout in (sQ_layout, sdO_layout, sdS_layout):
+            assert cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1])) % 1024 == 0
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -532,7 +603,8 @@ class FlexAttentionBwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             sched = self._schedule(mQ, mK, q_per_kv)
-            self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
+            self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, _SmemTiles(sQ, sdO, sK, sV, sdS, swizzle),
+                     sdQ, sLSE, sDelta,
                      tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, qorder, aux,
                      tuple(grad_accs) if const_expr(grad_accs is not None) else ())
 
@@ -731,7 +803,7 @@ class FlexAttentionBwdSm90:
     # -----------------------------------------------------------------------------------------
     @cute.jit
     def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-            mdK: cute.Tensor, mdV: cute.Tensor, sQ, sdO, sK, sV, sdS, sdQ, sLSE, sDelta,
+            mdK: cute.Tensor, mdV: cute.Tensor, smem: "_SmemTiles", sdQ, sLSE, sDelta,
             tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, pipe_kv: pipeline.PipelineAsync,
             pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
             softmax_scale: Float32, sched, qblocks, qorder, aux: Aux, grad_accs: tuple):
@@ -743,15 +815,7 @@ class FlexAttentionBwdSm90:
         wg_dq = mma_dq.get_slice(wg * 128)
         thr_sdp = mma_sdp.get_slice(tidx)
         tm, tn = self.tile_m, self.tile_n
-        # Operands. B operands of dV/dK/dQ are the same smem viewed transposed (MN-major).
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
-        tVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sdO)))
-        tKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(transposed(sQ)))
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tQrK = wg_dq.make_fragment_B(wg_dq.partition_B(_transposed_2d(sK)))
+        # Register operands (the smem ones are made per tile: ``_smem_operands``).
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
         tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim_v)), Float32)
@@ -766,21 +830,28 @@ class FlexAttentionBwdSm90:
         # dS (registers, transposed) -> smem as the dQ GEMM's K-major A operand.
         st_t = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(tidx)
-        tSsdS = thr_st_t.partition_D(transposed(sdS))
+        tSsdS = thr_st_t.partition_D(transposed(smem.sdS))
         # dQ accumulator -> this warpgroup's fp32 box, viewed as the whole (tm, D) tile.
+        # Rows and columns through _dq_box_view (16-byte runs per thread).
+        box_r, box_c = self.dq_box
+        rows, cols = _dq_box_view(box_r, box_c)
+        box_stride = box_r * box_c
         if const_expr(self.dq_split == "cols"):
-            sdQ_tile = cute.group_modes(sdQ, 1, 3)  # (64, ((8, 8), 2)): D = 128 split by columns
+            # (64, (cols, 2)): D = 128 split by columns
+            sdQ_tile = cute.make_tensor(sdQ.iterator, cute.make_layout(
+                (rows.shape, (cols.shape, 2)), stride=(rows.stride, (cols.stride, box_stride))))
         else:
-            rows_first = cute.make_tensor(sdQ.iterator, cute.select(sdQ.layout, mode=[0, 2, 1]))
-            sdQ_tile = cute.group_modes(rows_first, 0, 2)  # ((64, 2), (8, 8)): D = 64 split by rows
+            # ((64, 2), cols): D = 64 split by rows
+            sdQ_tile = cute.make_tensor(sdQ.iterator, cute.make_layout(
+                ((rows.shape, 2), cols.shape), stride=((rows.stride, box_stride), cols.stride)))
         tQsdQ = mma_dq.get_slice(tidx).partition_C(sdQ_tile)
 
         c = Float32(LOG2_E)
         if const_expr(self.score_mod is None):
             c = softmax_scale * LOG2_E
-        ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdO, tKrQ, tQrdS, tQrK,
-                      tVrP, tKrdS, acc_dV, acc_dK, tScS, tSsLSE, tSsDelta, thr_st_t, st_t, tSsdS,
-                      tQsdQ, wg_sdp.partition_shape_C((tn, tm)),
+        ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dq, wg_sdp, wg_dkv, wg_dq, smem, tVrP, tKrdS, acc_dV,
+                      acc_dK, tScS, tSsLSE, tSsDelta, thr_st_t, st_t, tSsdS, tQsdQ,
+                      wg_sdp.partition_shape_C((tn, tm)),
                       wg_dq.partition_shape_C((tm, self.head_dim)), c, softmax_scale, sched, aux, wg,
                       grad_accs)
 
@@ -816,7 +887,7 @@ class FlexAttentionBwdSm90:
                         state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "partial")
                     else:
                         state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head, m, kv_ragged)
-        self.epilogue(ctx, mdK, mdV, sK, sV, tma_dk, tma_dv, tidx)
+        self.epilogue(ctx, mdK, mdV, smem.sK, smem.sV, tma_dk, tma_dv, tidx)
 
     @cute.jit
     def _full_q_tile(self, ctx, pipe_q, pipe_do, state, head: Int32, m: Int32, kv_ragged):
@@ -835,13 +906,14 @@ class FlexAttentionBwdSm90:
         stage's index: both warpgroups pass this tile's barrier only after finishing the
         previous tile, whose dQ GEMM was the last reader of the other buffer."""
         idx = state.index
+        ops = self._smem_operands(ctx, idx)
         pipe_q.consumer_wait(state)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
-        wgmma_gemm(ctx.mma_sdp, acc_S, ctx.tSrK, ctx.tSrQ[None, None, None, idx], zero_init=True)
+        wgmma_gemm(ctx.mma_sdp, acc_S, ops.tSrK, ops.tSrQ, zero_init=True)
         acc_dP = cute.make_rmem_tensor(ctx.s_shape, Float32)
         if const_expr(self.overlap_dp):
             pipe_do.consumer_wait(state)
-            wgmma_gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
+            wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
             warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under the elementwise work below
         else:
             warpgroup.wait_group(0)
@@ -851,14 +923,14 @@ class FlexAttentionBwdSm90:
         if const_expr(not self.overlap_dp):
             pipe_do.consumer_wait(state)
         # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
-        wgmma_gemm(ctx.mma_dkv, ctx.acc_dV, ctx.tVrP, ctx.tVrdO[None, None, None, idx], zero_init=False)
+        wgmma_gemm(ctx.mma_dkv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
         if const_expr(self.overlap_dp):
             warpgroup.wait_group(1)  # dPᵀ done (dV may still run)
         else:
             # After dV, which reads P: ptxas keeps wgmmas in order, so it cannot hoist this one
             # above the elementwise work (it does hoist a dP GEMM issued right after P, and
             # the register peak comes back: 44 bytes of spills for softcap at D = 128).
-            wgmma_gemm(ctx.mma_sdp, acc_dP, ctx.tPrV, ctx.tPrdO[None, None, None, idx], zero_init=True)
+            wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
             warpgroup.wait_group(0)
         tSsDelta = ctx.tSsDelta[None, None, None, idx]
         sums = None
@@ -869,18 +941,23 @@ class FlexAttentionBwdSm90:
                 acc_dP[i] = acc_S[i] * (acc_dP[i] - tSsDelta[i])
         rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
         rdS.store(acc_dP.load().to(self.dtype))
+        # Identity moves on the packed dS: otherwise the compiler converts dS to bf16 a second
+        # time for the dK GEMM (after the barrier) instead of keeping what the stmatrix used.
+        rdS_words = cute.recast_tensor(rdS, Int32)
+        for i in cutlass.range_constexpr(cute.size(rdS_words)):
+            rdS_words[i] = _opaque_i32(rdS_words[i])
         # dSᵀ -> smem; both warpgroups' halves are needed by each dQ GEMM.
         cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(ctx.dq_shape, Float32)
-        wgmma_gemm(ctx.mma_dq, acc_dQ, ctx.tQrdS[None, None, None, idx], ctx.tQrK, zero_init=True)
+        wgmma_gemm(ctx.mma_dq, acc_dQ, ops.tQrdS, ops.tQrK, zero_init=True)
         warpgroup.wait_group(1)  # dV done: dO is free
         pipe_do.consumer_release(state)
-        wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ctx.tKrQ[None, None, None, idx], zero_init=False)
+        wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ops.tKrQ, zero_init=False)
         warpgroup.wait_group(1)  # dQ done
         cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
-        cute.autovec_copy(acc_dQ, ctx.tQsdQ)
+        _store_dq_acc(acc_dQ, ctx.tQsdQ)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
         cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
         warpgroup.wait_group(0)  # dK done: Q is free
@@ -889,6 +966,26 @@ class FlexAttentionBwdSm90:
             self._flush_uniform_grads(ctx, sums, head, m)
         state.advance()
         return state
+
+    def _smem_operands(self, ctx, idx: Int32) -> "_SmemOperands":
+        """This tile's smem GEMM operands: K, V and stage ``idx`` of Q, dO, dS, each rebased on
+        an opaque address (``_opaque_smem``: shorter descriptor arithmetic, same descriptors).
+        The B operands of dV/dK/dQ are the same smem viewed transposed (MN-major)."""
+        sm = ctx.smem
+        sQ, sdO, sdS = [_opaque_smem(t[None, None, idx], sm.swizzle)
+                        for t in (sm.sQ, sm.sdO, sm.sdS)]
+        sK, sV = [_opaque_smem(t, sm.swizzle) for t in (sm.sK, sm.sV)]
+        sdp, dkv, dq = ctx.wg_sdp, ctx.wg_dkv, ctx.wg_dq
+        return _SmemOperands(
+            tSrK=sdp.make_fragment_A(sdp.partition_A(sK)),
+            tSrQ=sdp.make_fragment_B(sdp.partition_B(sQ)),
+            tPrV=sdp.make_fragment_A(sdp.partition_A(sV)),
+            tPrdO=sdp.make_fragment_B(sdp.partition_B(sdO)),
+            tVrdO=dkv.make_fragment_B(dkv.partition_B(_transposed_2d(sdO))),
+            tKrQ=dkv.make_fragment_B(dkv.partition_B(_transposed_2d(sQ))),
+            tQrdS=dq.make_fragment_A(dq.partition_A(sdS)),
+            tQrK=dq.make_fragment_B(dq.partition_B(_transposed_2d(sK))),
+        )
 
     @cute.jit
     def _probabilities(self, ctx, acc_S: cute.Tensor, rP: cute.Tensor, tLSE: cute.Tensor,
@@ -1074,20 +1171,41 @@ class _BwdSchedule(NamedTuple):
     n_kv_tiles: object  # ceil(S / tile_n) = the grid's x extent
 
 
+class _SmemTiles(NamedTuple):
+    """The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V
+    (kv tile, D), all K-major with one swizzle."""
+
+    sQ: object
+    sdO: object
+    sK: object
+    sV: object
+    sdS: object
+    swizzle: object
+
+
+class _SmemOperands(NamedTuple):
+    """One Q tile's smem wgmma fragments (``FlexAttentionBwdSm90._smem_operands``)."""
+
+    tSrK: object  # Sᵀ = K Qᵀ
+    tSrQ: object
+    tPrV: object  # dPᵀ = V dOᵀ
+    tPrdO: object
+    tVrdO: object  # dV += Pᵀ dO (B)
+    tKrQ: object  # dK += dSᵀ Q (B)
+    tQrdS: object  # dQ = dS K
+    tQrK: object
+
+
 class _BwdCtx(NamedTuple):
     """Per-CTA MMA-warpgroup state threaded through the per-tile helpers (trace-time)."""
 
     mma_sdp: object
     mma_dkv: object
     mma_dq: object
-    tSrK: object
-    tSrQ: object
-    tPrV: object
-    tPrdO: object
-    tVrdO: object
-    tKrQ: object
-    tQrdS: object
-    tQrK: object
+    wg_sdp: object  # the warpgroup's slices of the three tiled MMAs
+    wg_dkv: object
+    wg_dq: object
+    smem: object  # _SmemTiles
     tVrP: object
     tKrdS: object
     acc_dV: object
@@ -1179,7 +1297,7 @@ class FlexAttentionBwdPreSm90:
 
 
 def _lanes_per_row(head_dim: int) -> int:
-    """Lanes that share one row in the pre/postprocess: one 16-byte vector (8 elements) each
+    """Lanes that share one row in the preprocess: one 16-byte vector (8 elements) each
     when head_dim / 8 is a power of two (32: 4, 64: 8, 128: 16), else the largest power of two
     dividing it, each lane taking several vectors (96: 4 lanes of 24 elements). A power of two
     dividing 32, so that a row's lanes sit in one warp and the butterfly reduction covers them
@@ -1189,18 +1307,25 @@ def _lanes_per_row(head_dim: int) -> int:
 
 
 class FlexAttentionBwdPostSm90:
-    """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only)."""
+    """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only).
+
+    The accumulator is dQ permuted within 16-row × 8-column blocks (``_dq_box_view``): a
+    thread takes accumulator rows 16a + 2ρ + {0, 1}, columns 8g..8g+7 (two 16-byte loads per
+    row), which hold dQ rows 16a + ρ + {0, 8}, columns 8g..8g+7 (one 16-byte store each)."""
 
     def __init__(self, cfg: BwdConfig):
         self.dtype = cfg.dtype
         self.head_dim = cfg.head_dim
-        self.lanes_per_row = _lanes_per_row(self.head_dim)
-        self.rows_per_cta = 128 // self.lanes_per_row
+        self.lanes_per_row = self.head_dim // 8
+        # A unit: 2 accumulator rows. D = 96: 12 lanes, 10 units; the 8 spare threads redo the
+        # next CTA's first unit, writing the same values (no reduction here, so that is benign).
+        self.units_per_cta = 128 // self.lanes_per_row
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
                  stream: cuda.CUstream):
-        grid = [cute.ceil_div(mdQ.shape[2], self.rows_per_cta), mdQ.shape[1], mdQ.shape[0]]
+        grid = [cute.ceil_div(cute.ceil_div(mdQ.shape[2], 16) * 8, self.units_per_cta),
+                mdQ.shape[1], mdQ.shape[0]]
         self.kernel(mdQacc, mdQ, softmax_scale).launch(grid=grid, block=[128, 1, 1], stream=stream)
 
     @cute.kernel
@@ -1208,15 +1333,24 @@ class FlexAttentionBwdPostSm90:
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         lpr = self.lanes_per_row
-        row = bx * self.rows_per_cta + tidx // lpr
-        part = tidx % lpr
-        chunk = self.head_dim // lpr  # elements per lane: 8, or 24 for D = 96
-        if row < mdQ.shape[2]:
-            acc = cute.make_rmem_tensor((chunk,), Float32)
-            cute.autovec_copy(cute.local_tile(mdQacc[batch, head, row, None], (chunk,), (part,)), acc)
-            out = cute.make_rmem_tensor((chunk,), self.dtype)
-            out.store((acc.load() * softmax_scale).to(self.dtype))
-            cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (chunk,), (part,)))
+        unit = bx * self.units_per_cta + tidx // lpr  # = 8a + ρ
+        g = tidx % lpr
+        base = 16 * (unit // 8) + unit % 8  # dQ row 16a + ρ
+        if base < mdQ.shape[2]:
+            acc = [cute.make_rmem_tensor((8,), Float32) for _ in range(2)]  # acc. row 16a+2ρ+t1
+            for t1 in cutlass.range_constexpr(2):
+                cute.autovec_copy(
+                    cute.local_tile(mdQacc[batch, head, 2 * unit + t1, None], (8,), (g,)), acc[t1])
+            for h in cutlass.range_constexpr(2):
+                row = base + 8 * h
+                if row < mdQ.shape[2]:
+                    out = cute.make_rmem_tensor((8,), self.dtype)
+                    # dQ column 8g + 2t + e, t = t0 + 2·t1: accumulator column 8g + 4·t0 + 2h + e
+                    for t in cutlass.range_constexpr(4):
+                        for e in cutlass.range_constexpr(2):
+                            out[2 * t + e] = (acc[t // 2][4 * (t % 2) + 2 * h + e]
+                                              * softmax_scale).to(self.dtype)
+                    cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (8,), (g,)))
 
 
 # ---------------------------------------------------------------------------------------------

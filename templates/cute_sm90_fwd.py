@@ -160,9 +160,10 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute_common import (
-    LN_2, LOG2_E, MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, as_scalar, aux_cutlass_dtype, fadd,
-    ffi_function, permute, placeholder, quad_allreduce, rows_cols, rows_cols_layout, smem_layout,
-    stream_context, transposed, tree, tvm_ffi_enabled, wgmma_gemm,
+    LN_2, LOG2_E, MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, as_scalar, aux_cutlass_dtype,
+    device_num_sms, fadd, ffi_function, permute, placeholder, quad_allreduce, rows_cols,
+    rows_cols_layout, scheduler_counter, smem_layout, stream_context, transposed, tree,
+    tvm_ffi_enabled, wgmma_gemm,
 )
 
 # Named barrier ids (0 is __syncthreads).
@@ -307,6 +308,7 @@ class FwdConfig:
     has_block_mask: bool = False
     rescale_threshold: float = 8.0  # log2 units; 0.0 rescales whenever a row max grows
     tiling: Tiling = field(default=None)
+    write_max: bool = False  # also write each row's max modded score (AuxRequest(max_scores))
 
     def __post_init__(self):
         if self.tiling is None:
@@ -340,6 +342,7 @@ class FlexAttentionFwdSm90:
         self.score_mod, self.mask_mod = cfg.score_mod, cfg.mask_mod
         self.sparse = cfg.has_block_mask
         self.rescale_threshold = float(cfg.rescale_threshold)
+        self.write_max = bool(cfg.write_max)
         if self.sparse:
             assert self.tile_m == MASK_BLOCK and MASK_BLOCK % self.tile_n == 0
         self.tiles_per_mask_block = max(1, MASK_BLOCK // self.tile_n)
@@ -369,6 +372,7 @@ class FlexAttentionFwdSm90:
         aux_scalars: Optional[tuple],
         num_sms: Int32,  # persistent grid size cap (runtime: not baked into the kernel)
         tile_counter: Optional[cute.Tensor],  # (2,) int32, dynamic scheduler only (else None)
+        mMax: Optional[cute.Tensor],  # (B, Hq, L) fp32 row max of the modded scores, or None
         stream: cuda.CUstream,
     ):
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
@@ -376,6 +380,7 @@ class FlexAttentionFwdSm90:
         # Sequence-major views: (L, D, Hq, B), (S, D, Hkv, B), (S, Dv, Hkv, B), (L, Hq, B).
         q, k, v, o = [permute(t, [2, 3, 1, 0]) for t in (mQ, mK, mV, mO)]
         lse = permute(mLSE, [2, 1, 0])
+        row_max = permute(mMax, [2, 1, 0]) if const_expr(mMax is not None) else None
 
         D, Dv, tm, tn = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
         sQ_layout = smem_layout(self.dtype, tm, D)
@@ -454,7 +459,7 @@ class FlexAttentionFwdSm90:
         self.kernel(
             tQ, tK, tV, tO, lse, tma_q, tma_k, tma_v, tma_o, mma_qk, mma_pv,
             softmax_scale, hb_per_section, blocks, aux_tensors, aux_scalars,
-            sQ_layout, sK_layout, sV_layout, sO_layout, tile_counter,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tile_counter, row_max,
         ).launch(
             grid=[num_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -487,6 +492,7 @@ class FlexAttentionFwdSm90:
         sV_layout: cute.ComposedLayout,
         sO_layout: cute.ComposedLayout,
         tile_counter: Optional[cute.Tensor],
+        mMax: Optional[cute.Tensor],  # (L, Hq, B) or None
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -524,7 +530,7 @@ class FlexAttentionFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.mma(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, transposed(sV), sO, tma_o, pipe_q,
-                     pipe_k, pipe_v, softmax_scale, hb_per_section, blocks, aux, sched, sTile)
+                     pipe_k, pipe_v, softmax_scale, hb_per_section, blocks, aux, sched, sTile, mMax)
 
     def _make_pipelines(self, storage):
         """Q: one stage; K and V: ``num_stages`` each. TMA producer = 1 thread; consumers arrive
@@ -807,6 +813,7 @@ class FlexAttentionFwdSm90:
         aux: Aux,
         cta_sched,  # one tile per CTA: this CTA's tile; else None
         sTile: Optional[cute.Tensor],  # dynamic: (2,) int32 smem, [0] the published tile index
+        mMax: Optional[cute.Tensor],  # (L, Hq, B) or None
     ):
         """A consumer warpgroup, in the producer's schedule (``load``). Persistent: Q and K/V
         consumer states carried across tiles; the ping-pong token is handed out once per CTA
@@ -818,9 +825,13 @@ class FlexAttentionFwdSm90:
         wg = cute.arch.make_warp_uniform(tidx // 128)
         (thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum,
          c) = self._consumer_setup(mma_qk, mma_pv, sQ, sK, sVt, softmax_scale, tidx, wg)
+        row_peak = None  # the true row max (row_max may lag it by rescale_threshold)
+        if const_expr(self.write_max):
+            row_peak = cute.make_rmem_tensor(cute.size(row_max), Float32)
+            row_peak.fill(-Float32.inf)
         if const_expr(not self.persistent):
             ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
-                          row_max, row_sum, c, softmax_scale, cta_sched, aux, wg)
+                          row_max, row_sum, c, softmax_scale, cta_sched, aux, wg, row_peak, mMax)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
@@ -836,8 +847,9 @@ class FlexAttentionFwdSm90:
                                              number_of_threads=2 * 128)
             num_tiles = self._num_tiles(mQ)
             setup = (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max,
-                     row_sum, c, softmax_scale, aux, wg)
-            out = (mQ, mK, mO, mLSE, sO, tma_o, pipe_q, pipe_k, pipe_v, hb_per_section, blocks, tidx)
+                     row_sum, c, softmax_scale, aux, wg, row_peak)
+            out = (mQ, mK, mO, mLSE, sO, tma_o, pipe_q, pipe_k, pipe_v, hb_per_section, blocks, tidx,
+                   mMax)
             if const_expr(not self.dynamic):
                 first_tile = cute.arch.block_idx()[0]
                 step = cute.arch.grid_dim()[0]
@@ -861,12 +873,12 @@ class FlexAttentionFwdSm90:
         epilogue. Returns the advanced (Q state, K/V state): the caller's loop must reassign
         them, or the DSL does not carry them from one iteration to the next."""
         (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum, c,
-         softmax_scale, aux, wg) = setup
-        mQ, mK, mO, mLSE, sO, tma_o, pipe_q, pipe_k, pipe_v, hb_per_section, blocks, tidx = out
+         softmax_scale, aux, wg, row_peak) = setup
+        mQ, mK, mO, mLSE, sO, tma_o, pipe_q, pipe_k, pipe_v, hb_per_section, blocks, tidx, mMax = out
         sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
-        self._reset_tile_state(acc_O, row_max, row_sum)
+        self._reset_tile_state(acc_O, row_max, row_sum, row_peak)
         ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
-                      row_max, row_sum, c, softmax_scale, sched, aux, wg)
+                      row_max, row_sum, c, softmax_scale, sched, aux, wg, row_peak, mMax)
         kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
         q_state.advance()
         self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
@@ -909,12 +921,15 @@ class FlexAttentionFwdSm90:
         return thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum, c
 
     @cute.jit
-    def _reset_tile_state(self, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor):
+    def _reset_tile_state(self, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                          row_peak: Optional[cute.Tensor]):
         """Per-tile reset of the consumer registers (persistent). Called through ``self`` so the
         DSL does not carry the register tensors through the tile loop."""
         acc_O.fill(0.0)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
+        if const_expr(row_peak is not None):
+            row_peak.fill(-Float32.inf)
 
     @cute.jit
     def _mainloop(self, ctx, q_state, kv, pipe_q: pipeline.PipelineAsync,
@@ -1102,6 +1117,8 @@ class FlexAttentionFwdSm90:
         for r in cutlass.range_constexpr(n_rows):
             blk_max = tree([s_rc[r, k] for k in range(n_cols)], cute.arch.fmax)
             blk_max = quad_allreduce(blk_max, cute.arch.fmax)
+            if const_expr(self.write_max):
+                ctx.row_peak[r] = cute.arch.fmax(ctx.row_peak[r], blk_max)
             m_new = blk_max
             scale = Float32(1.0)
             if const_expr(not first):
@@ -1198,6 +1215,13 @@ class FlexAttentionFwdSm90:
                 row = ctx.sched.m_block * self.tile_m + cO[r, 0][0]
                 if row < seqlen_q:
                     mLSE[row, ctx.sched.head, ctx.sched.batch] = lse[r]
+                    if const_expr(self.write_max):
+                        # In the scores' units: raw q·k without a score_mod (scale it), the modded
+                        # score with one. -inf (nothing kept) stays -inf.
+                        peak = ctx.row_peak[r]
+                        if const_expr(self.score_mod is None):
+                            peak = peak if peak == -Float32.inf else peak * ctx.softmax_scale
+                        ctx.mMax[row, ctx.sched.head, ctx.sched.batch] = peak
 
 
 class _Schedule(NamedTuple):
@@ -1251,6 +1275,8 @@ class _MmaCtx(NamedTuple):
     sched: object
     aux: object
     wg: object
+    row_peak: object = None  # the true row max, write_max only
+    mMax: object = None  # (L, Hq, B), write_max only
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1316,8 +1342,9 @@ def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
                     for t in aux_tensors)
     scalars = tuple(as_scalar(x) for x in aux_scalars)
     counter = placeholder(Int32, 1, 4) if cfg.tiling.dynamic_schedule else None
+    row_max = placeholder(Float32, 3, 4) if cfg.write_max else None
     return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks, tensors or None, scalars or None,
-            Int32(_CPU_NUM_SMS), counter)
+            Int32(_CPU_NUM_SMS), counter, row_max)
 
 
 class CompiledFwd:
@@ -1345,90 +1372,39 @@ class CompiledFwd:
 
     def __call__(self, q, k, v, o, lse, softmax_scale: float, block_mask=None, aux_tensors=(),
                  aux_scalars=(), stream=None, hb_per_section: Optional[int] = None,
-                 num_sms: Optional[int] = None):
+                 num_sms: Optional[int] = None, max_scores=None):
         """``num_sms`` caps the persistent grid (default: the device's SM count); tests pass a
-        small value to make each CTA run many tiles. Ignored by the non-persistent kernel."""
+        small value to make each CTA run many tiles. Ignored by the non-persistent kernel.
+        ``max_scores``: lse's shape and dtype, written by a ``write_max`` kernel (which needs it)."""
+        if (max_scores is not None) != self.cfg.write_max:
+            raise ValueError("max_scores must be given exactly when the kernel writes it (write_max)")
         if self.ffi_fn is None:
             import torch
 
             if stream is None:
                 stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
                 args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
-                                    aux_tensors, aux_scalars, hb_per_section, num_sms)
+                                    aux_tensors, aux_scalars, hb_per_section, num_sms, max_scores)
             else:
                 with stream_context(stream):  # the tile counter belongs to the launch stream
                     args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
-                                        aux_tensors, aux_scalars, hb_per_section, num_sms)
+                                        aux_tensors, aux_scalars, hb_per_section, num_sms,
+                                        max_scores)
             self.compiled(*args, stream)
             return o, lse
         if stream is None:
             self.ffi_fn(*_ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
-                                          aux_tensors, aux_scalars, hb_per_section, num_sms))
+                                          aux_tensors, aux_scalars, hb_per_section, num_sms,
+                                          max_scores))
         else:
             with stream_context(stream):  # the tile counter too belongs to the launch stream
                 self.ffi_fn(*_ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale,
                                               block_mask, aux_tensors, aux_scalars,
-                                              hb_per_section, num_sms))
+                                              hb_per_section, num_sms, max_scores))
         return o, lse
 
 
 _CPU_NUM_SMS = 132  # H100/H200 SXM; what a compile (or a launch on CPU tensors) assumes
-
-# Dynamic scheduler counters, one (2,) int32 tensor per (device, stream): [0] tiles claimed
-# beyond the first grid_dim, [1] CTAs finished. Zeroed once when allocated (on the launch
-# stream, so stream-ordered before the first launch); each launch leaves them at zero again
-# (the last CTA to finish resets them), and launches on one stream are serialised, so no
-# per-launch memset is needed. A different stream gets its own counter (concurrent launches
-# must not share one). Dropping entries is safe: the caching allocator reuses a freed block
-# only in stream order after the kernels of the stream it was allocated on.
-_TILE_COUNTERS = {}
-_MAX_TILE_COUNTERS = 64
-
-
-def _tile_counter(device):
-    """The dynamic scheduler's counter for ``device`` and torch's current stream there (the
-    launch stream: callers switch to it first)."""
-    import torch
-
-    if device.type != "cuda":  # compile-only (CPU example tensors)
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.current_stream(index).cuda_stream)
-    counter = _TILE_COUNTERS.get(key)
-    if counter is None:
-        if len(_TILE_COUNTERS) >= _MAX_TILE_COUNTERS:
-            _TILE_COUNTERS.clear()
-        # Counters live for the process: they come from a pool of their own, never from a CUDA
-        # graph's (torch.compile's mode="reduce-overhead" warms up in its graph pool and refuses
-        # tensors there that outlive the call).
-        with torch.cuda.device(index), _counter_pool(index):
-            counter = torch.zeros(2, dtype=torch.int32, device=device)
-        _TILE_COUNTERS[key] = counter
-    return counter
-
-
-_COUNTER_POOLS: dict = {}
-
-
-def _counter_pool(index: int):
-    import contextlib
-
-    import torch
-
-    if not hasattr(torch.cuda, "use_mem_pool"):  # torch < 2.6: no pools of one's own
-        return contextlib.nullcontext()
-    pool = _COUNTER_POOLS.get(index)
-    if pool is None:
-        pool = _COUNTER_POOLS[index] = torch.cuda.MemPool()
-    return torch.cuda.use_mem_pool(pool, device=index)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_num_sms(index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
 
 def _num_sms(cfg, q, num_sms=None) -> int:
     """The persistent grid cap: the device's SM count (cached per device) unless given. The
@@ -1444,11 +1420,11 @@ def _num_sms(cfg, q, num_sms=None) -> int:
         import torch
 
         index = torch.cuda.current_device()
-    return _device_num_sms(index)
+    return device_num_sms(index)
 
 
 def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
-                     hb_per_section=None, num_sms=None) -> tuple:
+                     hb_per_section=None, num_sms=None, max_scores=None) -> tuple:
     """TVM-FFI call arguments: the torch tensors themselves. The C wrapper checks what the old
     Python checks did (alignment, last-dim stride, strides % 8, dtypes, block-mask presence);
     only the copies that make block lists / aux buffers contiguous happen here. The last one is
@@ -1462,13 +1438,13 @@ def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensor
     for x in aux_scalars:
         if isinstance(x, bool) or not isinstance(x, (int, float)):
             raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
-    counter = _tile_counter(q.device) if cfg.tiling.dynamic_schedule else None
+    counter = scheduler_counter(q.device) if cfg.tiling.dynamic_schedule else None
     return (q, k, v, o, lse, float(softmax_scale), int(hb_per_section), blocks, tensors,
-            tuple(aux_scalars) or None, _num_sms(cfg, q, num_sms), counter)
+            tuple(aux_scalars) or None, _num_sms(cfg, q, num_sms), counter, max_scores)
 
 
 def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
-                 hb_per_section=None, num_sms=None):
+                 hb_per_section=None, num_sms=None, max_scores=None):
     """DLPack-path call arguments (the fallback): cute tensors built per call."""
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
@@ -1487,10 +1463,11 @@ def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, a
     scalars = tuple(as_scalar(x) for x in aux_scalars)
     counter = None
     if cfg.tiling.dynamic_schedule:
-        counter = _as_cute(_tile_counter(q.device), align=4)
+        counter = _as_cute(scheduler_counter(q.device), align=4)
     return (_as_cute(q), _as_cute(k), _as_cute(v), _as_cute(o), _as_cute(lse, align=4),
             Float32(softmax_scale), Int32(hb), blocks, tensors or None, scalars or None,
-            Int32(_num_sms(cfg, q, num_sms)), counter)
+            Int32(_num_sms(cfg, q, num_sms)), counter,
+            None if max_scores is None else _as_cute(max_scores, align=4))
 
 
 def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=(),
@@ -1506,7 +1483,8 @@ def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=()
     )
     kernel = FlexAttentionFwdSm90(cfg)
     if not use_tvm_ffi:
-        args = _launch_args(cfg, q, k, v, o, lse, 1.0, block_mask, aux_tensors, aux_scalars)
+        args = _launch_args(cfg, q, k, v, o, lse, 1.0, block_mask, aux_tensors, aux_scalars,
+                            max_scores=lse.new_empty(lse.shape) if cfg.write_max else None)
         compiled = cute.compile(kernel, *args, cuda.CUstream(0), options=options)
         return CompiledFwd(cfg, compiled, signature)
     if _cutlass_dtype(q.dtype) is not cfg.dtype or k.dtype != q.dtype or v.dtype != q.dtype:

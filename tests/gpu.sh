@@ -14,25 +14,29 @@ batch=${1:?usage: gpu.sh new|cute|triton|training OUT_DIR}
 out=${2:?usage: gpu.sh new|cute|triton|training OUT_DIR}
 mkdir -p "$out"
 n=0
-run() {  # run LIMIT_S pytest-args...
-  local limit=$1; shift
+run() {  # run LIMIT_S pytest-args...   (one after another)
   n=$((n + 1))
-  local log="$out/$batch-$n.txt"
+  run_as "$batch-$n" "$@"
+}
+run_as() {  # run_as NAME LIMIT_S pytest-args...   (NAME: the log's name; may run in the background)
+  local name=$1 limit=$2; shift 2
+  local log="$out/$name.txt"
   timeout "$limit" python -m pytest -q -p no:cacheprovider -m gpu -W ignore "$@" >"$log" 2>&1
-  echo "[$batch-$n rc=$?] $* :: $(tail -1 "$log")"
+  echo "[$name rc=$?] $* :: $(tail -1 "$log")"
 }
 case $batch in
   new)
     # The newest code's GPU tests; point it at the next change before its first GPU run. Now
-    # (fifth session, after its last GPU call): issue #14's max_scores on the Triton forward and
-    # int64 index math on both backends; issue #18's CUDA-graph training step and the planner
-    # inside a compiled graph. Then run `cute` (issue #12's refactor has not had a full run).
+    # (sixth session): max_scores on the sm90 forward (issue #14) and the negative-scale
+    # routing, the max_scores/int64 Triton test as rewritten for it.
+    run 200 tests/test_cute_gpu.py -k "max_scores or negative_scale"
     run 150 tests/test_triton_gpu.py -k "max_scores"
-    run 200 tests/test_training_gpu.py -k "reduce_overhead_training_step or block_mask_made_inside"
     ;;
   cute)
-    run 330 tests/test_cute_gpu.py tests/test_cute_cache.py
-    run 240 tests/test_cute_sm90_bwd_gpu.py
+    # Two processes side by side: the time is the kernels' compiles (one CPU core each).
+    run_as cute-1 420 tests/test_cute_gpu.py tests/test_cute_cache.py &
+    run_as cute-2 300 tests/test_cute_sm90_bwd_gpu.py &
+    wait
     ;;
   triton)
     run 560 tests/test_triton_gpu.py

@@ -27,6 +27,54 @@ def test_run_checks_and_times_each_row(tmp_path):
             assert r["status"] == "ok" and r["correct"] and r["ms"] > 0, r
 
 
+def test_run_takes_unequal_head_dims_and_one_long_sequence(tmp_path):
+    # --d 64/32: v's head dim apart from q/k's (checked against the reference like any row);
+    # an S above --tokens runs one sequence.
+    from benchmarks import report, run
+    out = tmp_path / "bench"
+    run.main(["--out", str(out), "--device", "cpu", "--impls", "flexjit-reference", "--variants", "causal",
+              "--S", "512", "--tokens", "256", "--d", "64/32", "--passes", "fwd,fwdbwd", "--no-png",
+              "--rep-ms", "5", "--warmup-ms", "1"])
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["B"], r["S"], r["D"], r["Dv"]) for r in rows] == [(1, 512, 64, 32)] * 2
+    assert all(r["status"] == "ok" and r["correct"] for r in rows), rows
+    # FLOPs count QK^T at D and PV at Dv: 2*B*Hq*S^2*(D+Dv)*density forward
+    fwd = next(r for r in rows if r["pass"] == "fwd")
+    assert fwd["flops"] == pytest.approx(2 * 16 * 512 ** 2 * (64 + 32) * fwd["density"])
+    assert "D=64/32" in report.table(rows)
+    assert run.parse_head_dims("128,192/128") == [(128, 128), (192, 128)]
+    assert run.parse_sizes("128k") == [131072]
+
+
+def test_long_sequences_are_checked_on_one_kv_head(tmp_path, monkeypatch):
+    # From REF_ONE_HEAD_FROM_S on, the reference covers the first KV head's group only (GQA
+    # 16/4 here: query heads 0-3 and KV head 0); the rows are still checked and pass.
+    from benchmarks import run
+    monkeypatch.setattr(run, "REF_ONE_HEAD_FROM_S", 256)
+    shapes, reference = [], run.attention_reference
+    monkeypatch.setattr(run, "attention_reference",
+                        lambda q, k, v, *a: shapes.append((q.shape[1], k.shape[1])) or reference(q, k, v, *a))
+    out = tmp_path / "bench"
+    run.main(["--out", str(out), "--device", "cpu", "--impls", "flexjit-reference", "--variants", "alibi",
+              "--S", "256", "--tokens", "256", "--hkv", "4", "--passes", "fwdbwd", "--no-png",
+              "--rep-ms", "5", "--warmup-ms", "1"])
+    (row,) = json.loads((out / "results.json").read_text())
+    assert row["status"] == "ok" and row["correct"], row
+    assert set(row["check"]) == {"out", "dq", "dk", "dv"}
+    assert shapes == [(4, 1), (4, 1)]  # fp32 and bf16 references, one KV head's group
+
+
+def test_grad_accuracy_reports_errors_against_float64(tmp_path):
+    # On the CPU only the reference backend runs; its errors are far below bf16 eager math's.
+    from benchmarks import grad_accuracy
+    rows = grad_accuracy.measure(64, ["flexjit-reference"], "cpu", B=1, H=2, D=16)
+    tensors = {(r["case"], r["tensor"]) for r in rows}
+    assert ("two_tables(bf16 q, fp32 kv)", "bias2") in tensors and ("rel_bias", "q") in tensors
+    for r in rows:
+        assert 0 < r["eager"] and 0 <= r["flexjit-reference"] < r["eager"], r
+    assert "| rel_bias | q |" in grad_accuracy.report(rows, ["flexjit-reference"])
+
+
 def test_flexjit_modes_are_impls(tmp_path):
     # The switches measured beside the default (here skipped: the cute backend needs a GPU).
     from benchmarks import run

@@ -18,13 +18,12 @@ atomic counter, published to the consumers with each tile's Q); those check as w
 launch leaves its counter at zero (the next launch on the stream depends on it) and that
 launches on two streams at once do not share a counter.
 """
-import inspect
 import math
 
 import pytest
 import torch
 
-from flexjit import create_block_mask, explain, flex_attention
+from flexjit import cache, create_block_mask, explain, flex_attention
 from flexjit.backends import cute_sm90 as backend
 from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_program
 from mods_catalog import CORE, lowered, make_case
@@ -58,16 +57,11 @@ def dynamic(request, monkeypatch):
     return request.param
 
 
-def _template_of(fn):
-    return inspect.getmodule(type(fn))
-
-
 def assert_counter_reset(fn, device, stream=None):
     """After a dynamic launch has finished, its (device, stream) counter is back at [0, 0]."""
-    tpl = _template_of(fn)
     with torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(
             torch.cuda.current_stream()):
-        counter = tpl._tile_counter(device)
+        counter = cache.load_template("cute_common").scheduler_counter(device)
     assert counter.tolist() == [0, 0], f"tile counter not reset: {counter.tolist()}"
 
 
@@ -129,6 +123,54 @@ def test_causal_16k():
 def _empty_rows_mask(b, h, q_idx, kv_idx):
     # Rows >= 600 see nothing: q-tiles 5..7 have no kv block at all (O = 0, LSE = -inf).
     return (q_idx < 600) & (kv_idx <= q_idx)
+
+
+@pytest.mark.parametrize("name", ["full", "softcap", "alibi"])
+def test_max_scores(name):
+    # AuxRequest(max_scores=True) on the sm90 forward: the row max of the modded scores
+    # against float64 math (-inf on rows that keep nothing). "full" has no score_mod (the kernel
+    # folds the scale: the max is rescaled on the way out), softcap and alibi have one; all
+    # three run under _empty_rows_mask so that rows 600.. keep nothing.
+    from flexjit import AuxRequest
+    from oracle import dense_scores
+
+    torch.manual_seed(3)
+    case = make_case(name, 2, 8, 1000, 1000, device="cuda")
+    q = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = [torch.randn(2, 2, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    bm = create_block_mask(_empty_rows_mask, None, None, 1000, 1000, device="cuda")
+    req = AuxRequest(lse=True, max_scores=True)
+    choice = explain(q, k, v, case.score_mod, bm, scale=0.07, enable_gqa=True, return_aux=req)
+    assert choice.name == "cute", str(choice)
+    poison_allocator()
+    with torch.no_grad():
+        out, aux = flex_attention(q, k, v, case.score_mod, bm, scale=0.07, enable_gqa=True,
+                                  return_aux=req)
+        ref, ref_lse = dense_attention(q, k, v, case.score_mod, _empty_rows_mask, scale=0.07)
+        low, low_lse = dense_attention(q, k, v, case.score_mod, _empty_rows_mask, scale=0.07,
+                                       dtype=torch.bfloat16)
+        mx64 = dense_scores(q, k, case.score_mod, _empty_rows_mask, scale=0.07).amax(-1)
+        mx16 = dense_scores(q, k, case.score_mod, _empty_rows_mask, scale=0.07,
+                            dtype=torch.bfloat16).amax(-1)
+    assert_close_to_oracle(f"{name} out", out, ref, low, FLOOR[torch.bfloat16])
+    assert_close_to_oracle(f"{name} lse", aux.lse, ref_lse, low_lse, FLOOR[torch.bfloat16])
+    assert torch.isneginf(aux.max_scores[:, :, 600:]).all()
+    assert_close_to_oracle(f"{name} max_scores", aux.max_scores, mx64, mx16, FLOOR[torch.bfloat16])
+    plain = flex_attention(q, k, v, case.score_mod, bm, scale=0.07, enable_gqa=True)
+    assert torch.equal(plain, out)  # the extra output changes nothing else
+
+
+def test_negative_scale_without_a_score_mod_is_routed_off_the_sm90_forward():
+    # The kernel folds the scale into exp2's multiplier: right for scale >= 0 only. A negative
+    # scale goes to Triton (auto says why) and still gives the right answer.
+    q, k, v = [torch.randn(1, 2, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    choice = explain(q, k, v, scale=-0.1)
+    assert choice.name == "triton" and "scale" in choice.reason, str(choice)
+    with torch.no_grad():
+        out = flex_attention(q, k, v, scale=-0.1)
+        ref, _ = dense_attention(q, k, v, scale=-0.1)
+        low, _ = dense_attention(q, k, v, scale=-0.1, dtype=torch.bfloat16)
+    assert_close_to_oracle("out", out, ref, low, FLOOR[torch.bfloat16])
 
 
 @pytest.mark.parametrize("num_sms", [1, 3, 7])

@@ -12,6 +12,7 @@ values, so they do not change the generated code.
 """
 
 import os
+import re
 
 import pytest
 
@@ -318,8 +319,9 @@ def test_dynamic_smem_budget():
 
 
 def test_dynamic_launch_args_carry_the_counter():
-    """The TVM-FFI argument tuple ends with the (2,) int32 counter for the dynamic kernel and
-    with None for the others; on CPU tensors the counter is a fresh zeroed CPU tensor."""
+    """The TVM-FFI argument tuple ends with the (2,) int32 counter for the dynamic kernel (None
+    for the others), then the max_scores tensor (None: not asked for); on CPU tensors the counter
+    is a fresh zeroed CPU tensor."""
     q = torch.randn(1, 2, 200, 128, dtype=torch.bfloat16)
     k = v = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(1, 2, 200)
@@ -328,9 +330,31 @@ def test_dynamic_launch_args_carry_the_counter():
                         tiling=_tpl.choose_tiling(128, 128, False, persistent=True,
                                                   dynamic_schedule=dyn))
         args = _tpl._ffi_launch_args(cfg, q, k, v, o, lse, 0.1, None, (), ())
+        assert args[-1] is None
         if dyn:
-            counter = args[-1]
+            counter = args[-2]
             assert counter.dtype == torch.int32 and counter.shape == (2,)
             assert (counter == 0).all()
         else:
-            assert args[-1] is None
+            assert args[-2] is None
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_write_max_adds_one_store(tmp_path, persistent):
+    # AuxRequest(max_scores=True): the write_max kernel stores each row's max beside its LSE
+    # (more 32-bit global stores: the max's beside the LSE's); without it the kernel has no such store.
+    q = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16)
+    k = v = torch.randn(2, 2, 500, 128, dtype=torch.bfloat16)
+    o, lse = torch.empty_like(q), torch.empty(2, 4, 300)
+    stores = {}
+    for write_max in (False, True):
+        cfg = FwdConfig(128, 128, cutlass.BFloat16, None, None, has_block_mask=True,
+                        tiling=_tpl.choose_tiling(128, 128, True, persistent=persistent,
+                                                  dynamic_schedule=persistent),
+                        write_max=write_max)
+        bm = _block_mask(3, 4)
+        ptx = compile_fwd(cfg, q, k, v, o, lse, bm, options=f"--keep-ptx --dump-dir {tmp_path}",
+                          use_tvm_ffi=False).compiled.__ptx__
+        _assert_hopper_path(ptx)
+        stores[write_max] = len(re.findall(r"\bst\.global\.(?:b32|f32)\b", ptx))
+    assert stores[True] > stores[False] > 0, stores

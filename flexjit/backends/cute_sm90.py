@@ -98,8 +98,10 @@ def supports(call) -> tuple[bool, str]:
     bm = call.block_mask
     if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
         return False, f"block size {bm.BLOCK_SIZE}; the sm90 kernel's tiles are 128x128"
-    if call.max_scores:
-        return False, "AuxRequest(max_scores=True): the sm90 forward does not write the row max yet"
+    if call.program.score is None and call.scale < 0:
+        # Without a score_mod the kernel folds the scale into exp2's multiplier and takes the
+        # row max of the raw q·k: right only for a scale >= 0.
+        return False, f"scale {call.scale} < 0 without a score_mod (the sm90 forward folds the scale)"
     try:
         _template()
     except ImportError as e:
@@ -149,10 +151,10 @@ def _kernel_config(cfg, aux_tensors, program: Program, *extra) -> tuple:
 
 
 def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
-    """The forward's disk-cache key material (``_kernel_config`` plus its rescale threshold and
-    the code-changing compile options)."""
+    """The forward's disk-cache key material (``_kernel_config`` plus its rescale threshold,
+    whether it writes max_scores and the code-changing compile options)."""
     return _kernel_config(cfg, aux_tensors, program, float(cfg.rescale_threshold),
-                          _key_options(options))
+                          bool(cfg.write_max), _key_options(options))
 
 
 # The persistent forward (one CTA per SM looping over tiles) overlaps a tile's epilogue with the
@@ -198,7 +200,7 @@ def _announce(msg: str) -> None:
 
 
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
-                    persistent: bool | None = None):
+                    persistent: bool | None = None, write_max: bool = False):
     """Compile (or find in memory, or load from disk) the sm90 forward for this program and
     these input kinds.
 
@@ -209,7 +211,9 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     Disk cache (TVM-FFI launches only, ``backends.cute_cache``): a compiled kernel is exported to
     ``cache_dir("cute")/<kernel_key>.o`` and a later process loads it instead of compiling. A
     caller asking for ``--keep-ptx``/``--keep-cubin`` always compiles (a loaded kernel has no
-    PTX to show); its kernel is still exported."""
+    PTX to show); its kernel is still exported.
+
+    ``write_max``: the kernel also writes the row max of the modded scores (max_scores)."""
     tpl = _template()
     D, Dv = q.shape[-1], v.shape[-1]
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
@@ -219,7 +223,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     # of the tiling, hence of both cache keys.
     dynamic = persistent and tpl.dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
-           persistent, dynamic)
+           persistent, dynamic, write_max)
     hit = _COMPILED.get(key)
     if hit is not None:  # the per-call path: no mods, config or disk key to build for `cached`
         return hit
@@ -228,7 +232,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
                         has_block_mask=block_mask is not None,
                         tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent,
-                                                 dynamic_schedule=dynamic))
+                                                 dynamic_schedule=dynamic), write_max=write_max)
     what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
     disk_key = None
     if tpl.tvm_ffi_enabled() and cute_cache.available():
@@ -273,19 +277,21 @@ def block_sparse_args(bm):
     return (bm.kv_num_blocks, bm.kv_indices, full_num, full_idx)
 
 
-def forward(call) -> tuple[torch.Tensor, torch.Tensor, None]:
-    """(out, lse, None): max_scores is not written here (``supports`` refuses the request)."""
+def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, max_scores or None)."""
     prog = call.program
     q, k, v = call.q, call.k, call.v
     bm = call.block_mask
     sparse = block_sparse_args(bm)
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
     fn = compile_program(prog, q, k, v, sparse, aux,
-                         persistent=_persistent_fwd(q.shape[-1], sparse, k.shape[2], owner=bm))
+                         persistent=_persistent_fwd(q.shape[-1], sparse, k.shape[2], owner=bm),
+                         write_max=call.max_scores)
     o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    o, lse = fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars)
-    return o, lse, None
+    max_scores = torch.empty_like(lse) if call.max_scores else None
+    o, lse = fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars, max_scores=max_scores)
+    return o, lse, max_scores
 
 
 # --------------------------------------------------------------------------- backward
