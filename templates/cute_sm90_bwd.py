@@ -571,11 +571,11 @@ class FlexAttentionBwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # One swizzle for every GEMM operand tile (``_opaque_smem`` rebuilds them with it); each
-        # tile and stage is whole swizzle atoms, so every start is 1024-byte aligned.
-        swizzle = sQ_layout.inner
-        for layout in (sdO_layout, sK_layout, sV_layout, sdS_layout):
-            assert str(layout.inner) == str(swizzle)
+        # Each GEMM operand tile's swizzle (``_opaque_smem`` rebuilds the tiles with them: one
+        # 128-byte swizzle for D = 64 and 128; 32 and 96 have narrower atoms for Q, dO, K, V);
+        # each tile and stage is whole swizzle atoms, so every start is 1024-byte aligned.
+        swizzles = tuple(layout.inner for layout in
+                         (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout))
         for layout in (sQ_layout, sdO_layout, sdS_layout):
             assert cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1])) % 1024 == 0
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -603,7 +603,7 @@ class FlexAttentionBwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             sched = self._schedule(mQ, mK, q_per_kv)
-            self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, _SmemTiles(sQ, sdO, sK, sV, sdS, swizzle),
+            self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, _SmemTiles(sQ, sdO, sK, sV, sdS, *swizzles),
                      sdQ, sLSE, sDelta,
                      tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, qorder, aux,
                      tuple(grad_accs) if const_expr(grad_accs is not None) else ())
@@ -972,9 +972,9 @@ class FlexAttentionBwdSm90:
         an opaque address (``_opaque_smem``: shorter descriptor arithmetic, same descriptors).
         The B operands of dV/dK/dQ are the same smem viewed transposed (MN-major)."""
         sm = ctx.smem
-        sQ, sdO, sdS = [_opaque_smem(t[None, None, idx], sm.swizzle)
-                        for t in (sm.sQ, sm.sdO, sm.sdS)]
-        sK, sV = [_opaque_smem(t, sm.swizzle) for t in (sm.sK, sm.sV)]
+        sQ, sdO, sdS = [_opaque_smem(t[None, None, idx], sw)
+                        for t, sw in ((sm.sQ, sm.swQ), (sm.sdO, sm.swdO), (sm.sdS, sm.swdS))]
+        sK, sV = [_opaque_smem(t, sw) for t, sw in ((sm.sK, sm.swK), (sm.sV, sm.swV))]
         sdp, dkv, dq = ctx.wg_sdp, ctx.wg_dkv, ctx.wg_dq
         return _SmemOperands(
             tSrK=sdp.make_fragment_A(sdp.partition_A(sK)),
@@ -1173,14 +1173,18 @@ class _BwdSchedule(NamedTuple):
 
 class _SmemTiles(NamedTuple):
     """The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V
-    (kv tile, D), all K-major with one swizzle."""
+    (kv tile, D), all K-major, and the swizzle of each."""
 
     sQ: object
     sdO: object
     sK: object
     sV: object
     sdS: object
-    swizzle: object
+    swQ: object
+    swdO: object
+    swK: object
+    swV: object
+    swdS: object
 
 
 class _SmemOperands(NamedTuple):
