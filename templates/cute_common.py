@@ -65,9 +65,11 @@ class FloatIndices:
                 (self.d0_f, offset))
 
 
-def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None):
-    """Swizzled K-major (row-major, `cols` contiguous) smem layout, optionally staged."""
-    atom_kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols)
+def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None,
+                atom_cols: Optional[int] = None):
+    """Swizzled K-major (row-major, `cols` contiguous) smem layout, optionally staged. The
+    swizzle atom is the widest that divides ``atom_cols`` (default ``cols``) columns."""
+    atom_kind = sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, atom_cols or cols)
     atom = warpgroup.make_smem_layout_atom(atom_kind, dtype)
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))

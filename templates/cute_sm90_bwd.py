@@ -19,7 +19,8 @@ rendered by the backend): per element, P∘(dP − delta) · d score_mod / d loa
 fp64 accumulator per tensor (``FlexAttentionBwdSm90._captured_grads``); warp-reduced first where
 the load's index is uniform over the tile. Supported when those derivatives and the indices do
 not depend on the score itself (the backend checks; else the Triton backward serves).
-Out of scope here: head dims other than 64 and 128, and sm100.
+Out of scope here: head dims other than 32, 64, 96 and 128 (``HEAD_DIMS``; 192 and (192, 128)
+need smaller kv tiles than one mask block, see ``choose_bwd_tiling``), and sm100.
 
 Algorithm (FlashAttention-2 §3.2 backward; FlashAttention-3 §3 Hopper pipelining)
 --------------------------------------------------------------------------------
@@ -51,9 +52,9 @@ come out already in the A-operand layout of the dV/dK GEMMs, which read them fro
 ``overlap_dp`` (``choose_bwd_tiling``) forms P while the dP GEMM runs; for D = 128 it fits the
 registers only without mods or with light ones, so by default heavier mods issue dP after P.
 
-Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for D = 128 and 64. The kv tile is
-one mask block, so a CTA reads exactly one column of the transposed block lists; a listed q mask
-block is two Q tiles. Smem 194 KB (D = 128) / 114 KB (D = 64).
+Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for every head dim (32, 64, 96, 128).
+The kv tile is one mask block, so a CTA reads exactly one column of the transposed block lists; a
+listed q mask block is two Q tiles. Smem 194 KB (D = 128) / 153 KB (96) / 114 KB (64) / 73 KB (32).
 
 dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
 swizzle: see ``_dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
@@ -155,6 +156,10 @@ class QOrder(NamedTuple):
     full: cute.Tensor
 
 
+# (head_dim, head_dim_v) pairs with a row in ``choose_bwd_tiling``'s table.
+HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128))
+
+
 @dataclass(frozen=True)
 class BwdTiling:
     tile_m: int  # query rows per iteration (the N of the swapped S GEMM)
@@ -186,15 +191,24 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       (advisory C7512: a wait after every wgmma), with or without overlap_dp
       (``BwdTiling(128, 128, 2, "rows", ..)`` builds). FA4 sheds registers there by holding each
       LSE/delta value in one thread of 8 and shuffling; that is the next step for speed.
+    * D = 32: D = 64's row (overlap always).
+    * D = 96: D = 128's row, but overlap always: dV + dK = 96 registers leave room for every
+      core mod's temporaries beside Sᵀ, dPᵀ and P (all 18 compile spill-free overlapped, heavy
+      ones included). Smem 153 KB.
+      K's swizzle atom is 32 bytes, not 64 (``_k_atom_cols``: the dQ GEMM splits K's 96 columns
+      at 48 between the warpgroups).
+    * D = 192 and (192, 128): no row. dK + dV alone are D/2 + Dv/2 = 192 (160) registers per
+      thread with 64 keys per warpgroup, Sᵀ and dPᵀ 32 more each: over the cap before P, dS
+      and the dQ accumulator. FA3 runs them with 64 × 96 tiles and swapped dK/dV GEMMs; here
+      a kv tile smaller than the mask block (and a second GEMM arrangement) is the missing piece.
     Registers: 2 MMA warpgroups at 240 + the producer warpgroup at 24 = 64512 (the launch's
     168 per thread × 384): setmaxnreg.inc can only take what .dec released, so 240/24 is the
     largest split (240/32 would leave the MMA warpgroups waiting forever).
     """
-    if head_dim != head_dim_v:
-        raise NotImplementedError("cute_sm90_bwd: head_dim_v must equal head_dim")
-    if head_dim not in (64, 128):
-        raise NotImplementedError(f"cute_sm90_bwd: head_dim {head_dim} not in (64, 128)")
-    return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim == 64, 240, 24)
+    if (head_dim, head_dim_v) not in HEAD_DIMS:
+        raise NotImplementedError(
+            f"cute_sm90_bwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
+    return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim <= 96, 240, 24)
 
 
 @dataclass(frozen=True)
@@ -340,6 +354,17 @@ def _dq_box_view(box_rows: int, box_cols: int):
     return rows, cols
 
 
+def _k_atom_cols(head_dim: int, dq_split: str) -> int:
+    """The column count K's smem swizzle atom is chosen for. The dQ GEMM reads K MN-major with
+    each warpgroup's N = D/2 columns ("cols" split), and a warpgroup's columns must start on a
+    swizzle-atom boundary unless all of D lies in one atom: D = 96 would get 32-column (64-byte)
+    atoms and split at column 48, so it takes 16-column (32-byte) atoms instead. Every other
+    head dim keeps the atom of its full width (64 and 128: 128-byte, 32: 64-byte)."""
+    atom = next(a for a in (64, 32, 16, 8) if head_dim % a == 0)  # 16-bit elements per atom
+    half = head_dim // 2
+    return half if dq_split == "cols" and head_dim > atom and half % atom else head_dim
+
+
 def _dq_smem_layout(box_rows: int, box_cols: int):
     """Two box_rows × box_cols fp32 boxes (one per MMA warpgroup), each stored as column groups
     of (box_rows × 8 columns) row-major, no swizzle: (rows, (8, cols/8), 2) : (8, (1, 8·rows),
@@ -424,7 +449,7 @@ class FlexAttentionBwdSm90:
         D, Dv, tm, tn, st = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.num_stages
         sQ_layout = smem_layout(self.dtype, tm, D, st)
         sdO_layout = smem_layout(self.dtype, tm, Dv, st)
-        sK_layout = smem_layout(self.dtype, tn, D)
+        sK_layout = smem_layout(self.dtype, tn, D, atom_cols=_k_atom_cols(D, self.dq_split))
         sV_layout = smem_layout(self.dtype, tn, Dv)
         sdS_layout = smem_layout(self.dtype, tm, tn, st)
         sdQ_layout = _dq_smem_layout(*self.dq_box)
@@ -546,11 +571,11 @@ class FlexAttentionBwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # One swizzle for every GEMM operand tile (``_opaque_smem`` rebuilds them with it); each
-        # tile and stage is whole swizzle atoms, so every start is 1024-byte aligned.
-        swizzle = sQ_layout.inner
-        for layout in (sdO_layout, sK_layout, sV_layout, sdS_layout):
-            assert str(layout.inner) == str(swizzle)
+        # Each GEMM operand tile's swizzle (``_opaque_smem`` rebuilds the tiles with them: one
+        # 128-byte swizzle for D = 64 and 128; 32 and 96 have narrower atoms for Q, dO, K, V);
+        # each tile and stage is whole swizzle atoms, so every start is 1024-byte aligned.
+        swizzles = tuple(layout.inner for layout in
+                         (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout))
         for layout in (sQ_layout, sdO_layout, sdS_layout):
             assert cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1])) % 1024 == 0
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -578,7 +603,7 @@ class FlexAttentionBwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             sched = self._schedule(mQ, mK, q_per_kv)
-            self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, _SmemTiles(sQ, sdO, sK, sV, sdS, swizzle),
+            self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, _SmemTiles(sQ, sdO, sK, sV, sdS, *swizzles),
                      sdQ, sLSE, sDelta,
                      tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, qorder, aux,
                      tuple(grad_accs) if const_expr(grad_accs is not None) else ())
@@ -947,9 +972,9 @@ class FlexAttentionBwdSm90:
         an opaque address (``_opaque_smem``: shorter descriptor arithmetic, same descriptors).
         The B operands of dV/dK/dQ are the same smem viewed transposed (MN-major)."""
         sm = ctx.smem
-        sQ, sdO, sdS = [_opaque_smem(t[None, None, idx], sm.swizzle)
-                        for t in (sm.sQ, sm.sdO, sm.sdS)]
-        sK, sV = [_opaque_smem(t, sm.swizzle) for t in (sm.sK, sm.sV)]
+        sQ, sdO, sdS = [_opaque_smem(t[None, None, idx], sw)
+                        for t, sw in ((sm.sQ, sm.swQ), (sm.sdO, sm.swdO), (sm.sdS, sm.swdS))]
+        sK, sV = [_opaque_smem(t, sw) for t, sw in ((sm.sK, sm.swK), (sm.sV, sm.swV))]
         sdp, dkv, dq = ctx.wg_sdp, ctx.wg_dkv, ctx.wg_dq
         return _SmemOperands(
             tSrK=sdp.make_fragment_A(sdp.partition_A(sK)),
@@ -1148,14 +1173,18 @@ class _BwdSchedule(NamedTuple):
 
 class _SmemTiles(NamedTuple):
     """The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V
-    (kv tile, D), all K-major with one swizzle."""
+    (kv tile, D), all K-major, and the swizzle of each."""
 
     sQ: object
     sdO: object
     sK: object
     sV: object
     sdS: object
-    swizzle: object
+    swQ: object
+    swdO: object
+    swK: object
+    swV: object
+    swdS: object
 
 
 class _SmemOperands(NamedTuple):
@@ -1214,7 +1243,7 @@ class FlexAttentionBwdPreSm90:
         self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
         self.tile_m = cfg.tiling.tile_m
         self.deterministic = cfg.deterministic
-        self.lanes_per_row = self.head_dim_v // 8
+        self.lanes_per_row = _lanes_per_row(self.head_dim_v)
         self.rows_per_cta = 128 // self.lanes_per_row
 
     @cute.jit
@@ -1236,12 +1265,13 @@ class FlexAttentionBwdPreSm90:
         part = tidx % lpr
         seqlen_q = mO.shape[2]
         dot = Float32(0.0)
+        chunk = self.head_dim_v // lpr  # elements per lane: 8, or 24 for Dv = 96
         if row < seqlen_q:
-            rO = cute.make_rmem_tensor((8,), self.dtype)
-            rdO = cute.make_rmem_tensor((8,), self.dtype)
-            cute.autovec_copy(cute.local_tile(mO[batch, head, row, None], (8,), (part,)), rO)
-            cute.autovec_copy(cute.local_tile(mdO[batch, head, row, None], (8,), (part,)), rdO)
-            for i in cutlass.range_constexpr(8):
+            rO = cute.make_rmem_tensor((chunk,), self.dtype)
+            rdO = cute.make_rmem_tensor((chunk,), self.dtype)
+            cute.autovec_copy(cute.local_tile(mO[batch, head, row, None], (chunk,), (part,)), rO)
+            cute.autovec_copy(cute.local_tile(mdO[batch, head, row, None], (chunk,), (part,)), rdO)
+            for i in cutlass.range_constexpr(chunk):
                 dot += rO[i].to(Float32) * rdO[i].to(Float32)
         for off in cutlass.range_constexpr(int(math.log2(lpr))):
             dot += cute.arch.shuffle_sync_bfly(dot, offset=(lpr // 2) >> off)
@@ -1270,6 +1300,16 @@ class FlexAttentionBwdPreSm90:
             cute.autovec_copy(zeros, cute.local_tile(mdQacc[batch, head, row, None], (per,), (part,)))
 
 
+def _lanes_per_row(head_dim: int) -> int:
+    """Lanes that share one row in the preprocess: one 16-byte vector (8 elements) each
+    when head_dim / 8 is a power of two (32: 4, 64: 8, 128: 16), else the largest power of two
+    dividing it, each lane taking several vectors (96: 4 lanes of 24 elements). A power of two
+    dividing 32, so that a row's lanes sit in one warp and the butterfly reduction covers them
+    exactly (12 lanes for 96 would straddle warps and leave 8 threads on the next CTA's rows)."""
+    n = head_dim // 8
+    return n & -n
+
+
 class FlexAttentionBwdPostSm90:
     """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only).
 
@@ -1281,7 +1321,9 @@ class FlexAttentionBwdPostSm90:
         self.dtype = cfg.dtype
         self.head_dim = cfg.head_dim
         self.lanes_per_row = self.head_dim // 8
-        self.units_per_cta = 128 // self.lanes_per_row  # a unit: 2 accumulator rows
+        # A unit: 2 accumulator rows. D = 96: 12 lanes, 10 units; the 8 spare threads redo the
+        # next CTA's first unit, writing the same values (no reduction here, so that is benign).
+        self.units_per_cta = 128 // self.lanes_per_row
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,

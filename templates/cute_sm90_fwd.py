@@ -140,7 +140,8 @@ for an X uniform over the tile is ``cute.fma(X, offset, X * base)``, one FFMA pe
 
 Shapes: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), o (B, Hq, L, Dv), lse (B, Hq, L)
 fp32; the last dim of q/k/v/o contiguous, 16-byte aligned, other strides arbitrary; bf16 or fp16;
-Hq = g·Hkv (query head h reads kv head h // g). Supported head dims: D == Dv in {64, 128, 256}.
+Hq = g·Hkv (query head h reads kv head h // g). Supported head dims (D, Dv): ``HEAD_DIMS``, i.e.
+D == Dv in {32, 64, 96, 128, 192, 256} and (192, 128).
 """
 
 import functools
@@ -199,6 +200,9 @@ class Tiling:
 
 SMEM_CAPACITY = 227 * 1024  # sm90 opt-in maximum per CTA
 
+# (head_dim, head_dim_v) pairs with a row in ``choose_tiling``'s table.
+HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256))
+
 
 def dynamic_schedule_default() -> bool:
     """Whether persistent tilings built without an explicit choice claim tiles dynamically:
@@ -225,10 +229,25 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
       registers per thread; an S tile of 64 columns (32 regs) keeps the total under 240. FA4 uses
       tile_n = 80, which would not divide the mask block. No ping-pong (the long PV GEMM makes the
       two warpgroups' turns uneven).
-    Two consumer warpgroups: 2×128×240 + producer 128×24 = 64512 <= 65536 registers.
+    * D = 32: D = 64's block-sparse row, dense too (57 KB): the 192-row 3-warpgroup tile at 160
+      registers spills 48 bytes with a gathered bias (relative_bias), 240 leaves room.
+    * D = 96: D = 128's row (smem 24 + 2×(24+24) = 120 KB). FA3 runs 192×144 with 3 consumer
+      warpgroups; here 192×128 at 160 registers spills 144 bytes (O 48 + S 64 + P 32 per thread
+      leaves too little for the rest), and 144 would not divide the mask block.
+    * D = 192, Dv = 192: 128×64, 2 stages (48 + 2×(24+24) = 144 KB). tile_n = 128 would need
+      48 + 2×96 = 240 KB > 227 KB; FA3's 112 does not divide the mask block. Registers as
+      D = 256's minus 32 (O 96 + S 32 + P 16); the GEMMs of a kv tile are of equal length
+      (64×64×192 and 64×192×64), so ping-pong stays on.
+    * D = 192, Dv = 128 (DeepSeek's MLA shapes): 128×128, 2 stages (Q 48 + 2×(K 48 + V 32)
+      = 208 KB); the register picture is D = 128's (O 64 + S 64 + P 32); O (32 KB) fits in
+      Q's buffer.
+    Two consumer warpgroups: 2×128×240 + producer 128×24 = 64512 <= 65536 registers. Every row
+    compiles without spills with the heaviest core mods (tests/test_cute_sm90_compile.py).
 
     ``persistent`` adds a separate O buffer (tile_m × Dv): D = 128 needs 192 KB, D = 64 128 KB
-    (block-sparse) or 144 KB (dense); D = 256 would need 256 KB > 227 KB, so it is refused.
+    (block-sparse) or 144 KB (dense), D = 96 145 KB, D = 32 65 KB; D = 256 would need
+    256 KB > 227 KB and (192, 128) 240 KB, so they are refused; (192, 192) would fit (192 KB) but
+    is refused as well until it is measured.
 
     ``dynamic_schedule`` (persistent only; None: ``FLEXJIT_CUTE_DYNAMIC_SCHEDULE``) picks the
     atomic-counter tile scheduler over the static grid stride; it is ignored without
@@ -237,21 +256,30 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     if dynamic_schedule is None:
         dynamic_schedule = dynamic_schedule_default()
     dyn = bool(persistent and dynamic_schedule)
-    if head_dim != head_dim_v:
-        raise NotImplementedError("cute_sm90_fwd: head_dim_v must equal head_dim")
+    if (head_dim, head_dim_v) not in HEAD_DIMS:
+        raise NotImplementedError(
+            f"cute_sm90_fwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
     if persistent and head_dim == 256:
         raise NotImplementedError(
             "cute_sm90_fwd: the persistent variant does not support head_dim 256 (Q 64 KB + "
             "K/V 2x64 KB + a separate O buffer 64 KB = 256 KB > 227 KB of shared memory)")
+    if persistent and head_dim == 192:
+        raise NotImplementedError(
+            f"cute_sm90_fwd: the persistent variant does not support head dims ({head_dim}, "
+            f"{head_dim_v}) (no smem for a separate O buffer beside 2 K/V stages)")
     if head_dim == 64:
         if not block_sparse:
             return Tiling(192, 128, 3, 3, True, 160, 32, persistent, dyn)
         return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
-    if head_dim == 128:
+    if head_dim == 32:
+        return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
+    if head_dim in (96, 128):
         return Tiling(128, 128, 2, 2, True, 240, 24, persistent, dyn)
-    if head_dim == 256:
-        return Tiling(128, 64, 2, 2, False, 240, 24)
-    raise NotImplementedError(f"cute_sm90_fwd: head_dim {head_dim} not in (64, 128, 256)")
+    if head_dim == 192 and head_dim_v == 128:
+        return Tiling(128, 128, 2, 2, True, 240, 24)
+    if head_dim == 192:
+        return Tiling(128, 64, 2, 2, True, 240, 24)
+    return Tiling(128, 64, 2, 2, False, 240, 24)  # 256
 
 
 def smem_bytes(cfg: "FwdConfig") -> int:

@@ -3,7 +3,7 @@
 Runs only on a Hopper GPU (marker `gpu`). Outputs are poisoned first: the caching allocator's
 next blocks are filled with NaN, so an element the kernel never writes shows up as NaN.
 Shapes: S=1000 (ragged against 128), S=4096, GQA 16/4, head dims 128 and 64, bf16; one causal
-case at S=16384. Each new mod compiles once (~3 s on the H200 host).
+case at S=16384; head dims 32, 96, 192 and (192, 128) at S=1000 (``test_more_head_dims``). Each new mod compiles once (~3 s on the H200 host).
 
 Every test runs twice: with the one-tile-per-CTA kernel and with the persistent one
 (``FLEXJIT_CUTE_PERSISTENT=1``: min(tiles, SMs) CTAs looping over the tiles). The persistent
@@ -70,11 +70,12 @@ def poison_allocator(nbytes=1 << 30):
     del x
 
 
-def run_case(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, seed=0):
+def run_case(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, seed=0, Dv=None):
     torch.manual_seed(seed)
     case = make_case(name, B, Hq, L, S, device="cuda")
     q = torch.randn(B, Hq, L, D, device="cuda", dtype=dtype)
-    k, v = [torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype) for _ in range(2)]
+    k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype)
+    v = torch.randn(B, Hkv, S, Dv or D, device="cuda", dtype=dtype)
     bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cuda") if case.mask_mod else None
     choice = explain(q, k, v, case.score_mod, bm, enable_gqa=Hq != Hkv)
     assert choice.name == "cute", str(choice)
@@ -95,6 +96,20 @@ def test_core_mods_d128_ragged_gqa(name):
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap", "sliding_window"])
 def test_d64_and_4k(name):
     run_case(name, B=1, Hq=16, Hkv=16, L=4096, S=4096, D=64)
+
+
+# Issue #13's head dims: each with causal (block-sparse, 128-row tiles) and one more mod;
+# relative_bias has no mask_mod, so it runs the dense path (every kv tile visited, a gathered
+# bias). (192, 128): q/k wider than v. Ragged L = S = 1000, GQA 8/2. 192 has no
+# persistent variant: both fixture runs launch the same per-tile kernel.
+@pytest.mark.parametrize("D,Dv,name", [
+    (32, 32, "causal"), (32, 32, "relative_bias"),
+    (96, 96, "causal"), (96, 96, "alibi"),
+    (192, 192, "causal"), (192, 192, "softcap"),
+    (192, 128, "causal"), (192, 128, "document"), (192, 128, "relative_bias"),
+], ids=lambda x: str(x))
+def test_more_head_dims(D, Dv, name):
+    run_case(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, Dv=Dv)
 
 
 def test_q_len_differs_from_kv_len():

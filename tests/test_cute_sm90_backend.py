@@ -18,14 +18,15 @@ from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_p
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
 
 
-def _forward_ptx(name, tmp_path, B=2, Hq=4, Hkv=2, persistent=None) -> str:
+def _forward_ptx(name, tmp_path, B=2, Hq=4, Hkv=2, persistent=None, D=128, Dv=None) -> str:
     """The sm90 forward's PTX for a core mod, through the backend's own compile path."""
-    L, S, D = 300, 500, 128
+    L, S = 300, 500
     case = make_case(name, B, Hq, L, S)
     program = lowered(case.score_mod, case.mask_mod)
     bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cpu") if case.mask_mod else None
     q = torch.randn(B, Hq, L, D, dtype=torch.bfloat16)
-    k, v = [torch.randn(B, Hkv, S, D, dtype=torch.bfloat16) for _ in range(2)]
+    k = torch.randn(B, Hkv, S, D, dtype=torch.bfloat16)
+    v = torch.randn(B, Hkv, S, Dv or D, dtype=torch.bfloat16)
     aux = tuple(_aux_tensor(t, q.device) for t in program.buffers)
     fn = compile_program(program, q, k, v, block_sparse_args(bm), aux, persistent=persistent,
                          options=f"--keep-ptx --dump-dir {tmp_path}")
@@ -42,6 +43,28 @@ def test_core_mod_compiles_for_sm90a(name, tmp_path):
     assert "cp.async.bulk.tensor" in ptx
 
 
+# A gathered per-element bias under a block mask (learnable_bias: relative_bias's table read
+# at [h, kv - q], plus causal) spills on the 128×128 rows with 240 registers: 32 bytes at D = 96,
+# 20 at (192, 128), and 12 at D = 128 already before issue #13 (that kernel must stay as it is).
+# Strict: the xfail turns into a failure once a tiling change makes it fit.
+_SPILLS = {("learnable_bias", (96, 96)), ("learnable_bias", (192, 128))}
+_NEW_DIM_CASES = [
+    pytest.param(name, dims, id=f"{name}-d{dims[0]}_v{dims[1]}",
+                 marks=[pytest.mark.xfail(strict=True, reason="spills, see _SPILLS")]
+                 if (name, dims) in _SPILLS else [])
+    for dims in ((96, 96), (192, 128)) for name in CORE]
+
+
+@pytest.mark.parametrize("name,dims", _NEW_DIM_CASES)
+def test_core_mod_fits_at_new_head_dims(name, dims, tmp_path):
+    # 96 and (192, 128) are the register-tightest new forward rows (O 48 / 64 + S 64 + P 32 per
+    # thread): every core mod through the backend's path, no spills.
+    from ptx_checks import assert_no_spills
+    ptx = _forward_ptx(name, tmp_path, D=dims[0], Dv=dims[1], persistent=False)
+    assert "setmaxnreg.inc" in ptx and "cp.async.bulk.tensor" in ptx
+    assert_no_spills(tmp_path, ptx)
+
+
 def test_persistent_forward_is_chosen_for_short_kv_loops(monkeypatch):
     # Persistent up to PERSISTENT_MAX_KV_TILES kv tiles per q tile on average (short loops:
     # windows, S <= 2k); one CTA per tile for long ones (8k causal / full). The env var forces.
@@ -54,6 +77,8 @@ def test_persistent_forward_is_chosen_for_short_kv_loops(monkeypatch):
     assert not _persistent_fwd(128, block_sparse_args(causal), 8192)
     assert _persistent_fwd(128, None, 2048) and not _persistent_fwd(128, None, 8192)
     assert not _persistent_fwd(256, None, 1024)  # no smem for a separate O buffer
+    assert not _persistent_fwd(192, None, 1024)  # 192/192 and (192, 128): not either
+    assert _persistent_fwd(32, None, 1024) and _persistent_fwd(96, None, 1024)
     monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "1")
     assert _persistent_fwd(64, block_sparse_args(causal), 8192)
     monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "0")
@@ -88,3 +113,86 @@ def test_alibi_bias_is_cheap_per_score(tmp_path):
     for op in ("mul.f32", "add.f32"):
         assert count(alibi, op) <= count(causal, op) + 32, (op, count(alibi, op), count(causal, op))
     assert count(alibi, "fma.rn.f32") > count(causal, "fma.rn.f32") + 128  # the bias, per score
+
+
+# --------------------------------------------------------------------------- head dims (issue #13)
+
+
+class _OnHopper:
+    """A CPU tensor that reports a CUDA device: ``supports`` reads only shapes, strides and
+    dtypes (with ``capability`` patched to sm_90), so its head-dim rules run without a GPU."""
+
+    device = torch.device("cuda", 0)
+
+    def __init__(self, t):
+        self._t = t
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+def _hopper_call(monkeypatch, D, Dv, block_mask=None):
+    import dataclasses
+
+    from flexjit.api import prepare_call
+    from flexjit.backends import cute_sm90
+    monkeypatch.setattr(cute_sm90, "capability", lambda device: (9, 0))
+    q, k = (torch.randn(1, 2, 256, D, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, 2, 256, Dv, dtype=torch.bfloat16)
+    call = prepare_call(q, k, v, None, block_mask, None, False, None)
+    return dataclasses.replace(call, q=_OnHopper(q), k=_OnHopper(k), v=_OnHopper(v))
+
+
+@pytest.mark.parametrize("dims", [(32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128),
+                                  (256, 256)], ids=lambda d: f"d{d[0]}_v{d[1]}")
+def test_forward_supports_head_dims(monkeypatch, dims):
+    from flexjit.backends.cute_sm90 import supports
+    ok, why = supports(_hopper_call(monkeypatch, *dims))
+    assert ok, why
+    # A causal block mask (128x128 blocks) as well: every tile maps onto the mask blocks.
+    bm = create_block_mask(mods.causal(), None, None, 256, 256, device="cpu")
+    assert supports(_hopper_call(monkeypatch, *dims, block_mask=bm))[0]
+
+
+@pytest.mark.parametrize("dims", [(80, 80), (16, 16), (512, 512), (128, 96), (96, 128), (192, 64),
+                                  (128, 192), (256, 128)], ids=lambda d: f"d{d[0]}_v{d[1]}")
+def test_forward_refuses_other_head_dims(monkeypatch, dims):
+    from flexjit.backends.cute_sm90 import supports
+    ok, why = supports(_hopper_call(monkeypatch, *dims))
+    assert not ok and f"head dims {dims}" in why, why
+
+
+@pytest.mark.parametrize("dims", [(32, 32), (64, 64), (96, 96), (128, 128)],
+                         ids=lambda d: f"d{d[0]}_v{d[1]}")
+def test_backward_supports_head_dims(monkeypatch, dims):
+    from flexjit.backends.cute_sm90 import backward_supports
+    ok, why = backward_supports(_hopper_call(monkeypatch, *dims))
+    if "TVM-FFI" in why:
+        pytest.skip(why)
+    assert ok, why
+
+
+@pytest.mark.parametrize("dims", [(192, 192), (192, 128)], ids=lambda d: f"d{d[0]}_v{d[1]}")
+def test_backward_refuses_head_dim_192_with_a_reason(monkeypatch, dims):
+    """The forward runs 192 on sm90; the backward does not yet (its dK/dV accumulators do not
+    fit the registers with a 128-key tile), and says so, naming the Triton backward."""
+    from flexjit.backends.cute_sm90 import backward_supports, supports
+    call = _hopper_call(monkeypatch, *dims)
+    assert supports(call)[0]
+    ok, why = backward_supports(call)
+    assert not ok and f"head dims {dims}" in why and "192" in why and "Triton" in why, why
+
+
+@pytest.mark.parametrize("dims", [(256, 256), (80, 80), (128, 96)], ids=lambda d: f"d{d[0]}_v{d[1]}")
+def test_backward_refuses_other_head_dims(monkeypatch, dims):
+    from flexjit.backends.cute_sm90 import backward_supports
+    ok, why = backward_supports(_hopper_call(monkeypatch, *dims))
+    assert not ok and f"head dims {dims}" in why, why
+
+
+def test_backend_head_dims_match_the_templates():
+    """The backend's tables (kept free of cutlass imports) list exactly the templates' rows."""
+    from flexjit.backends import cute_sm90
+    from flexjit.cache import load_template
+    assert set(cute_sm90._HEAD_DIMS) == set(load_template("cute_sm90_fwd").HEAD_DIMS)
+    assert set(cute_sm90._BWD_HEAD_DIMS) == set(load_template("cute_sm90_bwd").HEAD_DIMS)

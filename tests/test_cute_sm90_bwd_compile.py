@@ -103,7 +103,12 @@ def _assert_deterministic_machinery(ptx):
     assert "fence.proxy.async.global" in ptx, "no proxy fence around the bulk reduce"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+# 64 and 128, then issue #13's 32 and 96 (192 and (192, 128) have no backward tile yet:
+# test_backward_has_no_tile_for_192).
+HEAD_DIMS = [64, 128, 32, 96]
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_no_mods(tmp_path, head_dim):
     ptx = _compile(tmp_path, head_dim)
     _assert_main_machinery(ptx["main"])
@@ -115,7 +120,7 @@ def test_no_mods(tmp_path, head_dim):
 
 
 @pytest.mark.parametrize("overlap_dp", [None, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_causal_block_lists(tmp_path, head_dim, overlap_dp):
     # overlap_dp=True is what the backend asks for light mods (comparisons only): it must fit.
     ptx = _compile(tmp_path, head_dim, mask_mod=fmods.causal(), sparse=True, parts=("main",),
@@ -139,7 +144,7 @@ def test_causal_mask_mod_without_block_lists(tmp_path):
     _assert_clean_registers(tmp_path, ptx["main"])
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
     score_mod, mask_mod = _softcap_alibi_document()
     ptx = _compile(tmp_path, head_dim, score_mod, mask_mod, sparse=True, parts=("main",))["main"]
@@ -148,6 +153,27 @@ def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
     assert "tanh.approx" in ptx, "softcap (and its derivative) not rendered"
     # The softcap is a runtime kernel parameter, not a constant folded into the code.
     assert "0f41F00000" not in ptx and "30.0" not in ptx, "runtime scalar was baked in"
+
+
+def test_backward_tile_table():
+    """One 64 × 128 row for every head dim (the kv tile is the mask block), P formed under dP
+    always for D <= 96; 64/128 exactly as before issue #13; K's swizzle atom narrows only for D = 96 (its dQ split at column 48);
+    192 and (192, 128) are refused (dK + dV alone would take 192 / 160 of 240 registers)."""
+    T = tpl.BwdTiling
+    assert tpl.choose_bwd_tiling(128, 128, False) == T(64, 128, 2, "cols", False, 240, 24)
+    assert tpl.choose_bwd_tiling(128, 128, True) == T(64, 128, 2, "cols", True, 240, 24)
+    assert tpl.choose_bwd_tiling(64, 64, False) == T(64, 128, 2, "cols", True, 240, 24)
+    assert tpl.choose_bwd_tiling(32, 32, False) == T(64, 128, 2, "cols", True, 240, 24)
+    assert tpl.choose_bwd_tiling(96, 96, False) == T(64, 128, 2, "cols", True, 240, 24)
+    assert [tpl._k_atom_cols(d, "cols") for d in (32, 64, 96, 128)] == [32, 64, 48, 128]
+    # Pre/postprocess: a row's lanes are a power of two within one warp, covering the row.
+    assert [tpl._lanes_per_row(d) for d in (32, 64, 96, 128)] == [4, 8, 4, 16]
+    for d in (32, 64, 96, 128):
+        n = tpl._lanes_per_row(d)
+        assert 32 % n == 0 and (d // n) % 8 == 0
+    for d, dv in ((192, 192), (192, 128), (256, 256), (128, 96)):
+        with pytest.raises(NotImplementedError, match="head dims"):
+            tpl.choose_bwd_tiling(d, dv)
 
 
 def light_mods(program) -> bool:
@@ -169,20 +195,22 @@ def _clean_main_ptx(tmp_path, cfg, program) -> str:
     return ptx
 
 
+@pytest.mark.parametrize("head_dim", [128, 96])
 @pytest.mark.parametrize("name", CORE)
-def test_every_core_mod_fits_at_d128(tmp_path, name):
-    # D = 128 is the register-tight case (dV + dK = 128 registers); with the overlap rule above
-    # every core mod must compile without spills and without serialised wgmmas.
+def test_every_core_mod_fits(tmp_path, name, head_dim):
+    # D = 128 is the register-tight case (dV + dK = 128 registers), D = 96 the next (96); with
+    # the overlap rule above every core mod must compile without spills and without serialised
+    # wgmmas.
     case = make_case(name, 2, 4, 300, 500)
     program = _program(case.score_mod, case.mask_mod)
     mods = load_mods(program)
-    cfg = tpl.BwdConfig(128, 128, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
+    cfg = tpl.BwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
                         has_block_mask=case.mask_mod is not None,
                         overlap_dp=True if light_mods(program) else None)
     _clean_main_ptx(tmp_path, cfg, program)
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("head_dim", [128, 64, 96])
 @pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
 def test_captured_tensor_grads(tmp_path, name, head_dim):
     # Issue #6: a learnable captured tensor's gradient from the sm90 backward itself. The

@@ -62,16 +62,18 @@ def _block_mask(nq, nk):
 
 def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, aux=(), scalars=(),
              persistent=False, dynamic_schedule=False):
+    """``head_dim``: D, or a (D, Dv) pair."""
+    head_dim, head_dim_v = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
     # L != S and neither a multiple of 128; GQA 4/2: the compile must not depend on any of it.
     b, hq, hkv, seq_q, seq_k = 2, 4, 2, 300, 500
     q = torch.randn(b, hq, seq_q, head_dim, dtype=torch.bfloat16)
     k = torch.randn(b, hkv, seq_k, head_dim, dtype=torch.bfloat16)
-    v = torch.randn(b, hkv, seq_k, head_dim, dtype=torch.bfloat16)
-    o = torch.empty_like(q)
+    v = torch.randn(b, hkv, seq_k, head_dim_v, dtype=torch.bfloat16)
+    o = torch.empty(b, hq, seq_q, head_dim_v, dtype=torch.bfloat16)
     lse = torch.empty(b, hq, seq_q)
     bm = _block_mask((seq_q + 127) // 128, (seq_k + 127) // 128) if sparse else None
-    cfg = FwdConfig(head_dim, head_dim, cutlass.BFloat16, score_mod, mask_mod, has_block_mask=sparse,
-                    tiling=_tpl.choose_tiling(head_dim, head_dim, sparse, persistent=persistent,
+    cfg = FwdConfig(head_dim, head_dim_v, cutlass.BFloat16, score_mod, mask_mod, has_block_mask=sparse,
+                    tiling=_tpl.choose_tiling(head_dim, head_dim_v, sparse, persistent=persistent,
                                               dynamic_schedule=dynamic_schedule))
     fn = compile_fwd(cfg, q, k, v, o, lse, bm, aux, scalars,
                      options=f"--keep-ptx --dump-dir {tmp_path}")
@@ -89,14 +91,20 @@ def _assert_hopper_path(ptx):
     assert "ex2.approx" in ptx, "softmax is not in the exp2 domain"
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+# Every (D, Dv) of the tile table: the original three, then issue #13's 32, 96, 192 and
+# (192, 128) (DeepSeek-style q/k wider than v).
+HEAD_DIMS = [64, 128, 256, 32, 96, 192, (192, 128)]
+_IDS = [f"d{d[0]}_v{d[1]}" if isinstance(d, tuple) else f"d{d}" for d in HEAD_DIMS]
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=_IDS)
 def test_no_mods(tmp_path, head_dim):
     ptx = _compile(tmp_path, head_dim)
     _assert_hopper_path(ptx)
     assert_no_spills(tmp_path, ptx)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=_IDS)
 def test_causal_block_sparse(tmp_path, head_dim):
     ptx = _compile(tmp_path, head_dim, mask_mod=causal_mask, sparse=True)
     _assert_hopper_path(ptx)
@@ -108,7 +116,7 @@ def test_causal_dense_mask_mod(tmp_path):
     _assert_hopper_path(_compile(tmp_path, 128, mask_mod=causal_mask))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS, ids=_IDS)
 def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
     slopes = torch.rand(4)
     docs = torch.zeros(500, dtype=torch.int32)
@@ -119,6 +127,36 @@ def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
     # The softcap is a runtime kernel parameter, not a constant folded into the code.
     assert "tanh" in ptx or "ex2" in ptx
     assert "30.0" not in ptx and "0f41F00000" not in ptx, "runtime scalar was baked in"
+
+
+def test_tile_table():
+    """The table's rows: 64/128/256 exactly as before issue #13 (their kernels must stay
+    byte-identical), and for every (D, Dv) with a block mask a 128-row tile whose tile_n divides
+    the 128-key mask block; every row within the 227 KB of shared memory."""
+    T = _tpl.Tiling
+    assert _tpl.choose_tiling(64, 64, False) == T(192, 128, 3, 3, True, 160, 32)
+    assert _tpl.choose_tiling(64, 64, True) == T(128, 128, 3, 2, True, 240, 24)
+    assert _tpl.choose_tiling(128, 128, True) == _tpl.choose_tiling(128, 128, False) == \
+        T(128, 128, 2, 2, True, 240, 24)
+    assert _tpl.choose_tiling(256, 256, True) == T(128, 64, 2, 2, False, 240, 24)
+    assert _tpl.choose_tiling(32, 32, False) == _tpl.choose_tiling(32, 32, True) == \
+        T(128, 128, 3, 2, True, 240, 24)
+    assert _tpl.choose_tiling(96, 96, False) == T(128, 128, 2, 2, True, 240, 24)
+    assert _tpl.choose_tiling(192, 192, True) == T(128, 64, 2, 2, True, 240, 24)
+    assert _tpl.choose_tiling(192, 128, True) == T(128, 128, 2, 2, True, 240, 24)
+    for d, dv in _tpl.HEAD_DIMS:
+        for sparse in (False, True):
+            cfg = FwdConfig(d, dv, cutlass.BFloat16, has_block_mask=sparse)
+            t = cfg.tiling
+            assert _tpl.smem_bytes(cfg) <= _tpl.SMEM_CAPACITY, (d, dv, _tpl.smem_bytes(cfg))
+            # Registers: consumers at mma_regs, the producer warpgroup at load_regs.
+            assert 128 * (t.num_mma_wgs * t.mma_regs + t.load_regs) <= 65536
+            if sparse:
+                assert t.tile_m == 128 and 128 % t.tile_n == 0
+            _tpl.FlexAttentionFwdSm90(cfg)
+    for d, dv in ((128, 96), (96, 128), (80, 80), (512, 512), (192, 64)):
+        with pytest.raises(NotImplementedError, match="head dims"):
+            _tpl.choose_tiling(d, dv, True)
 
 
 # ------------------------------------------------------------------ the persistent variant
@@ -138,7 +176,7 @@ def test_default_is_not_persistent(tmp_path):
     assert "%nctaid.x" not in _compile(tmp_path, 128)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 32, 96])
 def test_persistent_no_mods(tmp_path, head_dim):
     ptx = _compile(tmp_path, head_dim, persistent=True)
     _assert_hopper_path(ptx)
@@ -146,7 +184,7 @@ def test_persistent_no_mods(tmp_path, head_dim):
     assert_no_spills(tmp_path, ptx)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 32, 96])
 def test_persistent_causal_block_sparse(tmp_path, head_dim):
     ptx = _compile(tmp_path, head_dim, mask_mod=causal_mask, sparse=True, persistent=True)
     _assert_hopper_path(ptx)
@@ -173,14 +211,17 @@ def test_persistent_score_and_mask_mods_with_aux(tmp_path):
 
 
 def test_persistent_smem_budget():
-    """O's own buffer must fit: D=128 192 KB, D=64 <= 148 KB; D=256 is refused up front."""
-    for d, sparse in ((64, False), (64, True), (128, False), (128, True)):
+    """O's own buffer must fit: D=128 192 KB, D=64 <= 148 KB, D=96 145 KB, D=32 65 KB; D=256
+    and 192 (either Dv) are refused up front."""
+    for d, sparse in ((64, False), (64, True), (128, False), (128, True), (32, False), (32, True),
+                      (96, False), (96, True)):
         cfg = FwdConfig(d, d, cutlass.BFloat16, has_block_mask=sparse,
                         tiling=_tpl.choose_tiling(d, d, sparse, persistent=True))
         assert _tpl.smem_bytes(cfg) <= _tpl.SMEM_CAPACITY
         _tpl.FlexAttentionFwdSm90(cfg)  # the constructor's own check passes
-    with pytest.raises(NotImplementedError, match="persistent"):
-        _tpl.choose_tiling(256, 256, True, persistent=True)
+    for d, dv in ((256, 256), (192, 192), (192, 128)):
+        with pytest.raises(NotImplementedError, match="persistent"):
+            _tpl.choose_tiling(d, dv, True, persistent=True)
 
 
 def test_persistent_flag_reaches_the_kernel_and_the_cache_keys(tmp_path, monkeypatch):

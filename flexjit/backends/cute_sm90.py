@@ -11,7 +11,7 @@ What this module holds
   through ``cache.cached``, so a second process loads them instead of compiling.
 * The backend interface (``flexjit.dispatch``): ``supports``/``forward`` for the forward;
   ``backward_supports``/``backward`` for the sm90 backward from the saved (out, lse). Where it
-  refuses (head dims other than 64/128, captured tensors whose gradient depends on the score),
+  refuses (head dims it has no tile for, captured tensors whose gradient depends on the score),
   dispatch pairs this forward with the Triton backward. Learnable captured tensors (bias tables,
   ALiBi slopes) get their gradients from the sm90 backward itself.
 * The block lists the kernels read (``block_sparse_args``, ``bwd_block_lists``, remembered on the
@@ -32,7 +32,9 @@ from ..ir import Op
 from ..passes import Program
 from . import capability, cute_cache
 
-_HEAD_DIMS = (64, 128, 256)
+# (head_dim, head_dim_v) pairs the sm90 forward has a tile for (``cute_sm90_fwd.HEAD_DIMS``,
+# repeated here so that refusing a shape needs no cutlass import).
+_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256))
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,8 +86,9 @@ def supports(call) -> tuple[bool, str]:
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False, f"dtype {q.dtype} (the sm90 kernel takes fp16/bf16)"
     D, Dv = q.shape[-1], v.shape[-1]
-    if D != Dv or D not in _HEAD_DIMS:
-        return False, f"head dims ({D}, {Dv}); the sm90 kernel takes equal head dims in {_HEAD_DIMS}"
+    if (D, Dv) not in _HEAD_DIMS:
+        return False, (f"head dims ({D}, {Dv}); the sm90 kernel takes (head_dim, head_dim_v) in "
+                       f"{_HEAD_DIMS}")
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False, f"{name} needs a contiguous last dim and 16-byte aligned strides for TMA"
@@ -180,8 +183,9 @@ def _mean_kv_tiles(lists, S: int, owner=None) -> float:
 def _persistent_fwd(head_dim: int, lists, S: int, owner=None) -> bool:
     """Whether to launch the persistent forward: ``FLEXJIT_CUTE_PERSISTENT`` 1 (always) or 0
     (never), else when a q tile visits at most PERSISTENT_MAX_KV_TILES kv tiles on average.
-    Head dim 256 always keeps the one-tile-per-CTA kernel (no smem for a separate O buffer)."""
-    if head_dim not in (64, 128):
+    Head dims 192 and 256 always keep the one-tile-per-CTA kernel (no smem for a separate O
+    buffer beside their K/V stages)."""
+    if head_dim not in (32, 64, 96, 128):
         return False
     forced = os.environ.get("FLEXJIT_CUTE_PERSISTENT", "")
     if forced:
@@ -292,7 +296,10 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
 
 # --------------------------------------------------------------------------- backward
 
-_BWD_HEAD_DIMS = (64, 128)
+# (head_dim, head_dim_v) pairs the sm90 backward has a tile for (``cute_sm90_bwd.HEAD_DIMS``).
+# Not yet: 192 and (192, 128): dK + dV alone hold D/2 + Dv/2 fp32 registers per thread with
+# 64 keys per warpgroup (192 and 160), and Sᵀ + dPᵀ 32 more each: over the 240 cap.
+_BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128))
 
 
 def _bwd_template():
@@ -304,8 +311,13 @@ def backward_supports(call) -> tuple[bool, str]:
     D, Dv = call.q.shape[-1], call.v.shape[-1]
     if os.environ.get("FLEXJIT_CUTE_BWD", "1") == "0":
         return False, "FLEXJIT_CUTE_BWD=0"
-    if D != Dv or D not in _BWD_HEAD_DIMS:
-        return False, f"head dims ({D}, {Dv}); the sm90 backward takes equal head dims in {_BWD_HEAD_DIMS}"
+    if (D, Dv) not in _BWD_HEAD_DIMS:
+        if D == 192:
+            return False, (f"head dims ({D}, {Dv}): the sm90 backward has no tile for head dim 192 "
+                           "yet (its dK/dV accumulators do not fit the registers with 128 keys "
+                           "per CTA); the Triton backward serves it")
+        return False, (f"head dims ({D}, {Dv}); the sm90 backward takes (head_dim, head_dim_v) in "
+                       f"{_BWD_HEAD_DIMS}")
     if call.program.grad_loads:
         if os.environ.get("FLEXJIT_CUTE_BWD_GRADS", "1") == "0":
             # On by default since its GPU tests passed on the H200 (tests/test_cute_sm90_bwd_gpu.py
