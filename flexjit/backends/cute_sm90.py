@@ -199,6 +199,12 @@ def _announce(msg: str) -> None:
         print(f"[flexjit] {msg}")
 
 
+def _rescale_threshold() -> float:
+    """The forward's lazy-rescale threshold in log2 units (``FLEXJIT_CUTE_RESCALE_THRESHOLD``,
+    default 8: O is rescaled only when a row's max grew by more; 0 rescales at every growth)."""
+    return float(os.environ.get("FLEXJIT_CUTE_RESCALE_THRESHOLD", "8"))
+
+
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
                     persistent: bool | None = None, write_max: bool = False):
     """Compile (or find in memory, or load from disk) the sm90 forward for this program and
@@ -223,7 +229,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     # of the tiling, hence of both cache keys.
     dynamic = persistent and tpl.dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
-           persistent, dynamic, write_max)
+           persistent, dynamic, write_max, _rescale_threshold())
     hit = _COMPILED.get(key)
     if hit is not None:  # the per-call path: no mods, config or disk key to build for `cached`
         return hit
@@ -232,7 +238,8 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
                         has_block_mask=block_mask is not None,
                         tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent,
-                                                 dynamic_schedule=dynamic), write_max=write_max)
+                                                 dynamic_schedule=dynamic), write_max=write_max,
+                        rescale_threshold=_rescale_threshold())
     what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
     disk_key = None
     if tpl.tvm_ffi_enabled() and cute_cache.available():
