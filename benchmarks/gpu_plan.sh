@@ -58,8 +58,11 @@ case $stage in
     bench dims 130 --S 8k --d 32,96,192,192/128 --variants full,causal --impls flexjit-cute,flexjit-triton,fa4 --budget-s 110
     ;;
   4)
-    # Where the backward's time goes now that its loop is 23% shorter and no faster: Nsight
-    # Compute with every stall reason, ours beside FA4's; then long context.
+    # The forward's speed with the lazy rescale off (it costs 3-10% of output accuracy against
+    # torch's kernel, call 3); where the backward's time goes now that its loop is 23% shorter and
+    # no faster (Nsight Compute with every stall reason, ours beside FA4's); long context.
+    bench rescale 110 --S 2k,8k --variants full,causal,softcap,document --passes fwd \
+      --impls flexjit-cute,flexjit-cute-rescale0,fa4 --budget-s 95
     bash benchmarks/profile_kernels.sh "$work/ncu_bwd.txt" cute:full:8192:fwdbwd fa4-bhsd:full:8192:fwdbwd
     python3 -m benchmarks.ncu_summary "$work/ncu_bwd.txt" | tail -8
     bench long128k 100 --S 128k --variants causal --passes fwdbwd --impls flexjit-cute,fa4 --budget-s 80
