@@ -44,6 +44,8 @@ FLEXJIT_MODES = {
     "flexjit-cute-dynamic": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "1",
                                       "FLEXJIT_CUTE_DYNAMIC_SCHEDULE": "1"}, False),
     "flexjit-cute-rescale0": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "0"}, False),
+    "flexjit-cute-rescale2": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "2"}, False),
+    "flexjit-cute-rescale4": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "4"}, False),
 }
 EXTRA_IMPLS = ("torch-flex-eager",) + tuple(FLEXJIT_MODES)
 
