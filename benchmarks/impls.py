@@ -10,7 +10,7 @@ each layout's copies and transposes the results back, outside the timed region.
 | impl               | what runs                                                              |
 |--------------------|------------------------------------------------------------------------|
 | flexjit-<backend>  | flexjit.flex_attention(..., backend=<backend>), flexjit's block mask   |
-| flexjit-cute-<mode>| the same under one of FLEXJIT_MODES' switches (det, pertile, persistent, dynamic, rescale0) |
+| flexjit-cute-<mode>| the same under one of FLEXJIT_MODES' switches (det, pertile, persistent, dynamic, rescaleN) |
 | torch-flex-triton  | torch.compile(flex_attention), torch's block mask, Triton kernels      |
 | torch-flex-flash   | the same with kernel_options={"BACKEND": "FLASH"} (FA4 underneath)     |
 | fa4                | flash_attn.cute.flash_attn_func with the variant's built-in arguments  |
@@ -46,6 +46,7 @@ FLEXJIT_MODES = {
     "flexjit-cute-rescale0": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "0"}, False),
     "flexjit-cute-rescale2": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "2"}, False),
     "flexjit-cute-rescale4": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "4"}, False),
+    "flexjit-cute-rescale8": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "8"}, False),
 }
 EXTRA_IMPLS = ("torch-flex-eager",) + tuple(FLEXJIT_MODES)
 

@@ -200,9 +200,12 @@ def _announce(msg: str) -> None:
 
 
 def _rescale_threshold() -> float:
-    """The forward's lazy-rescale threshold in log2 units (``FLEXJIT_CUTE_RESCALE_THRESHOLD``,
-    default 8: O is rescaled only when a row's max grew by more; 0 rescales at every growth)."""
-    return float(os.environ.get("FLEXJIT_CUTE_RESCALE_THRESHOLD", "8"))
+    """The forward's rescale threshold in log2 units (``FLEXJIT_CUTE_RESCALE_THRESHOLD``): O is
+    rescaled only when a row's max grew by more. Default 0 (at every growth), torch's output
+    accuracy: at 8 (FA4's lazy rescale) the output's mean error was 3-10% above torch
+    Flex-Triton's on spread-out softmaxes (and the table gradients it feeds up to 17%), for 2-5%
+    more forward speed at 2k (benchmarks/results/2026-12-01-gpu-s6-NOTES.md, calls 2-6)."""
+    return float(os.environ.get("FLEXJIT_CUTE_RESCALE_THRESHOLD", "0"))
 
 
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
