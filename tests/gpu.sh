@@ -27,10 +27,11 @@ run_as() {  # run_as NAME LIMIT_S pytest-args...   (NAME: the log's name; may ru
 case $batch in
   new)
     # The newest code's GPU tests; point it at the next change before its first GPU run. Now
-    # (sixth session): max_scores on the sm90 forward (issue #14) and the negative-scale
-    # routing, the max_scores/int64 Triton test as rewritten for it.
-    run 200 tests/test_cute_gpu.py -k "max_scores or negative_scale"
-    run 150 tests/test_triton_gpu.py -k "max_scores"
+    # (after the sixth session's last call): gradient accuracy against torch's compiled
+    # Flex-Triton (issue #14, written after the device time was spent; the measurements it
+    # encodes are in benchmarks/results/2026-12-01-gpu-s6-*), then the whole cute batch (the
+    # default rescale threshold became 0; only core mods and max_scores ran with it).
+    run 300 tests/test_grad_accuracy_gpu.py
     ;;
   cute)
     # Two processes side by side: the time is the kernels' compiles (one CPU core each).
