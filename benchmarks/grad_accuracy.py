@@ -122,6 +122,7 @@ def measure(S: int, impls: list[str], device, B: int = 2, H: int = 8, D: int = 1
     """One row per (case, tensor): each implementation's mean |golden - result|, averaged over
     ``seeds`` fresh draws of q, k, v and dout (the tables stay)."""
     rows = []
+    runs = {name: _impl(name, device) for name in impls}
     for case, (make, tables, mask_mod) in _cases(S, device).items():
         def dense(dtype):
             def fn(leaves):
@@ -131,7 +132,6 @@ def measure(S: int, impls: list[str], device, B: int = 2, H: int = 8, D: int = 1
                                               mask_mod, dtype=dtype)[0]
             return fn
 
-        runs = {name: _impl(name, device) for name in impls}
         sums: dict = {}
         for seed in range(seeds):
             g = torch.Generator().manual_seed(seed)

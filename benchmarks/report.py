@@ -27,11 +27,12 @@ def _s(S: int) -> str:
 
 def dims(r: dict) -> str:
     """The head dims as the tables name them: "128", or q/k over v ("192/128")."""
-    dv = r.get("Dv", r["D"])
+    dv = row_value(r, "Dv")
     return str(r["D"]) if dv == r["D"] else f"{r['D']}/{dv}"
 
 
-def _key(r: dict, k: str):
+def row_value(r: dict, k: str):
+    """A row's field ``k``; rows from before v's own head dim was recorded have Dv = D."""
     return r.get("Dv", r["D"]) if k == "Dv" else r[k]
 
 
@@ -52,7 +53,7 @@ def _cases(rows):
     """Rows grouped by case: fwd before fwdbwd, then Hkv (MHA first), D, variant, S."""
     groups = defaultdict(dict)
     for r in rows:
-        groups[tuple(_key(r, k) for k in CASE_KEYS)][r["impl"]] = r
+        groups[tuple(row_value(r, k) for k in CASE_KEYS)][r["impl"]] = r
 
     def order(key):
         pass_, hkv, d, dv, variant, S = key[:6]

@@ -326,15 +326,19 @@ class Refs:
         self.group = q.shape[1] // k.shape[1] if q.shape[2] >= REF_ONE_HEAD_FROM_S else None
         self._pair = None
 
-    def restrict(self, got: dict) -> dict:
+    def _first_group(self, tensors: dict, kv_names: tuple) -> dict:
+        """The first KV head (``kv_names``) and its query heads of each tensor; all without
+        ``group``."""
         if self.group is None:
-            return got
-        return {n: t[:, :1] if n in ("dk", "dv") else t[:, :self.group] for n, t in got.items()}
+            return tensors
+        return {n: t[:, :1] if n in kv_names else t[:, :self.group] for n, t in tensors.items()}
+
+    def restrict(self, got: dict) -> dict:
+        return self._first_group(got, ("dk", "dv"))
 
     def pair(self):
         if self._pair is None:
-            s = self.s if self.group is None else {
-                n: t[:, :1] if n in ("k", "v") else t[:, :self.group] for n, t in self.s.items()}
+            s = self._first_group(self.s, ("k", "v"))
             dout = s["do"] if self.pass_ == "fwdbwd" else None
             args = (s["q"], s["k"], s["v"], self.variant, self.scale)
             self._pair = (attention_reference(*args, torch.float32, dout),
@@ -388,8 +392,8 @@ ROW_KEY = ("impl", "variant", "S", "B", "Hq", "Hkv", "D", "Dv", "dtype", "pass")
 
 
 def row_key(r: dict) -> tuple:
-    """A row's ROW_KEY values (rows from before v's own head dim was recorded: Dv = D)."""
-    return tuple(r.get(k, r["D"]) if k == "Dv" else r[k] for k in ROW_KEY)
+    """A row's ROW_KEY values."""
+    return tuple(report.row_value(r, k) for k in ROW_KEY)
 
 
 def _never_tried(row: dict) -> bool:

@@ -146,7 +146,6 @@ Hq = g·Hkv (query head h reads kv head h // g). Supported head dims (D, Dv): ``
 D == Dv in {32, 64, 96, 128, 192, 256} and (192, 128).
 """
 
-import functools
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 

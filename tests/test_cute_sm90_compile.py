@@ -259,8 +259,6 @@ def test_persistent_flag_reaches_the_kernel_and_the_cache_keys(tmp_path, monkeyp
 # an atomic add on a global counter (grid_dim + old value), publishes each index to the
 # consumers through smem with that tile's Q (the sentinel with a plain mbarrier arrive), and the
 # last CTA to finish zeroes the counter for the next launch.
-import re  # noqa: E402
-
 _GLOBAL_ATOMIC_ADD = re.compile(r"\b(atom|red)(\.\w+)*\.global(\.\w+)*\.add\b")
 
 
