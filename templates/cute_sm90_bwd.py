@@ -19,8 +19,8 @@ rendered by the backend): per element, P∘(dP − delta) · d score_mod / d loa
 fp64 accumulator per tensor (``FlexAttentionBwdSm90._captured_grads``); warp-reduced first where
 the load's index is uniform over the tile. Supported when those derivatives and the indices do
 not depend on the score itself (the backend checks; else the Triton backward serves).
-Out of scope here: head dims other than 32, 64, 96 and 128 (``HEAD_DIMS``; 192 and (192, 128)
-need smaller kv tiles than one mask block, see ``choose_bwd_tiling``), and sm100.
+Out of scope here: head dims other than 32, 64, 96, 128, 192 and (192, 128) (``HEAD_DIMS``), and
+sm100.
 
 Algorithm (FlashAttention-2 §3.2 backward; FlashAttention-3 §3 Hopper pipelining)
 --------------------------------------------------------------------------------
@@ -38,7 +38,8 @@ Roles (384 threads, ``min_blocks_per_mp=1`` so that ``setmaxnreg`` takes effect)
   dO + delta through two ``num_stages``-deep mbarrier pipelines); warps 1 and 2 = dQ writers,
   one per MMA warpgroup (TMA reduce-add of its dQ box into the fp32 accumulator; the
   semaphores of deterministic mode); warp 3 idles.
-* warpgroups 1, 2 (``setmaxnreg.inc`` to 240): MMA. Each owns 64 of the tile's 128 keys.
+* warpgroups 1, 2 (``setmaxnreg.inc`` to 240): MMA. Each owns 64 of the tile's 128 keys
+  (D = 192: both own the tile's 64 keys and split the head dims instead; see Tiles).
 
 Per Q tile, in each MMA warpgroup (the S/dP GEMMs are "swapped": keys are M, so that Pᵀ and dSᵀ
 come out already in the A-operand layout of the dV/dK GEMMs, which read them from registers)::
@@ -52,9 +53,14 @@ come out already in the A-operand layout of the dV/dK GEMMs, which read them fro
 ``overlap_dp`` (``choose_bwd_tiling``) forms P while the dP GEMM runs; for D = 128 it fits the
 registers only without mods or with light ones, so by default heavier mods issue dP after P.
 
-Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for every head dim (32, 64, 96, 128).
+Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for head dims 32, 64, 96, 128.
 The kv tile is one mask block, so a CTA reads exactly one column of the transposed block lists; a
 listed q mask block is two Q tiles. Smem 194 KB (D = 128) / 153 KB (96) / 114 KB (64) / 73 KB (32).
+D = 192 and (192, 128): 64 × 64, "dim split" (``kv_per_block`` = 2): two CTAs per mask block
+(both read its column of the lists; the grid always covers whole mask blocks), each MMA
+warpgroup computes the whole 64 × 64 Sᵀ and dPᵀ (redundantly: 2 of the 5 GEMMs run twice) and
+owns half of dK's, dV's and dQ's columns; warpgroup 0 alone stores dSᵀ. Smem 209 KB (192) /
+185 KB (192, 128).
 
 dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
 swizzle: see ``_dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
@@ -197,10 +203,16 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       ones included). Smem 153 KB.
       K's swizzle atom is 32 bytes, not 64 (``_k_atom_cols``: the dQ GEMM splits K's 96 columns
       at 48 between the warpgroups).
-    * D = 192 and (192, 128): no row. dK + dV alone are D/2 + Dv/2 = 192 (160) registers per
-      thread with 64 keys per warpgroup, Sᵀ and dPᵀ 32 more each: over the cap before P, dS
-      and the dQ accumulator. FA3 runs them with 64 × 96 tiles and swapped dK/dV GEMMs; here
-      a kv tile smaller than the mask block (and a second GEMM arrangement) is the missing piece.
+    * D = 192 and (192, 128): 64 × 64 with the head dims split between the warpgroups. With
+      64 keys per warpgroup (the wgmma M) dK + dV alone are D/2 + Dv/2 = 192 (160) registers
+      per thread, Sᵀ and dPᵀ 32 more each: over the cap. So both warpgroups take the same 64
+      keys and split N of the dK/dV/dQ GEMMs: dK + dV = 96 (80) per thread, Sᵀ, dPᵀ 32 each,
+      P, dS 16 each, dQ 48: ~176 at the elementwise step with P under dP, so overlap always.
+      The price: each warpgroup computes the whole Sᵀ and dPᵀ (7 GEMM units of work for 5)
+      and Q/dO are streamed once per 64 keys instead of 128. FA3 instead uses 64 × 96 tiles
+      with swapped dK/dV GEMMs; a 96-key tile would straddle mask blocks. Q, dO, K and V get
+      32-column swizzle atoms at 192 (``_k_atom_cols``: each half starts on an atom); V and dO
+      keep 64-column atoms at Dv = 128.
     Registers: 2 MMA warpgroups at 240 + the producer warpgroup at 24 = 64512 (the launch's
     168 per thread × 384): setmaxnreg.inc can only take what .dec released, so 240/24 is the
     largest split (240/32 would leave the MMA warpgroups waiting forever).
@@ -1558,8 +1570,10 @@ class CompiledBwd:
             dout = torch.zeros_like(out)
         elif not _tma_ready(dout):  # e.g. the expanded (stride 0) gradient of out.sum()
             dout = dout.contiguous()
-        if (out.shape != q.shape or dout.shape != q.shape or dq.shape != q.shape
-                or dk.shape != k.shape or dv.shape != v.shape or v.shape != k.shape
+        o_shape = (B, Hq, L, v.shape[-1])  # (192, 128): out/dout/v narrower than q/k
+        if (tuple(out.shape) != o_shape or tuple(dout.shape) != o_shape or dq.shape != q.shape
+                or dk.shape != k.shape or dv.shape != v.shape or v.shape[:-1] != k.shape[:-1]
+                or (D, v.shape[-1]) != (cfg.head_dim, cfg.head_dim_v)
                 or tuple(lse.shape) != (B, Hq, L) or k.shape[0] != B or Hq % Hkv):
             raise ValueError("cute_sm90_bwd: inconsistent shapes")
         lpad = padded_len(L)
