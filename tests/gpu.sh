@@ -32,6 +32,10 @@ case $batch in
     # encodes are in benchmarks/results/2026-12-01-gpu-s6-*), then the whole cute batch (the
     # default rescale threshold became 0; only core mods and max_scores ran with it).
     run 300 tests/test_grad_accuracy_gpu.py
+    # Issue #13: the sm90 backward's 64-key tile for 192 and (192, 128) (branch bwd192; compiled
+    # spill-free on the CPU, never run): correctness, the ragged last mask block, determinism,
+    # the API path without a Triton hand-off, captured-tensor gradients at 192.
+    run 300 tests/test_cute_sm90_bwd_gpu.py -k "192"
     ;;
   cute)
     # Two processes side by side: the time is the kernels' compiles (one CPU core each).
