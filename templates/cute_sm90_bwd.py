@@ -382,8 +382,10 @@ def _k_atom_cols(head_dim: int, dq_split: str) -> int:
     """The column count K's smem swizzle atom is chosen for. The dQ GEMM reads K MN-major with
     each warpgroup's N = D/2 columns ("cols" split), and a warpgroup's columns must start on a
     swizzle-atom boundary unless all of D lies in one atom: D = 96 would get 32-column (64-byte)
-    atoms and split at column 48, so it takes 16-column (32-byte) atoms instead. Every other
-    head dim keeps the atom of its full width (64 and 128: 128-byte, 32: 64-byte)."""
+    atoms and split at column 48, so it takes 16-column (32-byte) atoms instead; D = 192 takes
+    32-column (64-byte) atoms (split at 96). Every other head dim keeps the atom of its full
+    width (64 and 128: 128-byte, 32: 64-byte). In the dim split (D = 192) the dK/dV GEMMs read
+    Q and dO MN-major split the same way, so Q, dO and V take this atom count too."""
     atom = next(a for a in (64, 32, 16, 8) if head_dim % a == 0)  # 16-bit elements per atom
     half = head_dim // 2
     return half if dq_split == "cols" and head_dim > atom and half % atom else head_dim

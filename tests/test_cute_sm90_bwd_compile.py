@@ -197,8 +197,8 @@ def test_backward_tile_table():
     """One 64 × 128 row for every head dim (the kv tile is the mask block), P formed under dP
     always for D <= 96; 64/128 exactly as before issue #13; K's swizzle atom narrows only for D = 96 (its dQ split at column 48);
     192 and (192, 128) take a 64-key tile (half a mask block; dK + dV with 128 keys would take
-    192 / 160 of 240 registers), P under dP always; Q, dO, K and V there get 32-column atoms
-    (each warpgroup's half of the head dims starts on an atom)."""
+    192 / 160 of 240 registers), P under dP always; Q and K there get 32-column atoms, V and
+    dO too at Dv = 192 (each warpgroup's half of the head dims starts on an atom)."""
     T = tpl.BwdTiling
     assert tpl.choose_bwd_tiling(128, 128, False) == T(64, 128, 2, "cols", False, 240, 24)
     assert tpl.choose_bwd_tiling(128, 128, True) == T(64, 128, 2, "cols", True, 240, 24)
