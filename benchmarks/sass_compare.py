@@ -88,7 +88,7 @@ def hot_path(ins: list[tuple[int, str]]) -> tuple[list[str], int]:
     return [t for _, t in body], 0
 
 
-def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128) -> str:
+def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128, head_dim_v: int = None) -> str:
     import cutlass
     import torch
 
@@ -99,25 +99,28 @@ def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128) -> str:
     from flexjit.trace import MASK_MOD, trace_mod
 
     os.makedirs(out, exist_ok=True)  # the DSL writes nowhere (or into the cwd) otherwise
+    head_dim_v = head_dim_v or head_dim
     mask = fmods.causal() if causal else None
     program = lower(None, trace_mod(mask, MASK_MOD) if mask else None, float_index=True)
     mods = load_mods(program)
     options = f"--keep-cubin --dump-dir {out}"
     if pass_ == "fwd":
         tpl = load_template("cute_sm90_fwd")
-        cfg = tpl.FwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod, mods.mask_mod,
+        cfg = tpl.FwdConfig(head_dim, head_dim_v, cutlass.BFloat16, mods.score_mod, mods.mask_mod,
                             has_block_mask=causal)
         q = torch.randn(2, 4, 300, head_dim, dtype=torch.bfloat16)
         k = torch.randn(2, 4, 500, head_dim, dtype=torch.bfloat16)
+        v = torch.randn(2, 4, 500, head_dim_v, dtype=torch.bfloat16)
         lists = None
         if causal:
             ones, idx = torch.ones(1, 1, 3, dtype=torch.int32), torch.zeros(1, 1, 3, 4, dtype=torch.int32)
             lists = (ones, idx, ones.clone(), idx.clone())
-        tpl.compile_fwd(cfg, q, k, k.clone(), torch.empty_like(q), torch.empty(2, 4, 300), lists,
+        tpl.compile_fwd(cfg, q, k, v, torch.empty(2, 4, 300, head_dim_v, dtype=torch.bfloat16),
+                        torch.empty(2, 4, 300), lists,
                         (), (), options=options)
     else:
         tpl = load_template("cute_sm90_bwd")
-        cfg = tpl.BwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod_and_grad,
+        cfg = tpl.BwdConfig(head_dim, head_dim_v, cutlass.BFloat16, mods.score_mod_and_grad,
                             mods.mask_mod, has_block_mask=causal)
         tpl.compile_bwd(cfg, (), (), options=options, parts=("main",))
     return _largest_cubin(out)
@@ -188,13 +191,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sass_compare")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd"), default="fwd")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--head-dim", type=int, choices=(64, 128), default=128)
+    p.add_argument("--head-dim", type=int, choices=(64, 128, 192), default=128)
+    p.add_argument("--head-dim-v", type=int, choices=(128, 192), default=None,
+                   help="v's head dim (flexjit only; default --head-dim)")
     p.add_argument("--fa4-site", default=None)
     p.add_argument("--top", type=int, default=24)
     a = p.parse_args(argv)
     kernels = {}
     with tempfile.TemporaryDirectory() as d:
-        kernels["flexjit"] = _ours(a.pass_, a.causal, f"{d}/ours", a.head_dim)
+        kernels["flexjit"] = _ours(a.pass_, a.causal, f"{d}/ours", a.head_dim, a.head_dim_v)
         if a.fa4_site:
             kernels["fa4"] = _fa4(a.pass_, a.causal, f"{d}/fa4", a.fa4_site, a.head_dim)
         hist = {}

@@ -19,8 +19,8 @@ rendered by the backend): per element, P∘(dP − delta) · d score_mod / d loa
 fp64 accumulator per tensor (``FlexAttentionBwdSm90._captured_grads``); warp-reduced first where
 the load's index is uniform over the tile. Supported when those derivatives and the indices do
 not depend on the score itself (the backend checks; else the Triton backward serves).
-Out of scope here: head dims other than 32, 64, 96 and 128 (``HEAD_DIMS``; 192 and (192, 128)
-need smaller kv tiles than one mask block, see ``choose_bwd_tiling``), and sm100.
+Out of scope here: head dims other than 32, 64, 96, 128, 192 and (192, 128) (``HEAD_DIMS``), and
+sm100.
 
 Algorithm (FlashAttention-2 §3.2 backward; FlashAttention-3 §3 Hopper pipelining)
 --------------------------------------------------------------------------------
@@ -38,7 +38,8 @@ Roles (384 threads, ``min_blocks_per_mp=1`` so that ``setmaxnreg`` takes effect)
   dO + delta through two ``num_stages``-deep mbarrier pipelines); warps 1 and 2 = dQ writers,
   one per MMA warpgroup (TMA reduce-add of its dQ box into the fp32 accumulator; the
   semaphores of deterministic mode); warp 3 idles.
-* warpgroups 1, 2 (``setmaxnreg.inc`` to 240): MMA. Each owns 64 of the tile's 128 keys.
+* warpgroups 1, 2 (``setmaxnreg.inc`` to 240): MMA. Each owns 64 of the tile's 128 keys
+  (D = 192: both own the tile's 64 keys and split the head dims instead; see Tiles).
 
 Per Q tile, in each MMA warpgroup (the S/dP GEMMs are "swapped": keys are M, so that Pᵀ and dSᵀ
 come out already in the A-operand layout of the dV/dK GEMMs, which read them from registers)::
@@ -52,9 +53,14 @@ come out already in the A-operand layout of the dV/dK GEMMs, which read them fro
 ``overlap_dp`` (``choose_bwd_tiling``) forms P while the dP GEMM runs; for D = 128 it fits the
 registers only without mods or with light ones, so by default heavier mods issue dP after P.
 
-Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for every head dim (32, 64, 96, 128).
+Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for head dims 32, 64, 96, 128.
 The kv tile is one mask block, so a CTA reads exactly one column of the transposed block lists; a
 listed q mask block is two Q tiles. Smem 194 KB (D = 128) / 153 KB (96) / 114 KB (64) / 73 KB (32).
+D = 192 and (192, 128): 64 × 64, "dim split" (``kv_per_block`` = 2): two CTAs per mask block
+(both read its column of the lists; the grid always covers whole mask blocks), each MMA
+warpgroup computes the whole 64 × 64 Sᵀ and dPᵀ (redundantly: 2 of the 5 GEMMs run twice) and
+owns half of dK's, dV's and dQ's columns; warpgroup 0 alone stores dSᵀ. Smem 209 KB (192) /
+185 KB (192, 128).
 
 dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
 swizzle: see ``_dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
@@ -157,13 +163,13 @@ class QOrder(NamedTuple):
 
 
 # (head_dim, head_dim_v) pairs with a row in ``choose_bwd_tiling``'s table.
-HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128))
+HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
 
 
 @dataclass(frozen=True)
 class BwdTiling:
     tile_m: int  # query rows per iteration (the N of the swapped S GEMM)
-    tile_n: int  # keys per CTA (M of the swapped GEMMs), = MASK_BLOCK
+    tile_n: int  # keys per CTA (M of the swapped GEMMs): MASK_BLOCK, or half of it (D = 192)
     num_stages: int  # Q/dO (and dS) pipeline depth
     dq_split: str  # how the two warpgroups split the dQ tile: "cols" (D) or "rows" (tile_m)
     overlap_dp: bool  # issue dP with S and form P under it (needs Sᵀ and dPᵀ live together)
@@ -197,10 +203,16 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       ones included). Smem 153 KB.
       K's swizzle atom is 32 bytes, not 64 (``_k_atom_cols``: the dQ GEMM splits K's 96 columns
       at 48 between the warpgroups).
-    * D = 192 and (192, 128): no row. dK + dV alone are D/2 + Dv/2 = 192 (160) registers per
-      thread with 64 keys per warpgroup, Sᵀ and dPᵀ 32 more each: over the cap before P, dS
-      and the dQ accumulator. FA3 runs them with 64 × 96 tiles and swapped dK/dV GEMMs; here
-      a kv tile smaller than the mask block (and a second GEMM arrangement) is the missing piece.
+    * D = 192 and (192, 128): 64 × 64 with the head dims split between the warpgroups. With
+      64 keys per warpgroup (the wgmma M) dK + dV alone are D/2 + Dv/2 = 192 (160) registers
+      per thread, Sᵀ and dPᵀ 32 more each: over the cap. So both warpgroups take the same 64
+      keys and split N of the dK/dV/dQ GEMMs: dK + dV = 96 (80) per thread, Sᵀ, dPᵀ 32 each,
+      P, dS 16 each, dQ 48: ~176 at the elementwise step with P under dP, so overlap always.
+      The price: each warpgroup computes the whole Sᵀ and dPᵀ (7 GEMM units of work for 5)
+      and Q/dO are streamed once per 64 keys instead of 128. FA3 instead uses 64 × 96 tiles
+      with swapped dK/dV GEMMs; a 96-key tile would straddle mask blocks. Q, dO, K and V get
+      32-column swizzle atoms at 192 (``_k_atom_cols``: each half starts on an atom); V and dO
+      keep 64-column atoms at Dv = 128.
     Registers: 2 MMA warpgroups at 240 + the producer warpgroup at 24 = 64512 (the launch's
     168 per thread × 384): setmaxnreg.inc can only take what .dec released, so 240/24 is the
     largest split (240/32 would leave the MMA warpgroups waiting forever).
@@ -208,6 +220,9 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
     if (head_dim, head_dim_v) not in HEAD_DIMS:
         raise NotImplementedError(
             f"cute_sm90_bwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
+    if head_dim == 192:
+        # Half a mask block per CTA, head dims split between the warpgroups (see above).
+        return BwdTiling(64, 64, 2, "cols", True, 240, 24)
     return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim <= 96, 240, 24)
 
 
@@ -322,6 +337,15 @@ def _store_dq_acc(acc: cute.Tensor, dst: cute.Tensor):
                 cute.autovec_copy(run, cute.make_tensor(ptr, cute.make_layout(4)))
 
 
+@cute.jit
+def _copy_if(pred, atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor):
+    """``cute.copy`` under a runtime predicate, in its own function: a branch in the caller
+    would carry the caller's trace-time state (shapes included) through the branch as runtime
+    values."""
+    if pred:
+        cute.copy(atom, src, dst)
+
+
 def _tma_tiles(atom: cute.CopyAtom, s: cute.Tensor, g: cute.Tensor):
     """TMA partition of a 2-D tile (its two modes grouped into the TMA box mode): (smem, gmem)."""
     return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
@@ -358,8 +382,10 @@ def _k_atom_cols(head_dim: int, dq_split: str) -> int:
     """The column count K's smem swizzle atom is chosen for. The dQ GEMM reads K MN-major with
     each warpgroup's N = D/2 columns ("cols" split), and a warpgroup's columns must start on a
     swizzle-atom boundary unless all of D lies in one atom: D = 96 would get 32-column (64-byte)
-    atoms and split at column 48, so it takes 16-column (32-byte) atoms instead. Every other
-    head dim keeps the atom of its full width (64 and 128: 128-byte, 32: 64-byte)."""
+    atoms and split at column 48, so it takes 16-column (32-byte) atoms instead; D = 192 takes
+    32-column (64-byte) atoms (split at 96). Every other head dim keeps the atom of its full
+    width (64 and 128: 128-byte, 32: 64-byte). In the dim split (D = 192) the dK/dV GEMMs read
+    Q and dO MN-major split the same way, so Q, dO and V take this atom count too."""
     atom = next(a for a in (64, 32, 16, 8) if head_dim % a == 0)  # 16-bit elements per atom
     half = head_dim // 2
     return half if dq_split == "cols" and head_dim > atom and half % atom else head_dim
@@ -406,8 +432,13 @@ class FlexAttentionBwdSm90:
         self.score_grads, self.grad_offsets = cfg.score_grads, cfg.grad_offsets
         assert (self.score_grads is None) == (self.grad_offsets is None)
         assert self.score_grads is None or self.score_mod is not None
-        assert self.tile_n == MASK_BLOCK and MASK_BLOCK % self.tile_m == 0
+        assert self.tile_n in (MASK_BLOCK, MASK_BLOCK // 2) and MASK_BLOCK % self.tile_m == 0
         self.tiles_per_mask_block = MASK_BLOCK // self.tile_m
+        # kv tiles per mask block. 2 (tile_n = 64, D = 192): "dim split": both MMA warpgroups
+        # hold all 64 keys and split the head dims of dK/dV (and dQ) between them; each one
+        # computes the whole Sᵀ and dPᵀ (the same 64 × tile_m tile, redundantly).
+        self.kv_per_block = MASK_BLOCK // self.tile_n
+        self.dim_split = self.kv_per_block > 1
         # Each MMA warpgroup owns one fp32 dQ box: half the columns or half the rows.
         assert self.tile_m % 64 == 0 and self.head_dim % 16 == 0
         if self.dq_split == "cols":
@@ -447,10 +478,16 @@ class FlexAttentionBwdSm90:
         lse2, delta = [permute(t, [2, 1, 0]) for t in (mLSE2, mDelta)]
 
         D, Dv, tm, tn, st = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.num_stages
-        sQ_layout = smem_layout(self.dtype, tm, D, st)
-        sdO_layout = smem_layout(self.dtype, tm, Dv, st)
+        if const_expr(self.dim_split):
+            # dK/dV read Q and dO MN-major split at D/2 and Dv/2: whole swizzle atoms per half.
+            sQ_layout = smem_layout(self.dtype, tm, D, st, atom_cols=_k_atom_cols(D, "cols"))
+            sdO_layout = smem_layout(self.dtype, tm, Dv, st, atom_cols=_k_atom_cols(Dv, "cols"))
+        else:
+            sQ_layout = smem_layout(self.dtype, tm, D, st)
+            sdO_layout = smem_layout(self.dtype, tm, Dv, st)
         sK_layout = smem_layout(self.dtype, tn, D, atom_cols=_k_atom_cols(D, self.dq_split))
-        sV_layout = smem_layout(self.dtype, tn, Dv)
+        sV_layout = smem_layout(self.dtype, tn, Dv, atom_cols=(
+            _k_atom_cols(Dv, "cols") if const_expr(self.dim_split) else None))
         sdS_layout = smem_layout(self.dtype, tm, tn, st)
         sdQ_layout = _dq_smem_layout(*self.dq_box)
         sRow_layout = cute.make_layout((tm, st))  # lse2 / delta stages
@@ -474,13 +511,24 @@ class FlexAttentionBwdSm90:
         self.tx_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
 
         K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-        # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: keys along M, the two warpgroups 64 keys each.
-        mma_sdp = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (2, 1, 1), (64, tm))
-        # dV += Pᵀ dO, dK += dSᵀ Q: A from registers (the Sᵀ/dPᵀ accumulators' own rows).
-        mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, D),
-            warpgroup.OperandSource.RMEM)
+        RMEM = warpgroup.OperandSource.RMEM
+        if const_expr(self.dim_split):
+            # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: one warpgroup's tile (each computes all of it).
+            mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (64, tm))
+            # dK += dSᵀ Q, dV += Pᵀ dO: the warpgroups split N (D, Dv) in halves.
+            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (64, D // 2), RMEM)
+            mma_dv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (64, Dv // 2), RMEM)
+        else:
+            # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: keys along M, the two warpgroups 64 keys each.
+            mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (2, 1, 1), (64, tm))
+            # dV += Pᵀ dO, dK += dSᵀ Q: A from registers (the Sᵀ/dPᵀ accumulators' own rows).
+            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, D), RMEM)
+            mma_dv = mma_dkv
         # dQ = dS K: each warpgroup one dq_box piece.
         dq_atoms = (1, 2, 1) if const_expr(self.dq_split == "cols") else (2, 1, 1)
         mma_dq = sm90_helpers.make_trivial_tiled_mma(
@@ -504,11 +552,15 @@ class FlexAttentionBwdSm90:
 
         # Grid (kv tile, kv head, batch): kv tile fastest, last kv tile first in deterministic
         # mode, so that every CTA a CTA waits for has a smaller linear index (dispatched earlier).
-        num_n = cute.ceil_div(k.shape[0], tn)
+        # With two kv tiles per mask block: both tiles of the last block, even past S (that CTA
+        # finds every key out of bounds: P = dS = 0, it adds zeros to dQ and its dK/dV stores are
+        # clipped), so that every listed mask block adds into dQ exactly kv_per_block times
+        # (the deterministic ranks count on it).
+        num_n = self._num_kv_tiles(k.shape[0])
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDelta, tdQ, tdK, tdV,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv,
-            mma_sdp, mma_dkv, mma_dq, softmax_scale, q_per_kv, qblocks, qorder, mSem,
+            mma_sdp, mma_dkv, mma_dv, mma_dq, softmax_scale, q_per_kv, qblocks, qorder, mSem,
             aux_tensors, aux_scalars, grad_accs,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
         ).launch(
@@ -542,6 +594,7 @@ class FlexAttentionBwdSm90:
         tma_dv: cute.CopyAtom,
         mma_sdp: cute.TiledMma,
         mma_dkv: cute.TiledMma,
+        mma_dv: cute.TiledMma,
         mma_dq: cute.TiledMma,
         softmax_scale: Float32,
         q_per_kv: Int32,
@@ -603,19 +656,28 @@ class FlexAttentionBwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             sched = self._schedule(mQ, mK, q_per_kv)
-            self.mma(mma_sdp, mma_dkv, mma_dq, mdK, mdV, _SmemTiles(sQ, sdO, sK, sV, sdS, *swizzles),
+            self.mma(mma_sdp, mma_dkv, mma_dv, mma_dq, mdK, mdV, _SmemTiles(sQ, sdO, sK, sV, sdS, *swizzles),
                      sdQ, sLSE, sDelta,
                      tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, qorder, aux,
                      tuple(grad_accs) if const_expr(grad_accs is not None) else ())
 
+    def _num_kv_tiles(self, seqlen_k):
+        """The grid's x extent: ceil(S / tile_n), or whole mask blocks of kv tiles."""
+        if const_expr(self.dim_split):
+            return cute.ceil_div(seqlen_k, MASK_BLOCK) * self.kv_per_block
+        return cute.ceil_div(seqlen_k, self.tile_n)
+
     @cute.jit
     def _schedule(self, mQ: cute.Tensor, mK: cute.Tensor, q_per_kv: Int32):
         n_block, head_kv, batch = cute.arch.block_idx()
-        n_kv_tiles = cute.ceil_div(mK.shape[0], self.tile_n)
+        n_kv_tiles = self._num_kv_tiles(mK.shape[0])
         if const_expr(self.deterministic):
             n_block = n_kv_tiles - 1 - n_block  # last kv tile first (see Deterministic mode)
+        mask_block = n_block
+        if const_expr(self.dim_split):
+            mask_block = n_block // self.kv_per_block
         return _BwdSchedule(n_block, head_kv, batch, q_per_kv, mQ.shape[0], mK.shape[0],
-                            cute.ceil_div(mQ.shape[0], self.tile_m), n_kv_tiles)
+                            cute.ceil_div(mQ.shape[0], self.tile_m), n_kv_tiles, mask_block)
 
     def _make_pipelines(self, storage):
         """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each. TMA producer
@@ -644,7 +706,7 @@ class FlexAttentionBwdSm90:
         """(partial tile count, full tile count, partial row, full row) of this kv block for
         query head ``head`` (broadcast dims of the lists resolved here)."""
         per = self.tiles_per_mask_block
-        n = sched.n_block
+        n = sched.mask_block
         cnt, idx = qblocks.q_num_blocks, qblocks.q_indices
         b, h = _bcast(sched.batch, cnt.shape[0]), _bcast(head, cnt.shape[1])
         n_part = cnt[b, h, n] * per
@@ -748,8 +810,14 @@ class FlexAttentionBwdSm90:
                 if const_expr(self.deterministic):
                     rank_row, _ = self._order_rows(qorder, sched, head)
                     for j in cutlass.range(n_part, unroll=1):
+                        rank = rank_row[j // per]
+                        if const_expr(self.dim_split):
+                            # The mask blocks' ranks in kv tiles: kv_per_block adds per listed
+                            # block, its last tile first (decreasing kv order).
+                            kvp = self.kv_per_block
+                            rank = rank * kvp + (kvp - 1 - sched.n_block % kvp)
                         self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(part_row, j), box,
-                                           sem_row, rank_row[j // per])
+                                           sem_row, rank)
                 else:
                     for j in cutlass.range(n_part, unroll=1):
                         self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(part_row, j), box,
@@ -768,7 +836,7 @@ class FlexAttentionBwdSm90:
         """(rank row, full-flag row) of this kv block's merged q list for query head ``head``."""
         t = qorder.rank
         b, h = _bcast(sched.batch, t.shape[0]), _bcast(head, t.shape[1])
-        return qorder.rank[b, h, sched.n_block, None], qorder.full[b, h, sched.n_block, None]
+        return qorder.rank[b, h, sched.mask_block, None], qorder.full[b, h, sched.mask_block, None]
 
     @cute.jit
     def _store_dq_box(self, tma_dq, tSs, tSg, m: Int32, box: cutlass.Constexpr, sem_row, rank):
@@ -802,23 +870,29 @@ class FlexAttentionBwdSm90:
     # MMA warpgroups
     # -----------------------------------------------------------------------------------------
     @cute.jit
-    def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dq: cute.TiledMma,
-            mdK: cute.Tensor, mdV: cute.Tensor, smem: "_SmemTiles", sdQ, sLSE, sDelta,
+    def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dv: cute.TiledMma,
+            mma_dq: cute.TiledMma, mdK: cute.Tensor, mdV: cute.Tensor, smem: "_SmemTiles", sdQ, sLSE, sDelta,
             tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, pipe_kv: pipeline.PipelineAsync,
             pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
             softmax_scale: Float32, sched, qblocks, qorder, aux: Aux, grad_accs: tuple):
         tidx, _, _ = cute.arch.thread_idx()
         tidx = tidx - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
-        wg_sdp = mma_sdp.get_slice(wg * 128)
         wg_dkv = mma_dkv.get_slice(wg * 128)
+        wg_dv = mma_dv.get_slice(wg * 128)
         wg_dq = mma_dq.get_slice(wg * 128)
-        thr_sdp = mma_sdp.get_slice(tidx)
+        if const_expr(self.dim_split):
+            # One warpgroup's Sᵀ/dPᵀ MMA: each warpgroup is its thread range 0..127.
+            wg_sdp = mma_sdp.get_slice(0)
+            thr_sdp = mma_sdp.get_slice(tidx % 128)
+        else:
+            wg_sdp = mma_sdp.get_slice(wg * 128)
+            thr_sdp = mma_sdp.get_slice(tidx)
         tm, tn = self.tile_m, self.tile_n
         # Register operands (the smem ones are made per tile: ``_smem_operands``).
-        tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
         tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
-        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim_v)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((tn, self.head_dim_v)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim)), Float32)
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
@@ -829,7 +903,8 @@ class FlexAttentionBwdSm90:
         tSsDelta = thr_sdp.partition_C(cute.make_tensor(sDelta.iterator, bcast))
         # dS (registers, transposed) -> smem as the dQ GEMM's K-major A operand.
         st_t = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
-        thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(tidx)
+        thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(
+            tidx % 128 if const_expr(self.dim_split) else tidx)
         tSsdS = thr_st_t.partition_D(transposed(smem.sdS))
         # dQ accumulator -> this warpgroup's fp32 box, viewed as the whole (tm, D) tile.
         # Rows and columns through _dq_box_view (16-byte runs per thread).
@@ -849,7 +924,7 @@ class FlexAttentionBwdSm90:
         c = Float32(LOG2_E)
         if const_expr(self.score_mod is None):
             c = softmax_scale * LOG2_E
-        ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dq, wg_sdp, wg_dkv, wg_dq, smem, tVrP, tKrdS, acc_dV,
+        ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dv, mma_dq, wg_sdp, wg_dkv, wg_dv, wg_dq, smem, tVrP, tKrdS, acc_dV,
                       acc_dK, tScS, tSsLSE, tSsDelta, thr_st_t, st_t, tSsdS, tQsdQ,
                       wg_sdp.partition_shape_C((tn, tm)),
                       wg_dq.partition_shape_C((tm, self.head_dim)), c, softmax_scale, sched, aux, wg,
@@ -923,7 +998,7 @@ class FlexAttentionBwdSm90:
         if const_expr(not self.overlap_dp):
             pipe_do.consumer_wait(state)
         # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
-        wgmma_gemm(ctx.mma_dkv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
+        wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
         if const_expr(self.overlap_dp):
             warpgroup.wait_group(1)  # dPᵀ done (dV may still run)
         else:
@@ -947,7 +1022,11 @@ class FlexAttentionBwdSm90:
         for i in cutlass.range_constexpr(cute.size(rdS_words)):
             rdS_words[i] = _opaque_i32(rdS_words[i])
         # dSᵀ -> smem; both warpgroups' halves are needed by each dQ GEMM.
-        cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
+        if const_expr(self.dim_split):
+            # Both warpgroups hold all of dS: one stores it.
+            _copy_if(ctx.wg == 0, ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
+        else:
+            cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(ctx.dq_shape, Float32)
@@ -975,13 +1054,13 @@ class FlexAttentionBwdSm90:
         sQ, sdO, sdS = [_opaque_smem(t[None, None, idx], sw)
                         for t, sw in ((sm.sQ, sm.swQ), (sm.sdO, sm.swdO), (sm.sdS, sm.swdS))]
         sK, sV = [_opaque_smem(t, sw) for t, sw in ((sm.sK, sm.swK), (sm.sV, sm.swV))]
-        sdp, dkv, dq = ctx.wg_sdp, ctx.wg_dkv, ctx.wg_dq
+        sdp, dkv, dv, dq = ctx.wg_sdp, ctx.wg_dkv, ctx.wg_dv, ctx.wg_dq
         return _SmemOperands(
             tSrK=sdp.make_fragment_A(sdp.partition_A(sK)),
             tSrQ=sdp.make_fragment_B(sdp.partition_B(sQ)),
             tPrV=sdp.make_fragment_A(sdp.partition_A(sV)),
             tPrdO=sdp.make_fragment_B(sdp.partition_B(sdO)),
-            tVrdO=dkv.make_fragment_B(dkv.partition_B(_transposed_2d(sdO))),
+            tVrdO=dv.make_fragment_B(dv.partition_B(_transposed_2d(sdO))),
             tKrQ=dkv.make_fragment_B(dkv.partition_B(_transposed_2d(sQ))),
             tQrdS=dq.make_fragment_A(dq.partition_A(sdS)),
             tQrK=dq.make_fragment_B(dq.partition_B(_transposed_2d(sK))),
@@ -1083,6 +1162,9 @@ class FlexAttentionBwdSm90:
             for j in cutlass.range_constexpr(n_loads):
                 # A derivative may be inf/NaN where the element is masked (g = 0): select.
                 contrib = Float32(cutlass.select_(g == zero, zero, g * derivs[1 + j]))
+                if const_expr(self.dim_split):
+                    # Both warpgroups hold the same elements: only warpgroup 0 adds them.
+                    contrib = Float32(cutlass.select_(ctx.wg == 0, contrib, zero))
                 if const_expr(uniform[j]):
                     sums[j] = sums[j] + contrib
                 else:
@@ -1140,6 +1222,7 @@ class FlexAttentionBwdSm90:
         st_atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_st = cute.make_tiled_copy_C(st_atom, ctx.mma_dkv).get_slice(tidx)
         cute.copy(st_atom, thr_st.retile(rdK), thr_st.partition_D(sK))
+        thr_st = cute.make_tiled_copy_C(st_atom, ctx.mma_dv).get_slice(tidx)
         cute.copy(st_atom, thr_st.retile(rdV), thr_st.partition_D(sV))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
@@ -1150,8 +1233,9 @@ class FlexAttentionBwdSm90:
                 mX = mdK if const_expr(which == 0) else mdV
                 sX = sK if const_expr(which == 0) else sV
                 atom = tma_dk if const_expr(which == 0) else tma_dv
+                dim = self.head_dim if const_expr(which == 0) else self.head_dim_v
                 gX = cute.local_tile(mX[None, None, sched.head_kv, sched.batch],
-                                     (self.tile_n, self.head_dim), (sched.n_block, 0))
+                                     (self.tile_n, dim), (sched.n_block, 0))
                 tXsX, tXgX = _tma_tiles(atom, sX, gX)
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
@@ -1168,7 +1252,8 @@ class _BwdSchedule(NamedTuple):
     seqlen_q: object
     seqlen_k: object
     n_q_tiles: object  # ceil(L / tile_m): dense launches
-    n_kv_tiles: object  # ceil(S / tile_n) = the grid's x extent
+    n_kv_tiles: object  # the grid's x extent (``_num_kv_tiles``)
+    mask_block: object  # the kv mask block (= n_block unless kv_per_block > 1): block-list column
 
 
 class _SmemTiles(NamedTuple):
@@ -1205,9 +1290,11 @@ class _BwdCtx(NamedTuple):
 
     mma_sdp: object
     mma_dkv: object
+    mma_dv: object  # = mma_dkv unless the head dims are split between the warpgroups
     mma_dq: object
-    wg_sdp: object  # the warpgroup's slices of the three tiled MMAs
+    wg_sdp: object  # the warpgroup's slices of the tiled MMAs
     wg_dkv: object
+    wg_dv: object
     wg_dq: object
     smem: object  # _SmemTiles
     tVrP: object
@@ -1485,8 +1572,10 @@ class CompiledBwd:
             dout = torch.zeros_like(out)
         elif not _tma_ready(dout):  # e.g. the expanded (stride 0) gradient of out.sum()
             dout = dout.contiguous()
-        if (out.shape != q.shape or dout.shape != q.shape or dq.shape != q.shape
-                or dk.shape != k.shape or dv.shape != v.shape or v.shape != k.shape
+        o_shape = (B, Hq, L, v.shape[-1])  # (192, 128): out/dout/v narrower than q/k
+        if (tuple(out.shape) != o_shape or tuple(dout.shape) != o_shape or dq.shape != q.shape
+                or dk.shape != k.shape or dv.shape != v.shape or v.shape[:-1] != k.shape[:-1]
+                or (D, v.shape[-1]) != (cfg.head_dim, cfg.head_dim_v)
                 or tuple(lse.shape) != (B, Hq, L) or k.shape[0] != B or Hq % Hkv):
             raise ValueError("cute_sm90_bwd: inconsistent shapes")
         lpad = padded_len(L)

@@ -31,14 +31,20 @@ case $batch in
     # Flex-Triton (issue #14, written after the device time was spent; the measurements it
     # encodes are in benchmarks/results/2026-12-01-gpu-s6-*), then the whole cute batch (the
     # default rescale threshold became 0; only core mods and max_scores ran with it).
-    run 300 tests/test_grad_accuracy_gpu.py
+    run_as new-1 300 tests/test_grad_accuracy_gpu.py &
+    # Issue #13: the sm90 backward's 64-key tile for 192 and (192, 128) (branch bwd192; compiled
+    # spill-free on the CPU, never run): correctness, the ragged last mask block, determinism,
+    # the API path without a Triton hand-off, captured-tensor gradients at 192.
+    run_as new-2 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
+    wait
     ;;
   cute)
     # Three processes side by side: the time is the kernels' compiles (one CPU core each); on
     # the H200 the batch took ~280 s this way (sixth session).
     run_as cute-1 420 tests/test_cute_gpu.py tests/test_cute_cache.py &
     run_as cute-2 300 tests/test_cute_sm90_bwd_gpu.py -k "mods_ragged or rest_of_the_core" &
-    run_as cute-3 300 tests/test_cute_sm90_bwd_gpu.py -k "not (mods_ragged or rest_of_the_core)" &
+    run_as cute-3 300 tests/test_cute_sm90_bwd_gpu.py -k "not (mods_ragged or rest_of_the_core or 192)" &
+    run_as cute-4 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
     wait
     ;;
   triton)

@@ -162,28 +162,20 @@ def test_forward_refuses_other_head_dims(monkeypatch, dims):
     assert not ok and f"head dims {dims}" in why, why
 
 
-@pytest.mark.parametrize("dims", [(32, 32), (64, 64), (96, 96), (128, 128)],
+@pytest.mark.parametrize("dims", [(32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128)],
                          ids=lambda d: f"d{d[0]}_v{d[1]}")
 def test_backward_supports_head_dims(monkeypatch, dims):
-    from flexjit.backends.cute_sm90 import backward_supports
-    ok, why = backward_supports(_hopper_call(monkeypatch, *dims))
+    # 192 and (192, 128): the 64-key "dim split" tile (cute_sm90_bwd.choose_bwd_tiling).
+    from flexjit.backends.cute_sm90 import backward_supports, supports
+    call = _hopper_call(monkeypatch, *dims)
+    assert supports(call)[0]
+    ok, why = backward_supports(call)
     if "TVM-FFI" in why:
         pytest.skip(why)
     assert ok, why
 
 
-@pytest.mark.parametrize("dims", [(192, 192), (192, 128)], ids=lambda d: f"d{d[0]}_v{d[1]}")
-def test_backward_refuses_head_dim_192_with_a_reason(monkeypatch, dims):
-    """The forward runs 192 on sm90; the backward does not yet (its dK/dV accumulators do not
-    fit the registers with a 128-key tile), and says so, naming the Triton backward."""
-    from flexjit.backends.cute_sm90 import backward_supports, supports
-    call = _hopper_call(monkeypatch, *dims)
-    assert supports(call)[0]
-    ok, why = backward_supports(call)
-    assert not ok and f"head dims {dims}" in why and "192" in why and "Triton" in why, why
-
-
-@pytest.mark.parametrize("dims", [(256, 256), (80, 80), (128, 96)], ids=lambda d: f"d{d[0]}_v{d[1]}")
+@pytest.mark.parametrize("dims", [(256, 256), (80, 80), (128, 96), (192, 96), (192, 64)], ids=lambda d: f"d{d[0]}_v{d[1]}")
 def test_backward_refuses_other_head_dims(monkeypatch, dims):
     from flexjit.backends.cute_sm90 import backward_supports
     ok, why = backward_supports(_hopper_call(monkeypatch, *dims))

@@ -62,10 +62,10 @@ def _softcap_alibi_document():
 
 
 def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False,
-             deterministic=False, parts=tpl.PARTS, overlap_dp=None, program=None):
+             deterministic=False, parts=tpl.PARTS, overlap_dp=None, program=None, head_dim_v=None):
     program = program or _program(score_mod, mask_mod)
     mods = load_mods(program)
-    cfg = tpl.BwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod_and_grad,
+    cfg = tpl.BwdConfig(head_dim, head_dim_v or head_dim, cutlass.BFloat16, mods.score_mod_and_grad,
                         mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
                         overlap_dp=overlap_dp)
     aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
@@ -103,9 +103,47 @@ def _assert_deterministic_machinery(ptx):
     assert "fence.proxy.async.global" in ptx, "no proxy fence around the bulk reduce"
 
 
-# 64 and 128, then issue #13's 32 and 96 (192 and (192, 128) have no backward tile yet:
-# test_backward_has_no_tile_for_192).
+# 64 and 128, then issue #13's 32 and 96; (192, 192) and (192, 128) (the 64-key "dim split"
+# tile) in the tests below that take both head dims.
 HEAD_DIMS = [64, 128, 32, 96]
+# (head_dim, head_dim_v) of the 64-key tile: the kv tile is half a mask block, both MMA
+# warpgroups compute all of Sᵀ/dPᵀ and split dK/dV/dQ by columns.
+DIM_SPLIT = [(192, 192), (192, 128)]
+
+
+@pytest.mark.parametrize("dims", DIM_SPLIT)
+def test_dim_split_no_mods(tmp_path, dims):
+    # All three kernels (pre/postprocess read rows of 192 / 128).
+    ptx = _compile(tmp_path, dims[0], head_dim_v=dims[1])
+    _assert_main_machinery(ptx["main"])
+    for part in ("main", "pre", "post"):
+        _assert_clean_registers(tmp_path, ptx[part])
+    # dK/dV/dQ GEMMs are each warpgroup's half of the head dims: N = 96 (and 64 for dV at 128).
+    assert "m64n96k16" in ptx["main"]
+    assert "m64n64k16" in ptx["main"]  # Sᵀ/dPᵀ: 64 keys × 64 queries per warpgroup
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dims", DIM_SPLIT)
+def test_dim_split_causal_block_lists(tmp_path, dims, deterministic):
+    # Two kv tiles per mask block: the block lists are read at column n // 2, and in
+    # deterministic mode the ranks are per kv tile (2·rank + which half).
+    ptx = _compile(tmp_path, dims[0], mask_mod=fmods.causal(), sparse=True, parts=("main",),
+                   deterministic=deterministic, head_dim_v=dims[1])["main"]
+    _assert_main_machinery(ptx)
+    _assert_clean_registers(tmp_path, ptx)
+    if deterministic:
+        _assert_deterministic_machinery(ptx)
+
+
+@pytest.mark.parametrize("dims", DIM_SPLIT)
+def test_dim_split_score_and_mask_mods_with_aux(tmp_path, dims):
+    score_mod, mask_mod = _softcap_alibi_document()
+    ptx = _compile(tmp_path, dims[0], score_mod, mask_mod, sparse=True, parts=("main",),
+                   head_dim_v=dims[1])["main"]
+    _assert_main_machinery(ptx)
+    _assert_clean_registers(tmp_path, ptx)
+    assert "tanh.approx" in ptx
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -158,20 +196,24 @@ def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
 def test_backward_tile_table():
     """One 64 × 128 row for every head dim (the kv tile is the mask block), P formed under dP
     always for D <= 96; 64/128 exactly as before issue #13; K's swizzle atom narrows only for D = 96 (its dQ split at column 48);
-    192 and (192, 128) are refused (dK + dV alone would take 192 / 160 of 240 registers)."""
+    192 and (192, 128) take a 64-key tile (half a mask block; dK + dV with 128 keys would take
+    192 / 160 of 240 registers), P under dP always; Q and K there get 32-column atoms, V and
+    dO too at Dv = 192 (each warpgroup's half of the head dims starts on an atom)."""
     T = tpl.BwdTiling
     assert tpl.choose_bwd_tiling(128, 128, False) == T(64, 128, 2, "cols", False, 240, 24)
     assert tpl.choose_bwd_tiling(128, 128, True) == T(64, 128, 2, "cols", True, 240, 24)
     assert tpl.choose_bwd_tiling(64, 64, False) == T(64, 128, 2, "cols", True, 240, 24)
     assert tpl.choose_bwd_tiling(32, 32, False) == T(64, 128, 2, "cols", True, 240, 24)
     assert tpl.choose_bwd_tiling(96, 96, False) == T(64, 128, 2, "cols", True, 240, 24)
-    assert [tpl._k_atom_cols(d, "cols") for d in (32, 64, 96, 128)] == [32, 64, 48, 128]
+    assert [tpl._k_atom_cols(d, "cols") for d in (32, 64, 96, 128, 192)] == [32, 64, 48, 128, 96]
+    for dv in (192, 128):
+        assert tpl.choose_bwd_tiling(192, dv, False) == T(64, 64, 2, "cols", True, 240, 24)
     # Pre/postprocess: a row's lanes are a power of two within one warp, covering the row.
     assert [tpl._lanes_per_row(d) for d in (32, 64, 96, 128)] == [4, 8, 4, 16]
     for d in (32, 64, 96, 128):
         n = tpl._lanes_per_row(d)
         assert 32 % n == 0 and (d // n) % 8 == 0
-    for d, dv in ((192, 192), (192, 128), (256, 256), (128, 96)):
+    for d, dv in ((256, 256), (128, 96), (192, 96)):
         with pytest.raises(NotImplementedError, match="head dims"):
             tpl.choose_bwd_tiling(d, dv)
 
@@ -195,22 +237,24 @@ def _clean_main_ptx(tmp_path, cfg, program) -> str:
     return ptx
 
 
-@pytest.mark.parametrize("head_dim", [128, 96])
+@pytest.mark.parametrize("head_dim", [128, 96, (192, 192), (192, 128)])
 @pytest.mark.parametrize("name", CORE)
 def test_every_core_mod_fits(tmp_path, name, head_dim):
-    # D = 128 is the register-tight case (dV + dK = 128 registers), D = 96 the next (96); with
-    # the overlap rule above every core mod must compile without spills and without serialised
-    # wgmmas.
+    # D = 128 is the register-tight case (dV + dK = 128 registers), D = 96 the next (96); 192
+    # and (192, 128) hold dK + dV = 96 (80) per thread in the 64-key tile, beside a full
+    # 64 × 64 Sᵀ and dPᵀ; with the overlap rule above every core mod must compile without
+    # spills and without serialised wgmmas.
+    head_dim, head_dim_v = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
     case = make_case(name, 2, 4, 300, 500)
     program = _program(case.score_mod, case.mask_mod)
     mods = load_mods(program)
-    cfg = tpl.BwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
+    cfg = tpl.BwdConfig(head_dim, head_dim_v, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
                         has_block_mask=case.mask_mod is not None,
                         overlap_dp=True if light_mods(program) else None)
     _clean_main_ptx(tmp_path, cfg, program)
 
 
-@pytest.mark.parametrize("head_dim", [128, 64, 96])
+@pytest.mark.parametrize("head_dim", [128, 64, 96, 192])
 @pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
 def test_captured_tensor_grads(tmp_path, name, head_dim):
     # Issue #6: a learnable captured tensor's gradient from the sm90 backward itself. The
@@ -371,6 +415,31 @@ def test_host_launch_marshals_workspaces_and_lists():
     with pytest.raises(ValueError, match="accumulators"):
         fn(q, k, v, out, dout, lse, None, dq, dk, dv, 0.125, lists, (), (), q_order=dq_order(lists),
            grad_accs=(torch.zeros(3, dtype=torch.float64),))
+
+
+def test_host_launch_with_narrower_v():
+    # (192, 128): out, dout, v and dv are 128 wide, q, k, dq, dk and the dQ accumulator 192;
+    # a v as wide as q is refused (the config was built for 128).
+    calls = {}
+
+    def recorder(name):
+        return lambda *args: calls.setdefault(name, args)
+
+    cfg = tpl.BwdConfig(192, 128, cutlass.BFloat16, None, None)
+    fn = tpl.load_bwd(cfg, {name: recorder(name) for name in tpl.PARTS})
+    B, Hq, Hkv, L, S = 1, 4, 2, 200, 300
+    q, k = torch.randn(B, Hq, L, 192).bfloat16(), torch.randn(B, Hkv, S, 192).bfloat16()
+    v = torch.randn(B, Hkv, S, 128).bfloat16()
+    out, dout = torch.randn(B, Hq, L, 128).bfloat16(), torch.randn(B, Hq, L, 128).bfloat16()
+    lse = torch.randn(B, Hq, L)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fn(q, k, v, out, dout, lse, None, dq, dk, dv, 0.1, None, (), ())
+    assert calls["pre"][7].shape == (B, Hq, 256, 192)  # dQ accumulator: q's head dim
+    assert calls["main"][2] is v and calls["main"][8] is dv
+    wide = torch.randn(B, Hkv, S, 192).bfloat16()
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        fn(q, k, wide, torch.randn(B, Hq, L, 192).bfloat16(), None, lse, None, dq, dk,
+           torch.empty_like(wide), 0.1, None, (), ())
 
 
 def test_pointwise_ops_compile_forward_and_backward(tmp_path):

@@ -12,8 +12,8 @@ template (``compile_bwd``) on the out/LSE of the sm90 forward; the last ones go 
 * D = 128 runs both GEMM orders: light masks (causal, windows) form P under the dP GEMM, mods
   with loads or transcendentals issue dP after P (``BwdConfig.overlap_dp``).
 * Shapes: L = S = 1000 (ragged against the 64-row Q tile and the 128-key tile), GQA 16/4
-  (each CTA loops over 4 query heads), head dims 128 and 64 (32 and 96 in
-  ``test_more_head_dims``; 192 and (192, 128) go to the Triton backward); L != S once; 2k tokens for the
+  (each CTA loops over 4 query heads), head dims 128 and 64 (32, 96, 192 and (192, 128) in
+  ``test_more_head_dims``; 192's 64-key tile also in ``test_head_dim_192_*``); L != S once; 2k tokens for the
   determinism checks (16 kv blocks add into every causal dQ tile's last rows).
 Compiles: ~2-6 s per new (mods, head dim, mode) on the H200 host.
 """
@@ -53,13 +53,14 @@ def _block_mask(mask_mod, B, H, L, S):
                              H if uses(traced, Op.H) else None, L, S, device=DEV)
 
 
-def _compiled(case, D, dtype, sparse, deterministic):
+def _compiled(case, D, dtype, sparse, deterministic, Dv=None):
     program = lowered(case.score_mod, case.mask_mod)
     aux = tuple(_aux_tensor(t, torch.device(DEV)) for t in program.buffers)
-    key = (program.key, D, dtype, sparse, deterministic)
+    Dv = Dv or D
+    key = (program.key, D, Dv, dtype, sparse, deterministic)
     if key not in _COMPILED:
         mods = load_mods(program)
-        cfg = tpl.BwdConfig(D, D, _DTYPES[dtype], mods.score_mod_and_grad, mods.mask_mod,
+        cfg = tpl.BwdConfig(D, Dv, _DTYPES[dtype], mods.score_mod_and_grad, mods.mask_mod,
                             has_block_mask=sparse, deterministic=deterministic,
                             overlap_dp=True if light_mods(program) else None,
                             score_grads=getattr(mods, "score_grads", None),
@@ -84,7 +85,8 @@ def run_backward(case, q, k, v, dout, dlse, bm, sparse=True, deterministic=False
     with torch.no_grad():
         out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=Hq != k.shape[1],
                                   return_lse=True, backend="cute")
-    fn, aux, scalars = _compiled(case, D, q.dtype, sparse and bm is not None, deterministic)
+    fn, aux, scalars = _compiled(case, D, q.dtype, sparse and bm is not None, deterministic,
+                                 Dv=v.shape[-1])
     dq, dk, dv = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     lists = bwd_block_lists(bm) if (sparse and bm is not None) else None
     order = dq_order(lists) if deterministic and lists is not None else None
@@ -120,10 +122,11 @@ def assert_bit_identical(runs, prefix, n=3):
             assert torch.equal(a, b), f"{prefix}: deterministic runs differ in {label}"
 
 
-def check(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, sparse=True, with_dlse=True, seed=0):
+def check(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, sparse=True, with_dlse=True, seed=0,
+          Dv=None):
     torch.manual_seed(seed)
     case = make_case(name, B, Hq, L, S, device=DEV)
-    q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, dtype, seed)
+    q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, dtype, seed, Dv=Dv)
     dlse = dlse if with_dlse else None
     bm = _block_mask(case.mask_mod, B, Hq, L, S)
     got = run_backward(case, q, k, v, dout, dlse, bm, sparse=sparse)
@@ -237,23 +240,54 @@ def test_api_deterministic_mode_is_bit_identical():
 
 
 # Issue #13's head dims with a backward tile: causal (light: P under dP) and two heavier mods
-# (softcap's tanh, document's loads; at D <= 96 they overlap too). Ragged L = S = 1000, GQA 8/2.
-@pytest.mark.parametrize("D,name", [(32, "causal"), (32, "softcap"), (96, "causal"),
-                                    (96, "softcap"), (96, "document")])
-def test_more_head_dims(name, D):
-    check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D)
+# (softcap's tanh, document's loads; at D <= 96 and 192 they overlap too). Ragged L = S = 1000,
+# GQA 8/2. 192 and (192, 128): the 64-key tile (two kv tiles per mask block; S = 1000 leaves
+# the last mask block's second tile with 104 - 64 = 40 keys, and the dense relative_bias runs
+# without block lists).
+@pytest.mark.parametrize("D,Dv,name", [(32, 32, "causal"), (32, 32, "softcap"), (96, 96, "causal"),
+                                       (96, 96, "softcap"), (96, 96, "document"),
+                                       (192, 192, "causal"), (192, 192, "softcap"),
+                                       (192, 128, "causal"), (192, 128, "document"),
+                                       (192, 128, "relative_bias")], ids=lambda x: str(x))
+def test_more_head_dims(name, D, Dv):
+    check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, Dv=Dv)
+
+
+@pytest.mark.parametrize("D,Dv", [(192, 192), (192, 128)])
+def test_head_dim_192_ragged_last_mask_block(D, Dv):
+    # S = 960 = 7.5 mask blocks: block 7's first 64-key tile is the last in range, so the
+    # grid's last CTA (block 7's second tile, keys 960..1023) has no key in range; it must add
+    # zeros to dQ and write nothing (dk/dv are NaN-poisoned). L != S, causal block lists, no dLSE.
+    check("causal", B=1, Hq=4, Hkv=2, L=700, S=960, D=D, Dv=Dv, with_dlse=False, seed=4)
+
+
+@pytest.mark.parametrize("D,Dv,name,sparse", [(192, 192, "causal", True), (192, 128, "document", True),
+                                              (192, 128, "full", False)])
+def test_head_dim_192_deterministic_bit_identical(D, Dv, name, sparse):
+    # Two kv tiles per mask block: the dQ semaphore ranks count kv tiles (2·rank + which half).
+    # S = 1984 = 15.5 mask blocks: the last block's second tile is empty and still adds.
+    B, Hq, Hkv, L, S = 1, 4, 2, 2048, 1984
+    torch.manual_seed(3)
+    case = make_case(name, B, Hq, L, S, device=DEV)
+    q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 3, Dv=Dv)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    runs = [run_backward(case, q, k, v, dout, dlse, bm, sparse, deterministic=True)
+            for _ in range(4)]
+    assert_bit_identical(runs, f"{name} D={D}/{Dv}")
+    want = _oracle_grads(case, q, k, v, dout, dlse, torch.float64)
+    low = _oracle_grads(case, q, k, v, dout, dlse, torch.bfloat16)
+    assert_grads_close(f"{name} D={D}/{Dv} det", runs[0], want, low)
 
 
 @pytest.mark.parametrize("D,Dv,name", [(192, 192, "causal"), (192, 128, "causal"),
                                        (192, 128, "softcap")])
-def test_head_dim_192_forward_on_cute_backward_on_triton(D, Dv, name, monkeypatch, capsys):
-    # No sm90 backward tile for 192 yet (backward_supports says why): flex_attention runs the
-    # sm90 forward and hands the gradients to the Triton backward, from the saved out/LSE of
-    # the sm90 forward. dq, dk, dv against the float64 oracle.
+def test_head_dim_192_through_the_api_on_cute(D, Dv, name, monkeypatch):
+    # flex_attention + autograd at 192 and (192, 128): the sm90 forward and, since the 64-key
+    # tile, the sm90 backward (no hand-off to Triton). dq, dk, dv against the float64 oracle.
     from flexjit.api import prepare_call
     from flexjit.backends import cute_sm90
 
-    monkeypatch.setenv("FLEXJIT_DEBUG", "1")
+    _no_triton_backward(monkeypatch)
     B, Hq, Hkv, L, S = 2, 8, 2, 1000, 1000
     torch.manual_seed(5)
     case = make_case(name, B, Hq, L, S, device=DEV)
@@ -262,14 +296,11 @@ def test_head_dim_192_forward_on_cute_backward_on_triton(D, Dv, name, monkeypatc
     leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
     call = prepare_call(*leaves, case.score_mod, bm, None, True, None)
     assert cute_sm90.supports(call)[0]
-    ok, why = cute_sm90.backward_supports(call)
-    assert not ok and "192" in why, why
+    assert cute_sm90.backward_supports(call)[0]
     choice = explain(*leaves, case.score_mod, bm, enable_gqa=True)
-    assert (choice.name, choice.backward) == ("cute", "triton"), str(choice)
+    assert (choice.name, choice.backward) == ("cute", "cute"), str(choice)
     out = flex_attention(*leaves, case.score_mod, bm, enable_gqa=True)
     got = torch.autograd.grad(out, leaves, dout)
-    printed = capsys.readouterr().out
-    assert "backward on triton" in printed, printed
     want = _oracle_grads(case, q, k, v, dout, None, torch.float64)
     low = _oracle_grads(case, q, k, v, dout, None, torch.bfloat16)
     assert_grads_close(f"{name} D={D}/{Dv}", got, want, low)
@@ -333,9 +364,10 @@ def test_captured_tensor_grads_through_the_api(name, monkeypatch, capsys):
     assert "backward on cute" in printed and "backward on triton" not in printed, printed
 
 
-@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("D", [128, 64, 192])
 @pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
 def test_captured_tensor_grads_through_the_template(name, D):
+    # 192: both MMA warpgroups hold the same elements there; only warpgroup 0 adds them.
     # The template directly: compile_bwd with score_grads/grad_offsets and fp64 accumulators.
     from flexjit.backends.cute_sm90 import grad_slots
 

@@ -307,9 +307,10 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
 # --------------------------------------------------------------------------- backward
 
 # (head_dim, head_dim_v) pairs the sm90 backward has a tile for (``cute_sm90_bwd.HEAD_DIMS``).
-# Not yet: 192 and (192, 128): dK + dV alone hold D/2 + Dv/2 fp32 registers per thread with
-# 64 keys per warpgroup (192 and 160), and Sᵀ + dPᵀ 32 more each: over the 240 cap.
-_BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128))
+# 192 and (192, 128) take a 64-key kv tile with the head dims split between the MMA
+# warpgroups (``cute_sm90_bwd.choose_bwd_tiling``); compiled spill-free on the CPU, their
+# GPU tests (tests/test_cute_sm90_bwd_gpu.py) not yet run.
+_BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
 
 
 def _bwd_template():
@@ -322,10 +323,6 @@ def backward_supports(call) -> tuple[bool, str]:
     if os.environ.get("FLEXJIT_CUTE_BWD", "1") == "0":
         return False, "FLEXJIT_CUTE_BWD=0"
     if (D, Dv) not in _BWD_HEAD_DIMS:
-        if D == 192:
-            return False, (f"head dims ({D}, {Dv}): the sm90 backward has no tile for head dim 192 "
-                           "yet (its dK/dV accumulators do not fit the registers with 128 keys "
-                           "per CTA); the Triton backward serves it")
         return False, (f"head dims ({D}, {Dv}); the sm90 backward takes (head_dim, head_dim_v) in "
                        f"{_BWD_HEAD_DIMS}")
     if call.program.grad_loads:
@@ -383,30 +380,33 @@ _COMPILED_BWD: dict[tuple, object] = {}
 
 
 def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
-                     deterministic: bool, aux_tensors):
+                     deterministic: bool, aux_tensors, head_dim_v: int | None = None):
     """The sm90 backward's three kernels (preprocess, main, postprocess) for this program, from
     memory, the disk cache (each part its own object file) or a fresh compile. A program with
     learnable captured tensors (``Program.grad_loads``, part of its key) gets a main kernel that
     also accumulates their gradients (``BwdConfig.score_grads``)."""
     tpl = _bwd_template()
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
-    key = (program.key, dtype, head_dim, sparse, deterministic, sig, program.scalar_dtypes)
+    head_dim_v = head_dim_v or head_dim
+    key = (program.key, dtype, head_dim, head_dim_v, sparse, deterministic, sig,
+           program.scalar_dtypes)
     return cache.cached(_COMPILED_BWD, key, lambda: _build_backward(
-        tpl, program, dtype, head_dim, sparse, deterministic, aux_tensors, sig))
+        tpl, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors, sig))
 
 
-def _build_backward(tpl, program: Program, dtype, head_dim: int, sparse: bool, deterministic: bool,
-                    aux_tensors, sig):
+def _build_backward(tpl, program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
+                    deterministic: bool, aux_tensors, sig):
     """The three kernels, each from its own object file on disk, the missing ones compiled
     together (and exported); the pre/postprocess keys leave the Program out: every mod shares
     them."""
     mods = load_mods(program)
-    cfg = tpl.BwdConfig(head_dim, head_dim, _cutlass_dtype(dtype), mods.score_mod_and_grad,
+    cfg = tpl.BwdConfig(head_dim, head_dim_v, _cutlass_dtype(dtype), mods.score_mod_and_grad,
                         mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
                         overlap_dp=True if light_mods(program) else None,
                         score_grads=getattr(mods, "score_grads", None),
                         grad_offsets=getattr(mods, "grad_offsets", None))
-    what = f"{program.score_name}/{program.mask_name} D={head_dim} {str(dtype).replace('torch.', '')}"
+    dims = f"{head_dim}" if head_dim_v == head_dim else f"{head_dim}/{head_dim_v}"
+    what = f"{program.score_name}/{program.mask_name} D={dims} {str(dtype).replace('torch.', '')}"
     frozen = _kernel_config(cfg, aux_tensors, program, f"deterministic={deterministic}",
                             f"grad_slots={grad_slots(program)}")
     disk = cute_cache.available()
@@ -440,7 +440,8 @@ def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
     bm = call.block_mask
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    fn = compile_backward(prog, q.dtype, q.shape[-1], bm is not None, deterministic, aux)
+    fn = compile_backward(prog, q.dtype, q.shape[-1], bm is not None, deterministic, aux,
+                          head_dim_v=v.shape[-1])
     lists = bwd_block_lists(bm)
     order = _dq_order(bm, lists) if deterministic and bm is not None else None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
