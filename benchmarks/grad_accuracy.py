@@ -1,7 +1,7 @@
 """Gradient accuracy under torch's error-ratio oracle (issue #14), flexjit against torch's flex.
 
     python -m benchmarks.grad_accuracy [--S 1024] [--impls flexjit-cute,flexjit-triton,torch-flex-triton]
-                                       [--seeds N] [--out DIR]
+                                       [--seeds N] [--cases SUBSTR] [--per-seed] [--out DIR]
 
 For each case every implementation runs the same bf16 inputs forward and backward; a float64
 "golden" runs the same math (tests/oracle.py's dense attention, mods called eagerly) on the
@@ -71,6 +71,24 @@ def _cases(S: int, device):
 
 def _impl(name: str, device):
     """name -> run(q, k, v, score_mod, mask_mod) -> out (differentiable)."""
+    if name.startswith("flexjit-") and "+" in name:
+        # "flexjit-FWD+BWD": one backend's forward feeding another's backward (which kernel an
+        # error comes from), through the same autograd function as flex_attention.
+        import flexjit
+        from flexjit import dispatch
+        from flexjit.api import prepare_call
+
+        fwd, bwd = name.removeprefix("flexjit-").split("+")
+
+        def run(q, k, v, score_mod, mask_mod):
+            bm = None
+            if mask_mod is not None:
+                bm = flexjit.create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2],
+                                               device=device)
+            call = prepare_call(q, k, v, score_mod, bm, None, False, None)
+            choice = dispatch.Choice(fwd, "asked for", backward=bwd, backward_reason="asked for")
+            return dispatch.run(choice, call)[0]
+        return run
     if name.startswith("flexjit-"):
         import flexjit
 
@@ -118,12 +136,17 @@ def _err(a, golden) -> float:
 
 
 def measure(S: int, impls: list[str], device, B: int = 2, H: int = 8, D: int = 128,
-            seeds: int = 1) -> list[dict]:
+            seeds: int = 1, cases: str | None = None, per_seed: bool = False) -> list[dict]:
     """One row per (case, tensor): each implementation's mean |golden - result|, averaged over
-    ``seeds`` fresh draws of q, k, v and dout (the tables stay)."""
+    ``seeds`` fresh draws of q, k, v and dout (the tables stay). ``cases``: only the cases whose
+    name contains this string. ``per_seed``: also print, per seed and captured table, each
+    implementation's mean |error| and mean signed error (a kernel whose table gradient is
+    biased shows a signed mean near its |error|; rounding noise averages out)."""
     rows = []
     runs = {name: _impl(name, device) for name in impls}
     for case, (make, tables, mask_mod) in _cases(S, device).items():
+        if cases is not None and cases not in case:
+            continue
         def dense(dtype):
             def fn(leaves):
                 t = {n: leaves[n].to(dtype) if dtype == torch.float64 else leaves[n]
@@ -149,6 +172,14 @@ def measure(S: int, impls: list[str], device, B: int = 2, H: int = 8, D: int = 1
                     print(f"[grad_accuracy] {case} {name}: {type(e).__name__}: {e}", flush=True)
                     results[name] = None
             gold_out, gold = results["golden"]
+            if per_seed:
+                for tensor in tables:
+                    line = {"case": case, "tensor": tensor, "seed": seed}
+                    for name, res in results.items():
+                        if name != "golden" and res is not None:
+                            d = res[1][tensor].double() - gold[tensor].double()
+                            line[name] = [d.abs().mean().item(), d.mean().item()]
+                    print(json.dumps(line), flush=True)
             for tensor in ["out", "q", "k", "v"] + list(tables):
                 ref = gold_out if tensor == "out" else gold[tensor]
                 for name, res in results.items():
@@ -183,13 +214,17 @@ def report(rows: list[dict], impls: list[str]) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--S", type=int, default=1024)
-    p.add_argument("--impls", default="flexjit-cute,flexjit-triton,torch-flex-triton")
+    p.add_argument("--impls", default="flexjit-cute,flexjit-triton,torch-flex-triton",
+                   help="also flexjit-FWD+BWD: one backend's forward into another's backward")
     p.add_argument("--seeds", type=int, default=1, help="fresh inputs per case, errors averaged")
+    p.add_argument("--cases", default=None, help="only the cases whose name contains this")
+    p.add_argument("--per-seed", action="store_true",
+                   help="print each seed's |error| and signed error of the captured tables")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     impls = a.impls.split(",")
-    rows = measure(a.S, impls, device, seeds=a.seeds)
+    rows = measure(a.S, impls, device, seeds=a.seeds, cases=a.cases, per_seed=a.per_seed)
     md = report(rows, impls)
     print(md)
     if a.out:
