@@ -65,8 +65,13 @@ def main(argv=None) -> None:
                     for key, val in row.items():
                         stats.setdefault(name, {}).setdefault(key, []).append(val)
         for name, st in stats.items():
+            rs = torch.tensor(st["r_sum"], dtype=torch.float64)
             print(json.dumps({"case": case, "impl": name,
                               **{k: sum(v) / len(v) for k, v in st.items()},
+                              # over seeds: an unbiased forward has r_sum_mean ~ 0 within
+                              # r_sum_std / sqrt(seeds), and r_sum_std ~ r_rms * sqrt(rows)
+                              "r_sum_std": rs.std().item() if len(rs) > 1 else None,
+                              "rows": B * H * a.S,
                               "r_sum_per_seed": st["r_sum"]}), flush=True)
 
 
