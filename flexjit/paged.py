@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 
 from .block_mask import BlockMask, from_torch_block_mask, noop_mask
+from .ir import Op, uses
+from .trace import MASK_MOD, trace_mod
 
 __all__ = ["PagedAttention", "OutOfPagesError"]
 
@@ -225,6 +227,10 @@ class PagedAttention:
         B = rows.shape[0]
         if Bm not in (1, B):
             raise ValueError(f"block_mask has batch {Bm} but batch_idx has {B} entries")
+        if Bm == 1 and B > 1 and _reads_batch(bm.mask_mod):
+            raise ValueError(f"mask_mod `{getattr(bm.mask_mod, '__name__', 'mask_mod')}` depends on the batch "
+                             f"index b, but the block_mask was created with B=1/None, planned for b = 0 "
+                             f"only; create it with B={B}")
         limit = torch.full((B,), KV_LEN, dtype=torch.int64, device=self.device)
         lens = None
         if kv_len is not None:
@@ -278,7 +284,9 @@ class PagedAttention:
         else:
             blk, keep, full = pblk, plive, None
         part = _compact(blk, keep, self.n_pages * per_page)
-        mask_mod = self.get_mask_mod(bm.mask_mod, kv_len=lens, batch_idx=rows, _kv_limit=KV_LEN)
+        identity = rows.tolist() == list(range(B))  # then the mods index the tables by b directly
+        mask_mod = self.get_mask_mod(bm.mask_mod, kv_len=lens, batch_idx=None if identity else rows,
+                                     _kv_limit=KV_LEN)
         out = BlockMask.from_kv_blocks(part[0], part[1], *(full or (None, None)), BLOCK_SIZE=(bq, bkv),
                                        mask_mod=mask_mod, seq_lengths=(Q_LEN, self.kv_len),
                                        compute_q_blocks=bm.q_indices is not None)
@@ -337,6 +345,12 @@ class PagedAttention:
                 return torch.where(live, score_mod(score, b, h, q_idx, logical), float("-inf"))
         paged_score.__name__ = f"paged_{getattr(score_mod, '__name__', 'identity')}"
         return paged_score
+
+
+def _reads_batch(mask_mod) -> bool:
+    if mask_mod is noop_mask:
+        return False
+    return uses(trace_mod(mask_mod, MASK_MOD).out, Op.B)
 
 
 def _compact(blk: torch.Tensor, keep: torch.Tensor, width: int):

@@ -29,11 +29,12 @@ class Scenario:
     """A filled pool: ``lens`` tokens per entry, logical K/V ``k``/``v`` (B, Hkv, S, D)."""
 
     def __init__(self, lens, page_size=32, n_pages=24, Hkv=2, D=16, dtype=torch.float64, seed=0,
-                 rows=None):
+                 rows=None, device=DEV, chunk=1):
         g = torch.Generator().manual_seed(seed)
         self.lens, self.B, self.S = list(lens), len(lens), max(lens)
         self.rows = list(range(self.B)) if rows is None else list(rows)
-        self.pa = PagedAttention(n_pages, page_size, max_batch_size=max(self.rows) + 2, device=DEV)
+        self.device = torch.device(device)
+        self.pa = PagedAttention(n_pages, page_size, max_batch_size=max(self.rows) + 2, device=device)
         pa = self.pa
         # A squatter takes pages between everyone's, then leaves: the pool is fragmented.
         squat = max(self.rows) + 1
@@ -43,24 +44,34 @@ class Scenario:
             if step == 1:
                 pa.reserve(squat, page_size)
         pa.erase(squat)
-        self.k = torch.randn(self.B, Hkv, self.S, D, generator=g, dtype=torch.float64).to(dtype)
-        self.v = torch.randn(self.B, Hkv, self.S, D, generator=g, dtype=torch.float64).to(dtype)
-        garbage = 1e3 * torch.randn(1, Hkv, pa.kv_len, D, generator=g, dtype=torch.float64)
-        self.k_cache, self.v_cache = garbage.to(dtype), garbage.flip(2).to(dtype)
-        # Prefill the first half of each sequence in one call, then the rest token by token.
+        def randn(*shape):
+            return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+        self.k, self.v = randn(self.B, Hkv, self.S, D), randn(self.B, Hkv, self.S, D)
+        garbage = 1e3 * randn(1, Hkv, pa.kv_len, D)
+        self.k_cache, self.v_cache = garbage, garbage.flip(2)
+        # Prefill the first half of each sequence in one call, then the rest ``chunk`` tokens at a
+        # time (chunk 1: the batch's decode steps, one assign for every entry still growing).
         half = [n // 2 for n in self.lens]
         for i, (r, n) in enumerate(zip(self.rows, self.lens)):
-            pos = torch.arange(half[i]).unsqueeze(0)
+            pos = torch.arange(half[i], device=device).unsqueeze(0)
             pa.assign(torch.tensor([r]), pos, self.k[i:i + 1, :, :half[i]], self.v[i:i + 1, :, :half[i]],
                       self.k_cache, self.v_cache)
-        for t in range(min(half), self.S):
-            who = [i for i in range(self.B) if half[i] <= t < self.lens[i]]
-            if who:
-                pa.assign(torch.tensor([self.rows[i] for i in who]), torch.full((len(who), 1), t),
-                          self.k[who, :, t:t + 1], self.v[who, :, t:t + 1], self.k_cache, self.v_cache)
+        if chunk == 1:
+            for t in range(min(half), self.S):
+                who = [i for i in range(self.B) if half[i] <= t < self.lens[i]]
+                if who:
+                    pa.assign(torch.tensor([self.rows[i] for i in who]),
+                              torch.full((len(who), 1), t, device=device),
+                              self.k[who, :, t:t + 1], self.v[who, :, t:t + 1], self.k_cache, self.v_cache)
+        else:
+            for i, (r, n) in enumerate(zip(self.rows, self.lens)):
+                for t in range(half[i], n, chunk):
+                    e = min(n, t + chunk)
+                    pa.assign(torch.tensor([r]), torch.arange(t, e, device=device).unsqueeze(0),
+                              self.k[i:i + 1, :, t:e], self.v[i:i + 1, :, t:e], self.k_cache, self.v_cache)
 
     def kv_len(self):
-        return torch.tensor(self.lens)
+        return torch.tensor(self.lens, device=self.device)
 
 
 def _logical_mods(name, sc: Scenario, q_off: torch.Tensor, Hq: int):
@@ -79,7 +90,7 @@ def _logical_mods(name, sc: Scenario, q_off: torch.Tensor, Hq: int):
             return (q >= kv_idx) & (q - kv_idx <= w)
         return None, window
     if name == "alibi":
-        slopes = mods.alibi_slopes(Hq)
+        slopes = mods.alibi_slopes(Hq).to(sc.device)
 
         def alibi(score, b, h, q_idx, kv_idx):
             return score + slopes[h] * (kv_idx - (q_idx + q_off[b]))
@@ -89,7 +100,7 @@ def _logical_mods(name, sc: Scenario, q_off: torch.Tensor, Hq: int):
         return alibi, causal
     if name == "document":
         g = torch.Generator().manual_seed(7)
-        doc = torch.cumsum((torch.rand(sc.B, sc.S, generator=g) < 0.06).long(), 1)
+        doc = torch.cumsum((torch.rand(sc.B, sc.S, generator=g) < 0.06).long(), 1).to(sc.device)
 
         def document(b, h, q_idx, kv_idx):
             q = q_idx + q_off[b]
@@ -102,20 +113,24 @@ MODS = ["none", "causal", "sliding_window", "alibi", "document"]
 
 
 def _run(sc: Scenario, name: str, L: int, block=(16, 16), Hq=4, backend="reference", dtype=torch.float64,
-         seed=1, decode=True):
-    """Paged attention vs the oracle on the logical K/V; returns the paged (out, lse)."""
+         seed=1, decode=True, contiguous=False):
+    """Paged attention vs the oracle on the logical K/V; returns the paged (block mask, out, lse).
+    ``contiguous``: also run flex_attention on the logical K/V (per-entry, unpaged), which must meet
+    the same bound and pick the same backend."""
+    dev = sc.device
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sc.B, Hq, L, sc.k.shape[-1], generator=g, dtype=torch.float64).to(dtype)
-    q_off = torch.tensor([n - L for n in sc.lens]) if decode else torch.zeros(sc.B, dtype=torch.long)
+    q = torch.randn(sc.B, Hq, L, sc.k.shape[-1], generator=g, dtype=torch.float64).to(device=dev, dtype=dtype)
+    q_off = torch.tensor([n - L for n in sc.lens] if decode else [0] * sc.B, device=dev)
     score_mod, mask_mod = _logical_mods(name, sc, q_off, Hq)
     lens = sc.kv_len()
-    logical = create_block_mask(mask_mod or flexjit.noop_mask, sc.B, None, L, sc.S, device=DEV,
+    logical = create_block_mask(mask_mod or flexjit.noop_mask, sc.B, None, L, sc.S, device=dev,
                                 BLOCK_SIZE=block)
-    rows = None if sc.rows == list(range(sc.B)) else torch.tensor(sc.rows)
+    rows = None if sc.rows == list(range(sc.B)) else torch.tensor(sc.rows, device=dev)
     bm = sc.pa.convert_logical_block_mask(logical, batch_idx=rows, kv_len=lens)
     paged_score = sc.pa.get_score_mod(score_mod, kv_len=lens, batch_idx=rows) if score_mod else None
+    args = dict(enable_gqa=True, backend=backend)
     out, lse = flex_attention(q, sc.k_cache, sc.v_cache, score_mod=paged_score, block_mask=bm,
-                              enable_gqa=True, return_lse=True, backend=backend)
+                              return_lse=True, **args)
 
     def live(b, h, q_idx, kv_idx):
         keep = kv_idx < lens[b]
@@ -124,6 +139,15 @@ def _run(sc: Scenario, name: str, L: int, block=(16, 16), Hq=4, backend="referen
     low, low_lse = dense_attention(q, sc.k, sc.v, score_mod, live, dtype=dtype)
     assert_close_to_oracle("out", out, ref, low, FLOOR[dtype])
     assert_close_to_oracle("lse", lse, ref_lse, low_lse, FLOOR[dtype])
+    if contiguous:
+        dense_bm = create_block_mask(live, sc.B, None, L, sc.S, device=dev, BLOCK_SIZE=block)
+        c_out, c_lse = flex_attention(q, sc.k, sc.v, score_mod=score_mod, block_mask=dense_bm,
+                                      return_lse=True, **args)
+        assert_close_to_oracle("contiguous out", c_out, ref, low, FLOOR[dtype])
+        assert_close_to_oracle("contiguous lse", c_lse, ref_lse, low_lse, FLOOR[dtype])
+        paged_choice = flexjit.explain(q, sc.k_cache, sc.v_cache, score_mod=paged_score, block_mask=bm, **args)
+        dense_choice = flexjit.explain(q, sc.k, sc.v, score_mod=score_mod, block_mask=dense_bm, **args)
+        assert paged_choice.name == dense_choice.name, f"paged: {paged_choice}\ncontiguous: {dense_choice}"
     return bm, out, lse
 
 
@@ -274,7 +298,9 @@ def _triton_interpreter_ok() -> bool:
 
 
 @pytest.mark.skipif(not _triton_interpreter_ok(), reason="needs triton >= 3.9's interpreter")
-@pytest.mark.parametrize("name,L,decode", [("causal", 3, True), ("alibi", 16, True), ("document", 48, False)])
+@pytest.mark.parametrize("name,L,decode", [("none", 1, True), ("causal", 3, True), ("sliding_window", 8, True),
+                                           ("alibi", 16, True), ("document", 5, True), ("causal", 48, False),
+                                           ("document", 48, False)])
 def test_triton_interpreter_matches_dense(monkeypatch, tmp_path, name, L, decode):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path))
@@ -362,6 +388,11 @@ def test_convert_errors():
     # A block mask of batch 1 planned for B=None broadcasts to every entry of batch_idx.
     out = pa.convert_logical_block_mask(bm, batch_idx=torch.tensor([0, 1]), kv_len=torch.tensor([40, 10]))
     assert out.kv_num_blocks.shape[0] == 2 and out.seq_lengths == (64, 128)
+    # ... unless its mask_mod reads b: it was planned for b = 0 only.
+    prefix = torch.tensor([3, 9])
+    per_batch = create_block_mask(mods.prefix_lm(prefix), None, None, 64, 64, device=DEV, BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="depends on the batch index b.*create it with B=2"):
+        pa.convert_logical_block_mask(per_batch, batch_idx=torch.tensor([0, 1]), kv_len=torch.tensor([40, 10]))
 
 
 def test_paged_mask_on_the_logical_cache_length_is_refused_by_flex_attention():
