@@ -87,6 +87,9 @@ class PagedAttention:
         self.empty_pages = list(range(n_pages - 1, -1, -1))
         # Host mirror of the bookkeeping: checks and conversions never read the device tables back.
         self._pages: list[list[int]] = [[] for _ in range(max_batch_size)]
+        # int32 twin of physical_to_logical that the mods read: with its values clamped to
+        # [-1, n_pages) the index math stays int32 in the kernels (an int64 load would widen it).
+        self._p2l32 = torch.full((max_batch_size, n_pages), -1, dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -128,6 +131,7 @@ class PagedAttention:
         phys = torch.tensor(pages, dtype=torch.int64, device=dev)
         self.page_table[b, have:have + need] = phys
         self.physical_to_logical[b, phys] = torch.arange(have, have + need, dtype=torch.int64, device=dev)
+        self._p2l32[b, phys] = torch.arange(have, have + need, dtype=torch.int32, device=dev)
         self.capacity[b] = (have + need) * self.page_size
 
     def erase(self, batch_idx) -> None:
@@ -139,6 +143,7 @@ class PagedAttention:
         self.empty_pages.extend(reversed(pages))
         phys = torch.tensor(pages, dtype=torch.int64, device=self.device)
         self.physical_to_logical[b, phys] = -1
+        self._p2l32[b, phys] = -1
         self.page_table[b] = -1
         self.capacity[b] = 0
         self._pages[b] = []
@@ -298,14 +303,16 @@ class PagedAttention:
     def _to_logical(self, kv_len, batch_idx, kv_limit):
         """A traceable ``(b, physical_kv_idx) -> (logical_kv_idx, live)``. Captures tensors and
         numbers only (never ``self``), so traces are reused across calls."""
-        p2l, size = self.physical_to_logical, self.page_size
-        rows = None if batch_idx is None else _int_tensor(batch_idx, "batch_idx", 1, self.device)
-        lens = None if kv_len is None else _int_tensor(kv_len, "kv_len", 1, self.device)
+        p2l, size, top = self._p2l32, self.page_size, self.n_pages - 1
+        # The caller's tensors are captured as they are (read when the kernel runs, as torch's
+        # mods read them), so a kv_len updated in place reaches a mod made before the update.
+        rows = None if batch_idx is None else self._live(batch_idx, "batch_idx")
+        lens = None if kv_len is None else self._live(kv_len, "kv_len")
         limit = None if kv_limit is None else int(kv_limit)
 
         def to_logical(b, physical_kv_idx):
             row = b if rows is None else rows[b]
-            block = p2l[row, physical_kv_idx // size]
+            block = torch.clamp(p2l[row, physical_kv_idx // size], -1, top)
             logical = block * size + physical_kv_idx % size
             live = block >= 0
             if lens is not None:
@@ -315,6 +322,13 @@ class PagedAttention:
             # A position the entry does not own reaches the user's mod as 0, a valid index.
             return torch.where(live, logical, 0), live
         return to_logical
+
+    def _live(self, x, name: str) -> torch.Tensor:
+        """``x`` itself if it is a 1-D integer tensor on the pool's device, else an int64 copy."""
+        if isinstance(x, torch.Tensor) and x.device == self.device and x.dim() == 1 and \
+                x.dtype in (torch.int32, torch.int64):
+            return x
+        return _int_tensor(x, name, 1, self.device)
 
     def get_mask_mod(self, mask_mod: Callable | None, kv_len=None, *, batch_idx=None,
                      _kv_limit: int | None = None) -> Callable:

@@ -404,3 +404,32 @@ def test_paged_mask_on_the_logical_cache_length_is_refused_by_flex_attention():
     q = torch.randn(2, 2, 4, 16, dtype=torch.float64)
     with pytest.raises(ValueError, match="block_mask was created for"):
         flex_attention(q, sc.k, sc.v, block_mask=bm)
+
+
+def test_decode_loop_with_kv_len_updated_in_place():
+    """A serving loop: the score_mod is made once over a kv_len tensor that grows in place; each
+    step plans the logical block mask (its blocks move with q_off) and converts it again."""
+    sc = Scenario([40, 21, 33], page_size=16, n_pages=12)
+    pa, lens = sc.pa, torch.tensor([30, 11, 23])
+    Hq, steps = 4, 10
+    slopes = mods.alibi_slopes(Hq)
+    q_off = lens - 1                          # the one query sits at the last live position
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - (q_idx + q_off[b]))
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx + q_off[b] >= kv_idx
+    paged_score = pa.get_score_mod(alibi, kv_len=lens)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        lens += 1                             # the step's token is already in the cache
+        q_off += 1
+        q = torch.randn(sc.B, Hq, 1, 16, generator=g, dtype=torch.float64)
+        logical = create_block_mask(causal, sc.B, None, 1, sc.S, device=DEV, BLOCK_SIZE=16)
+        bm = pa.convert_logical_block_mask(logical, kv_len=lens)
+        out = flex_attention(q, sc.k_cache, sc.v_cache, score_mod=paged_score, block_mask=bm,
+                             enable_gqa=True, backend="reference")
+        ref, _ = dense_attention(q, sc.k, sc.v, alibi,
+                                 lambda b, h, qi, ki: causal(b, h, qi, ki) & (ki < lens[b]))
+        assert max_err(out, ref) <= 1e-12
