@@ -433,3 +433,33 @@ def test_decode_loop_with_kv_len_updated_in_place():
         ref, _ = dense_attention(q, sc.k, sc.v, alibi,
                                  lambda b, h, qi, ki: causal(b, h, qi, ki) & (ki < lens[b]))
         assert max_err(out, ref) <= 1e-12
+
+
+# --------------------------------------------------------------------------- sm90 (compile only)
+
+
+def test_sm90_forward_compiles_the_paged_mods(monkeypatch, tmp_path):
+    """The wrapped mods (the 2-D int32 page lookup, clamps, live checks; ALiBi's score wrapper is
+    the heaviest) render into the sm90 forward and compile for sm_90a on the Hopper path
+    (numerics: tests/test_paged_gpu.py). Not asserted: spills. ptxas reports 324 B of spill stores
+    for this kernel (40 B with the plain ALiBi score_mod under the same paged mask): the sm90 holes
+    compute the per-column page lookup for every score element (see DESIGN, paged KV cache)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
+    pytest.importorskip("cutlass")
+    from flexjit.api import _broadcast_batch, prepare_call
+    from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_program
+    sc = Scenario([300, 129, 400], page_size=128, n_pages=12, D=128, dtype=torch.bfloat16)
+    q = torch.randn(sc.B, 4, 16, 128, dtype=torch.bfloat16)
+    q_off = torch.tensor([n - 16 for n in sc.lens])
+    score_mod, mask_mod = _logical_mods("alibi", sc, q_off, 4)
+    logical = create_block_mask(mask_mod, sc.B, None, 16, sc.S, device=DEV)
+    bm = sc.pa.convert_logical_block_mask(logical, kv_len=sc.kv_len())
+    paged_score = sc.pa.get_score_mod(score_mod, kv_len=sc.kv_len())
+    k, v = _broadcast_batch(q, sc.k_cache, sc.v_cache)  # as flex_attention passes a kv batch of 1
+    call = prepare_call(q, k, v, paged_score, bm, None, True, None)
+    aux = tuple(_aux_tensor(t, q.device) for t in call.program.buffers)
+    fn = compile_program(call.program, q, k, v, block_sparse_args(bm), aux,
+                         options=f"--keep-ptx --dump-dir {tmp_path}")
+    ptx = fn.compiled.__ptx__
+    assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx and "cp.async.bulk.tensor" in ptx
