@@ -254,13 +254,13 @@ class PagedAttention:
         per_page = self.page_size // bkv
         table = self.page_table[rows]                                  # (B, n_pages)
         start = torch.arange(C, device=self.device) * bkv              # first token of a column
-        view = (B, 1, 1, C)
 
         def classify(num, idx):
             """(physical block, live, whole) of each list entry: live = listed and holding a token
             below the entry's limit; whole = every token of the block below it."""
             num, idx = expand(num), expand(idx).long()
             listed = torch.arange(C, device=self.device) < num.unsqueeze(-1)
+            idx = torch.where(listed, idx, 0)                          # padding may hold anything
             first = start[idx]
             lim = limit.view(B, 1, 1, 1)
             lp = idx // per_page

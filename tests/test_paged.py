@@ -9,7 +9,6 @@ logical positions, the query offset per entry captured as a tensor, as a serving
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -463,3 +462,23 @@ def test_sm90_forward_compiles_the_paged_mods(monkeypatch, tmp_path):
                          options=f"--keep-ptx --dump-dir {tmp_path}")
     ptx = fn.compiled.__ptx__
     assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx and "cp.async.bulk.tensor" in ptx
+
+
+def test_block_mask_without_full_lists():
+    """A logical mask listing every block as partial (separate_full_blocks=False) converts to one
+    without full lists."""
+    sc = Scenario([70, 33, 96])
+    lens = sc.kv_len()
+    q_off = torch.tensor([n - 4 for n in sc.lens])
+
+    def window(b, h, q_idx, kv_idx):
+        q = q_idx + q_off[b]
+        return (q >= kv_idx) & (q - kv_idx <= 40)
+    logical = create_block_mask(window, sc.B, None, 4, sc.S, device=DEV, BLOCK_SIZE=16,
+                                separate_full_blocks=False)
+    bm = sc.pa.convert_logical_block_mask(logical, kv_len=lens)
+    assert bm.full_kv_num_blocks is None
+    q = torch.randn(sc.B, 2, 4, 16, dtype=torch.float64)
+    out = flex_attention(q, sc.k_cache, sc.v_cache, block_mask=bm, backend="reference")
+    ref, _ = dense_attention(q, sc.k, sc.v, None, lambda b, h, qi, ki: window(b, h, qi, ki) & (ki < lens[b]))
+    assert max_err(out, ref) <= 1e-12

@@ -39,8 +39,7 @@ def pool256():
 @pytest.mark.parametrize("L", [1, 16])
 @pytest.mark.parametrize("name", MODS)
 def test_decode_default_backend(pool128, name, L):
-    bm, _, _ = _run(pool128, name, L, block=(128, 128), Hq=8, backend="auto", dtype=torch.bfloat16,
-                    contiguous=True)
+    _run(pool128, name, L, block=(128, 128), Hq=8, backend="auto", dtype=torch.bfloat16, contiguous=True)
 
 
 @pytest.mark.parametrize("name", MODS)
