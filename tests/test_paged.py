@@ -9,7 +9,6 @@ logical positions, the query offset per entry captured as a tensor, as a serving
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
