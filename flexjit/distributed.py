@@ -475,9 +475,10 @@ class _Exchange:
         return dist.batch_isend_irecv(self.ops) if self.ops else []
 
 
-def _wait(works):
-    for w in works:
-        w.wait()
+def _wait(works: list) -> None:
+    """Wait for each posted op once (the list empties: a gloo work waited twice can hang)."""
+    while works:
+        works.pop(0).wait()
 
 
 def _post_kv(ring: _Ring, stats: RingStats, s: int, cur: tuple | None, like: tuple):
@@ -639,7 +640,7 @@ def _ring_backward(ring: _Ring, q, k, v, outs, lses, dout, dlse, buffers):
                 mine_final = acc
             else:
                 finished[o] = acc
-        pending.append((acc_works, acc))
+        pending.append((acc_works, acc))  # the list empties when it is waited for
         _wait(works)
         cur, acc = nxt, nxt_acc
     for w, _ in pending:
