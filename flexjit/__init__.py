@@ -13,5 +13,13 @@ from .trace import TraceError
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # flexjit.distributed (context parallelism) is imported on first use, not with flexjit
+    if name == "distributed":
+        import importlib
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'flexjit' has no attribute {name!r}")
+
 __all__ = ["flex_attention", "create_block_mask", "create_mask", "BlockMask", "and_masks", "or_masks",
            "noop_mask", "AuxRequest", "AuxOutput", "explain", "PagedAttention", "TraceError", "__version__"]

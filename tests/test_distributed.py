@@ -360,3 +360,37 @@ def test_world1_equals_single_call_with_max_scores(world1):
     stats = cp.last_stats()["forward"]
     # window 40 over chunks of 128: the (late q, early kv) pair is listed, (early q, late kv) is not
     assert (stats.pairs_computed, stats.pairs_skipped) == (3, 1)
+
+
+@pytest.fixture
+def interp(monkeypatch):
+    """Triton kernels in the interpreter (CPU tensors), as tests/test_triton_backend.py runs them."""
+    import triton
+    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip("interpreter tests need triton >= 3.9")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_world1_triton_backward_reads_the_global_out_and_lse(world1, interp):
+    # The GPU backends' pair backward is the standard one given the GLOBAL out/LSE (the
+    # reference's recomputes its own softmax and takes the rescaled path). Here on Triton,
+    # interpreted: zigzag at world 1 = 2 chunks of 128, 3 causal pairs, a learnable table.
+    # S = 256, D = 16, one head pair: what the interpreter runs in seconds.
+    n, hq = 256, 2
+    g = torch.Generator().manual_seed(11)
+    q, k, v, g_out = (torch.randn(1, hq, n, D, generator=g, dtype=torch.float64) for _ in range(4))
+    table64 = 0.5 * torch.randn(2 * n - 1, generator=g, dtype=torch.float64)
+    bm = flexjit.create_block_mask(mods.causal(), None, None, n, n, device="cpu", BLOCK_SIZE=64)
+
+    def grads(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (q, k, v, table64)]
+        out = fn(*leaves[:3], mods.relative_bias(leaves[3]))
+        return [out.detach(), *torch.autograd.grad((out.double() * g_out).sum(), leaves)]
+
+    ref = grads(lambda q, k, v, sm: dense_attention(q, k, v, sm, mods.causal())[0], torch.float64)
+    single = grads(lambda q, k, v, sm: flexjit.flex_attention(q, k, v, sm, bm, backend="triton"), torch.float32)
+    ring = grads(lambda q, k, v, sm: cp.flex_attention(q, k, v, sm, bm, backend="triton"), torch.float32)
+    assert cp.last_stats()["backward"].backend == "triton"
+    for what, r64, one, got in zip(("out", "dq", "dk", "dv", "dtable"), ref, single, ring):
+        bound = 2 * max_err(one, r64) + FLOOR[torch.float32] * max(1.0, r64.abs().max().item())
+        assert max_err(got, r64) <= bound, f"{what}: {max_err(got, r64):.3g} > {bound:.3g}"
