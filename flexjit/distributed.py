@@ -593,8 +593,7 @@ def _ring_backward(ring: _Ring, q, k, v, outs, lses, dout, dlse, buffers):
     cur = (k.contiguous(), v.contiguous())
     like = cur
     acc = None          # (dk, dv) of the shard held now, as it arrived
-    acc_works = []      # the receive of the next shard's (dk, dv)
-    pending = []        # sends still in flight
+    acc_works = []      # the last step's (dk, dv) exchange: its send, and this step's receive
     finished = {}       # owner -> (dk, dv) that this rank sends home at the end
     mine_final = None
     for s in range(ring.steps):
@@ -619,8 +618,8 @@ def _ring_backward(ring: _Ring, q, k, v, outs, lses, dout, dlse, buffers):
                     if gb is not None:
                         gb = gb.to(torch.float64 if gb.dtype == torch.float64 else torch.float32)
                         dbufs[i] = dbufs[i] + gb if i in dbufs else gb.clone()
+        _wait(acc_works)  # after this step's compute: the transfer had that long
         if held:
-            _wait(acc_works)
             if s == 0:
                 acc = local if local is not None else tuple(
                     torch.zeros(t.shape, dtype=acc_dtype, device=q.device) for t in cur)
@@ -640,11 +639,9 @@ def _ring_backward(ring: _Ring, q, k, v, outs, lses, dout, dlse, buffers):
                 mine_final = acc
             else:
                 finished[o] = acc
-        pending.append((acc_works, acc))  # the list empties when it is waited for
         _wait(works)
         cur, acc = nxt, nxt_acc
-    for w, _ in pending:
-        _wait(w)
+    _wait(acc_works)
     # dK/dV home: from the last rank that needed a shard straight to its owner.
     ex = _Exchange(ring, stats)
     for o, grads in sorted(finished.items()):
