@@ -394,3 +394,23 @@ def test_world1_triton_backward_reads_the_global_out_and_lse(world1, interp):
     for what, r64, one, got in zip(("out", "dq", "dk", "dv", "dtable"), ref, single, ring):
         bound = 2 * max_err(one, r64) + FLOOR[torch.float32] * max(1.0, r64.abs().max().item())
         assert max_err(got, r64) <= bound, f"{what}: {max_err(got, r64):.3g} > {bound:.3g}"
+
+
+def test_benchmark_runs_on_the_cpu(tmp_path):
+    # benchmarks/context_parallel.py at a world of one (no torchrun: it makes its own gloo group)
+    # and tiny shapes: its rows exist and its counters are the ring's (zigzag at world 1: 2 chunks,
+    # 3 causal pairs; documents of ~64 tokens inside chunks of 256 at most, fewer pairs).
+    import json
+    from benchmarks import context_parallel as bench
+    assert not dist.is_initialized()
+    bench.main(["--device", "cpu", "--S", "512", "--heads", "2", "--dim", "16", "--block", "64",
+                "--doc-mean", "64", "--iters", "1", "--warmup", "0", "--layouts", "zigzag",
+                "--backend", "reference", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    ring = {(r["variant"], r["pass"]): r for r in rows if r["mode"] == "ring"}
+    assert set(ring) == {(v, p) for v in ("causal", "document") for p in ("fwd", "fwdbwd")}
+    assert ring[("causal", "fwd")]["pairs_computed"] == [3]
+    assert ring[("document", "fwd")]["pairs_computed"][0] <= 3
+    assert all(r["ms"] > 0 and r["fwd_bytes_sent"] == [0] for r in ring.values())
+    assert {r["mode"] for r in rows} == {"ring", "plain"}
+    assert not dist.is_initialized()
