@@ -244,8 +244,9 @@ class _Ring:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
 
-def _plan(grid, rank, world, layout, group) -> tuple[dict, list]:
-    per = _check_layout(layout)
+def _plan(grid, world: int, layout: str) -> tuple[dict, list]:
+    """(pairs, last): pairs[(r, o)] the (local q chunk, local kv chunk) pairs rank r computes
+    with shard o (those with a listed block); last[o] the last step shard o is needed at."""
     pairs = {}
     for r in range(world):
         for o in range(world):
@@ -385,7 +386,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, 
 
     L, S = q.shape[2], k.shape[2]
     cq, ck = L // per, S // per
-    pairs, last = _plan(grid, rank, world, layout, group)
+    pairs, last = _plan(grid, world, layout)
     ring = _Ring(group, rank, world, layout, per, cq, ck, pairs, last, {})
     mine = chunk_ids(rank, world, layout)
     qs = q.split(cq, 2)
