@@ -21,5 +21,6 @@ def __getattr__(name):
         return importlib.import_module(".distributed", __name__)
     raise AttributeError(f"module 'flexjit' has no attribute {name!r}")
 
+
 __all__ = ["flex_attention", "create_block_mask", "create_mask", "BlockMask", "and_masks", "or_masks",
            "noop_mask", "AuxRequest", "AuxOutput", "explain", "PagedAttention", "TraceError", "__version__"]
