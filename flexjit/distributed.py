@@ -227,6 +227,7 @@ class _Ring:
     calls: dict                   # (a, global kv chunk) -> Call template (tensors None)
     choice: object = None         # dispatch.Choice of the pairs
     buffers: tuple = ()
+    first: object = None          # a prepared Call (while preparing: the choice is made on it)
 
     @property
     def steps(self) -> int:
@@ -341,30 +342,32 @@ def _local_problem(q, k, v, block_mask, world, per, enable_gqa) -> str | None:
     return None
 
 
-def _raise(message: str):
-    kind, _, text = message.partition(": ")
-    raise {"TypeError": TypeError, "ValueError": ValueError}.get(kind, ValueError)(text)
-
-
 def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, backend, want_max,
              group, rank, world, layout, per) -> tuple[_Ring, bool]:
+    """The ring's plan and its pairs' calls, after the ranks compared notes (one small all_gather
+    on the CPU): every rank raises, or none does."""
+    error = None
     problem = _local_problem(q, k, v, block_mask, world, per, enable_gqa)
-    grid = None
-    if problem is None:
-        if score_mod is not None:
-            check_arity(score_mod, SCORE_MOD)
-        grid = _chunk_grid(block_mask, per * world)
-    shapes = [-1] * 8
-    if problem is None:
-        shapes = [*q.shape, k.shape[1], k.shape[2], v.shape[3], _DTYPES.index(q.dtype)]
-    grid_hash = hash(tuple(map(tuple, grid))) & (2 ** 62 - 1) if grid is not None else -1
-    needs_grad = problem is None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    # Which captured tensors need gradients is known once a pair is prepared, below; it is
-    # part of what the ranks compare through the pairs' programs being the same mods.
-    meta = [int(problem is not None), *shapes, per, grid_hash]
-    everyone = _gather(meta, q if isinstance(q, torch.Tensor) else None, group, world)
+    ring, needs_grad, meta = None, False, [-1] * 10
     if problem is not None:
-        _raise(problem)
+        error = _error(problem)
+    else:
+        try:
+            if score_mod is not None:
+                check_arity(score_mod, SCORE_MOD)
+            grid = _chunk_grid(block_mask, per * world)
+            ring = _build(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max,
+                          group, rank, world, layout, per, grid)
+            needs_grad = torch.is_grad_enabled() and (any(t.requires_grad for t in (q, k, v)) or
+                                                      any(b.requires_grad for b in ring.buffers))
+            grid_hash = hash(tuple(map(tuple, grid))) & (2 ** 62 - 1)  # its size: the layout
+            meta = [*q.shape, k.shape[1], k.shape[2], v.shape[3], _DTYPES.index(q.dtype), grid_hash,
+                    int(needs_grad)]
+        except Exception as e:  # a TraceError, a refused backend...: raised below, on every rank
+            error = e
+    everyone = _gather([int(error is not None), *meta], group, world)
+    if error is not None:
+        raise error
     bad = [r for r, m in enumerate(everyone) if m[0]]
     if bad:
         raise ValueError(f"rank(s) {bad} got invalid inputs (their own error says why); every rank "
@@ -379,11 +382,30 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, 
             raise ValueError(f"the ranks' shards differ in {name}: {seen} (rank order); every rank "
                              "must hold an equal shard (flexjit.distributed.shard cuts them)")
     if len({m[-2] for m in everyone}) > 1:
-        raise ValueError("the ranks use different layouts; pass the same layout on every rank")
-    if len({m[-1] for m in everyone}) > 1:
-        raise ValueError("the ranks' block masks differ; pass the same GLOBAL block_mask (made at "
-                         "the full lengths) on every rank")
+        raise ValueError("the ranks' block masks (or layouts) differ; pass the same GLOBAL block_mask "
+                         "(made at the full lengths) and layout on every rank")
+    if len({m[-1] for m in everyone}) > 1:  # every rank takes part in the backward, or none
+        raise ValueError(f"ranks {[r for r, m in enumerate(everyone) if m[-1]]} need gradients and the "
+                         "others do not; every rank must run the backward of the same call")
+    calls = list(ring.calls.values())
+    for call in [ring.first, *calls]:
+        call.grad = needs_grad
+    ring.choice = dispatch.select(backend, ring.first)
+    for key_, call in ring.calls.items():  # templates: the ring supplies the tensors
+        ring.calls[key_] = dataclasses.replace(call, q=None, k=None, v=None)
+    ring.first = None
+    return ring, needs_grad
 
+
+def _error(problem: str) -> Exception:
+    kind, _, text = problem.partition(": ")
+    return {"TypeError": TypeError, "ValueError": ValueError}.get(kind, ValueError)(text)
+
+
+def _build(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max, group, rank,
+           world, layout, per, grid) -> _Ring:
+    """The plan and one prepared Call per pair this rank computes (its tensors: placeholders of
+    the right shapes until the ring supplies them)."""
     L, S = q.shape[2], k.shape[2]
     cq, ck = L // per, S // per
     pairs, last = _plan(grid, world, layout)
@@ -396,46 +418,48 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, kernel_options, 
             gq, gk = mine[a], chunk_ids(o, world, layout)[c]
             sm = _at_offsets(score_mod, SCORE_MOD, gq * cq, gk * ck) if score_mod is not None else None
             bm = _sub_mask(block_mask, per * world, gq, gk) if block_mask is not None else None
-            call = api.prepare_call(qs[a], ks[0], vs[0], sm, bm, scale, enable_gqa, kernel_options,
-                                    max_scores=want_max)
-            ring.calls[(a, gk)] = call
+            ring.calls[(a, gk)] = api.prepare_call(qs[a], ks[0], vs[0], sm, bm, scale, enable_gqa,
+                                                   kernel_options, max_scores=want_max)
     first = next(iter(ring.calls.values()), None)
     if first is None:  # nothing is listed anywhere: one call for its buffers, checks and choice
         sm = _at_offsets(score_mod, SCORE_MOD, 0, 0) if score_mod is not None else None
         bm = _sub_mask(block_mask, per * world, mine[0], 0) if block_mask is not None else None
         first = api.prepare_call(qs[0], ks[0], vs[0], sm, bm, scale, enable_gqa, kernel_options,
                                  max_scores=want_max)
+    ring.first = first
     ring.buffers = first.program.buffers
     for call in ring.calls.values():  # every pair traced the same mods: the same captures
         if len(call.program.buffers) != len(ring.buffers) or \
                 any(a is not b for a, b in zip(call.program.buffers, ring.buffers)):
             raise ValueError("the mods captured different tensors for different chunks; a mod must "
                              "not depend on anything but its arguments and what it captures")
-    if torch.is_grad_enabled() and any(b.requires_grad for b in ring.buffers):
-        needs_grad = True
-    if world > 1:  # every rank must take part in the backward, or none
-        flags = _gather([int(needs_grad)], q, group, world)
-        if len({f[0] for f in flags}) > 1:
-            raise ValueError(f"ranks {[r for r, f in enumerate(flags) if f[0]]} need gradients and the "
-                             "others do not; every rank must run the backward of the same call")
-    for call in (first, *ring.calls.values()):
-        call.grad = needs_grad
-    ring.choice = dispatch.select(backend, first)
-    for key_, call in ring.calls.items():  # templates: the ring supplies the tensors
-        ring.calls[key_] = dataclasses.replace(call, q=None, k=None, v=None)
-    return ring, needs_grad
+    return ring
 
 
-def _gather(values: list[int], like, group, world) -> list[list[int]]:
-    """Every rank's ``values`` (small ints), in rank order."""
+_META_GROUPS: dict = {}
+
+
+def _meta_group(group):
+    """A gloo group over ``group``'s ranks for the ranks' notes: comparing them on the host
+    costs no device sync (an NCCL all_gather read back would drain the GPU queue every call).
+    Made on first use by the group's ranks only (``use_local_synchronization``)."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    key = group if group is not None else dist.group.WORLD
+    hit = _META_GROUPS.get(key)
+    if hit is None:
+        ranks = dist.get_process_group_ranks(key)
+        hit = _META_GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return hit
+
+
+def _gather(values: list[int], group, world) -> list[list[int]]:
+    """Every rank's ``values`` (small ints), in rank order, over the host."""
     if world == 1:
         return [list(values)]
-    device = like.device if like is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
-        else torch.device("cpu"))
-    t = torch.tensor(values, dtype=torch.int64, device=device)
+    t = torch.tensor(values, dtype=torch.int64)
     out = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(out, t, group=group)
+    dist.all_gather(out, t, group=_meta_group(group))
     return [o.tolist() for o in out]
 
 

@@ -167,6 +167,8 @@ def run_errors(rank: int, world: int, block: int) -> dict:
     other = bm if rank else flexjit.create_block_mask(mods.sliding_window(8), None, None, S, S,
                                                       device="cpu", BLOCK_SIZE=block)
     attempt("different_masks", lambda: cp.flex_attention(x, x, x, block_mask=other, backend="reference"))
+    layout = "zigzag" if rank else "contiguous"
+    attempt("different_layouts", lambda: cp.flex_attention(x, x, x, layout=layout, backend="reference"))
     full = torch.randn(B, 2, S, D, generator=torch.Generator().manual_seed(7))
     for layout in cp.LAYOUTS:
         back = cp.unshard(cp.shard(full, layout=layout), layout=layout)
@@ -288,7 +290,9 @@ def test_errors_that_need_several_ranks(fixture, request):
         else:
             assert f"rank(s) [{world - 1}]" in msg, msg
         kind, msg = err["different_masks"]
-        assert kind == "ValueError" and "block masks differ" in msg, (rank, kind, msg)
+        assert kind == "ValueError" and "block masks (or layouts) differ" in msg, (rank, kind, msg)
+        kind, msg = err["different_layouts"]
+        assert kind == "ValueError" and "block masks (or layouts) differ" in msg, (rank, kind, msg)
         for layout in cp.LAYOUTS:
             assert err[f"roundtrip_{layout}"] == (None, "True")
 
