@@ -8,9 +8,12 @@ FLOOR, the rule every kernel test follows; in float64 the ring must equal the si
 1e-9. The skip test reads the ring's counters (document vs causal). Errors for bad input are
 checked in the workers (those that need two ranks) and here, in one process with a world of 1.
 
-Shapes: S=512 in all, B=1, 2 query heads (4 over 2 for GQA), D=16: small enough for a few
-seconds per world, big enough that a zigzag layout over 2 ranks has 4 chunks of 128 (block
-128: partial, full and empty blocks) and over 4 ranks 8 chunks of 64 (block 64).
+Shapes: S=512 in all, B=1, 2 query heads (4 over 2 for GQA), D=16: big enough that a zigzag
+layout over 2 ranks has 4 chunks of 128 (block 128: partial, full and empty blocks) and over 4
+ranks 8 chunks of 64 (block 64), small enough that each case is about a second. The references
+(float64 oracle, single call) are computed once in the test process; each world's fixture took
+35-55 s of wall time on the shared 2-core machine (about 20 s of CPU), most of it the workers'
+imports and the reference backend's autograd; every test after it reads its results.
 """
 from __future__ import annotations
 
