@@ -126,7 +126,7 @@ def select(requested: str, call) -> Choice:
         return choice
     passed = []
     order = _preference(call.q.device)
-    if call.q.device.type == "cuda" and "triton" in order and _decodes(call):
+    if "triton" in order and _decodes(call):
         order = ("triton",) + tuple(n for n in order if n != "triton")
     for name in order:
         ok, reason = _supports(name, call)
@@ -202,5 +202,7 @@ def run(choice: Choice, call) -> tuple:
     if choice.backward is None:
         with torch.no_grad():
             return forward(choice.name, call)
+    if call.grad is None:  # grad mode is off inside the Function: backends must still know
+        call.grad = True     # (the Triton backend sends only gradient-free calls to decoding)
     res = _FlexAttention.apply(call, choice, call.q, call.k, call.v, *call.program.buffers)
     return res if len(res) == 3 else (*res, None)

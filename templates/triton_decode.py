@@ -20,9 +20,10 @@ Holes (filled by ``flexjit.backends.triton_render``, as for ``triton_fwd.py``):
 ``# {{CAPTURE_PARAMS}}``, ``# {{CAPTURE_ARGS}}``, ``# {{SCORE_MOD}}``, ``# {{MASK_MOD}}``,
 ``# {{DO_NOT_SPECIALIZE}}``.
 
-Contract with the host (``flexjit.backends.triton_decode``): every query row of a program lies in
-query block 0 of the block mask (L <= the mask's Q block, or no block mask), so one list row
+Contract with the host (``flexjit.backends.triton_decode``): the rows of a program lie in one
+query block of the block mask (QB = its Q block size; L without a block mask), so one list row
 serves the tile; GP > 1 only when the lists broadcast over heads (their head stride is 0).
+Axis 0 of the grid is (query block, row tile of MT, split).
 K and V are read only through the block lists' indices (a paged cache's lists point at physical
 pages), never by assuming the logical KV is contiguous.
 
@@ -39,8 +40,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 # Read once per program, no gain from Triton's 16-divisibility specialisation; a new value must
 # reuse the kernel (the split count changes with the batch). The renderer adds the captures'.
-LENGTH_ARGS = ["stride_nb", "stride_nh", "stride_ib", "stride_ih", "n_dense", "n_splits", "GP",
-               "G", "R"]
+LENGTH_ARGS = ["stride_nb", "stride_nh", "stride_nm", "stride_ib", "stride_ih", "stride_im",
+               "n_dense", "n_splits", "GP", "G", "QB", "MT"]
 DO_NOT_SPECIALIZE = LENGTH_ARGS + []  # {{DO_NOT_SPECIALIZE}}
 
 
@@ -122,8 +123,9 @@ def flex_decode(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX,  # int32 block lists; only query block 0 is read
-    stride_nb, stride_nh, stride_ib, stride_ih, stride_ij,  # 0 on broadcast dims
-    Hq, L, S, G, GP, R, n_dense, n_splits,  # G = Hq // Hkv; GP heads per program; R = GP · L rows
+    stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im, stride_ij,  # 0 if broadcast
+    Hq, L, S, G, GP, QB, MT, n_dense, n_splits,  # G = Hq // Hkv; GP heads per program; QB query
+                                                 # positions per query block, MT row tiles each
     sm_scale, qk_scale_log2,
     # {{CAPTURE_PARAMS}}
     E: tl.constexpr, EV: tl.constexpr, E_PAD: tl.constexpr, EV_PAD: tl.constexpr,
@@ -134,7 +136,8 @@ def flex_decode(
     OUTPUT_MAX: tl.constexpr, SPLIT: tl.constexpr,
 ):
     split = tl.program_id(0) % n_splits
-    tile_m = tl.program_id(0) // n_splits
+    q_blk = (tl.program_id(0) // n_splits) // MT
+    tile_m = (tl.program_id(0) // n_splits) % MT
     hp = tl.program_id(1)
     off_b = tl.program_id(2)
     h0 = hp * GP
@@ -143,9 +146,10 @@ def flex_decode(
     K += b64 * stride_kb + off_hkv.to(tl.int64) * stride_kh
     V += b64 * stride_vb + off_hkv.to(tl.int64) * stride_vh
 
+    q_lo = q_blk * QB
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (query position, head) rows
-    row_ok = rows < R
-    q_pos = rows // GP
+    row_ok = rows < GP * tl.minimum(QB, L - q_lo)
+    q_pos = q_lo + rows // GP
     heads = h0 + rows % GP
     offs_d = tl.arange(0, E_PAD)
     q_ptrs = (Q + b64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh
@@ -158,8 +162,8 @@ def flex_decode(
 
     # This split's share of the row's walk: partial tiles first, then full ones, as one list.
     if HAS_BLOCK_MASK:
-        num_off = off_b * stride_nb + h0 * stride_nh
-        idx_off = off_b * stride_ib + h0 * stride_ih
+        num_off = off_b * stride_nb + h0 * stride_nh + q_blk * stride_nm
+        idx_off = off_b * stride_ib + h0 * stride_ih + q_blk * stride_im
         n_part = 0
         n_full = 0
         if HAS_PARTIAL:

@@ -44,6 +44,8 @@ class DecodePlan:
     """How one decode call is cut up: ``GP`` query heads per program (Hq // Hkv, or 1), row
     tiles of BLOCK_M packed (position, head) rows, kv tiles of BLOCK_N, and the split count."""
     GP: int
+    QB: int  # query positions per query block (the block mask's; L without one)
+    q_blocks: int
     BLOCK_M: int
     BLOCK_N: int
     num_warps: int
@@ -55,7 +57,7 @@ class DecodePlan:
 
     def describe(self, B: int) -> str:
         return (f"split-KV decode kernel: {self.splits} split{'s' if self.splits != 1 else ''} × "
-                f"{B * self.head_programs * self.m_tiles} programs ({self.GP} query head"
+                f"{B * self.head_programs * self.q_blocks * self.m_tiles} programs ({self.GP} query head"
                 f"{'s' if self.GP != 1 else ''} packed per program, BLOCK_M={self.BLOCK_M}, "
                 f"BLOCK_N={self.BLOCK_N}), for {self.sms} SMs")
 
@@ -78,9 +80,7 @@ def routes(call) -> tuple[bool, str]:
         return False, "kernel_options FORCE_USE_FLEX_ATTENTION=True"
     bm = call.block_mask
     if bm is not None:
-        sq, skv = bm.BLOCK_SIZE
-        if L > sq:
-            return False, f"Q_LEN {L} spans several query blocks of the block mask ({sq})"
+        skv = bm.BLOCK_SIZE[1]
         if skv < 16:
             return False, f"kv block size {skv} < 16 (tl.dot's minimum tile)"
     return True, make_plan(call).describe(B)
@@ -157,7 +157,9 @@ def _make_plan(call, splits: int | None) -> DecodePlan:
     opts = call.kernel_options
     per_head_lists = bm is not None and bm.kv_num_blocks.shape[1] > 1
     GP = 1 if per_head_lists else G
-    rows = GP * L
+    QB = bm.BLOCK_SIZE[0] if bm is not None else L
+    q_blocks = -(-L // QB)
+    rows = GP * min(QB, L)  # rows of one query block's programs
     bmm = min(64, max(16, _next_pow2(rows)))
     sparse_kv = bm.BLOCK_SIZE[1] if bm is not None else None
     bn = _block_n(E, EV, sparse_kv, S)
@@ -176,10 +178,10 @@ def _make_plan(call, splits: int | None) -> DecodePlan:
         splits = int(os.environ["FLEXJIT_DECODE_SPLITS"])
     if splits is None:
         tokens = bm.mean_kv_tokens() if bm is not None else S
-        splits = choose_splits(B * head_programs * m_tiles, max(1, -(-int(tokens) // bn)), sms)
+        splits = choose_splits(B * head_programs * q_blocks * m_tiles, max(1, -(-int(tokens) // bn)), sms)
     if splits < 1:
         raise ValueError(f"the decode split count must be >= 1, got {splits}")
-    return DecodePlan(GP, bmm, bn, warps, stages, m_tiles, head_programs, int(splits), sms)
+    return DecodePlan(GP, QB, q_blocks, bmm, bn, warps, stages, m_tiles, head_programs, int(splits), sms)
 
 
 def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, bufs) -> tb.Launch:
@@ -189,11 +191,10 @@ def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, b
     Hkv, S, EV = k.shape[1], k.shape[2], v.shape[3]
     lists = tp.kv_lists
     la = lists.args(lse)
-    # _Lists.args: 4 list tensors, num's 3 strides (b, h, q-block), idx's 4 (b, h, q-block, kv)
-    num_sb, num_sh, idx_sb, idx_sh, idx_sj = la[4], la[5], la[7], la[8], la[10]
+    # _Lists.args: the 4 list tensors, num's 3 strides (b, h, q block), idx's 4 (b, h, q block, kv)
     args = [q, k, v, out, lse, maxs, *parts, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            *la[:4], num_sb, num_sh, idx_sb, idx_sh, idx_sj,
-            Hq, L, S, Hq // Hkv, dp.GP, dp.GP * L, tb.triton_cdiv(S, dp.BLOCK_N), dp.splits,
+            *la, Hq, L, S, Hq // Hkv, dp.GP, dp.QB, dp.m_tiles, tb.triton_cdiv(S, dp.BLOCK_N),
+            dp.splits,
             tp.scale, tp.scale * tb.LOG2E, *tb._capture_args(tp.program, bufs)]
     p = tp.program
     consts = dict(E=E, EV=EV, E_PAD=head_pad(E), EV_PAD=head_pad(EV), BLOCK_M=dp.BLOCK_M,
@@ -203,7 +204,7 @@ def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, b
                   HAS_SCORE_MOD=p.score is not None, EVEN_N=tb._even(S, dp.BLOCK_N, tp.sparse, 1),
                   DOT_PRECISION=tp.dot, FAST_MATH=tp.fast_math, NUM_STAGES=dp.num_stages,
                   OUTPUT_MAX=maxs is not None and maxs is not lse, SPLIT=dp.splits > 1)
-    grid = (dp.m_tiles * dp.splits, dp.head_programs, B)
+    grid = (dp.q_blocks * dp.m_tiles * dp.splits, dp.head_programs, B)
     return tb.Launch("decode", "flex_decode", grid, args, consts,
                      tb._options(dp.num_warps, dp.num_stages))
 
