@@ -327,3 +327,21 @@ def test_choose_splits(programs, tiles):
     assert s == 1 or tiles // s >= td.MIN_TILES_PER_SPLIT
     bigger = s + 1
     assert programs * bigger > slots or tiles // bigger < td.MIN_TILES_PER_SPLIT or bigger > td.MAX_SPLITS
+
+
+def test_benchmark_smoke(interp, tmp_path):
+    """benchmarks/decode.py end to end at CPU sizes: every flexjit and torch row is checked
+    against the fp64 reference (contiguous and paged) before it is timed."""
+    import json
+    from benchmarks import decode
+    out = tmp_path / "bench"
+    decode.main(["--out", str(out), "--device", "cpu", "--batch", "2", "--kv", "256",
+                 "--impls", "flexjit,torch-flex,fa4", "--variants", "causal,sliding_window"])
+    rows = json.loads((out / "results.json").read_text())
+    assert len(rows) == 3 * 2 * 2
+    for r in rows:
+        if r["impl"] == "fa4":
+            assert r["error"].startswith("skipped: needs a CUDA GPU"), r
+        else:
+            assert r["correct"] and r["ms"] > 0 and r["error"] is None, r
+    assert all("split-KV decode kernel" in r["note"] for r in rows if r["impl"] == "flexjit")
