@@ -47,9 +47,9 @@ def _mask(mask_mod, B, H, L, S):
 def _check(q, k, v, score_mod, mask_mod, bm, oracle_kv=None):
     """flex_attention (auto backend, no gradient) against the oracle: out, lse, max_scores;
     asserts the decode kernel ran."""
-    choice = flexjit.explain(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
-    assert choice.name == "triton" and "split-KV decode kernel" in choice.reason, str(choice)
-    with torch.no_grad():
+    with torch.no_grad():  # (learnable captured tensors require grad: inference is no_grad)
+        choice = flexjit.explain(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
+        assert choice.name == "triton" and "split-KV decode kernel" in choice.reason, str(choice)
         out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True,
                                   return_aux=flexjit.AuxRequest(lse=True, max_scores=True))
     ko, vo = oracle_kv or (k, v)
