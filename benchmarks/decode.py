@@ -65,6 +65,10 @@ def parse_args(argv=None):
     p.add_argument("--d", type=int, default=None, help="default 128 (cpu: 32)")
     p.add_argument("--window", type=int, default=None, help="sliding window, default 4096 (cpu: 192)")
     p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--flexjit-modes", default="",
+                   help="extra flexjit rows, ';'-separated, each comma-separated key=value: "
+                        "splits=N (FLEXJIT_DECODE_SPLITS) or a kernel_options key (BLOCK_N, "
+                        "num_warps, num_stages), e.g. 'splits=8;BLOCK_N=128,num_stages=4'")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--paged", default="0,1", help="0 (contiguous), 1 (paged) or both")
     p.add_argument("--budget-s", type=float, default=240.0, help="start no row after this (0: no limit)")
@@ -89,6 +93,9 @@ def parse_args(argv=None):
     for x in a.impls:
         if x not in IMPLS:
             raise SystemExit(f"unknown impl {x}; known: {IMPLS}")
+    for mode in filter(None, a.flexjit_modes.split(";")):
+        parse_mode(mode)
+        a.impls.append(f"flexjit[{mode}]")
     for x in a.variants:
         if x not in VARIANTS:
             raise SystemExit(f"unknown variant {x}; known: {VARIANTS}")
@@ -199,8 +206,23 @@ def paged_lists(case: Case, variant: str, lib):
 # ---- implementations --------------------------------------------------------------------------
 
 
-def setup_flexjit(case: Case, variant: str, paged: bool):
+def parse_mode(mode: str) -> tuple[int | None, dict]:
+    """(splits or None, kernel_options) of a --flexjit-modes entry."""
+    splits, opts = None, {}
+    for item in mode.split(","):
+        key, _, value = item.partition("=")
+        if not value:
+            raise SystemExit(f"--flexjit-modes entry {item!r} is not key=value")
+        if key == "splits":
+            splits = int(value)
+        else:
+            opts[key] = int(value)
+    return splits, opts
+
+
+def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = ""):
     import flexjit
+    splits, opts = parse_mode(mode) if mode else (None, None)
     k, v = case.flex_kv(paged)
     if paged:
         bm = paged_lists(case, variant, flexjit)
@@ -209,8 +231,29 @@ def setup_flexjit(case: Case, variant: str, paged: bool):
                                        case.S, device=case.args.device)
     backend = "triton" if case.args.device.type == "cpu" else "auto"
     q = case.q
-    note = str(flexjit.explain(q, k, v, block_mask=bm, enable_gqa=True, backend=backend)).splitlines()[0]
-    return (lambda: flexjit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, backend=backend)), note
+
+    def call():
+        saved = os.environ.get("FLEXJIT_DECODE_SPLITS")
+        if splits is not None:
+            os.environ["FLEXJIT_DECODE_SPLITS"] = str(splits)
+        try:
+            return flexjit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
+                                          kernel_options=opts)
+        finally:
+            if splits is not None:
+                if saved is None:
+                    os.environ.pop("FLEXJIT_DECODE_SPLITS")
+                else:
+                    os.environ["FLEXJIT_DECODE_SPLITS"] = saved
+    if splits is not None:
+        os.environ["FLEXJIT_DECODE_SPLITS"] = str(splits)
+    try:
+        note = str(flexjit.explain(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
+                                   kernel_options=opts)).splitlines()[0]
+    finally:
+        if splits is not None:
+            os.environ.pop("FLEXJIT_DECODE_SPLITS", None)
+    return call, note
 
 
 def setup_torch_flex(case: Case, variant: str, paged: bool):
@@ -372,7 +415,10 @@ def run_row(args, case: Case, impl: str, variant: str, paged: bool) -> dict:
                correct=None, note="", error=None)
     nbytes = case.B * args.hkv * keys_read(variant, case.S, args.window) * 2 * args.d * case.q.element_size()
     try:
-        fn, row["note"] = SETUP[impl](case, variant, paged)
+        if impl.startswith("flexjit["):
+            fn, row["note"] = setup_flexjit(case, variant, paged, impl[len("flexjit["):-1])
+        else:
+            fn, row["note"] = SETUP[impl](case, variant, paged)
         out = fn()
         row["correct"], row["err"], row["bound"] = reference_check(case, variant, out)
         if not row["correct"]:

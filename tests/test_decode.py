@@ -15,6 +15,7 @@ Sizes: D = 32, KV_LEN <= 400 and 32-key mask blocks keep each interpreted case t
 seconds while giving 7-13 kv tiles, so several splits each get a partial and a full tile.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -315,19 +316,18 @@ def test_explain_shows_splits(interp):
 
 
 @pytest.mark.parametrize("programs,tiles", [(8, 64), (64, 512), (512, 512), (8, 4), (100, 1000),
-                                            (1, 100000)])
+                                            (1, 100000), (4096, 2048)])
 def test_choose_splits(programs, tiles):
-    """One wave of the SMs' slots at most, at least 1, no split under MIN_TILES_PER_SPLIT tiles
-    unless there is only one split, and no fewer splits than fill the slots allow."""
+    """The fewest splits that give WAVES programs per assumed slot, unless the splits would get
+    shorter than MIN_TILES_PER_SPLIT tiles (or exceed MAX_SPLITS); at least 1."""
     sms = 132
-    slots = sms * td.CTAS_PER_SM
+    target = td.WAVES * sms * td.CTAS_PER_SM
     s = td.choose_splits(programs, tiles, sms)
     assert 1 <= s <= td.MAX_SPLITS
-    assert s == 1 or programs * s <= slots
     assert s == 1 or tiles // s >= td.MIN_TILES_PER_SPLIT
-    bigger = s + 1
-    assert programs * bigger > slots or tiles // bigger < td.MIN_TILES_PER_SPLIT or bigger > td.MAX_SPLITS
-
+    assert s == 1 or programs * (s - 1) < target  # no more than needed
+    assert (programs * s >= target or tiles // (s + 1) < td.MIN_TILES_PER_SPLIT
+            or s == td.MAX_SPLITS)  # no fewer than allowed
 
 def test_benchmark_smoke(interp, tmp_path):
     """benchmarks/decode.py end to end at CPU sizes: every flexjit and torch row is checked
@@ -336,12 +336,34 @@ def test_benchmark_smoke(interp, tmp_path):
     from benchmarks import decode
     out = tmp_path / "bench"
     decode.main(["--out", str(out), "--device", "cpu", "--batch", "2", "--kv", "256",
-                 "--impls", "flexjit,torch-flex,fa4", "--variants", "causal,sliding_window"])
+                 "--impls", "flexjit,torch-flex,fa4", "--variants", "causal,sliding_window",
+                 "--flexjit-modes", "splits=3,BLOCK_N=32"])
     rows = json.loads((out / "results.json").read_text())
-    assert len(rows) == 3 * 2 * 2
+    assert len(rows) == 4 * 2 * 2
     for r in rows:
         if r["impl"] == "fa4":
             assert r["error"].startswith("skipped: needs a CUDA GPU"), r
         else:
             assert r["correct"] and r["ms"] > 0 and r["error"] is None, r
-    assert all("split-KV decode kernel" in r["note"] for r in rows if r["impl"] == "flexjit")
+    assert all("split-KV decode kernel" in r["note"] for r in rows if r["impl"].startswith("flexjit"))
+    assert all("3 splits" in r["note"] and "BLOCK_N=32" in r["note"] for r in rows
+               if r["impl"] == "flexjit[splits=3,BLOCK_N=32]")
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_compiles_for_gpus(arch):
+    """The rendered decode and merge kernels build for sm_80 and sm_90 without a GPU (the
+    interpreter accepts code the compiler would not), with tensor-core MMAs for q·kᵀ and p·v;
+    a softcap score_mod over a causal block mask, GQA 4:1, bf16, D=128 (the benchmark's shape)."""
+    B, Hq, Hkv, L, S = 8, 32, 8, 1, 32768
+    q = torch.empty(B, Hq, L, 128, dtype=torch.bfloat16)
+    k = torch.empty(B, Hkv, S, 128, dtype=torch.bfloat16)
+    score_mod, mask_mod = _decode_mods("softcap", B, Hq, L, S)
+    bm = create_block_mask(mask_mod, None, None, L, S, device="cpu")
+    call = prepare_call(q, k, k, score_mod, bm, None, True, None, max_scores=True)
+    launches = td.launches_for(call, arch)
+    assert [l.kernel for l in launches] == ["flex_decode", "flex_decode_merge"]
+    for launch in launches:
+        ptx = tb.compile_launch(tb.make_plan(call, arch=arch, interpret=False), launch, arch).asm["ptx"]
+        if launch.kernel == "flex_decode":
+            assert re.search(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16", ptx) or "wgmma" in ptx

@@ -32,8 +32,11 @@ from . import triton as tb
 from .triton_config import _next_pow2, head_pad
 
 MAX_Q_LEN = 128  # torch's flex decoding takes Q_LEN < 128; past it the prefill grid is wide enough
-CTAS_PER_SM = 2  # programs resident per SM the split count plans for (2 × 3 stages of 64-key tiles fit)
-MIN_TILES_PER_SPLIT = 2  # a split shorter than this pays more in pipeline fill than it saves
+CTAS_PER_SM = 2  # programs resident per SM the split count plans for (3 stages of 64-key tiles: 70 KB)
+WAVES = 4  # programs per resident slot the split count aims at: equal-length programs leave a
+           # partly idle last wave; with 4 waves it is at most a quarter of the time, whatever the
+           # true residency, and the partial results cost < 1% of the K/V bytes at KV >= 4k
+MIN_TILES_PER_SPLIT = 4  # a shorter split pays more in pipeline fill than it saves
 MAX_SPLITS = 256
 DEFAULT_SMS = 132  # the SM count assumed off the GPU (interpreter, explain on the CPU): an H100/H200
 _MERGE_ROWS = 16
@@ -102,11 +105,11 @@ def _sm_count(index: int) -> int:
 
 
 def choose_splits(programs: int, kv_tiles: int, sms: int) -> int:
-    """Splits per row for ``programs`` programs per split walking ``kv_tiles`` tiles each: enough
-    to fill ``sms × CTAS_PER_SM`` slots in one wave (the floor, so that a wave is never just
-    overfull: equal-length programs finish together), no split shorter than
-    ``MIN_TILES_PER_SPLIT`` tiles."""
-    want = max(1, (sms * CTAS_PER_SM) // max(1, programs))
+    """Splits per row for ``programs`` programs per split walking ``kv_tiles`` tiles each: the
+    fewest that give ``WAVES × sms × CTAS_PER_SM`` programs, no split shorter than
+    ``MIN_TILES_PER_SPLIT`` tiles, at most ``MAX_SPLITS``."""
+    target = WAVES * sms * CTAS_PER_SM
+    want = -(-target // max(1, programs))
     return max(1, min(want, kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
@@ -242,3 +245,22 @@ def forward(call, splits: int | None = None):
         tb._run(tp, merge_launch(dp, parts, out, lse, maxs, EV))
     tb.STATS["decode_launch"] = tb.STATS.get("decode_launch", 0) + 1
     return out, lse, maxs
+
+
+def launches_for(call, arch: int, splits: int | None = None) -> list[tb.Launch]:
+    """The decode call's launches (main kernel, and the merge when it splits), planned for
+    ``sm_<arch>`` with meta tensors for the data (compile-only: ``triton.compile_launch``)."""
+    tp = tb.make_plan(call, arch=arch, interpret=False)
+    dp = make_plan(call, splits)
+    q, k, v = (t.to("meta") for t in (call.q, call.k, call.v))
+    B, Hq, L, _ = q.shape
+    EV = v.shape[3]
+    bufs = [t.detach().to("meta") for t in call.program.buffers]
+    out = torch.empty(B, Hq, L, EV, dtype=q.dtype, device="meta")
+    lse = torch.empty(B, Hq, L, dtype=torch.float32, device="meta")
+    maxs = torch.empty_like(lse) if call.max_scores else None
+    rows = B * Hq * L
+    parts = (torch.empty(rows, dp.splits, EV, device="meta"), torch.empty(rows, dp.splits, device="meta"),
+             torch.empty(rows, dp.splits, device="meta"))
+    main = decode_launch(tp, dp, q, k, v, out, lse, maxs if maxs is not None else lse, parts, bufs)
+    return [main] + ([merge_launch(dp, parts, out, lse, maxs, EV)] if dp.splits > 1 else [])
