@@ -165,13 +165,14 @@ class Case:
         return self._paged
 
     def flex_kv(self, paged: bool):
-        """k, v as flex_attention takes them: [B, Hkv, S, D], or the pool as one batch-1
-        sequence [1, Hkv, n_pages·PAGE, D] (a strided view, no copy)."""
+        """k, v as flex_attention takes them: [B, Hkv, S, D], or the pool as one sequence
+        [1, Hkv, n_pages·PAGE, D] expanded over the batch (strided views, no copy)."""
         if not paged:
             return self.k, self.v
         kp, vp, _, _ = self.paged()
         P = kp.shape[0] * PAGE
-        return (kp.view(1, P, *kp.shape[2:]).transpose(1, 2), vp.view(1, P, *vp.shape[2:]).transpose(1, 2))
+        return tuple(t.view(1, P, *t.shape[2:]).transpose(1, 2).expand(self.B, -1, -1, -1)
+                     for t in (kp, vp))
 
 
 def paged_lists(case: Case, variant: str, lib):
