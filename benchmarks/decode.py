@@ -34,6 +34,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 import traceback
@@ -56,7 +57,8 @@ def parse_sizes(text: str) -> list[int]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", default=None,
+                   help="default benchmarks/results/<date>-decode (on the device: $OUT/...)")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu (smoke sizes)")
     p.add_argument("--batch", default=None, help="default 1,8,64 (cpu: 1,2)")
     p.add_argument("--kv", default=None, help="KV lengths, default 4k,32k,128k (cpu: 256,512)")
@@ -80,6 +82,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     a.device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    a.out = a.out or str(Path(__file__).parent / "results" / f"{datetime.date.today().isoformat()}-decode")
     cpu = a.device.type == "cpu"
     a.batch = parse_sizes(a.batch) if a.batch else ([1, 2] if cpu else [1, 8, 64])
     a.kv = parse_sizes(a.kv) if a.kv else ([256, 512] if cpu else [4096, 32768, 131072])
@@ -420,6 +423,8 @@ def run_row(args, case: Case, impl: str, variant: str, paged: bool) -> dict:
             fn, row["note"] = setup_flexjit(case, variant, paged, impl[len("flexjit["):-1])
         else:
             fn, row["note"] = SETUP[impl](case, variant, paged)
+        found = re.search(r"(\d+) splits? ", row["note"])
+        row["splits"] = int(found.group(1)) if found else None
         out = fn()
         row["correct"], row["err"], row["bound"] = reference_check(case, variant, out)
         if not row["correct"]:
