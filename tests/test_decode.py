@@ -137,9 +137,11 @@ def test_core_mods(interp, name, splits):
     check(q, k, v, score_mod, mask_mod, _mask(mask_mod, s["B"], s["Hq"], s["L"], s["S"]), splits)
 
 
-@pytest.mark.parametrize("Hq,Hkv,L", [(4, 4, 1), (4, 1, 1), (8, 2, 16), (2, 2, 40)])
+@pytest.mark.parametrize("Hq,Hkv,L", [(4, 4, 1), (4, 1, 1), (8, 2, 16), (2, 2, 40), (8, 2, 40)])
 def test_gqa_and_query_lengths(interp, Hq, Hkv, L):
-    """1:1 and 4:1 at Q_LEN 1, and several row tiles (4·16 = 64 packed rows, 40 rows of one head)."""
+    """1:1 and 4:1 at Q_LEN 1; 4·16 = 64 packed rows; Q_LEN 40 over two 32-row query blocks, with
+    one head a program (one row tile each) and with 4 packed (4·32 = 128 rows: BLOCK_M 128,
+    then 4·8 rows in the second query block)."""
     S = 257  # one key past 8 blocks: the last tile holds a single valid key
     q, k, v = _qkv(2, Hq, Hkv, L, S, 32, torch.float32, seed=2)
     score_mod, mask_mod = _decode_mods("alibi", 2, Hq, L, S)

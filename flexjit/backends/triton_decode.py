@@ -163,7 +163,9 @@ def _make_plan(call, splits: int | None) -> DecodePlan:
     QB = bm.BLOCK_SIZE[0] if bm is not None else L
     q_blocks = -(-L // QB)
     rows = GP * min(QB, L)  # rows of one query block's programs
-    bmm = min(64, max(16, _next_pow2(rows)))
+    # Up to 128 rows a tile: every row tile reads the group's whole K/V once, so at Q_LEN ~100
+    # with 4 heads packed, 64-row tiles would read it 7 times where the prefill kernel reads it 4.
+    bmm = min(128, max(16, _next_pow2(rows)))
     sparse_kv = bm.BLOCK_SIZE[1] if bm is not None else None
     bn = _block_n(E, EV, sparse_kv, S)
     ubn = _opt(opts, ("fwd_BLOCK_N", "BLOCK_N"), 0)
@@ -172,7 +174,7 @@ def _make_plan(call, splits: int | None) -> DecodePlan:
             raise ValueError(f"kernel_options BLOCK_N = {ubn}: the decode kernel needs a power of "
                              f"two >= 16 that divides the kv block size {sparse_kv}")
         bn = ubn
-    warps = _opt(opts, ("fwd_num_warps", "num_warps"), 4)
+    warps = _opt(opts, ("fwd_num_warps", "num_warps"), 8 if bmm == 128 else 4)
     stages = _opt(opts, ("fwd_num_stages", "num_stages"), 3 if head_pad(max(E, EV)) <= 128 else 2)
     m_tiles = -(-rows // bmm)
     head_programs = Hq // GP
