@@ -71,7 +71,17 @@ def _forced_off(opts: dict) -> bool:
 
 
 def routes(call) -> tuple[bool, str]:
-    """(True, what runs) if the call goes to the decode kernel, else (False, why not)."""
+    """(True, what runs) if the call goes to the decode kernel, else (False, why not). Asked by
+    dispatch, ``triton.supports`` and ``triton.forward``: answered once per call (kept on it)."""
+    hit = call.__dict__.get("_decode_route")
+    if hit is not None and hit[0] == call.needs_grad:
+        return hit[1]
+    answer = _routes(call)
+    call.__dict__["_decode_route"] = (call.needs_grad, answer)
+    return answer
+
+
+def _routes(call) -> tuple[bool, str]:
     B, Hq, Hkv, L, S, E, EV = call.shape
     if call.needs_grad:
         return False, "gradients are needed (the decode kernel has no backward)"
