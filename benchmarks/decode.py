@@ -14,10 +14,12 @@ sliding_window) ÷ time.
 |            | page_table (paged), causal / window_size, num_splits=0 (its own split heuristic)  |
 | torch-flex | torch.compile(flex_attention) (torch's flex decoding kernel at small Q_LEN)       |
 
-Paged: the KV of every sequence sits in 128-token pages at shuffled places of one pool; the
-block mask's kv lists hold the physical pages and the mask_mod maps a physical key back to its
-logical position (what torch's PagedAttention.convert_logical_block_mask / get_mask_mod build,
-and flexjit.PagedAttention), FA4 gets the page table itself.
+Paged: the KV of every sequence sits in 128-token pages of one pool, handed out by
+flexjit.PagedAttention in round-robin rounds (so entries interleave; shuffled at random where
+flexjit has no PagedAttention). flexjit's rows use PagedAttention.convert_logical_block_mask;
+torch's get the same lists built here (every logical block replaced by its physical page, a
+mask_mod mapping a physical key back to its logical position, as torch's PagedAttention does);
+FA4 gets the page table itself.
 
 Default grid (issue #16): batch 1, 8, 64 × KV 4k, 32k, 128k × Hq=32, Hkv=8, D=128, bf16, both
 variants, contiguous and paged, the cases of the speed target (batch >= 8, KV >= 32k) first. A
@@ -143,6 +145,7 @@ class Case:
         self.k = torch.randn(B, S, args.hkv, args.d, device=dev, dtype=dt, generator=g).transpose(1, 2)
         self.v = torch.randn(B, S, args.hkv, args.d, device=dev, dtype=dt, generator=g).transpose(1, 2)
         self._paged = None
+        self.pa = None
 
     def paged(self):
         """(k_pool, v_pool [n_pages, PAGE, Hkv, D], page_table [B, S/PAGE] int32,
@@ -151,8 +154,12 @@ class Case:
             B, S, dev = self.B, self.S, self.args.device
             n = S // PAGE
             spare = 4  # pages no sequence owns: garbage a kernel must not read
-            g = torch.Generator().manual_seed(self.args.seed + 1)
-            perm = torch.randperm(B * n + spare, generator=g)[:B * n].view(B, n).to(dev)
+            self.pa = _page_pool(B, n, spare, dev)
+            if self.pa is not None:  # the pages flexjit.PagedAttention handed out
+                perm = self.pa.page_table[:, :n].to(dev)
+            else:
+                g = torch.Generator().manual_seed(self.args.seed + 1)
+                perm = torch.randperm(B * n + spare, generator=g)[:B * n].view(B, n).to(dev)
             shape = (B * n + spare, PAGE, self.args.hkv, self.args.d)
             # Unowned pages hold NaN on the GPU, where every kernel skips unlisted blocks; torch's
             # eager flex_attention (the CPU smoke baseline) computes every score and multiplies
@@ -176,6 +183,21 @@ class Case:
         P = kp.shape[0] * PAGE
         return tuple(t.view(1, P, *t.shape[2:]).transpose(1, 2).expand(self.B, -1, -1, -1)
                      for t in (kp, vp))
+
+
+def _page_pool(B: int, n: int, spare: int, device):
+    """A flexjit.PagedAttention whose entries got their n pages in 16 round-robin rounds (so
+    they interleave in the pool, as a server's do), or None where flexjit has none."""
+    try:
+        from flexjit import PagedAttention
+    except ImportError:
+        return None
+    pa = PagedAttention(B * n + spare, PAGE, B, device=device)
+    rounds = min(16, n)
+    for r in range(1, rounds + 1):
+        for b in range(B):
+            pa.reserve(b, (n * r // rounds) * PAGE)
+    return pa
 
 
 def paged_lists(case: Case, variant: str, lib):
@@ -228,7 +250,12 @@ def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = ""):
     import flexjit
     splits, opts = parse_mode(mode) if mode else (None, None)
     k, v = case.flex_kv(paged)
-    if paged:
+    if paged and case.pa is not None:  # the user's path: flexjit.PagedAttention's conversion
+        logical = flexjit.create_block_mask(base_mask(variant, case.S, case.args.window), None, None,
+                                            1, case.S, device=case.args.device, BLOCK_SIZE=PAGE)
+        rows = torch.arange(case.B, device=case.args.device)  # expands the batch-1 mask to B
+        bm = case.pa.convert_logical_block_mask(logical, batch_idx=rows)
+    elif paged:
         bm = paged_lists(case, variant, flexjit)
     else:
         bm = flexjit.create_block_mask(base_mask(variant, case.S, case.args.window), None, None, 1,
