@@ -62,9 +62,10 @@ case $batch in
     run 330 tests/test_training_gpu.py
     ;;
   decode)
-    # The split-KV decode kernel (issue #16): ~40 Triton compiles, two processes side by side.
-    run_as decode-1 280 tests/test_decode_gpu.py -k "core_mods" &
-    run_as decode-2 280 tests/test_decode_gpu.py -k "not core_mods" &
+    # The split-KV decode kernel (issue #16): ~45 Triton compiles, three processes side by side.
+    run_as decode-1 280 tests/test_decode_gpu.py -k "core_mods and L1" &
+    run_as decode-2 280 tests/test_decode_gpu.py -k "core_mods and L16" &
+    run_as decode-3 280 tests/test_decode_gpu.py -k "not core_mods" &
     wait
     ;;
   *)

@@ -65,7 +65,7 @@ def _check(q, k, v, score_mod, mask_mod, bm, oracle_kv=None):
     return out
 
 
-@pytest.mark.parametrize("L", [1, 16])
+@pytest.mark.parametrize("L", [1, 16], ids=["L1", "L16"])
 @pytest.mark.parametrize("name", CORE)
 def test_core_mods(name, L):
     B, Hq, Hkv, S = 2, 8, 2, 4133
