@@ -6,12 +6,13 @@
 #   bash tests/gpu.sh cute $OUT      # every sm90 forward and backward test (cute-fwd, cute-bwd: half)
 #   bash tests/gpu.sh triton $OUT    # the Triton backend's GPU tests
 #   bash tests/gpu.sh training $OUT  # autocast, torch.compile, CUDA graphs, fp32, transformers
+#   bash tests/gpu.sh decode $OUT    # the split-KV decode kernel
 #
 # Each pytest run gets a wall-clock limit (a hung kernel fails the batch instead of the call)
 # and writes its log to $OUT/<batch>-<n>.txt; a summary line per run is printed.
 set -u
-batch=${1:?usage: gpu.sh new|cute|cute-fwd|cute-bwd|triton|training OUT_DIR}
-out=${2:?usage: gpu.sh new|cute|triton|training OUT_DIR}
+batch=${1:?usage: gpu.sh new|cute|cute-fwd|cute-bwd|triton|training|decode OUT_DIR}
+out=${2:?usage: gpu.sh new|cute|cute-fwd|cute-bwd|triton|training|decode OUT_DIR}
 mkdir -p "$out"
 n=0
 run() {  # run LIMIT_S pytest-args...   (one after another)
@@ -59,6 +60,13 @@ case $batch in
     ;;
   training)
     run 330 tests/test_training_gpu.py
+    ;;
+  decode)
+    # The split-KV decode kernel (issue #16): ~45 Triton compiles, three processes side by side.
+    run_as decode-1 280 tests/test_decode_gpu.py -k "core_mods and not L16" &
+    run_as decode-2 280 tests/test_decode_gpu.py -k "core_mods and L16" &
+    run_as decode-3 280 tests/test_decode_gpu.py -k "not core_mods" &
+    wait
     ;;
   *)
     echo "unknown batch $batch" >&2

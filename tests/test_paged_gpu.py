@@ -60,7 +60,8 @@ def test_decode_triton(pool128, name):
 
 @pytest.mark.skipif(not HOPPER, reason="the sm90 backend needs Hopper")
 def test_default_backend_on_hopper_is_cute(pool128):
-    """The paged call runs on the sm90 kernel, not a fallback."""
+    """The paged call runs on the sm90 kernel when it trains, not a fallback; without gradients
+    this decode-shaped call (Q_LEN 16) runs the split-KV decode kernel (Triton) instead."""
     import flexjit
     from test_paged import _logical_mods
     sc = pool128
@@ -70,4 +71,6 @@ def test_default_backend_on_hopper_is_cute(pool128):
     logical = flexjit.create_block_mask(causal, sc.B, None, 16, sc.S, device="cuda")
     bm = sc.pa.convert_logical_block_mask(logical, kv_len=sc.kv_len())
     choice = flexjit.explain(q, sc.k_cache, sc.v_cache, block_mask=bm, enable_gqa=True)
+    assert choice.name == "triton" and "split-KV decode kernel" in choice.reason, str(choice)
+    choice = flexjit.explain(q.requires_grad_(), sc.k_cache, sc.v_cache, block_mask=bm, enable_gqa=True)
     assert choice.name == "cute", str(choice)

@@ -17,7 +17,8 @@ What this module holds
   retries with fewer stages when Triton's shared memory outgrows the estimate.
   ``FLEXJIT_POISON=1`` NaN-fills outputs (tests).
 * ``forward``/``backward`` for ``flexjit.dispatch`` (the backward needs only out and lse, so
-  it also follows the CuTeDSL forward).
+  it also follows the CuTeDSL forward). ``forward`` sends decode-shaped calls without gradients
+  to ``triton_decode`` (split-KV decoding).
 * Compile-only builds (``launches_for`` + ``compile_launch``): the exact launches a training
   step makes, built for any sm_XX without a GPU, specialised as Triton's launcher would.
 * The backend interface ``supports`` / ``backward_supports``.
@@ -474,7 +475,9 @@ def supports(call) -> tuple[bool, str]:
     for slot, t in enumerate(call.program.buffers):
         if t.numel() == 0:
             return False, f"captured tensor #{slot} is empty"
-    return True, where
+    from . import triton_decode
+    decode, why = triton_decode.routes(call)
+    return True, f"{where}; {why}" if decode else where
 
 
 def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> Plan:
@@ -502,6 +505,9 @@ def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> P
 def forward(call):
     """(out, lse, max_scores or None) of the Triton forward for a validated call (no autograd:
     ``dispatch`` pairs it with a backward)."""
+    from . import triton_decode
+    if triton_decode.routes(call)[0]:  # few query rows, long KV, no gradient: split-KV decoding
+        return triton_decode.forward(call)
     bufs = [t.to(call.q.device) for t in call.program.buffers]
     return _forward(make_plan(call), call.q, call.k, call.v, bufs, call.max_scores)
 
