@@ -11,10 +11,13 @@
 #    issue #13) and tests/gpu.sh cute (every sm90 test at the default rescale threshold 0); then,
 #    alone on the GPU, the 192 head dims' fwd+bwd beside FA4 and flexjit-triton.
 # 2: the forward tests that timed out in stage 1 beside the table-gradient probe (issue #14).
+# (3 was a single command: benchmarks.fwd_error_profile --seeds 4.)
+# 4: this session's new code's GPU tests (paged, decode, distributed, grad accuracy) beside the
+#    forward-error profile over 32 seeds.
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
-stage=${1:?usage: gpu_plan.sh 1|2 OUT_DIR}
-out=${2:?usage: gpu_plan.sh 1|2 OUT_DIR}
+stage=${1:?usage: gpu_plan.sh 1|2|4 OUT_DIR}
+out=${2:?usage: gpu_plan.sh 1|2|4 OUT_DIR}
 work=/tmp/gpu_plan_$stage
 rm -rf "$work" && mkdir -p "$work"
 export PYTHONUNBUFFERED=1
@@ -46,6 +49,21 @@ case $stage in
       --out "$work/grad_probe" >"$work/grad_probe.txt" 2>&1 &
     wait
     grep -v '^{' "$work/grad_probe.txt" | tail -10
+    ;;
+  4)
+    # This session's new code on the GPU for the first time (tests/gpu.sh new: grad accuracy,
+    # paged, decode, distributed at world 1), beside the forward-error profile over 32 seeds
+    # (is cute's r_sum centred on 0, with torch's spread?).
+    bash tests/gpu.sh new "$work/tests" &
+    timeout 250 python3 -m benchmarks.fwd_error_profile --seeds 32 --cases two_tables \
+      >"$work/fwd_profile32.txt" 2>&1 &
+    wait
+    grep '^{' "$work/fwd_profile32.txt" | python3 -c "
+import sys, json
+for l in sys.stdin:
+    d = json.loads(l)
+    print(d['impl'], 'r_rms %.4g' % d['r_rms'], 'r_sum mean %.3f std %.3f (expected std %.3f)' % (
+        d['r_sum'], d['r_sum_std'], d['r_rms'] * d['rows'] ** 0.5))"
     ;;
   *)
     echo "unknown stage $stage" >&2

@@ -27,16 +27,16 @@ run_as() {  # run_as NAME LIMIT_S pytest-args...   (NAME: the log's name; may ru
 }
 case $batch in
   new)
-    # The newest code's GPU tests; point it at the next change before its first GPU run. Now
-    # (after the sixth session's last call): gradient accuracy against torch's compiled
-    # Flex-Triton (issue #14, written after the device time was spent; the measurements it
-    # encodes are in benchmarks/results/2026-12-01-gpu-s6-*), then the whole cute batch (the
-    # default rescale threshold became 0; only core mods and max_scores ran with it).
+    # The newest code's GPU tests, side by side; point it at the next change before its first
+    # GPU run. Now (seventh session): gradient accuracy with additive tables judged centred
+    # (issue #14), paged KV (#16), the split-KV decode kernel (#16, three processes), context
+    # parallelism at world size 1 on NCCL (#17).
     run_as new-1 300 tests/test_grad_accuracy_gpu.py &
-    # Issue #13: the sm90 backward's 64-key tile for 192 and (192, 128) (branch bwd192; compiled
-    # spill-free on the CPU, never run): correctness, the ragged last mask block, determinism,
-    # the API path without a Triton hand-off, captured-tensor gradients at 192.
-    run_as new-2 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
+    run_as new-2 280 tests/test_paged_gpu.py &
+    run_as new-3 280 tests/test_distributed_gpu.py &
+    run_as decode-1 280 tests/test_decode_gpu.py -k "core_mods and not L16" &
+    run_as decode-2 280 tests/test_decode_gpu.py -k "core_mods and L16" &
+    run_as decode-3 280 tests/test_decode_gpu.py -k "not core_mods" &
     wait
     ;;
   cute|cute-fwd|cute-bwd)
