@@ -76,7 +76,8 @@ class PagedAttention:
                              f"block mask, whose sizes are multiples of 16), got {page_size}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        # Resolved as tensors report it ("cuda" -> cuda:0), so device checks compare equal.
+        self.device = torch.empty(0, device=device).device
         self.n_pages = n_pages
         self.page_size = page_size
         self.max_batch_size = max_batch_size
