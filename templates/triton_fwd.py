@@ -90,23 +90,29 @@ def _score_tile(qk, off_b, off_h, q_idx, kv_idx, S, sm_scale, qk_scale_log2,
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+def _attend(acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
             idx_ptr, stride_idx, n_listed, off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
             # {{CAPTURE_PARAMS}}
             E: tl.constexpr, EV: tl.constexpr, E_PAD: tl.constexpr, EV_PAD: tl.constexpr,
             BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
             APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Online softmax over the key tiles of one block list; returns the updated (acc, l, m)."""
+            DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
+            USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """Online softmax over the key tiles of one block list; returns the updated (acc, l, m).
+    USE_TMA: K and V tiles come through the (rows, dim) tensor descriptors KD/VD at row
+    ``kv_row0 + start_n`` (one TMA copy each) instead of pointer loads."""
     offs_d = tl.arange(0, E_PAD)
     offs_dv = tl.arange(0, EV_PAD)
     n_iter = _n_tiles(n_listed, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
-    for it in tl.range(0, n_iter, num_stages=NUM_STAGES):
+    for it in tl.range(0, n_iter, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
         start_n = _tile_start(it, idx_ptr, stride_idx, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        k = _load_tile(k_ptrs, offs_n, offs_d, S, E, EVEN_N, E == E_PAD)
+        if USE_TMA:
+            k = KD.load([kv_row0 + start_n, 0])
+        else:
+            k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+            v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+            k = _load_tile(k_ptrs, offs_n, offs_d, S, E, EVEN_N, E == E_PAD)
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         s2 = _score_tile(qk, off_b, off_h, offs_m[:, None], offs_n[None, :], S, sm_scale,
                          qk_scale_log2,
@@ -118,7 +124,10 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
         alpha = tl.math.exp2(m_i - m_base)
         p = tl.math.exp2(s2 - m_base[:, None])
         l_i = l_i * alpha + _sum(p, 1, False)
-        v = _load_tile(v_ptrs, offs_n, offs_dv, S, EV, EVEN_N, EV == EV_PAD)
+        if USE_TMA:
+            v = VD.load([kv_row0 + start_n, 0])
+        else:
+            v = _load_tile(v_ptrs, offs_n, offs_dv, S, EV, EVEN_N, EV == EV_PAD)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
@@ -129,6 +138,8 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
 def flex_fwd(
     Q, K, V, O, LSE, MAXS,  # q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, EV), o like q/v,
                             # lse and (with OUTPUT_MAX) the row max of the modded scores (B, Hq, L)
+    QD, KD, VD,  # USE_TMA: tensor descriptors of q, k, v viewed as (rows, dim) (contiguous inputs:
+                 # row (b·H + h)·len + i), blocks (BLOCK_M, E_PAD) / (BLOCK_N, *); else q, k, v, unread
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -144,7 +155,8 @@ def flex_fwd(
     HAS_BLOCK_MASK: tl.constexpr, HAS_PARTIAL: tl.constexpr, HAS_FULL: tl.constexpr,
     HAS_MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    NUM_STAGES: tl.constexpr, OUTPUT_MAX: tl.constexpr,
+    NUM_STAGES: tl.constexpr, OUTPUT_MAX: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-first under causal-like masks
     off_h = tl.program_id(1)
@@ -158,8 +170,12 @@ def flex_fwd(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, E_PAD)
-    q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    q = _load_tile(q_ptrs, offs_m, offs_d, L, E, EVEN_M, E == E_PAD)
+    kv_row0 = (off_b * (Hq // G) + off_hkv) * S  # K/V's first row in the descriptors' view
+    if USE_TMA:
+        q = QD.load([(off_b * Hq + off_h) * L + pid_m * BLOCK_M, 0])
+    else:
+        q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        q = _load_tile(q_ptrs, offs_m, offs_d, L, E, EVEN_M, E == E_PAD)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -171,27 +187,27 @@ def flex_fwd(
         idx_off = off_b * stride_ib + off_h * stride_ih + row * stride_im
         if HAS_PARTIAL:
             acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
                 KV_IDX + idx_off, stride_ij, tl.load(KV_NUM + num_off), off_b, off_h, offs_m, S,
                 sm_scale, qk_scale_log2,
                 # {{CAPTURE_ARGS}}
                 E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, HAS_MASK_MOD, EVEN_N,
-                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC)
         if HAS_FULL:
             acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
                 FULL_IDX + idx_off, stride_ij, tl.load(FULL_NUM + num_off), off_b, off_h, offs_m,
                 S, sm_scale, qk_scale_log2,
                 # {{CAPTURE_ARGS}}
                 E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, False, EVEN_N,
-                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC)
     else:
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+            acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
             KV_IDX, 0, n_dense, off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
             # {{CAPTURE_ARGS}}
             E, EV, E_PAD, EV_PAD, BLOCK_N, BLOCK_N, False, False, EVEN_N,
-            HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+            HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC)
 
     empty = l_i == 0.0  # nothing kept in the row: out = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)

@@ -180,6 +180,29 @@ def _options(num_warps: int, num_stages: int) -> dict:
     return dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True)
 
 
+def _tma_ok(tensors, even: bool) -> bool:
+    """Whether tensor descriptors over (rows, dim) views can serve these tensors: contiguous (the
+    kernels address row (b·H + h)·len + i), 16-byte aligned, an unpadded power-of-two head dim
+    (the box is the padded dim), and ``even`` lengths (no tile reaches past its head's rows, so
+    the descriptors' missing per-head bounds are never needed). Otherwise: pointer loads."""
+    if not even:
+        return False
+    for t in tensors:
+        d = t.shape[-1]
+        if t.numel() == 0 or not t.is_contiguous() or d != head_pad(d) or (d * t.element_size()) % 16:
+            return False
+        if t.device.type != "meta" and t.data_ptr() % 16:
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A host-side TMA descriptor of contiguous ``t`` viewed as (numel / dim, dim), block (rows, dim)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    d = t.shape[-1]
+    return TensorDescriptor(t, [t.numel() // d, d], [d, 1], [rows, d])
+
+
 def fwd_launch(plan: Plan, q, k, v, out, lse, bufs, max_scores=None) -> Launch:
     """``max_scores``: a (B, Hq, L) fp32 tensor for the row max of the modded scores, or None."""
     B, Hq, L, E = q.shape
@@ -187,14 +210,19 @@ def fwd_launch(plan: Plan, q, k, v, out, lse, bufs, max_scores=None) -> Launch:
     c = plan.fwd
     lists = plan.kv_lists
     maxs = max_scores if max_scores is not None else lse  # unread unless OUTPUT_MAX
-    args = [q, k, v, out, lse, maxs, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+    even_m, even_n = L % c.BLOCK_M == 0, _even(S, c.BLOCK_N, plan.sparse, 1)
+    tma = c.use_tma and _tma_ok((q, k, v), even_m and even_n)
+    descs = [_descriptor(q, c.BLOCK_M), _descriptor(k, c.BLOCK_N), _descriptor(v, c.BLOCK_N)] \
+        if tma else [q, k, v]
+    args = [q, k, v, out, lse, maxs, *descs, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *lists.args(lse), Hq, L, S, Hq // Hkv, triton_cdiv(S, c.BLOCK_N),
             plan.scale, plan.scale * LOG2E, *_capture_args(plan.program, bufs)]
     consts = _common_constexprs(plan, E, EV)
     consts.update(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, HAS_PARTIAL=lists.num is not None,
-                  HAS_FULL=lists.full_num is not None, EVEN_M=L % c.BLOCK_M == 0,
-                  EVEN_N=_even(S, c.BLOCK_N, plan.sparse, 1), DOT_PRECISION=plan.dot,
-                  NUM_STAGES=c.num_stages, OUTPUT_MAX=max_scores is not None)
+                  HAS_FULL=lists.full_num is not None, EVEN_M=even_m,
+                  EVEN_N=even_n, DOT_PRECISION=plan.dot,
+                  NUM_STAGES=c.num_stages, OUTPUT_MAX=max_scores is not None,
+                  USE_TMA=tma, WARP_SPEC=c.warp_specialize)
     return Launch("fwd", "flex_fwd", (triton_cdiv(L, c.BLOCK_M), Hq, B), args, consts,
                   _options(c.num_warps, c.num_stages))
 
@@ -321,7 +349,13 @@ def bwd_launch(plan: Plan, c: BwdConfig, q, k, v, dout, lse2, delta, dq, dk, dv,
     q_lists = _q_lists(plan) if plan.sparse is not None else _Lists(None, None, None, None)
     n_kv, n_q, G = triton_cdiv(S, c.BLOCK_N1), triton_cdiv(L, c.BLOCK_M2), Hq // Hkv
     kv_args, q_args = kv_lists.args(delta), q_lists.args(delta)
-    args = [q, k, v, dout, lse2, delta, dq, dk, dv, *q.stride(), *k.stride(), *v.stride(),
+    even_m = _even(L, max(c.BLOCK_M1, c.BLOCK_M2), plan.sparse, 0)
+    even_n = _even(S, max(c.BLOCK_N1, c.BLOCK_N2), plan.sparse, 1)
+    tma = c.use_tma and _tma_ok((q, k, v, dout), even_m and even_n)
+    # Descriptors for the streamed tiles only: Q/dO walked by the dK/dV role, K/V by the dQ role.
+    descs = [_descriptor(q, c.BLOCK_M1), _descriptor(k, c.BLOCK_N2), _descriptor(v, c.BLOCK_N2),
+             _descriptor(dout, c.BLOCK_M1)] if tma else [q, k, v, dout]
+    args = [q, k, v, dout, lse2, delta, dq, dk, dv, *descs, *q.stride(), *k.stride(), *v.stride(),
             *dout.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
             *kv_args[:4], *q_args[:4], *kv_args[4:], *q_args[4:],
             Hq, L, S, G, n_kv, n_q, triton_cdiv(L, c.BLOCK_M1), triton_cdiv(S, c.BLOCK_N2),
@@ -329,10 +363,9 @@ def bwd_launch(plan: Plan, c: BwdConfig, q, k, v, dout, lse2, delta, dq, dk, dv,
     consts = _common_constexprs(plan, E, EV)
     consts.update(BLOCK_M1=c.BLOCK_M1, BLOCK_N1=c.BLOCK_N1, BLOCK_M2=c.BLOCK_M2, BLOCK_N2=c.BLOCK_N2,
                   HAS_PARTIAL=kv_lists.num is not None, HAS_FULL=kv_lists.full_num is not None,
-                  ACC_GRADS=bool(grads),
-                  EVEN_M=_even(L, max(c.BLOCK_M1, c.BLOCK_M2), plan.sparse, 0),
-                  EVEN_N=_even(S, max(c.BLOCK_N1, c.BLOCK_N2), plan.sparse, 1),
-                  DOT_PRECISION=plan.dot, NUM_STAGES=c.num_stages)
+                  ACC_GRADS=bool(grads), EVEN_M=even_m, EVEN_N=even_n,
+                  DOT_PRECISION=plan.dot, NUM_STAGES=c.num_stages,
+                  USE_TMA=tma, WARP_SPEC=c.warp_specialize)
     return Launch("bwd", "flex_bwd", (n_kv + n_q * G, Hkv, B), args, consts,
                   _options(c.num_warps, c.num_stages))
 
@@ -342,7 +375,8 @@ def _backward(plan: Plan, q, k, v, out, lse, dout, dlse, bufs):
     B, Hq, L, E = q.shape
     S, EV = k.shape[2], v.shape[3]
     c = bwd_config(plan.arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options,
-                   captured_grads=bool(grad_slots(plan.program)), tf32=plan.tf32)
+                   captured_grads=bool(grad_slots(plan.program)), tf32=plan.tf32,
+                   interpret=plan.interpret)
     delta = _out((B, Hq, L), torch.float32, q.device)
     lse2 = _out((B, Hq, L), torch.float32, q.device)
     if dlse is not None:
@@ -377,6 +411,8 @@ _SIG_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp3
 
 
 def _sig_type(value) -> str:
+    if type(value).__name__ == "TensorDescriptor":
+        return f"tensordesc<{_SIG_TYPES[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, torch.Tensor):
         return "*" + _SIG_TYPES[value.dtype]
     if isinstance(value, bool):
@@ -495,7 +531,8 @@ def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> P
     fast = bool(opts.get("FAST_MATH", True)) and not interp
     short = bm is not None and bm.mean_kv_tokens() <= SHORT_KV_LOOP
     dot = _dot_precision(q.dtype, interp)
-    cfg = fwd_config(arch, q.dtype, E, EV, L, S, sparse, opts, short_kv_loop=short, tf32=dot == "tf32")
+    cfg = fwd_config(arch, q.dtype, E, EV, L, S, sparse, opts, short_kv_loop=short, tf32=dot == "tf32",
+                     interpret=interp)
     return Plan(call.program, call.scale, kv, None, bm, sparse, cfg, opts, arch, interp, fast, dot)
 
 
