@@ -20,6 +20,15 @@ Expect about 4 minutes on a fresh H200: 96 cold compiles of 1.5-2 s each (S=8k r
 binaries: the lengths are unspecialised arguments) and 192 short timings. The loop runs variant by
 variant, so a sweep the budget cuts is finished by a second call with `--variants` the rest.
 
+`--grid tma` (issue #13's Triton target, >= 1.1x torch's compiled Flex-Triton): the default
+against `TMA_FWD_GRID` / `TMA_BWD_GRID` (USE_TMA tensor descriptors, WARP_SPECIALIZE, with a few
+tiles and stage counts around them; the fwdbwd entries set both passes). `--torch` times torch's
+compiled Flex-Triton on each case beside them (its compile is the slow part: ~10-20 s per
+variant, pass and length on a fresh machine), and the report gives default x torch and
+best x torch per case. The one-call run for the lead (about 5 minutes; `--budget-s` guards it):
+
+    python3 -m benchmarks.tune_triton --grid tma --torch --out $OUT/tma --budget-s 270
+
 DIR/tune_triton.json (meta and every row) is rewritten after each measurement; at the end
 DIR/tune_triton.md holds, per pass, each case's best config beside the default and each config's
 geometric-mean speedup over the default across cases (the tables are per arch and head dim, not
@@ -46,6 +55,7 @@ import flexjit
 from flexjit.api import prepare_call
 from flexjit.backends import triton as fj_triton
 
+from .impls import make as make_impl
 from .impls import plan_mask
 from .reference import check, mask_density
 from .run import (FATAL_CUDA, Refs, call_once, environment, for_pass, make_inputs, make_step, parse_list,
@@ -64,9 +74,21 @@ FWD_GRID = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)
 BWD_GRID = [(32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3),
             (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 8, 2),
             (32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 4, 2)]
+# --grid tma (issue #13's Triton target): TMA tensor descriptors and warp specialisation
+# against the current default at its tiles, plus torch Flex-Triton's sm90 forward tile (128x64,
+# 8 warps, 3 stages) and deeper pipelines, which TMA's cheaper loads may now afford. The
+# fwdbwd entries set both passes (unprefixed keys), so the row is the end-to-end choice.
+TMA_FWD_GRID = [{"USE_TMA": 1}, {"USE_TMA": 1, "num_stages": 4}, {"USE_TMA": 1, "num_stages": 2},
+                {"USE_TMA": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+                {"WARP_SPECIALIZE": 1}, {"USE_TMA": 1, "WARP_SPECIALIZE": 1}]
+TMA_BWD_GRID = [{"USE_TMA": 1}, {"USE_TMA": 1, "bwd_num_stages": 2},
+                {"bwd_USE_TMA": 1, "fwd_USE_TMA": 0},
+                {"USE_TMA": 1, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32},
+                {"USE_TMA": 1, "WARP_SPECIALIZE": 1}]
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 BWD_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
 BWD_BLOCKS = BWD_KEYS[:4]
+TORCH_LABEL = "torch-flex-triton"
 
 
 def parse_args(argv=None):
@@ -79,6 +101,12 @@ def parse_args(argv=None):
                    help="start no measurement after this many seconds (0: no limit)")
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up (default 10)")
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time (default 40)")
+    p.add_argument("--grid", choices=("blocks", "tma"), default="blocks",
+                   help="blocks: FWD_GRID/BWD_GRID (tile sweep); tma: TMA_FWD_GRID/TMA_BWD_GRID "
+                        "(descriptors and warp specialisation against the default)")
+    p.add_argument("--torch", action="store_true",
+                   help="also time torch's compiled Flex-Triton (the same mods) per case, the "
+                        "issue #13 baseline: the report gives each config's ratio to it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU only: build everything at a tiny shape, print the plan, launch nothing")
@@ -98,8 +126,10 @@ def parse_args(argv=None):
 # ---- configurations ----------------------------------------------------------------------------
 
 
-def grid_options(pass_: str) -> list[dict]:
+def grid_options(pass_: str, grid: str = "blocks") -> list[dict]:
     """The grid as kernel_options dicts, for the forward or (fwdbwd) the backward."""
+    if grid == "tma":
+        return [dict(o) for o in (TMA_FWD_GRID if pass_ == "fwd" else TMA_BWD_GRID)]
     keys, grid = (FWD_KEYS, FWD_GRID) if pass_ == "fwd" else (BWD_KEYS, BWD_GRID)
     return [dict(zip(keys, entry)) for entry in grid]
 
@@ -109,24 +139,35 @@ def resolved(q, k, v, variant, block_mask, pass_: str, opts: dict, arch: int) ->
     (meta tensors, nothing compiled), so a grid entry the planner refits or rejects shows here."""
     call = prepare_call(q, k, v, variant.score_mod, block_mask, None, False, opts)
     name = "flex_fwd" if pass_ == "fwd" else "flex_bwd"
-    launch = next(x for x in fj_triton.launches_for(call, arch) if x.kernel == name)
+    launches = {x.kernel: x for x in fj_triton.launches_for(call, arch)}
+    launch = launches[name]
     blocks = FWD_KEYS[:2] if pass_ == "fwd" else BWD_BLOCKS
     cfg = {b: launch.constexprs[b] for b in blocks}
-    return {**cfg, "num_warps": launch.options["num_warps"], "num_stages": launch.options["num_stages"]}
+    cfg = {**cfg, "num_warps": launch.options["num_warps"], "num_stages": launch.options["num_stages"],
+           "tma": launch.constexprs["USE_TMA"], "ws": launch.constexprs["WARP_SPEC"]}
+    if pass_ == "fwdbwd":  # the forward it runs with: the row times both
+        cfg["fwd_tma"] = launches["flex_fwd"].constexprs["USE_TMA"]
+        cfg["fwd_ws"] = launches["flex_fwd"].constexprs["WARP_SPEC"]
+    return cfg
 
 
 def label(cfg: dict) -> str:
-    """'128x128 w8 s3' (forward) or '32/128/128/32 w8 s3' (backward)."""
+    """'128x128 w8 s3' (forward) or '32/128/128/32 w8 s3' (backward), then ' tma' / ' ws' where
+    the kernel loads by tensor descriptors / is warp-specialised (fwdbwd: ' fwd:tma' etc. for
+    its forward)."""
     blocks = "x".join(str(cfg[b]) for b in FWD_KEYS[:2]) if "BLOCK_M" in cfg \
         else "/".join(str(cfg[b]) for b in BWD_BLOCKS)
-    return f"{blocks} w{cfg['num_warps']} s{cfg['num_stages']}"
+    flags = "".join(f" {n}" for n in ("tma", "ws") if cfg.get(n))
+    flags += "".join(f" fwd:{n}" for n in ("tma", "ws") if cfg.get("fwd_" + n))
+    return f"{blocks} w{cfg['num_warps']} s{cfg['num_stages']}{flags}"
 
 
-def candidates(q, k, v, variant, block_mask, pass_: str, arch: int) -> list[tuple[dict, dict, bool]]:
+def candidates(q, k, v, variant, block_mask, pass_: str, arch: int,
+               grid: str = "blocks") -> list[tuple[dict, dict, bool]]:
     """(kernel_options, resolved config, is the default) per measurement: the default first, then
     the grid without entries that resolve to a config already listed."""
     out, seen = [], set()
-    for opts in [{}] + grid_options(pass_):
+    for opts in [{}] + grid_options(pass_, grid):
         try:
             cfg = resolved(q, k, v, variant, block_mask, pass_, opts, arch)
         except Exception as e:  # e.g. kernel_options the planner refuses (a block not dividing the mask's)
@@ -226,7 +267,10 @@ class Sweep:
         for pass_ in args.passes:
             flops = attention_flops(case, density, pass_)
             pass_sets = for_pass(sets, pass_)
-            for opts, cfg, is_default in candidates(q, k, v, variant, block_mask, pass_, self.arch):
+            if args.torch:
+                self.measure_torch(base, pass_, variant, built, pass_sets, refs, flops, density)
+            for opts, cfg, is_default in candidates(q, k, v, variant, block_mask, pass_, self.arch,
+                                                    args.grid):
                 name = label(cfg) if "error" not in cfg else " ".join(f"{n}={x}" for n, x in opts.items())
                 row = {**base, "pass": pass_, "label": name,
                        "options": opts, "config": cfg, "default": is_default, "density": density,
@@ -243,6 +287,22 @@ class Sweep:
         del sets, refs
         if dev.type == "cuda" and not self.fatal:
             torch.cuda.empty_cache()
+
+    def measure_torch(self, base, pass_, variant, case, pass_sets, refs, flops, density) -> None:
+        """torch's compiled Flex-Triton on the same case and inputs (its own block mask), checked
+        and timed like a config; the markdown's baseline column."""
+        row = {**base, "pass": pass_, "label": TORCH_LABEL, "options": None, "config": {},
+               "default": False, "baseline": True, "density": density, "flops": flops}
+        reason = self.reason_not_to_run()
+        if reason or self.args.dry_run:
+            self.record({**row, "error": reason or "dry run: not launched"})
+            return
+        try:
+            fn = make_impl("torch-flex-triton").setup(variant, case, self.args.device)
+        except Exception as e:
+            self.record({**row, "error": f"setup: {type(e).__name__}: {e}"[:600]})
+            return
+        self.record({**row, **measure(fn, pass_sets, pass_, case, refs, self.args)})
 
     def setup(self, vname: str, case: Case):
         """The variant, flexjit's block mask, the mask's exact density and the rotating inputs."""
@@ -283,33 +343,46 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "(no kernel_options).", ""]
     for pass_ in dict.fromkeys(r["pass"] for r in rows):
         prow = [r for r in rows if r["pass"] == pass_]
-        what = "forward" if pass_ == "fwd" else "forward + backward (forward at its default, backward varied)"
+        what = "forward" if pass_ == "fwd" else \
+            "forward + backward (blocks grid: forward at its default, backward varied; tma grid: both)"
         lines += [f"## {pass_}: {what}", "",
-                  "| variant | S | default | TFLOP/s | best | TFLOP/s | x default |", "|---|---|---|---|---|---|---|"]
+                  "| variant | S | default | TFLOP/s | best | TFLOP/s | x default | torch Flex-Triton "
+                  "| default x torch | best x torch |", "|---|---|---|---|---|---|---|---|---|---|"]
         cases = defaultdict(list)
         for r in prow:
             cases[(r["variant"], r["S"])].append(r)
         speedups = defaultdict(dict)  # label -> {case: tflops / default tflops}
+        vs_torch = defaultdict(dict)  # label -> {case: tflops / torch Flex-Triton's}
         for (vname, S), rs in cases.items():
+            torch_row = next((r for r in rs if r.get("baseline")), None)
+            rs = [r for r in rs if not r.get("baseline")]
             ok = [r for r in rs if r["tflops"]]
             dflt = next((r for r in rs if r.get("default")), None)
             best = max(ok, key=lambda r: r["tflops"], default=None)
             d_tf = dflt["tflops"] if dflt else None
+            t_tf = torch_row["tflops"] if torch_row else None
             ratio = f"{best['tflops'] / d_tf:.3f}" if best and d_tf else "-"
-            lines.append(f"| {vname} | {S} | {_cell(dflt)} | {_cell(best)} | {ratio} |")
+            d_t = f"{d_tf / t_tf:.3f}" if d_tf and t_tf else "-"
+            b_t = f"{best['tflops'] / t_tf:.3f}" if best and t_tf else "-"
+            t_cell = f"{t_tf:.0f}" if t_tf else (torch_row["error"][:40] if torch_row else "-")
+            lines.append(f"| {vname} | {S} | {_cell(dflt)} | {_cell(best)} | {ratio} | {t_cell} | {d_t} | {b_t} |")
             for r in ok:
                 if d_tf:
                     speedups[r["label"]][(vname, S)] = r["tflops"] / d_tf
+                if t_tf:
+                    vs_torch[r["label"]][(vname, S)] = r["tflops"] / t_tf
         tried = defaultdict(lambda: [0, 0])  # label -> [measured, failed]
         for r in prow:
             if r["label"] and not (r["error"] or "").startswith(("skipped", "dry run")):
                 tried[r["label"]][0 if r["tflops"] else 1] += 1
-        lines += ["", "| config | geomean x default | worst | best | cases | failed |", "|---|---|---|---|---|---|"]
+        lines += ["", "| config | geomean x default | worst | best | cases | failed | worst x torch |",
+                  "|---|---|---|---|---|---|---|"]
         by_geo = sorted(speedups.items(), key=lambda kv: -_geomean(kv[1].values()))
         for lab, per_case in by_geo:
             xs = list(per_case.values())
+            wt = f"{min(vs_torch[lab].values()):.3f}" if vs_torch.get(lab) else "-"
             lines.append(f"| {lab} | {_geomean(xs):.3f} | {min(xs):.3f} | {max(xs):.3f} | {len(xs)} | "
-                         f"{tried[lab][1]} |")
+                         f"{tried[lab][1]} | {wt} |")
         for lab, (n_ok, n_bad) in tried.items():
             if lab not in speedups:
                 lines.append(f"| {lab} | - | - | - | {n_ok} | {n_bad} |")

@@ -136,6 +136,69 @@ def test_core_mods_fp16(interp, name):
     check(case, **SHAPE, dtype=torch.float16, block_size=32, seed=2, oracle=oracle)
 
 
+def _record_tma(monkeypatch) -> dict:
+    """kernel name -> the USE_TMA each launch of it ran with (spies on the backend's launcher)."""
+    seen = {}
+    run = tb._run
+
+    def spy(plan, launch):
+        seen.setdefault(launch.kernel, []).append(launch.constexprs.get("USE_TMA"))
+        return run(plan, launch)
+    monkeypatch.setattr(tb, "_run", spy)
+    return seen
+
+
+# Tensor descriptors (USE_TMA) under the interpreter, which runs host-side descriptors on the
+# CPU: GQA (2 query heads per kv head) and two batches put tiles at many (b, h) row offsets of
+# the (rows, dim) views, so a wrong offset reads another head. 128 = 4 mask blocks of 32, the
+# lengths the descriptors need (even); D = 32 (64-byte rows, 16-byte aligned).
+TMA_SHAPE = dict(B=2, Hq=4, Hkv=2, L=128, S=128, E=32, Ev=32)
+
+
+@pytest.mark.parametrize("name", ["full", "causal", "document", "softcap_alibi_window", "learnable_alibi"])
+def test_tma_descriptor_path(interp, monkeypatch, name):
+    seen = _record_tma(monkeypatch)
+    case, oracle = case_and_oracle(name, TMA_SHAPE["B"], TMA_SHAPE["Hq"], TMA_SHAPE["L"], TMA_SHAPE["S"],
+                                   seed=11)
+    check(case, **TMA_SHAPE, dtype=torch.bfloat16, block_size=32, seed=11, oracle=oracle,
+          kernel_options={"USE_TMA": True, "WARP_SPECIALIZE": True})
+    assert seen["flex_fwd"] == [True] and seen["flex_bwd"] == [True], seen
+
+
+def test_tma_falls_back_to_pointers_where_descriptors_cannot_serve(interp, monkeypatch):
+    # Ragged lengths (a tile would reach into the next head's rows) and non-contiguous inputs
+    # run the pointer path under USE_TMA, with the same numerics; per pass options too.
+    seen = _record_tma(monkeypatch)
+    torch.manual_seed(12)
+    case = make_case("causal_or_global", 2, 2, 77, 53)
+    check(case, B=2, Hq=2, Hkv=2, L=77, S=53, E=32, Ev=32, dtype=torch.bfloat16, block_size=32,
+          seed=12, kernel_options={"USE_TMA": True})
+    B, H, L, D = 1, 2, 64, 32
+    q = torch.randn(B, L, H, D).transpose(1, 2).to(torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16).requires_grad_(True) for _ in "kv")
+    check(make_case("alibi", B, H, L, L), B=B, Hq=H, Hkv=H, L=L, S=L, E=D, Ev=D,
+          dtype=torch.bfloat16, block_size=32, qkv=(q, k, v),
+          kernel_options={"fwd_USE_TMA": True, "bwd_USE_TMA": True})
+    assert seen["flex_fwd"] == [False, False] and seen["flex_bwd"] == [False, False], seen
+
+
+def test_tma_options_are_checked_and_need_sm90():
+    on = {"USE_TMA": True, "WARP_SPECIALIZE": True}
+    args = (torch.bfloat16, 128, 128, 2048, 2048, (128, 128))
+    c90 = tb.fwd_config(90, *args, on)
+    assert (c90.use_tma, c90.warp_specialize) == (True, True)
+    assert not tb.fwd_config(90, *args, {}).use_tma  # off by default (until the sweep says)
+    c80 = tb.fwd_config(80, *args, on)
+    assert (c80.use_tma, c80.warp_specialize) == (False, False)  # no TMA before Hopper
+    b90 = tb.bwd_config(90, *args, {"bwd_USE_TMA": True, "fwd_USE_TMA": False})
+    assert b90.use_tma and not tb.fwd_config(90, *args, {"bwd_USE_TMA": True, "fwd_USE_TMA": False}).use_tma
+    with pytest.raises(TypeError, match="USE_TMA"):
+        tb.fwd_config(90, *args, {"USE_TMA": "yes"})
+    q = torch.randn(1, 1, 16, 16)
+    with pytest.raises(ValueError, match="unknown kernel_options"):
+        flex_attention(q, q, q, kernel_options={"USE_TMAX": True}, backend="reference")
+
+
 def test_captured_gradient_sums_without_fp32_rounding(interp):
     # relative_bias under a causal mask: table entry 0 (kv - q <= -16) takes one atomic per score,
     # ~29k per head here (~500k at L = 1024). Summed in fp32, each add rounds a running sum of
@@ -544,6 +607,31 @@ def test_max_scores_forward_compiles_for_sm90():
     assert launch.constexprs["OUTPUT_MAX"]
     ptx = tb.compile_launch(tb.make_plan(call, arch=90, interpret=False), launch, 90).asm["ptx"]
     assert "wgmma" in ptx and ptx.count("st.global") > plain.count("st.global")
+
+
+@pytest.mark.parametrize("name", ["causal", "softcap"])
+def test_tma_kernels_lower_to_bulk_tensor_copies_on_sm90(name):
+    # USE_TMA as the H200 builds it (D = 128, the benchmark's 128-blocks): K/V (forward) and
+    # the streamed Q/dO, K/V tiles (backward) become cp.async.bulk.tensor copies and the
+    # pointer path's cp.async disappears; the default build keeps cp.async and no bulk copy.
+    # Warp specialisation is not compiled here: triton 3.9's Hopper pass fails on the forward
+    # (3.6 builds it unchanged); the GPU sweep records both.
+    torch.manual_seed(0)
+    N = 1024
+    case = make_case(name, 1, 2, N, N)
+    bm = _block_mask(case.mask_mod, 1, 2, N, N, 128)
+    q = torch.randn(1, 2, N, 128, dtype=torch.bfloat16)
+    for opts, tma in (({"USE_TMA": True}, True), ({}, False)):
+        call = prepare_call(q, q, q, case.score_mod, bm, None, True, opts)
+        plan = tb.make_plan(call, arch=90, interpret=False)
+        for launch in tb.launches_for(call, 90):
+            if launch.kernel == "flex_bwd_preprocess":
+                continue
+            assert launch.constexprs["USE_TMA"] is tma
+            ptx = tb.compile_launch(plan, launch, 90).asm["ptx"]
+            assert ("cp.async.bulk.tensor" in ptx) is tma, (launch.kernel, opts)
+            assert ("cp.async.cg" in ptx) is not tma, (launch.kernel, opts)
+            assert "wgmma" in ptx
 
 
 def test_fp16_and_fp32_compile():
