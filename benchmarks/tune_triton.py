@@ -78,13 +78,20 @@ BWD_GRID = [(32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64,
 # against the current default at its tiles, plus torch Flex-Triton's sm90 forward tile (128x64,
 # 8 warps, 3 stages) and deeper pipelines, which TMA's cheaper loads may now afford. The
 # fwdbwd entries set both passes (unprefixed keys), so the row is the end-to-end choice.
-TMA_FWD_GRID = [{"USE_TMA": 1}, {"USE_TMA": 1, "num_stages": 4}, {"USE_TMA": 1, "num_stages": 2},
+# Warp specialisation: Triton 3.6 (the H200's) builds WARP_SPECIALIZE unchanged at 8 warps, and
+# at 4 warps with TMA splits the dense forward without a score_mod into a producer and two
+# consumer warpgroups (384 threads, 168 registers, 180 KB of smem at 2 stages; compile-only);
+# with a block mask or a score_mod its pass fails and the launch runs unspecialised (the row
+# says "ws refused"). WARP_SPECIALIZE at 8 warps is left out (a no-op).
+TMA_FWD_GRID = [{"USE_TMA": 1}, {"USE_TMA": 1, "num_stages": 4},
                 {"USE_TMA": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-                {"WARP_SPECIALIZE": 1}, {"USE_TMA": 1, "WARP_SPECIALIZE": 1}]
+                {"USE_TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4,
+                 "num_stages": 2}]
 TMA_BWD_GRID = [{"USE_TMA": 1}, {"USE_TMA": 1, "bwd_num_stages": 2},
-                {"bwd_USE_TMA": 1, "fwd_USE_TMA": 0},
                 {"USE_TMA": 1, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32},
                 {"USE_TMA": 1, "WARP_SPECIALIZE": 1}]
+# Issue #13's variant list (the blocks grid's default omits prefix_lm).
+TMA_VARIANTS = ("full", "causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap")
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 BWD_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
 BWD_BLOCKS = BWD_KEYS[:4]
@@ -95,7 +102,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.tune_triton", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for tune_triton.json and tune_triton.md")
     p.add_argument("--S", default="2k,8k", help="sequence lengths (default 2k,8k); B = 16384 / S")
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="default: " + ",".join(DEFAULT_VARIANTS))
+    p.add_argument("--variants", default=None,
+                   help="default: " + ",".join(DEFAULT_VARIANTS) + " (--grid tma: " + ",".join(TMA_VARIANTS) + ")")
     p.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default both)")
     p.add_argument("--budget-s", type=float, default=240.0,
                    help="start no measurement after this many seconds (0: no limit)")
@@ -112,6 +120,8 @@ def parse_args(argv=None):
                    help="CPU only: build everything at a tiny shape, print the plan, launch nothing")
     args = p.parse_args(argv)
     args.S = parse_sizes(args.S)
+    if args.variants is None:
+        args.variants = ",".join(TMA_VARIANTS if args.grid == "tma" else DEFAULT_VARIANTS)
     args.variants = parse_list(args.variants, VARIANTS)
     args.passes = parse_list(args.passes, ("fwd", "fwdbwd"))
     for S in args.S:
@@ -196,6 +206,7 @@ def measure(fn, sets: list[dict], pass_: str, case: Case, refs: Refs, args) -> d
     """Check once, then time; never raises. ms, first_call_s, stages_ran (kernels whose launch fell
     back to fewer pipeline stages for shared memory, see triton._run) and check, or error."""
     fj_triton._STAGES_THAT_FIT.clear()  # forget earlier configs' fallbacks: this first call shows its own
+    fj_triton.WS_REFUSED.clear()
     poison_allocator(case, args.device)
     t0 = time.perf_counter()
     try:
@@ -206,6 +217,8 @@ def measure(fn, sets: list[dict], pass_: str, case: Case, refs: Refs, args) -> d
     fell_back = {key[1]: n for key, n in fj_triton._STAGES_THAT_FIT.items() if n != dict(key[3])["num_stages"]}
     if fell_back:
         res["stages_ran"] = fell_back
+    if fj_triton.WS_REFUSED:  # a WARP_SPECIALIZE build Triton could not lower ran unspecialised
+        res["ws_refused"] = sorted({key[1] for key in fj_triton.WS_REFUSED})
     try:
         verdict = check(got, *refs.pair())
     except Exception as e:
@@ -283,6 +296,8 @@ class Sweep:
                     reason = self.reason_not_to_run()
                     res = {"error": reason} if reason else \
                         measure(make_fn(variant, block_mask, opts), pass_sets, pass_, built, refs, args)
+                if res.get("ws_refused"):
+                    row["label"] += " [ws refused: " + ",".join(res["ws_refused"]) + "]"
                 self.record({**row, **res})
         del sets, refs
         if dev.type == "cuda" and not self.fatal:

@@ -236,11 +236,21 @@ def _even(length: int, block: int, sparse, axis: int) -> bool:
 
 
 _STAGES_THAT_FIT: dict[tuple, int] = {}
+# Launch keys whose warp-specialised build Triton could not lower (its Hopper pass takes only
+# simple loops: on 3.6 the dense forward without a score_mod at 4 warps); they run unspecialised.
+WS_REFUSED: set[tuple] = set()
+
+
+def _ws_refused(e: Exception) -> bool:
+    """Whether ``e`` is Triton's compiler failing in a pass (how a warp-specialised build that
+    its partitioner cannot handle fails, on 3.6 and 3.9)."""
+    return isinstance(e, RuntimeError) and "PassManager" in str(e)
 
 
 def _run(plan: Plan, launch: Launch) -> None:
     """Launch; if Triton's real shared-memory use exceeds the estimate (a mod's loads can add
-    layout-conversion buffers), retry with fewer pipeline stages and remember what fit."""
+    layout-conversion buffers), retry with fewer pipeline stages and remember what fit; if a
+    WARP_SPEC build fails to compile, run (and remember) the unspecialised one."""
     mod = load_module(plan.program, launch.which, plan.interpret)
     kernel = getattr(mod, launch.kernel)
     key = (plan.program.key, launch.kernel, tuple(sorted(launch.constexprs.items())),
@@ -252,9 +262,16 @@ def _run(plan: Plan, launch: Launch) -> None:
         consts = dict(launch.constexprs)
         if "NUM_STAGES" in consts:
             consts["NUM_STAGES"] = stages
+        if key in WS_REFUSED:
+            consts["WARP_SPEC"] = False
         try:
             kernel[launch.grid](*launch.args, **consts, **dict(launch.options, num_stages=stages))
         except Exception as e:  # triton.runtime.errors.OutOfResources (its module moved across versions)
+            if consts.get("WARP_SPEC") and _ws_refused(e):
+                WS_REFUSED.add(key)
+                log.info("flexjit: Triton cannot warp-specialise %s for %s/%s; running it "
+                         "unspecialised", launch.kernel, plan.program.score_name, plan.program.mask_name)
+                continue
             if type(e).__name__ != "OutOfResources" or stages <= 1:
                 raise
             stages -= 1
