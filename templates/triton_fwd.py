@@ -71,8 +71,9 @@ from .triton_common import _dot, _load_tile, _max, _n_tiles, _store_tile, _sum, 
 def _score_tile(qk, off_b, off_h, q_idx, kv_idx, S, sm_scale, qk_scale_log2,
                 # {{CAPTURE_PARAMS}}
                 APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
-                FAST_MATH: tl.constexpr):
-    """Scores of one (BLOCK_M, BLOCK_N) tile in log2 units, -inf where not kept."""
+                FAST_MATH: tl.constexpr, MERGED: tl.constexpr, full_tile):
+    """Scores of one (BLOCK_M, BLOCK_N) tile in log2 units, -inf where not kept. MERGED: the
+    tile may come from the full list (``full_tile``, a run-time bool), which keeps everything."""
     if HAS_SCORE_MOD:
         score = qk * sm_scale
         # {{SCORE_MOD}}
@@ -81,6 +82,8 @@ def _score_tile(qk, off_b, off_h, q_idx, kv_idx, S, sm_scale, qk_scale_log2,
         s2 = qk * qk_scale_log2
     if APPLY_MASK:
         mask = kv_idx >= 0  # {{MASK_MOD}}
+        if MERGED:
+            mask = mask | full_tile
         if not EVEN_N:
             mask = mask & (kv_idx < S)
         s2 = tl.where(mask, s2, float("-inf"))
@@ -91,21 +94,35 @@ def _score_tile(qk, off_b, off_h, q_idx, kv_idx, S, sm_scale, qk_scale_log2,
 
 @triton.jit
 def _attend(acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
-            idx_ptr, stride_idx, n_listed, off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
+            idx_ptr, stride_idx, n_listed, idx2_ptr, n_listed2, off_b, off_h, offs_m, S, sm_scale,
+            qk_scale_log2,
             # {{CAPTURE_PARAMS}}
             E: tl.constexpr, EV: tl.constexpr, E_PAD: tl.constexpr, EV_PAD: tl.constexpr,
             BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
             APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
             DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
-            USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+            USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, MERGED: tl.constexpr):
     """Online softmax over the key tiles of one block list; returns the updated (acc, l, m).
     USE_TMA: K and V tiles come through the (rows, dim) tensor descriptors KD/VD at row
-    ``kv_row0 + start_n`` (one TMA copy each) instead of pointer loads."""
+    ``kv_row0 + start_n`` (one TMA copy each) instead of pointer loads. MERGED: one loop over
+    the partial list (``idx_ptr``, masked) and then the full list (``idx2_ptr``, ``n_listed2``
+    blocks; mask_mod still evaluated, its result overridden): Triton's Hopper warp specialiser
+    takes a kernel with one loop only, not two in sequence."""
     offs_d = tl.arange(0, E_PAD)
     offs_dv = tl.arange(0, EV_PAD)
     n_iter = _n_tiles(n_listed, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
+    n_first = n_iter
+    if MERGED:
+        n_iter += _n_tiles(n_listed2, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
     for it in tl.range(0, n_iter, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
-        start_n = _tile_start(it, idx_ptr, stride_idx, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
+        if MERGED:
+            full_tile = it >= n_first
+            start_n = _tile_start(tl.where(full_tile, it - n_first, it),
+                                  tl.where(full_tile, idx2_ptr, idx_ptr), stride_idx, SPARSE_KV,
+                                  BLOCK_N, HAS_BLOCK_MASK)
+        else:
+            full_tile = False
+            start_n = _tile_start(it, idx_ptr, stride_idx, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if USE_TMA:
             k = KD.load([kv_row0 + start_n, 0])
@@ -117,7 +134,7 @@ def _attend(acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, strid
         s2 = _score_tile(qk, off_b, off_h, offs_m[:, None], offs_n[None, :], S, sm_scale,
                          qk_scale_log2,
                          # {{CAPTURE_ARGS}}
-                         APPLY_MASK, EVEN_N, HAS_SCORE_MOD, FAST_MATH)
+                         APPLY_MASK, EVEN_N, HAS_SCORE_MOD, FAST_MATH, MERGED, full_tile)
         m_new = tl.maximum(m_i, _max(s2, 1))
         # A row with nothing kept yet has m = -inf: use 0 as the base so exp2 gives 0, not NaN.
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -156,7 +173,7 @@ def flex_fwd(
     HAS_MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
     NUM_STAGES: tl.constexpr, OUTPUT_MAX: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    WARP_SPEC: tl.constexpr, MERGE_LISTS: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-first under causal-like masks
     off_h = tl.program_id(1)
@@ -185,29 +202,38 @@ def flex_fwd(
         row = (pid_m * BLOCK_M) // SPARSE_Q
         num_off = off_b * stride_nb + off_h * stride_nh + row * stride_nm
         idx_off = off_b * stride_ib + off_h * stride_ih + row * stride_im
-        if HAS_PARTIAL:
+        if MERGE_LISTS:  # WARP_SPEC with both lists: one loop (see _attend)
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
-                KV_IDX + idx_off, stride_ij, tl.load(KV_NUM + num_off), off_b, off_h, offs_m, S,
-                sm_scale, qk_scale_log2,
+                KV_IDX + idx_off, stride_ij, tl.load(KV_NUM + num_off), FULL_IDX + idx_off,
+                tl.load(FULL_NUM + num_off), off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
                 # {{CAPTURE_ARGS}}
                 E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, HAS_MASK_MOD, EVEN_N,
-                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC)
-        if HAS_FULL:
-            acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
-                FULL_IDX + idx_off, stride_ij, tl.load(FULL_NUM + num_off), off_b, off_h, offs_m,
-                S, sm_scale, qk_scale_log2,
-                # {{CAPTURE_ARGS}}
-                E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, False, EVEN_N,
-                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC)
+                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC, True)
+        else:
+            if HAS_PARTIAL:
+                acc, l_i, m_i = _attend(
+                    acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn,
+                    stride_vd, KV_IDX + idx_off, stride_ij, tl.load(KV_NUM + num_off), KV_IDX, 0,
+                    off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
+                    # {{CAPTURE_ARGS}}
+                    E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, HAS_MASK_MOD, EVEN_N,
+                    HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC, False)
+            if HAS_FULL:
+                acc, l_i, m_i = _attend(
+                    acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn,
+                    stride_vd, FULL_IDX + idx_off, stride_ij, tl.load(FULL_NUM + num_off), KV_IDX,
+                    0, off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
+                    # {{CAPTURE_ARGS}}
+                    E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, False, EVEN_N,
+                    HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC, False)
     else:
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
-            KV_IDX, 0, n_dense, off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
+            KV_IDX, 0, n_dense, KV_IDX, 0, off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
             # {{CAPTURE_ARGS}}
             E, EV, E_PAD, EV_PAD, BLOCK_N, BLOCK_N, False, False, EVEN_N,
-            HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC)
+            HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC, False)
 
     empty = l_i == 0.0  # nothing kept in the row: out = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)

@@ -222,7 +222,8 @@ def fwd_launch(plan: Plan, q, k, v, out, lse, bufs, max_scores=None) -> Launch:
                   HAS_FULL=lists.full_num is not None, EVEN_M=even_m,
                   EVEN_N=even_n, DOT_PRECISION=plan.dot,
                   NUM_STAGES=c.num_stages, OUTPUT_MAX=max_scores is not None,
-                  USE_TMA=tma, WARP_SPEC=c.warp_specialize)
+                  USE_TMA=tma, WARP_SPEC=c.warp_specialize,
+                  MERGE_LISTS=c.warp_specialize and lists.num is not None and lists.full_num is not None)
     return Launch("fwd", "flex_fwd", (triton_cdiv(L, c.BLOCK_M), Hq, B), args, consts,
                   _options(c.num_warps, c.num_stages))
 
