@@ -78,18 +78,23 @@ BWD_GRID = [(32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64,
 # against the current default at its tiles, plus torch Flex-Triton's sm90 forward tile (128x64,
 # 8 warps, 3 stages) and deeper pipelines, which TMA's cheaper loads may now afford. The
 # fwdbwd entries set both passes (unprefixed keys), so the row is the end-to-end choice.
-# Warp specialisation: Triton 3.6 (the H200's) builds WARP_SPECIALIZE unchanged at 8 warps, and
-# at 4 warps with TMA splits the dense forward without a score_mod into a producer and two
-# consumer warpgroups (384 threads, 168 registers, 180 KB of smem at 2 stages; compile-only);
-# with a block mask or a score_mod its pass fails and the launch runs unspecialised (the row
-# says "ws refused"). WARP_SPECIALIZE at 8 warps is left out (a no-op).
+# Warp specialisation: Triton 3.6 (the H200's), at 4 warps with TMA, splits the forward into a
+# producer and two consumer warpgroups (384 threads, 168 registers, no spills; 180 KB of smem
+# at 128x128 and 2 stages, 148 KB at 128x64 and 3; compile-only) for every variant here but
+# document (its per-key gather of the document ids fails the pass: the launch then runs
+# unspecialised and the row says "ws refused"). At 8 warps it partitions nothing.
 TMA_FWD_GRID = [{"USE_TMA": 1}, {"USE_TMA": 1, "num_stages": 4},
                 {"USE_TMA": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
                 {"USE_TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4,
-                 "num_stages": 2}]
+                 "num_stages": 2},
+                {"USE_TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4,
+                 "num_stages": 3}]
+# The backward: Triton partitions nothing there (two roles, two lists, the GQA loop), so its
+# rows vary TMA and tiles, and pair the backward with the forward's warp-specialised build.
 TMA_BWD_GRID = [{"USE_TMA": 1}, {"USE_TMA": 1, "bwd_num_stages": 2},
                 {"USE_TMA": 1, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32},
-                {"USE_TMA": 1, "WARP_SPECIALIZE": 1}]
+                {"USE_TMA": 1, "fwd_WARP_SPECIALIZE": 1, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128,
+                 "fwd_num_warps": 4, "fwd_num_stages": 2}]
 # Issue #13's variant list (the blocks grid's default omits prefix_lm).
 TMA_VARIANTS = ("full", "causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap")
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
