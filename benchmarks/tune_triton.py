@@ -23,9 +23,11 @@ variant, so a sweep the budget cuts is finished by a second call with `--variant
 `--grid tma` (issue #13's Triton target, >= 1.1x torch's compiled Flex-Triton): the default
 against `TMA_FWD_GRID` / `TMA_BWD_GRID` (USE_TMA tensor descriptors, WARP_SPECIALIZE, with a few
 tiles and stage counts around them; the fwdbwd entries set both passes). `--torch` times torch's
-compiled Flex-Triton on each case beside them (its compile is the slow part: ~10-20 s per
-variant, pass and length on a fresh machine), and the report gives default x torch and
-best x torch per case. The one-call run for the lead (about 5 minutes; `--budget-s` guards it):
+compiled Flex-Triton on each case beside them, and the report gives default x torch and
+best x torch per case. Expect about 5 minutes on a fresh H200: 7 variants x 2 lengths, 6 forward
+and 5 forward + backward measurements each (56 cold flexjit compiles of 1.5-3 s; 28 torch compiles,
+one per variant, pass and length: dynamic=False) and 154 short timings; `--budget-s` stops it
+in time and a second call with `--variants` the rest (or `--passes` one pass) finishes it:
 
     python3 -m benchmarks.tune_triton --grid tma --torch --out $OUT/tma --budget-s 270
 
@@ -83,7 +85,7 @@ BWD_GRID = [(32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64,
 # at 128x128 and 2 stages, 148 KB at 128x64 and 3; compile-only) for every variant here but
 # document (its per-key gather of the document ids fails the pass: the launch then runs
 # unspecialised and the row says "ws refused"). At 8 warps it partitions nothing.
-TMA_FWD_GRID = [{"USE_TMA": 1}, {"USE_TMA": 1, "num_stages": 4},
+TMA_FWD_GRID = [{"USE_TMA": 1},
                 {"USE_TMA": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
                 {"USE_TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4,
                  "num_stages": 2},
@@ -91,7 +93,7 @@ TMA_FWD_GRID = [{"USE_TMA": 1}, {"USE_TMA": 1, "num_stages": 4},
                  "num_stages": 3}]
 # The backward: Triton partitions nothing there (two roles, two lists, the GQA loop), so its
 # rows vary TMA and tiles, and pair the backward with the forward's warp-specialised build.
-TMA_BWD_GRID = [{"USE_TMA": 1}, {"USE_TMA": 1, "bwd_num_stages": 2},
+TMA_BWD_GRID = [{"USE_TMA": 1},
                 {"USE_TMA": 1, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32},
                 {"USE_TMA": 1, "fwd_WARP_SPECIALIZE": 1, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128,
                  "fwd_num_warps": 4, "fwd_num_stages": 2}]

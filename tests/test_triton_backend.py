@@ -165,6 +165,23 @@ def test_tma_descriptor_path(interp, monkeypatch, name):
     assert seen["flex_fwd"] == [True] and seen["flex_bwd"] == [True], seen
 
 
+def test_warp_specialize_walks_both_block_lists_in_one_loop(interp, monkeypatch):
+    # WARP_SPECIALIZE alone (pointer loads) with partial and full blocks: the forward's merged
+    # loop (MERGE_LISTS) must apply mask_mod on the partial tiles only. Ragged S (the last
+    # mask block partial) checks the length mask on top of it.
+    seen = []
+    run = tb._run
+
+    def spy(plan, launch):
+        seen.append(launch.constexprs.get("MERGE_LISTS"))
+        return run(plan, launch)
+    monkeypatch.setattr(tb, "_run", spy)
+    case, oracle = case_and_oracle("softcap_alibi_window", 2, 4, 128, 112, seed=13)
+    check(case, B=2, Hq=4, Hkv=2, L=128, S=112, E=32, Ev=32, dtype=torch.bfloat16, block_size=32,
+          seed=13, oracle=oracle, kernel_options={"WARP_SPECIALIZE": True})
+    assert seen[0] is True, seen
+
+
 def test_tma_falls_back_to_pointers_where_descriptors_cannot_serve(interp, monkeypatch):
     # Ragged lengths (a tile would reach into the next head's rows) and non-contiguous inputs
     # run the pointer path under USE_TMA, with the same numerics; per pass options too.
