@@ -3,14 +3,14 @@
 #
 #   source .devbundle/env.sh && export PYTHONPATH=$PWD:$PWD/tests:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc &&
 #   bash tests/gpu.sh new $OUT       # code that has never run on a GPU first
-#   bash tests/gpu.sh cute $OUT      # every sm90 forward and backward test
+#   bash tests/gpu.sh cute $OUT      # every sm90 forward and backward test (cute-fwd, cute-bwd: half)
 #   bash tests/gpu.sh triton $OUT    # the Triton backend's GPU tests
 #   bash tests/gpu.sh training $OUT  # autocast, torch.compile, CUDA graphs, fp32, transformers
 #
 # Each pytest run gets a wall-clock limit (a hung kernel fails the batch instead of the call)
 # and writes its log to $OUT/<batch>-<n>.txt; a summary line per run is printed.
 set -u
-batch=${1:?usage: gpu.sh new|cute|triton|training OUT_DIR}
+batch=${1:?usage: gpu.sh new|cute|cute-fwd|cute-bwd|triton|training OUT_DIR}
 out=${2:?usage: gpu.sh new|cute|triton|training OUT_DIR}
 mkdir -p "$out"
 n=0
@@ -38,13 +38,20 @@ case $batch in
     run_as new-2 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
     wait
     ;;
-  cute)
-    # Three processes side by side: the time is the kernels' compiles (one CPU core each); on
-    # the H200 the batch took ~280 s this way (sixth session).
-    run_as cute-1 420 tests/test_cute_gpu.py tests/test_cute_cache.py &
-    run_as cute-2 300 tests/test_cute_sm90_bwd_gpu.py -k "mods_ragged or rest_of_the_core" &
-    run_as cute-3 300 tests/test_cute_sm90_bwd_gpu.py -k "not (mods_ragged or rest_of_the_core or 192)" &
-    run_as cute-4 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
+  cute|cute-fwd|cute-bwd)
+    # Processes side by side: the time is the kernels' compiles (one CPU core each). With the
+    # forward tests in one process beside five others, that process passed 420 s (seventh
+    # session): they are three now. cute = cute-fwd + cute-bwd.
+    if [ "$batch" != cute-bwd ]; then
+      run_as cute-1 420 tests/test_cute_gpu.py -k "core_mods or d64 or more_head_dims" &
+      run_as cute-5 420 tests/test_cute_gpu.py -k "not (core_mods or d64 or more_head_dims)" &
+      run_as cute-6 420 tests/test_cute_cache.py &
+    fi
+    if [ "$batch" != cute-fwd ]; then
+      run_as cute-2 300 tests/test_cute_sm90_bwd_gpu.py -k "mods_ragged or rest_of_the_core" &
+      run_as cute-3 300 tests/test_cute_sm90_bwd_gpu.py -k "not (mods_ragged or rest_of_the_core or 192)" &
+      run_as cute-4 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
+    fi
     wait
     ;;
   triton)
