@@ -237,8 +237,9 @@ def _even(length: int, block: int, sparse, axis: int) -> bool:
 
 
 _STAGES_THAT_FIT: dict[tuple, int] = {}
-# Launch keys whose warp-specialised build Triton could not lower (its Hopper pass takes only
-# simple loops: on 3.6 the dense forward without a score_mod at 4 warps); they run unspecialised.
+# Launch keys whose warp-specialised build Triton could not lower (its Hopper pass takes one
+# simple loop: on 3.6 the forward at 4 warps with TMA, lists merged, but not a mod that gathers a
+# captured tensor per key; 3.9's fails on every forward); they run unspecialised.
 WS_REFUSED: set[tuple] = set()
 
 
