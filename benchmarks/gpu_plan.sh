@@ -14,10 +14,12 @@
 # (3 was a single command: benchmarks.fwd_error_profile --seeds 4.)
 # 4: this session's new code's GPU tests (paged, decode, distributed, grad accuracy) beside the
 #    forward-error profile over 32 seeds.
+# 5: paged after its fix, Triton TMA/WS correctness, the backward's host module; the decode
+#    benchmark's target rows; the Triton TMA sweep.
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
-stage=${1:?usage: gpu_plan.sh 1|2|4 OUT_DIR}
-out=${2:?usage: gpu_plan.sh 1|2|4 OUT_DIR}
+stage=${1:?usage: gpu_plan.sh 1|2|4|5 OUT_DIR}
+out=${2:?usage: gpu_plan.sh 1|2|4|5 OUT_DIR}
 work=/tmp/gpu_plan_$stage
 rm -rf "$work" && mkdir -p "$work"
 export PYTHONUNBUFFERED=1
@@ -64,6 +66,23 @@ for l in sys.stdin:
     d = json.loads(l)
     print(d['impl'], 'r_rms %.4g' % d['r_rms'], 'r_sum mean %.3f std %.3f (expected std %.3f)' % (
         d['r_sum'], d['r_sum_std'], d['r_rms'] * d['rows'] ** 0.5))"
+    ;;
+  5)
+    # Fixes and the rest of the new code on the GPU, side by side: paged (its device check
+    # failed every test in stage 4), the Triton TMA / warp-specialised kernels (never run), the
+    # backward through its new host module (a pure move, SASS-identical); then alone on the
+    # GPU the decode benchmark's target rows and the Triton TMA sweep beside torch Flex-Triton.
+    pt 200 paged.txt tests/test_paged_gpu.py &
+    pt 200 decode_paged.txt tests/test_decode_gpu.py -k paged &
+    pt 200 tma.txt tests/test_triton_gpu.py -k tma_and_warp_specialize &
+    pt 200 bwdhost.txt tests/test_cute_sm90_bwd_gpu.py -k "rest_of_the_core or through_the_api" &
+    wait
+    timeout 120 python3 -m benchmarks.decode --out "$work/decode" --batch 8,64 --kv 32k,128k \
+      --variants causal --budget-s 100 >"$work/decode.txt" 2>&1
+    echo "[decode rc=$?]"; tail -30 "$work/decode.txt"
+    timeout 180 python3 -m benchmarks.tune_triton --grid tma --torch --out "$work/tma" \
+      --variants full,causal,document,softcap --budget-s 165 >"$work/tma.txt" 2>&1
+    echo "[tma rc=$?]"; tail -40 "$work/tma.txt"
     ;;
   *)
     echo "unknown stage $stage" >&2
