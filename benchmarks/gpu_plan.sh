@@ -75,13 +75,13 @@ for l in sys.stdin:
     pt 200 paged.txt tests/test_paged_gpu.py &
     pt 200 decode_paged.txt tests/test_decode_gpu.py -k paged &
     pt 200 tma.txt tests/test_triton_gpu.py -k tma_and_warp_specialize &
-    pt 200 bwdhost.txt tests/test_cute_sm90_bwd_gpu.py -k "rest_of_the_core or through_the_api or captured or deterministic" &
+    pt 240 bwdhost.txt tests/test_cute_sm90_bwd_gpu.py -k "rest_of_the_core or through_the_api or captured or deterministic" &
     wait
-    timeout 120 python3 -m benchmarks.decode --out "$work/decode" --batch 8,64 --kv 32k,128k \
-      --variants causal --budget-s 100 >"$work/decode.txt" 2>&1
+    timeout 100 python3 -m benchmarks.decode --out "$work/decode" --batch 8,64 --kv 32k,128k \
+      --variants causal --budget-s 80 >"$work/decode.txt" 2>&1
     echo "[decode rc=$?]"; tail -30 "$work/decode.txt"
-    timeout 180 python3 -m benchmarks.tune_triton --grid tma --torch --out "$work/tma" \
-      --variants full,causal,document,softcap --budget-s 165 >"$work/tma.txt" 2>&1
+    timeout 150 python3 -m benchmarks.tune_triton --grid tma --torch --out "$work/tma" \
+      --variants full,causal,document,softcap --budget-s 135 >"$work/tma.txt" 2>&1
     echo "[tma rc=$?]"; tail -40 "$work/tma.txt"
     ;;
   *)
