@@ -52,8 +52,9 @@ def _qkv(B, Hq, Hkv, L, S, E, dtype, seed):
                  for shape in ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, E)))
 
 
-def _decode_mods(name, B, Hq, L, S):
-    """(score_mod, mask_mod) of a decode step: the L queries are the last L positions of S."""
+def _decode_mods(name, B, Hq, L, S, device="cpu"):
+    """(score_mod, mask_mod) of a decode step: the L queries are the last L positions of S.
+    Captured tables live on ``device`` (the oracle evaluates the mods eagerly there)."""
     off = S - L
 
     def causal(b, h, q_idx, kv_idx):
@@ -67,7 +68,7 @@ def _decode_mods(name, B, Hq, L, S):
             return (q_idx + off >= kv_idx) & (q_idx + off - kv_idx < 100)
         return None, window
     if name == "alibi":
-        slopes = mods.alibi_slopes(Hq)
+        slopes = mods.alibi_slopes(Hq).to(device)
 
         def alibi(score, b, h, q_idx, kv_idx):
             return score + slopes[h] * (kv_idx - q_idx - off)
@@ -75,7 +76,7 @@ def _decode_mods(name, B, Hq, L, S):
     if name == "softcap":
         return mods.softcap(3.0), causal
     if name == "document":
-        ids = torch.repeat_interleave(torch.arange(8), torch.tensor([40, 7, 90, 33, 61, 80, 50, 100]))[:S]
+        ids = torch.repeat_interleave(torch.arange(8), torch.tensor([40, 7, 90, 33, 61, 80, 50, 100]))[:S].to(device)
 
         def doc(b, h, q_idx, kv_idx):
             return (ids[q_idx + off] == ids[kv_idx]) & (q_idx + off >= kv_idx)
@@ -85,7 +86,7 @@ def _decode_mods(name, B, Hq, L, S):
             return (q_idx + off >= kv_idx) & (q_idx + off - kv_idx < 40 + 60 * h)
         return None, head_window
     if name == "batch_length":  # ragged batch: each sequence has its own length
-        lengths = torch.tensor([S, S - 77, 45, S - 1])[:B]
+        lengths = torch.tensor([S, S - 77, 45, S - 1])[:B].to(device)
 
         def padding(b, h, q_idx, kv_idx):
             return kv_idx < lengths[b]

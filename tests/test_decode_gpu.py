@@ -172,7 +172,7 @@ def test_paged(name):
     B, S, L = len(lens), max(lens), 1
     q = _qkv(B, Hq, Hkv, L, 16, seed=6)[0]
     length = torch.tensor(lens, device=DEV)
-    score_mod, base = _decode_mods(name, B, Hq, L, S)
+    score_mod, base = _decode_mods(name, B, Hq, L, S, device=DEV)  # the oracle runs on DEV
     causal_end = base if base is not None else (lambda b, h, q_idx, kv_idx: kv_idx >= 0)
 
     def logical_mask(b, h, q_idx, kv_idx):  # each entry's query sits at its own last position

@@ -9,7 +9,7 @@ backend (paged and contiguous mods are different programs): about 2 minutes cold
 import pytest
 import torch
 
-from test_paged import MODS, Scenario, _run
+from test_paged import BROADCAST_GAP, MODS, Scenario, _run
 
 pytestmark = pytest.mark.gpu
 
@@ -73,4 +73,6 @@ def test_default_backend_on_hopper_is_cute(pool128):
     choice = flexjit.explain(q, sc.k_cache, sc.v_cache, block_mask=bm, enable_gqa=True)
     assert choice.name == "triton" and "split-KV decode kernel" in choice.reason, str(choice)
     choice = flexjit.explain(q.requires_grad_(), sc.k_cache, sc.v_cache, block_mask=bm, enable_gqa=True)
+    if choice.name != "cute" and BROADCAST_GAP in str(choice):
+        pytest.xfail(f"known gap (issue #16): {BROADCAST_GAP}")
     assert choice.name == "cute", str(choice)
