@@ -1,4 +1,4 @@
-"""Command line: `flexjit demo` (or `python -m flexjit demo`)."""
+"""Command line: `flexjit demo`, `flexjit compile` (or `python -m flexjit ...`)."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,34 @@ def _seq_len(text: str) -> int:
     return value
 
 
+def _variants() -> tuple:
+    from .aot import VARIANTS
+    return VARIANTS
+
+
+def _passes(text: str) -> tuple:
+    passes = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not passes or any(p not in ("fwd", "bwd") for p in passes):
+        raise argparse.ArgumentTypeError(f"{text!r}: give fwd, bwd or fwd,bwd")
+    return passes
+
+
+def _compile(parser, args) -> int:
+    import torch
+
+    from .aot import compile_variant
+    try:
+        kernels = compile_variant(
+            args.variant, arch=args.arch, head_dim=args.head_dim, head_dim_v=args.head_dim_v,
+            dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float16, passes=args.passes,
+            seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads,
+            deterministic=args.deterministic, out=args.out, log=lambda line: print(line, flush=True))
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"{len(kernels)} kernels for {args.arch} ({args.variant})")
+    return 0
+
+
 def main(argv=None) -> int:
     from . import __version__
 
@@ -24,7 +52,25 @@ def main(argv=None) -> int:
     demo = sub.add_parser("demo", help="compile ALiBi, sliding window, document and softcap here and check them")
     demo.add_argument("--seq-len", type=_seq_len, default=None,
                       help="sequence length, at least 128 (default: 4096 GPU, 1024 CPU)")
+    aot = sub.add_parser("compile", help="compile a built-in variant's CuTe kernels ahead of time, "
+                         "without a GPU: PTX and cubin to --out, kernels into the disk cache")
+    aot.add_argument("--arch", required=True, choices=("sm_90a", "sm_100a"))
+    aot.add_argument("--variant", required=True, choices=_variants())
+    aot.add_argument("--head-dim", type=int, default=128)
+    aot.add_argument("--head-dim-v", type=int, default=None, help="default: --head-dim")
+    aot.add_argument("--pass", dest="passes", type=_passes, default=("fwd", "bwd"),
+                     help="fwd, bwd or fwd,bwd (default)")
+    aot.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    aot.add_argument("--seq-len", type=int, default=8192,
+                     help="the run's length: picks the forward's tiling as a run does (default 8192)")
+    aot.add_argument("--heads", type=int, default=16)
+    aot.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    aot.add_argument("--deterministic", action="store_true",
+                     help="the backward for torch.use_deterministic_algorithms(True)")
+    aot.add_argument("--out", required=True, help="folder for the PTX and cubin files")
     args = parser.parse_args(argv)
+    if args.command == "compile":
+        return _compile(parser, args)
     if args.command == "demo":
         from .demo import run_demo
         rows = run_demo(args.seq_len)

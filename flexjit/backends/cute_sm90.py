@@ -210,7 +210,7 @@ def _rescale_threshold() -> float:
 
 
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
-                    persistent: bool | None = None, write_max: bool = False):
+                    persistent: bool | None = None, write_max: bool = False, keys: dict | None = None):
     """Compile (or find in memory, or load from disk) the sm90 forward for this program and
     these input kinds.
 
@@ -223,7 +223,9 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     caller asking for ``--keep-ptx``/``--keep-cubin`` always compiles (a loaded kernel has no
     PTX to show); its kernel is still exported.
 
-    ``write_max``: the kernel also writes the row max of the modded scores (max_scores)."""
+    ``write_max``: the kernel also writes the row max of the modded scores (max_scores).
+    ``keys``: if given, ``keys["fwd"]`` is set to the disk-cache key (None with the cache off;
+    ``flexjit.aot`` reports it)."""
     tpl = _template()
     D, Dv = q.shape[-1], v.shape[-1]
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
@@ -249,6 +251,8 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     if tpl.tvm_ffi_enabled() and cute_cache.available():
         disk_key = cache.kernel_key(program.key, "cute_sm90_fwd",
                                     _frozen_config(cfg, aux_tensors, program, options), "sm90")
+    if keys is not None:
+        keys["fwd"] = disk_key
     wants_artifacts = any(f in options.split() for f in _ARTIFACT_FLAGS)
 
     def load(disk_key):
@@ -399,8 +403,24 @@ def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse
         host, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors, sig))
 
 
+def export_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
+                    deterministic: bool, aux_tensors, head_dim_v: int | None = None,
+                    dump_dirs: dict | None = None) -> dict:
+    """Compile the backward's three kernels afresh (never from disk), export each into the disk
+    cache under the key ``compile_backward`` looks up, and with ``dump_dirs`` ({part: folder or
+    None}) keep each part's PTX and cubin there. {part: disk key or None}. For ``flexjit.aot``."""
+    host = _bwd_host()
+    head_dim_v = head_dim_v or head_dim
+    sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
+    keys: dict = {}
+    _build_backward(host, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors,
+                    sig, dump_dirs=dump_dirs or {}, keys_out=keys)
+    return keys
+
+
 def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
-                    deterministic: bool, aux_tensors, sig):
+                    deterministic: bool, aux_tensors, sig, dump_dirs: dict | None = None,
+                    keys_out: dict | None = None):
     """The three kernels (``host``: the template ``cute_sm90_bwd_host``), each from its own object file on disk, the missing ones compiled
     together (and exported); the pre/postprocess keys leave the Program out: every mod shares
     them."""
@@ -418,16 +438,27 @@ def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: in
     disk = cute_cache.available()
     keys = {part: cache.kernel_key(program.key if part == "main" else "", f"cute_sm90_bwd_{part}",
                                    frozen, "sm90") for part in host.PARTS}
+    if keys_out is not None:
+        keys_out.update({part: keys[part] if disk else None for part in host.PARTS})
     t0 = time.perf_counter()
-    loaded = {part: cute_cache.load(k) for part, k in keys.items()} if disk else {}
+    fresh = dump_dirs is not None  # ahead of time: always compile (and keep the files asked for)
+    loaded = {part: cute_cache.load(k) for part, k in keys.items()} if disk and not fresh else {}
     missing = tuple(p for p in host.PARTS if loaded.get(p) is None)
     if missing:
         log.info("flexjit: compiling the sm90 backward (%s) for %s ...", ", ".join(missing), what)
-        built = host.compile_bwd(cfg, aux_tensors, program.scalars, parts=missing)
+        if fresh:  # one compile per part, each dumping into its own folder
+            parts = {}
+            for part in missing:
+                folder = dump_dirs.get(part)
+                opts = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
+                parts[part] = host.compile_bwd(cfg, aux_tensors, program.scalars, options=opts,
+                                               parts=(part,)).parts[part]
+        else:
+            parts = host.compile_bwd(cfg, aux_tensors, program.scalars, parts=missing).parts
         for part in missing:
-            loaded[part] = built.parts[part].ffi_fn
+            loaded[part] = parts[part].ffi_fn
             if disk:
-                cute_cache.store(keys[part], built.parts[part].export)
+                cute_cache.store(keys[part], parts[part].export)
         _announce(f"sm90 backward for {what}: compiled {', '.join(missing)} in "
                   f"{time.perf_counter() - t0:.1f} s")
     else:

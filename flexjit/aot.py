@@ -1,0 +1,207 @@
+"""Ahead-of-time compilation of flexjit's CuTe kernels, without a GPU (issue #15, part 4).
+
+    flexjit compile --arch sm_90a --variant causal [--head-dim 128] [--pass fwd,bwd] --out DIR
+
+or, for any mod, :func:`compile_kernels`. Each kernel is compiled for the named architecture on
+this machine (CuTeDSL compiles for ``CUTE_DSL_ARCH`` with no driver), its PTX and cubin are
+written under ``DIR/<what>/<kernel>/``, and the compiled kernel is exported into the disk cache
+(``$FLEXJIT_CACHE_DIR`` or ``~/.cache/flexjit``) under the key a training process computes for
+the same program, so that a job started with that cache loads it instead of compiling.
+
+What decides the key, hence what must match the run: the mods (and the dtypes of what they
+capture, and whether those require grad), the dtype, the head dims, whether a block mask is
+used, the forward's tiling (persistent or not: from the mean number of kv tiles per q tile at
+``seq_len``), deterministic mode for the backward, and the versions of flexjit's templates,
+CuTeDSL and tvm_ffi. Sizes, strides, batch, heads and scalar values are runtime arguments.
+
+Only sm_90a has kernels today; sm_100a is refused with the reason (no sm100 kernel is built).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ARCHS = ("sm_90a", "sm_100a")
+PASSES = ("fwd", "bwd")
+
+
+def _table(n: int) -> torch.Tensor:
+    return torch.randn(n) * 0.1
+
+
+def builtin_variant(name: str, seq_len: int, heads: int) -> tuple[Callable | None, Callable | None]:
+    """(score_mod, mask_mod) of a built-in variant, as a model would build it at ``seq_len``."""
+    from . import mods
+
+    half = max(seq_len // 2, 1)
+    variants = {
+        "causal": lambda: (None, mods.causal()),
+        "sliding_window": lambda: (None, mods.sliding_window(min(1024, seq_len))),
+        "prefix_lm": lambda: (None, mods.prefix_lm(min(1024, half))),
+        "document": lambda: (None, mods.document(torch.arange(seq_len) // max(seq_len // 4, 1))),
+        "alibi": lambda: (mods.alibi(heads), mods.causal()),
+        "softcap": lambda: (mods.softcap(30.0), mods.causal()),
+        "relative_bias": lambda: (mods.relative_bias(_table(2 * seq_len - 1)), None),
+        "t5_bias": lambda: (mods.t5_bias(_table(32)), None),
+    }
+    if name not in variants:
+        raise ValueError(f"unknown variant {name!r}; the built-in ones are {', '.join(variants)}")
+    return variants[name]()
+
+
+VARIANTS = ("causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap",
+            "relative_bias", "t5_bias")
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One compiled kernel: where its files went and how long it took."""
+    arch: str
+    pass_: str  # "fwd" or "bwd"
+    part: str  # "main" for the forward; "pre", "main" or "post" for the backward
+    what: str
+    ptx: Path | None
+    cubin: Path | None
+    cache_key: str | None  # the disk-cache entry (None when the disk cache is off)
+    seconds: float  # the backward's three parts report their time together
+
+    def line(self) -> str:
+        files = ", ".join(str(p) for p in (self.ptx, self.cubin) if p is not None) or "no files"
+        cached = f"cache {self.cache_key}.o" if self.cache_key else "disk cache off"
+        took = f"{self.seconds:.1f} s" + (" (the backward's 3 parts)" if self.pass_ == "bwd" else "")
+        return f"{self.arch} {self.pass_:3} {self.part:4} {self.what}: {took}; {files}; {cached}"
+
+
+@contextlib.contextmanager
+def _arch(arch: str):
+    """CUTE_DSL_ARCH for the duration of the compiles (restored after)."""
+    old = os.environ.get("CUTE_DSL_ARCH")
+    os.environ["CUTE_DSL_ARCH"] = arch
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUTE_DSL_ARCH", None)
+        else:
+            os.environ["CUTE_DSL_ARCH"] = old
+
+
+def _files(folder: Path, arch: str) -> tuple[Path | None, Path | None]:
+    """The PTX and cubin CuTeDSL dumped into ``folder`` (one kernel's), renamed
+    ``<folder name>.<arch>.ptx`` / ``.cubin``."""
+    found = []
+    for ext in ("ptx", "cubin"):
+        dumped = sorted(p for p in folder.glob(f"*.{ext}") if p.parent == folder)
+        target = folder / f"{folder.name}.{arch}.{ext}"
+        if dumped and dumped[-1] != target:
+            dumped[-1].replace(target)
+        found.append(target if target.exists() else None)
+    return found[0], found[1]
+
+
+def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None = None, *,
+                    arch: str = "sm_90a", head_dim: int = 128, head_dim_v: int | None = None,
+                    dtype: torch.dtype = torch.bfloat16, passes=PASSES, seq_len: int = 8192,
+                    heads: int = 16, kv_heads: int | None = None, deterministic: bool = False,
+                    out: str | os.PathLike | None = None, name: str | None = None,
+                    log: Callable[[str], None] | None = None) -> list[Kernel]:
+    """Compile the CuTe kernels a call with these mods would run, for ``arch``, on this machine.
+
+    ``seq_len`` (query and key length) picks the forward's tiling as a run at that length does;
+    ``heads`` / ``kv_heads`` matter only to mods that use them. ``out``: where each kernel's PTX
+    and cubin go (``out/<name>/<pass>-<part>/``); None keeps no files. ``log`` gets one line per
+    kernel as it is done. Returns the kernels, forward first."""
+    from . import create_block_mask, noop_mask
+    from .api import prepare_call
+    if arch not in ARCHS:
+        raise ValueError(f"arch {arch!r}: flexjit's CuTe kernels target {', '.join(ARCHS)}")
+    if arch == "sm_100a":
+        raise ValueError("no sm_100a kernels are built yet (issue #15): flexjit runs the Triton "
+                         "backend on Blackwell; compile for sm_90a, or Triton compiles at run time")
+    bad = [p for p in passes if p not in PASSES]
+    if bad or not passes:
+        raise ValueError(f"passes {tuple(passes)}: choose from {PASSES}")
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype {dtype}: the sm90 kernels take float16 or bfloat16")
+    head_dim_v = head_dim_v or head_dim
+    kv_heads = kv_heads or heads
+    if heads % kv_heads:
+        raise ValueError(f"heads {heads} is not a multiple of kv_heads {kv_heads}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    name = name or "_".join(n for n in (getattr(score_mod, "__name__", None) if score_mod else None,
+                                          getattr(mask_mod, "__name__", None) if mask_mod else None)
+                            if n) or "no_mods"
+    what = f"{name} D={head_dim}" + (f"/{head_dim_v}" if head_dim_v != head_dim else "") + \
+        f" {str(dtype).replace('torch.', '')}"
+    leaf = f"{name}-d{head_dim}" + ("" if head_dim_v == head_dim else f"-{head_dim_v}")
+    root = Path(out) / leaf if out is not None else None
+
+    with _arch(arch), torch.no_grad():
+        from .backends import cute_sm90 as backend
+
+        q = torch.empty(1, heads, seq_len, head_dim, dtype=dtype)
+        k = torch.empty(1, kv_heads, seq_len, head_dim, dtype=dtype)
+        v = torch.empty(1, kv_heads, seq_len, head_dim_v, dtype=dtype)
+        bm = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu") \
+            if mask_mod is not None and mask_mod is not noop_mask else None
+        call = prepare_call(q, k, v, score_mod, bm, None, kv_heads != heads, None)
+        program = call.program
+        dims = (head_dim, head_dim_v)
+        if dims not in backend._HEAD_DIMS:
+            raise ValueError(f"head dims {dims}: the sm90 forward takes {backend._HEAD_DIMS}")
+        if "bwd" in passes and dims not in backend._BWD_HEAD_DIMS:
+            raise ValueError(f"head dims {dims}: the sm90 backward takes {backend._BWD_HEAD_DIMS} "
+                             "(others train on the Triton backward); pass passes=('fwd',)")
+        aux = tuple(backend._aux_tensor(t, q.device) for t in program.buffers)
+        kernels = []
+        if "fwd" in passes:
+            folder = _folder(root, "fwd-main")
+            sparse = backend.block_sparse_args(bm)
+            options = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
+            t0 = time.perf_counter()
+            backend._COMPILED.clear()  # compile here, not from this process's memory
+            keys: dict = {}
+            # A compile that keeps files never loads from disk, and still exports its kernel.
+            backend.compile_program(program, q, k, v, sparse, aux, options=options or "--keep-cubin",
+                                    persistent=backend._persistent_fwd(head_dim, sparse, seq_len,
+                                                                       owner=bm), keys=keys)
+            kernels.append(Kernel(arch, "fwd", "main", what, *(_files(folder, arch) if folder else
+                                                               (None, None)), keys.get("fwd"),
+                                  time.perf_counter() - t0))
+            if log:
+                log(kernels[-1].line())
+        if "bwd" in passes:
+            host = backend._bwd_host()
+            t0 = time.perf_counter()
+            backend._COMPILED_BWD.clear()
+            folders = {part: _folder(root, f"bwd-{part}") for part in host.PARTS}
+            keys = backend.export_backward(program, dtype, head_dim, bm is not None, deterministic,
+                                           aux, head_dim_v=head_dim_v, dump_dirs=folders)
+            spent = time.perf_counter() - t0  # the three parts together
+            for part in host.PARTS:
+                files = _files(folders[part], arch) if folders[part] else (None, None)
+                kernels.append(Kernel(arch, "bwd", part, what, *files, keys.get(part), spent))
+                if log:
+                    log(kernels[-1].line())
+    return kernels
+
+
+def _folder(root: Path | None, leaf: str) -> Path | None:
+    if root is None:
+        return None
+    folder = root / leaf
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def compile_variant(variant: str, **kw) -> list[Kernel]:
+    """:func:`compile_kernels` for a built-in variant (``VARIANTS``)."""
+    score_mod, mask_mod = builtin_variant(variant, kw.get("seq_len", 8192), kw.get("heads", 16))
+    return compile_kernels(score_mod, mask_mod, name=variant, **kw)
