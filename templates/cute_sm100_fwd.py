@@ -98,6 +98,7 @@ HEAD_DIMS = ((64, 64), (128, 128))
 SUB_M = 128  # rows of one sub-tile (the tcgen05 M, one TMEM lane per row)
 CTA_M = 2 * SUB_M  # query rows per CTA
 TILE_N = 128  # keys per kv tile (= the mask block)
+S_CHUNK = 32  # S columns the softmax reads from TMEM (and mods) at a time
 TMEM_COLUMNS = 512
 SMEM_CAPACITY = 227 * 1024  # sm100 opt-in maximum per CTA
 
@@ -107,7 +108,7 @@ _CORRECTION_WARP0 = 8
 _MMA_WARP = 12
 _LOAD_WARP = 13
 _NUM_WARPS = 16
-_SOFTMAX_REGS, _CORRECTION_REGS, _OTHER_REGS = 192, 96, 32
+_SOFTMAX_REGS, _CORRECTION_REGS, _OTHER_REGS = 208, 56, 40
 
 # Named barriers (0 is __syncthreads).
 _BAR_TMEM_ALLOC = 1  # softmax ×2, correction, MMA warp: wait for the TMEM address
@@ -304,7 +305,6 @@ class FlexAttentionFwdSm100:
         if warp_idx == _LOAD_WARP:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
-        sched = self._schedule(mO, mK, blocks)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         pipes = self._make_pipelines(storage)
@@ -329,6 +329,8 @@ class FlexAttentionFwdSm100:
             cute.arch.setmaxregister_increase(_SOFTMAX_REGS)
             tmem.wait_for_alloc()
             t_ptr = tmem.retrieve_ptr(Float32)
+            # Each role computes the schedule itself: values live across setmaxnreg spill.
+            sched = self._schedule(mO, mK, blocks)
             if warp_idx < _SOFTMAX_WARPS[1][0]:
                 self.softmax(0, mma_qk, mma_pv, t_ptr, tP_layout, pipes, sVec, sched,
                              softmax_scale, aux)
@@ -340,6 +342,7 @@ class FlexAttentionFwdSm100:
             tmem.allocate(TMEM_COLUMNS)
             tmem.wait_for_alloc()
             t_ptr = tmem.retrieve_ptr(Float32)
+            sched = self._schedule(mO, mK, blocks)
             self.correction(mma_pv, t_ptr, pipes, sVec, sched, mO, mLSE, mMax, softmax_scale)
             tmem.relinquish_alloc_permit()
             tmem.free(t_ptr)
@@ -348,8 +351,10 @@ class FlexAttentionFwdSm100:
             if warp_idx == _MMA_WARP:
                 tmem.wait_for_alloc()
                 t_ptr = tmem.retrieve_ptr(Float32)
+                sched = self._schedule(mO, mK, blocks)
                 self.mma(mma_qk, mma_pv, t_ptr, tP_layout, sQ, sK, sV, pipes, sched)
             elif warp_idx == _LOAD_WARP:
+                sched = self._schedule(mO, mK, blocks)
                 self.load(mma_qk, mma_pv, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes,
                           sched)
 
@@ -577,22 +582,29 @@ class FlexAttentionFwdSm100:
         tS, _, _ = self._tmem_views(mma_qk, mma_pv, t_ptr, tP_layout)
         thr_qk = mma_qk.get_slice(0)
         tScS = thr_qk.partition_C(cute.make_identity_tensor(self.qk_tiler[:2]))
+        # S is read in S_CHUNK-column pieces, each waited for and modded before the next is
+        # read: the waits bound how far the compiler can hoist the mods' temporaries (with all
+        # 128 scores' mask predicates live at once ptxas spilled).
+        chunk_layout = cute.make_layout((SUB_M, S_CHUNK))
+        tS_chunk = cute.make_tensor(tS[t].iterator, cute.composition(tS[t].layout, chunk_layout))
         ld = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32),
-            tS[t]).get_slice(tidx)
-        tTtS = ld.partition_S(tS[t])
-        tTcS = ld.partition_D(tScS)
-        # P: 16-bit values two to a 32-bit column, over S_t's first TILE_N / 2 columns.
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(S_CHUNK)),
+                                Float32), tS_chunk).get_slice(tidx)
+        tTtS = [ld.partition_S(cute.make_tensor(tS_chunk.iterator + S_CHUNK * h, tS_chunk.layout))
+                for h in range(TILE_N // S_CHUNK)]
+        tTcS = ld.partition_D(cute.composition(tScS, chunk_layout))
+        # P: 16-bit values two to a 32-bit column, over S_t's first TILE_N / 2 columns, written
+        # in pieces of 32 columns (64 scores) so that only 32 registers of P live beside S.
         p_cols = TILE_N * self.dtype.width // 32
         tStP = cute.make_tensor(tS[t].iterator,
-                                cute.composition(tS[t].layout, cute.make_layout((SUB_M, p_cols))))
-        tScP = cute.composition(tScS, cute.make_layout((SUB_M, p_cols)))
+                                cute.composition(tS[t].layout, cute.make_layout((SUB_M, 32))))
         st = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(32)), Float32),
             tStP).get_slice(tidx)
-        tTtP = st.partition_D(tStP)
-        rP32 = cute.make_rmem_tensor(st.partition_S(tScP).shape, Float32)
-        rP = cute.recast_tensor(rP32, self.dtype)
+        tScP = cute.composition(tScS, cute.make_layout((SUB_M, 32)))
+        p_shape = st.partition_S(tScP).shape
+        tTtP = [st.partition_D(cute.make_tensor(tStP.iterator + 32 * h, tStP.layout))
+                for h in range(p_cols // 32)]
 
         c = Float32(LOG2_E)
         if const_expr(self.score_mod is None):
@@ -601,6 +613,7 @@ class FlexAttentionFwdSm100:
         row_max = -Float32.inf
         row_sum = Float32(0.0)
         row_peak = -Float32.inf
+        scale = Float32(1.0)
         s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         for j in cutlass.range(0, sched.n, unroll=1):
@@ -611,25 +624,33 @@ class FlexAttentionFwdSm100:
             elif const_expr(self.mask_mod is not None):
                 kind = Int32(KIND_PARTIAL)
             pipes.s[t].consumer_wait(s_state)
-            rS = cute.make_rmem_tensor(tTcS.shape, Float32)
-            cute.copy(ld, tTtS, rS)
-            cute.arch.fence_view_async_tmem_load()
-            self._mods(rS, tTcS, kind, tile, row, sched, softmax_scale, aux)
-            blk_max = tree([rS[i] for i in range(cute.size(rS))], cute.arch.fmax)
-            if const_expr(self.write_max):
-                row_peak = cute.arch.fmax(row_peak, blk_max)
-            grow = (blk_max - row_max) * c > self.rescale_threshold  # false for NaN (-inf - -inf)
-            m_new = blk_max if grow else row_max
-            # Only where the max moved: m_old = m_new = -inf would give NaN.
-            scale = cute.math.exp2((row_max - m_new) * c, fastmath=True) if grow else Float32(1.0)
-            row_max = m_new
-            bias = (Float32(0.0) if m_new == -Float32.inf else m_new) * c
-            for i in cutlass.range_constexpr(cute.size(rS)):
-                rS[i] = cute.math.exp2(cute.fma(rS[i], c, -bias), fastmath=True)
-            row_sum = row_sum * scale + tree([rS[i] for i in range(cute.size(rS))], fadd)
-            rP.store(rS.load().to(self.dtype))
-            cute.copy(st, rP32, tTtP)
-            cute.arch.fence_view_async_tmem_store()
+            # One branch per kind around the whole step, so that no branch join has to merge
+            # the 128 scores (merging them made ptxas spill hundreds of bytes).
+            step = (ld, tTtS, tTcS, st, tTtP, p_shape, c, tile, row, sched, softmax_scale, aux)
+            crosses = (tile + 1) * TILE_N > sched.seqlen_k
+            if const_expr(not self.sparse and self.mask_mod is not None):
+                scale, row_max, row_sum, row_peak = self._step(
+                    "partial", step, row_max, row_sum, row_peak)
+            elif const_expr(not self.sparse):
+                if crosses:
+                    scale, row_max, row_sum, row_peak = self._step(
+                        "bounded", step, row_max, row_sum, row_peak)
+                else:
+                    scale, row_max, row_sum, row_peak = self._step(
+                        "full", step, row_max, row_sum, row_peak)
+            else:
+                if kind == KIND_PARTIAL:
+                    scale, row_max, row_sum, row_peak = self._step(
+                        "partial", step, row_max, row_sum, row_peak)
+                elif kind == KIND_SKIP:
+                    scale, row_max, row_sum, row_peak = self._step(
+                        "skip", step, row_max, row_sum, row_peak)
+                elif crosses:
+                    scale, row_max, row_sum, row_peak = self._step(
+                        "bounded", step, row_max, row_sum, row_peak)
+                else:
+                    scale, row_max, row_sum, row_peak = self._step(
+                        "full", step, row_max, row_sum, row_peak)
             pipes.s[t].consumer_release(s_state)
             s_state.advance()
             pipes.vec[t].producer_acquire(v_state)
@@ -641,29 +662,62 @@ class FlexAttentionFwdSm100:
             v_state.advance()
 
     @cute.jit
-    def _mods(self, rS: cute.Tensor, tTcS: cute.Tensor, kind: Int32, tile: Int32, row: Int32,
-              sched: _Sched, softmax_scale: Float32, aux: Aux):
-        """The holes on one row of S, by the tile's kind for this sub-tile: skip (every score
-        -inf), partial (score_mod, mask_mod, kv < S), full (score_mod; kv < S only on a tile
-        that crosses S)."""
-        crosses = (tile + 1) * TILE_N > sched.seqlen_k
-        if kind == KIND_SKIP:
-            rS.fill(-Float32.inf)
-        elif kind == KIND_PARTIAL:
-            if const_expr(self.mask_mod is not None or self.sparse):
-                self._apply(rS, tTcS, tile, row, sched, softmax_scale, aux, True, True)
+    def _step(self, kind: cutlass.Constexpr, step: tuple, row_max: Float32, row_sum: Float32,
+              row_peak: Float32):
+        """One online-softmax step of one row over kv tile ``tile``; returns (the factor O must
+        be rescaled by, new max, new sum, new true max). ``kind``: "partial" (score_mod,
+        mask_mod and the kv < S bound), "bounded" (a full tile that crosses S: score_mod and the
+        bound), "full" (score_mod only), "skip" (a block this sub-tile does not visit: P = 0)."""
+        ld, tTtS, tTcS, st, tTtP, p_shape, c, tile, row, sched, softmax_scale, aux = step
+        per_col = 32 // self.dtype.width
+        scale = Float32(1.0)
+        if const_expr(kind == "skip"):
+            for h in cutlass.range_constexpr(len(tTtP)):
+                rP32 = cute.make_rmem_tensor(p_shape, Float32)
+                rP32.fill(0.0)  # two 16-bit zeros
+                cute.copy(st, rP32, tTtP[h])
         else:
-            if crosses:
-                self._apply(rS, tTcS, tile, row, sched, softmax_scale, aux, False, True)
-            else:
-                if const_expr(self.score_mod is not None):
-                    self._apply(rS, tTcS, tile, row, sched, softmax_scale, aux, False, False)
+            chunks = []
+            for h in cutlass.range_constexpr(len(tTtS)):
+                rS = cute.make_rmem_tensor(tTcS.shape, Float32)
+                cute.copy(ld, tTtS[h], rS)
+                cute.arch.fence_view_async_tmem_load()
+                if const_expr(kind != "full" or self.score_mod is not None):
+                    self._apply(rS, tTcS, tile * TILE_N + S_CHUNK * h, row, sched,
+                                softmax_scale, aux, kind == "partial", kind != "full")
+                chunks.append(rS)
+            values = [x[i] for x in chunks for i in range(cute.size(x))]
+            blk_max = tree(values, cute.arch.fmax)
+            if const_expr(self.write_max):
+                row_peak = cute.arch.fmax(row_peak, blk_max)
+            grow = (blk_max - row_max) * c > self.rescale_threshold  # false for NaN (-inf - -inf)
+            m_new = blk_max if grow else row_max
+            # Only where the max moved: m_old = m_new = -inf would give NaN.
+            scale = cute.math.exp2((row_max - m_new) * c, fastmath=True) if grow else Float32(1.0)
+            row_max = m_new
+            bias = (Float32(0.0) if m_new == -Float32.inf else m_new) * c
+            for rS in chunks:
+                for i in cutlass.range_constexpr(cute.size(rS)):
+                    rS[i] = cute.math.exp2(cute.fma(rS[i], c, -bias), fastmath=True)
+            row_sum = row_sum * scale + tree(
+                [x[i] for x in chunks for i in range(cute.size(x))], fadd)
+            # P piece h (32 columns) holds the scores of S chunks h·per_piece .. + per_piece - 1.
+            per_piece = 32 * per_col // S_CHUNK
+            for h in cutlass.range_constexpr(len(tTtP)):
+                rP32 = cute.make_rmem_tensor(p_shape, Float32)
+                rP = cute.recast_tensor(rP32, self.dtype)
+                for q in cutlass.range_constexpr(per_piece):
+                    part = cute.make_tensor(rP.iterator + S_CHUNK * q, cute.make_layout(S_CHUNK))
+                    part.store(chunks[h * per_piece + q].load().to(self.dtype))
+                cute.copy(st, rP32, tTtP[h])
+        cute.arch.fence_view_async_tmem_store()
+        return scale, row_max, row_sum, row_peak
 
     @cute.jit
-    def _apply(self, rS: cute.Tensor, tTcS: cute.Tensor, tile: Int32, row: Int32, sched: _Sched,
+    def _apply(self, rS: cute.Tensor, tTcS: cute.Tensor, kv0: Int32, row: Int32, sched: _Sched,
                softmax_scale: Float32, aux: Aux, use_mask: cutlass.Constexpr,
                use_bound: cutlass.Constexpr):
-        kv0 = tile * TILE_N
+        """The holes on one chunk of a row of S (columns kv0 + tTcS[i][1])."""
         indices = FloatIndices(row, kv0 + tTcS[0][1])
         neg_inf = -Float32.inf
         for i in cutlass.range_constexpr(cute.size(rS)):
@@ -694,7 +748,7 @@ class FlexAttentionFwdSm100:
         tidx = cute.arch.thread_idx()[0] % 128
         thr_pv = mma_pv.get_slice(0)
         o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C(self.pv_tiler[:2])).layout
-        chunk = 32
+        chunk = 16
         tO_chunk = [cute.make_tensor(t_ptr + self.tmem_o[t],
                                      cute.composition(o_layout, cute.make_layout((SUB_M, chunk))))
                     for t in range(2)]
