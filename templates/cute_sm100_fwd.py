@@ -98,7 +98,7 @@ HEAD_DIMS = ((64, 64), (128, 128))
 SUB_M = 128  # rows of one sub-tile (the tcgen05 M, one TMEM lane per row)
 CTA_M = 2 * SUB_M  # query rows per CTA
 TILE_N = 128  # keys per kv tile (= the mask block)
-S_CHUNK = 32  # S columns the softmax reads from TMEM (and mods) at a time
+S_CHUNK = 16  # S columns the softmax reads from TMEM (and mods) at a time
 TMEM_COLUMNS = 512
 SMEM_CAPACITY = 227 * 1024  # sm100 opt-in maximum per CTA
 
