@@ -86,7 +86,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_helpers
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, const_expr, dsl_user_op
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from flexjit.templates.cute_common import (
@@ -101,6 +102,7 @@ TILE_N = 128  # keys per kv tile (= the mask block)
 S_CHUNK = 16  # S columns the softmax reads from TMEM (and mods) at a time
 TMEM_COLUMNS = 512
 SMEM_CAPACITY = 227 * 1024  # sm100 opt-in maximum per CTA
+GPU_ARCH = "sm_100a"  # passed to every compile, whatever CUTE_DSL_ARCH says (B200/GB200)
 
 # Warp roles.
 _SOFTMAX_WARPS = ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -117,6 +119,17 @@ _BAR_TMEM_ALLOC = 1  # softmax ×2, correction, MMA warp: wait for the TMEM addr
 KIND_SKIP, KIND_PARTIAL, KIND_FULL = 0, 1, 2
 
 _VEC_SLOTS = 4  # per row in sVec: rescale factor, running sum, running max, true max
+
+
+@dsl_user_op
+def tcgen05_fence(after: bool, *, loc=None, ip=None) -> None:
+    """``tcgen05.fence::after_thread_sync`` (after a wait, before this thread's tcgen05 ops) or
+    ``::before_thread_sync`` (after its tcgen05 ops, before the arrive that publishes them):
+    the PTX memory model orders tcgen05 operations of different threads only through these
+    fences around the mbarrier synchronisation."""
+    kind = (nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC if after
+            else nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
+    nvvm.tcgen05_fence(kind, loc=loc, ip=ip)
 
 
 class BlockSparse256(NamedTuple):
@@ -535,6 +548,7 @@ class FlexAttentionFwdSm100:
                 pipes.q.consumer_wait(q_state)
             qi = q_first.index + t
             pipes.s[t].producer_acquire(s_state)
+            tcgen05_fence(after=True)
             self._gemm(mma_qk, tS[t], tSrQ[None, None, None, qi],
                        tSrK[None, None, None, k_state.index], False)
             pipes.s[t].producer_commit(s_state)
@@ -546,10 +560,12 @@ class FlexAttentionFwdSm100:
             pipes.v.consumer_wait(v_state)
             for t in cutlass.range_constexpr(2):
                 pipes.o[t].consumer_wait(o_state)
+                tcgen05_fence(after=True)
                 self._gemm(mma_pv, tO[t], tP[t], tOrV[None, None, None, v_state.index],
                            j > 1)
                 pipes.o[t].consumer_release(o_state)
                 pipes.s[t].producer_acquire(s_state)
+                tcgen05_fence(after=True)
                 self._gemm(mma_qk, tS[t], tSrQ[None, None, None, q_first.index + t],
                            tSrK[None, None, None, k_state.index], False)
                 pipes.s[t].producer_commit(s_state)
@@ -562,6 +578,7 @@ class FlexAttentionFwdSm100:
         pipes.v.consumer_wait(v_state)
         for t in cutlass.range_constexpr(2):
             pipes.o[t].consumer_wait(o_state)
+            tcgen05_fence(after=True)
             self._gemm(mma_pv, tO[t], tP[t], tOrV[None, None, None, v_state.index],
                        sched.n > 1)
             pipes.o[t].consumer_release(o_state)
@@ -624,6 +641,7 @@ class FlexAttentionFwdSm100:
             elif const_expr(self.mask_mod is not None):
                 kind = Int32(KIND_PARTIAL)
             pipes.s[t].consumer_wait(s_state)
+            tcgen05_fence(after=True)
             # One branch per kind around the whole step, so that no branch join has to merge
             # the 128 scores (merging them made ptxas spill hundreds of bytes).
             step = (ld, tTtS, tTcS, st, tTtP, p_shape, c, tile, row, sched, softmax_scale, aux)
@@ -711,6 +729,7 @@ class FlexAttentionFwdSm100:
                     part.store(chunks[h * per_piece + q].load().to(self.dtype))
                 cute.copy(st, rP32, tTtP[h])
         cute.arch.fence_view_async_tmem_store()
+        tcgen05_fence(after=False)  # P and the reads of S, before the arrives that publish them
         return scale, row_max, row_sum, row_peak
 
     @cute.jit
@@ -770,6 +789,7 @@ class FlexAttentionFwdSm100:
                 scale = sVec[tidx, 0, t]
                 pipes.vec[t].consumer_release(v_state)
                 pipes.o[t].producer_acquire(o_state)
+                tcgen05_fence(after=True)
                 if j > 0:
                     if cute.arch.vote_any_sync(scale < 1.0):
                         for ci in cutlass.range_constexpr(n_chunks):
@@ -783,6 +803,7 @@ class FlexAttentionFwdSm100:
                                 rO[i] = rO[i] * scale
                             cute.copy(st, rO, st.partition_D(src))
                         cute.arch.fence_view_async_tmem_store()
+                tcgen05_fence(after=False)
                 pipes.o[t].producer_commit(o_state)
             v_state.advance()
             o_state.advance()
@@ -797,6 +818,7 @@ class FlexAttentionFwdSm100:
                 row_max = sVec[tidx, 2, t]
                 row_peak = sVec[tidx, 3, t]
                 pipes.o[t].producer_acquire(o_state)  # the last PV_t has completed
+                tcgen05_fence(after=True)
             self._epilogue(t, ld, tO_chunk[t], tTcO, n_chunks, chunk, row_sum, row_max,
                            row_peak, sched, mO, mLSE, mMax, softmax_scale, tidx)
 
@@ -889,6 +911,9 @@ class CompiledFwd:
     def __call__(self, q, k, v, o, lse, softmax_scale: float, blocks=None, aux_tensors=(),
                  aux_scalars=(), max_scores=None):
         """``blocks``: the three tensors of ``cute_sm100.sm100_block_lists`` (or None)."""
+        if self.ffi_fn is None:
+            raise RuntimeError(f"this sm100 forward was compiled for {GPU_ARCH} in a process that "
+                               "cannot launch it (CUTE_DSL_ARCH differs): compile-only")
         if (max_scores is not None) != self.cfg.write_max:
             raise ValueError("max_scores must be given exactly when the kernel writes it (write_max)")
         if (blocks is not None) != self.cfg.has_block_mask:
@@ -902,7 +927,7 @@ class CompiledFwd:
 
 def compile_fwd(cfg: FwdConfig, q, aux_tensors=(), aux_scalars=(), options: str = "") -> CompiledFwd:
     """Compile for these input kinds (dtype from ``q``; sizes and strides stay runtime values).
-    Works on a CPU-only machine with CUTE_DSL_ARCH=sm_100a; read ``result.compiled.__ptx__``
+    Always targets ``GPU_ARCH`` (a CPU-only machine needs no CUTE_DSL_ARCH); read ``result.compiled.__ptx__``
     with ``options='--keep-ptx'``."""
     if not tvm_ffi_enabled():
         raise RuntimeError("cute_sm100_fwd compiles through TVM-FFI only (tvm_ffi not importable "
@@ -914,5 +939,9 @@ def compile_fwd(cfg: FwdConfig, q, aux_tensors=(), aux_scalars=(), options: str 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     compiled = cute.compile(FlexAttentionFwdSm100(cfg),
                             *_placeholder_args(cfg, aux_tensors, aux_scalars), stream,
-                            options=f"{options} --enable-tvm-ffi".strip())
-    return CompiledFwd(cfg, compiled, signature, ffi_function(compiled))
+                            options=f"{options} --gpu-arch {GPU_ARCH} --enable-tvm-ffi".strip())
+    try:
+        ffi_fn = ffi_function(compiled)
+    except RuntimeError:  # compiled for an arch this process cannot launch (CUTE_DSL_ARCH differs)
+        ffi_fn = None
+    return CompiledFwd(cfg, compiled, signature, ffi_fn)
