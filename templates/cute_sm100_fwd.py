@@ -736,9 +736,12 @@ class FlexAttentionFwdSm100:
     def _apply(self, rS: cute.Tensor, tTcS: cute.Tensor, kv0: Int32, row: Int32, sched: _Sched,
                softmax_scale: Float32, aux: Aux, use_mask: cutlass.Constexpr,
                use_bound: cutlass.Constexpr):
-        """The holes on one chunk of a row of S (columns kv0 + tTcS[i][1])."""
+        """The holes on one chunk of a row of S (columns kv0 + tTcS[i][1]). The bound compares
+        each register's compile-time column with one per-chunk limit, so that no kv_idx has to
+        stay live for it (128 live kv_idx registers spilled the masked variants)."""
         indices = FloatIndices(row, kv0 + tTcS[0][1])
         neg_inf = -Float32.inf
+        limit = sched.seqlen_k - kv0
         for i in cutlass.range_constexpr(cute.size(rS)):
             kv_idx = kv0 + tTcS[i][1]
             s = rS[i]
@@ -750,7 +753,7 @@ class FlexAttentionFwdSm100:
                                      *indices.args(self.mask_mod, row, kv_idx))
                 s = s if keep else neg_inf
             if const_expr(use_bound):
-                s = s if kv_idx < sched.seqlen_k else neg_inf
+                s = s if tTcS[i][1] < limit else neg_inf
             rS[i] = s
 
     # -----------------------------------------------------------------------------------------

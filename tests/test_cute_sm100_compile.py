@@ -93,17 +93,11 @@ def test_block_sparse_without_mask_mod(tmp_path, head_dim):
     assert _spill_bytes(tmp_path, ptx) == 0
 
 
-# Measured spill bytes (max of stores, loads) with a mask_mod, 2026-12-01, ptxas 12.9: the
-# partial step's masks push the 208-register softmax warpgroups over by a few values. Budgets,
-# not targets: a change that spills more fails; one that spills less should lower them.
-_TEMPLATE_SPILLS = {("causal", 64): 64, ("causal", 128): 64}
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_causal_block_sparse(tmp_path, head_dim):
     ptx = _compile_template(tmp_path, head_dim, mask_mod=causal_mask, sparse=True)
     _assert_blackwell_path(ptx)
-    assert _spill_bytes(tmp_path, ptx) <= _TEMPLATE_SPILLS[("causal", head_dim)]
+    assert _spill_bytes(tmp_path, ptx) == 0
 
 
 # --------------------------------------------------------------- every core mod, rendered
