@@ -114,6 +114,7 @@ _SOFTMAX_REGS, _CORRECTION_REGS, _OTHER_REGS = 208, 56, 40
 
 # Named barriers (0 is __syncthreads).
 _BAR_TMEM_ALLOC = 1  # softmax ×2, correction, MMA warp: wait for the TMEM address
+_BAR_TMEM_FREE = 2  # the correction warpgroup, before warp 8 frees TMEM
 
 # Kinds of a kv block for one sub-tile (block-sparse lists).
 KIND_SKIP, KIND_PARTIAL, KIND_FULL = 0, 1, 2
@@ -357,6 +358,12 @@ class FlexAttentionFwdSm100:
             t_ptr = tmem.retrieve_ptr(Float32)
             sched = self._schedule(mO, mK, blocks)
             self.correction(mma_pv, t_ptr, pipes, sVec, sched, mO, mLSE, mMax, softmax_scale)
+            # The correction warpgroup is the last user of TMEM (the softmax's last P store and
+            # the MMA warp's last PV completed before its final waits); all four of its warps
+            # must be done reading O before warp 8 frees it.
+            tcgen05_fence(after=False)
+            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=128)
+            tcgen05_fence(after=True)
             tmem.relinquish_alloc_permit()
             tmem.free(t_ptr)
         else:
