@@ -647,11 +647,20 @@ class FlexAttentionFwdSm100:
                 kind = (sched.kind_row[j] >> (2 * t)) & 3
             elif const_expr(self.mask_mod is not None):
                 kind = Int32(KIND_PARTIAL)
+            # The mask as bits, before S is waited for: the mask's own loads (document ids)
+            # run under the QK GEMM and never sit in registers beside the 128 scores.
+            w0 = w1 = w2 = w3 = cutlass.Uint32(0)
+            if const_expr(self.mask_mod is not None and self.sparse):
+                if kind == KIND_PARTIAL:
+                    w0, w1, w2, w3 = self._mask_bits(tile, row, sched, aux)
+            elif const_expr(self.mask_mod is not None):
+                w0, w1, w2, w3 = self._mask_bits(tile, row, sched, aux)
             pipes.s[t].consumer_wait(s_state)
             tcgen05_fence(after=True)
             # One branch per kind around the whole step, so that no branch join has to merge
             # the 128 scores (merging them made ptxas spill hundreds of bytes).
-            step = (ld, tTtS, tTcS, st, tTtP, p_shape, c, tile, row, sched, softmax_scale, aux)
+            step = (ld, tTtS, tTcS, st, tTtP, p_shape, c, tile, row, sched, softmax_scale, aux,
+                    (w0, w1, w2, w3))
             crosses = (tile + 1) * TILE_N > sched.seqlen_k
             if const_expr(not self.sparse and self.mask_mod is not None):
                 scale, row_max, row_sum, row_peak = self._step(
@@ -693,7 +702,7 @@ class FlexAttentionFwdSm100:
         be rescaled by, new max, new sum, new true max). ``kind``: "partial" (score_mod,
         mask_mod and the kv < S bound), "bounded" (a full tile that crosses S: score_mod and the
         bound), "full" (score_mod only), "skip" (a block this sub-tile does not visit: P = 0)."""
-        ld, tTtS, tTcS, st, tTtP, p_shape, c, tile, row, sched, softmax_scale, aux = step
+        ld, tTtS, tTcS, st, tTtP, p_shape, c, tile, row, sched, softmax_scale, aux, bits = step
         per_col = 32 // self.dtype.width
         scale = Float32(1.0)
         if const_expr(kind == "skip"):
@@ -708,8 +717,10 @@ class FlexAttentionFwdSm100:
                 cute.copy(ld, tTtS[h], rS)
                 cute.arch.fence_view_async_tmem_load()
                 if const_expr(kind != "full" or self.score_mod is not None):
-                    self._apply(rS, tTcS, tile * TILE_N + S_CHUNK * h, row, sched,
-                                softmax_scale, aux, kind == "partial", kind != "full")
+                    use_bits = kind == "partial" and self.mask_mod is not None
+                    self._apply(rS, tTcS, tile * TILE_N, S_CHUNK * h, row, sched,
+                                softmax_scale, aux, bits if use_bits else None,
+                                kind != "full" and not use_bits)
                 chunks.append(rS)
             values = [x[i] for x in chunks for i in range(cute.size(x))]
             blk_max = tree(values, cute.arch.fmax)
@@ -740,27 +751,48 @@ class FlexAttentionFwdSm100:
         return scale, row_max, row_sum, row_peak
 
     @cute.jit
-    def _apply(self, rS: cute.Tensor, tTcS: cute.Tensor, kv0: Int32, row: Int32, sched: _Sched,
-               softmax_scale: Float32, aux: Aux, use_mask: cutlass.Constexpr,
-               use_bound: cutlass.Constexpr):
-        """The holes on one chunk of a row of S (columns kv0 + tTcS[i][1]). The bound compares
-        each register's compile-time column with one per-chunk limit, so that no kv_idx has to
-        stay live for it (128 live kv_idx registers spilled the masked variants)."""
-        indices = FloatIndices(row, kv0 + tTcS[0][1])
-        neg_inf = -Float32.inf
+    def _mask_bits(self, tile: Int32, row: Int32, sched: _Sched, aux: Aux):
+        """mask_mod and the kv < S bound of this row over kv tile ``tile``, as TILE_N / 32 words:
+        bit i of word w keeps column 32·w + i."""
+        kv0 = tile * TILE_N
         limit = sched.seqlen_k - kv0
-        for i in cutlass.range_constexpr(cute.size(rS)):
-            kv_idx = kv0 + tTcS[i][1]
-            s = rS[i]
-            if const_expr(self.score_mod is not None):
-                s = self.score_mod(s * softmax_scale, sched.batch, sched.head, row, kv_idx, aux,
-                                   *indices.args(self.score_mod, row, kv_idx))
-            if const_expr(use_mask and self.mask_mod is not None):
+        indices = FloatIndices(row, kv0)
+        words = []
+        for w in cutlass.range_constexpr(TILE_N // 32):
+            word = cutlass.Uint32(0)
+            for i in cutlass.range_constexpr(32):
+                col = 32 * w + i
+                kv_idx = kv0 + col
                 keep = self.mask_mod(sched.batch, sched.head, row, kv_idx, aux,
                                      *indices.args(self.mask_mod, row, kv_idx))
+                bit = cutlass.Uint32(1 << i) if keep else cutlass.Uint32(0)
+                word = word | (bit if col < limit else cutlass.Uint32(0))
+            words.append(word)
+        return tuple(words)
+
+    @cute.jit
+    def _apply(self, rS: cute.Tensor, tTcS: cute.Tensor, kv_base: Int32, col0: cutlass.Constexpr,
+               row: Int32, sched: _Sched, softmax_scale: Float32, aux: Aux, bits,
+               use_bound: cutlass.Constexpr):
+        """The holes on one chunk of a row of S, columns col0 + tTcS[i][1] of the tile at
+        kv_base: score_mod, then the mask from ``bits`` (``_mask_bits``; None: no mask_mod) or,
+        with ``use_bound``, the kv < S bound alone, comparing each register's compile-time
+        column with one limit (128 live kv_idx registers spilled the masked variants)."""
+        indices = FloatIndices(row, kv_base + col0 + tTcS[0][1])
+        neg_inf = -Float32.inf
+        limit = sched.seqlen_k - kv_base
+        for i in cutlass.range_constexpr(cute.size(rS)):
+            col = col0 + tTcS[i][1]
+            s = rS[i]
+            if const_expr(self.score_mod is not None):
+                kv_idx = kv_base + col
+                s = self.score_mod(s * softmax_scale, sched.batch, sched.head, row, kv_idx, aux,
+                                   *indices.args(self.score_mod, row, kv_idx))
+            if const_expr(bits is not None):
+                keep = ((bits[col // 32] >> (col % 32)) & cutlass.Uint32(1)) != cutlass.Uint32(0)
                 s = s if keep else neg_inf
-            if const_expr(use_bound):
-                s = s if tTcS[i][1] < limit else neg_inf
+            elif const_expr(use_bound):
+                s = s if col < limit else neg_inf
             rS[i] = s
 
     # -----------------------------------------------------------------------------------------
@@ -851,21 +883,26 @@ class FlexAttentionFwdSm100:
         lse = (m_safe * c + cute.math.log2(row_sum if ok else Float32(1.0), fastmath=True)) * LN_2
         lse = lse if ok else -Float32.inf
         row = 2 * sched.m_block * SUB_M + t * SUB_M + tTcO[0][0]
-        if row < sched.seqlen_q:
-            gO = mO[row, None, sched.head, sched.batch]  # (Dv,), contiguous
-            for ci in cutlass.range_constexpr(n_chunks):
-                rO = cute.make_rmem_tensor(tTcO.shape, Float32)
-                if sched.n > 0:
-                    src = cute.make_tensor(tO_chunk.iterator + ci * chunk, tO_chunk.layout)
-                    cute.copy(ld, ld.partition_S(src), rO)
-                    cute.arch.fence_view_async_tmem_load()
-                else:
-                    rO.fill(0.0)
-                for i in cutlass.range_constexpr(cute.size(rO)):
-                    rO[i] = rO[i] * inv
-                rOut = cute.make_rmem_tensor(cute.make_layout(chunk), self.dtype)
-                rOut.store(rO.load().to(self.dtype))
+        in_bounds = row < sched.seqlen_q
+        # tcgen05.ld is warp-collective (.sync.aligned): every lane loads, whatever its row;
+        # only the global stores are predicated. A clamped row keeps the address valid.
+        gO = mO[cutlass.max(cutlass.min(row, sched.seqlen_q - 1), 0), None, sched.head,
+                sched.batch]  # (Dv,), contiguous
+        for ci in cutlass.range_constexpr(n_chunks):
+            rO = cute.make_rmem_tensor(tTcO.shape, Float32)
+            if sched.n > 0:
+                src = cute.make_tensor(tO_chunk.iterator + ci * chunk, tO_chunk.layout)
+                cute.copy(ld, ld.partition_S(src), rO)
+                cute.arch.fence_view_async_tmem_load()
+            else:
+                rO.fill(0.0)
+            for i in cutlass.range_constexpr(cute.size(rO)):
+                rO[i] = rO[i] * inv
+            rOut = cute.make_rmem_tensor(cute.make_layout(chunk), self.dtype)
+            rOut.store(rO.load().to(self.dtype))
+            if in_bounds:
                 cute.autovec_copy(rOut, cute.local_tile(gO, (chunk,), (ci,)))
+        if in_bounds:
             mLSE[row, sched.head, sched.batch] = lse
             if const_expr(self.write_max):
                 peak = row_peak

@@ -67,9 +67,9 @@ def _spill_bytes(tmp_path, ptx: str) -> int:
     return max(stores, loads)
 
 
-def _compile_template(tmp_path, head_dim, mask_mod=None, sparse=False):
+def _compile_template(tmp_path, head_dim, mask_mod=None, sparse=False, write_max=False):
     cfg = _tpl.FwdConfig(head_dim, head_dim, cutlass.BFloat16, None, mask_mod,
-                         has_block_mask=sparse)
+                         has_block_mask=sparse, write_max=write_max)
     q = torch.randn(2, 4, 300, head_dim, dtype=torch.bfloat16)
     fn = _tpl.compile_fwd(cfg, q, options=f"--keep-ptx --dump-dir {tmp_path}")
     return _ptx_text(fn.compiled)
@@ -93,10 +93,13 @@ def test_block_sparse_without_mask_mod(tmp_path, head_dim):
     assert _spill_bytes(tmp_path, ptx) == 0
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_causal_block_sparse(tmp_path, head_dim):
-    ptx = _compile_template(tmp_path, head_dim, mask_mod=causal_mask, sparse=True)
+@pytest.mark.parametrize("head_dim,write_max", [(64, True), (128, False)])
+def test_causal_block_sparse(tmp_path, head_dim, write_max):
+    # write_max (AuxRequest(max_scores)) on one of the two: it adds one store per row.
+    ptx = _compile_template(tmp_path, head_dim, mask_mod=causal_mask, sparse=True,
+                            write_max=write_max)
     _assert_blackwell_path(ptx)
+    assert ptx.count("st.global.b32") == (4 if write_max else 2)  # LSE (+ max) per sub-tile
     assert _spill_bytes(tmp_path, ptx) == 0
 
 
@@ -225,3 +228,43 @@ def test_merge_block_lists_handmade():
     P, F = cute_sm100.KIND_PARTIAL, cute_sm100.KIND_FULL
     assert kinds[0, 0, 0].tolist() == [F | P << 2, F << 2, P << 2, P]
     assert kinds[0, 0, 1, 0] == F
+
+
+# --------------------------------------------------------------- on a Blackwell GPU (none yet)
+
+
+_BLACKWELL = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _BLACKWELL, reason="needs a Blackwell (sm_100) GPU; none has run this")
+@pytest.mark.parametrize("name", ["full", "causal", "document", "alibi", "softcap",
+                                  "relative_bias", "natten_2d"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_forward_matches_float64_on_blackwell(name, D):
+    """The first-use self-check's content, by hand: the kernel called directly (``supports``
+    refuses it), against float64 math. L = 700 (ragged against 128 and 256, an odd number of
+    block rows), S = 1000, GQA 4:2."""
+    import math
+
+    from flexjit.api import Call
+    from oracle import FLOOR, assert_close_to_oracle, dense_attention, dense_scores
+
+    B, Hq, Hkv, L, S = 2, 4, 2, 700, 1000
+    torch.manual_seed(0)
+    case = make_case(name, B, Hq, L, S, device="cuda")
+    program = lowered(case.score_mod, case.mask_mod)
+    bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cuda") if case.mask_mod else None
+    q, k, v = (torch.randn(B, h, n, D, device="cuda", dtype=torch.bfloat16)
+               for h, n in ((Hq, L), (Hkv, S), (Hkv, S)))
+    torch.full((1 << 28,), float("nan"), device="cuda")  # poison the allocator's next blocks
+    call = Call(q, k, v, program, bm, 1 / math.sqrt(D), {}, grad=False, max_scores=True)
+    out, lse, mx = cute_sm100.forward(call)
+    args = (q, k, v, case.score_mod, case.mask_mod, call.scale)
+    ref, ref_lse = dense_attention(*args, dtype=torch.float64)
+    low, low_lse = dense_attention(*args, dtype=torch.bfloat16)
+    mx64 = dense_scores(q, k, case.score_mod, case.mask_mod, call.scale).amax(-1)
+    mx16 = dense_scores(q, k, case.score_mod, case.mask_mod, call.scale, torch.bfloat16).amax(-1)
+    assert_close_to_oracle(f"{name} out", out, ref, low, FLOOR[torch.bfloat16])
+    assert_close_to_oracle(f"{name} lse", lse, ref_lse, low_lse, FLOOR[torch.bfloat16])
+    assert_close_to_oracle(f"{name} max_scores", mx, mx64, mx16, FLOOR[torch.bfloat16])
