@@ -345,12 +345,10 @@ class FlexAttentionFwdSm100:
             t_ptr = tmem.retrieve_ptr(Float32)
             # Each role computes the schedule itself: values live across setmaxnreg spill.
             sched = self._schedule(mO, mK, blocks)
-            if warp_idx < _SOFTMAX_WARPS[1][0]:
-                self.softmax(0, mma_qk, mma_pv, t_ptr, tP_layout, pipes, sVec, sched,
-                             softmax_scale, aux)
-            else:
-                self.softmax(1, mma_qk, mma_pv, t_ptr, tP_layout, pipes, sVec, sched,
-                             softmax_scale, aux)
+            # One copy of the softmax code for both sub-tiles (t is a runtime value).
+            t = cute.arch.make_warp_uniform(warp_idx // 4)
+            self.softmax(t, mma_qk, mma_pv, t_ptr, tP_layout, pipes, sVec, sched, softmax_scale,
+                         aux)
         elif warp_idx < _MMA_WARP:
             cute.arch.setmaxregister_decrease(_CORRECTION_REGS)
             tmem.allocate(TMEM_COLUMNS)
@@ -393,18 +391,19 @@ class FlexAttentionFwdSm100:
         pipe_v = tma(barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
                      producer_group=warp, consumer_group=warp, tx_count=self.tx_v,
                      defer_sync=True)
-        pipe_s, pipe_vec, pipe_o = [], [], []
-        for t in range(2):
-            pipe_s.append(pipeline.PipelineUmmaAsync.create(
-                barrier_storage=storage.mbar_s.data_ptr() + 2 * t, num_stages=1,
-                producer_group=warp, consumer_group=wg, defer_sync=True))
-            pipe_vec.append(pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_vec.data_ptr() + 2 * t, num_stages=1,
-                producer_group=wg, consumer_group=wg, defer_sync=True))
-            pipe_o.append(pipeline.PipelineAsyncUmma.create(
-                barrier_storage=storage.mbar_o.data_ptr() + 2 * t, num_stages=1,
-                producer_group=wg, consumer_group=warp, defer_sync=True))
-        return _Pipes(pipe_q, pipe_k, pipe_v, tuple(pipe_s), tuple(pipe_vec), tuple(pipe_o))
+        # One stage per sub-tile: stage t is sub-tile t's. The MMA warp and the correction
+        # warpgroup serve the sub-tiles in turn (their states advance by one), each softmax
+        # warpgroup only its own stage (its states start at t and advance by two).
+        pipe_s = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.mbar_s.data_ptr(), num_stages=2, producer_group=warp,
+            consumer_group=wg, defer_sync=True)
+        pipe_vec = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_vec.data_ptr(), num_stages=2, producer_group=wg,
+            consumer_group=wg, defer_sync=True)
+        pipe_o = pipeline.PipelineAsyncUmma.create(
+            barrier_storage=storage.mbar_o.data_ptr(), num_stages=2, producer_group=wg,
+            consumer_group=warp, defer_sync=True)
+        return _Pipes(pipe_q, pipe_k, pipe_v, pipe_s, pipe_vec, pipe_o)
 
     # -----------------------------------------------------------------------------------------
     # Scheduling
@@ -544,8 +543,8 @@ class FlexAttentionFwdSm100:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
         q_first = q_state.clone()
         pipes.q.consumer_wait(q_state)
         q_state.advance()
@@ -554,41 +553,42 @@ class FlexAttentionFwdSm100:
             if const_expr(t == 1):
                 pipes.q.consumer_wait(q_state)
             qi = q_first.index + t
-            pipes.s[t].producer_acquire(s_state)
+            pipes.s.producer_acquire(s_state)
             tcgen05_fence(after=True)
             self._gemm(mma_qk, tS[t], tSrQ[None, None, None, qi],
                        tSrK[None, None, None, k_state.index], False)
-            pipes.s[t].producer_commit(s_state)
-        s_state.advance()
+            pipes.s.producer_commit(s_state)
+            s_state.advance()
         pipes.k.consumer_release(k_state)
         k_state.advance()
         for j in cutlass.range(1, sched.n, unroll=1):
             pipes.k.consumer_wait(k_state)
             pipes.v.consumer_wait(v_state)
             for t in cutlass.range_constexpr(2):
-                pipes.o[t].consumer_wait(o_state)
+                pipes.o.consumer_wait(o_state)
                 tcgen05_fence(after=True)
                 self._gemm(mma_pv, tO[t], tP[t], tOrV[None, None, None, v_state.index],
                            j > 1)
-                pipes.o[t].consumer_release(o_state)
-                pipes.s[t].producer_acquire(s_state)
+                pipes.o.consumer_release(o_state)
+                o_state.advance()
+                pipes.s.producer_acquire(s_state)
                 tcgen05_fence(after=True)
                 self._gemm(mma_qk, tS[t], tSrQ[None, None, None, q_first.index + t],
                            tSrK[None, None, None, k_state.index], False)
-                pipes.s[t].producer_commit(s_state)
-            o_state.advance()
-            s_state.advance()
+                pipes.s.producer_commit(s_state)
+                s_state.advance()
             pipes.k.consumer_release(k_state)
             k_state.advance()
             pipes.v.consumer_release(v_state)
             v_state.advance()
         pipes.v.consumer_wait(v_state)
         for t in cutlass.range_constexpr(2):
-            pipes.o[t].consumer_wait(o_state)
+            pipes.o.consumer_wait(o_state)
             tcgen05_fence(after=True)
             self._gemm(mma_pv, tO[t], tP[t], tOrV[None, None, None, v_state.index],
                        sched.n > 1)
-            pipes.o[t].consumer_release(o_state)
+            pipes.o.consumer_release(o_state)
+            o_state.advance()
         pipes.v.consumer_release(v_state)
         pipes.q.consumer_release(q_first)
         pipes.q.consumer_release(q_state)
@@ -597,20 +597,22 @@ class FlexAttentionFwdSm100:
     # Softmax warpgroups
     # -----------------------------------------------------------------------------------------
     @cute.jit
-    def softmax(self, t: cutlass.Constexpr, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, t_ptr,
+    def softmax(self, t: Int32, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, t_ptr,
                 tP_layout, pipes: "_Pipes", sVec: cute.Tensor, sched: _Sched,
                 softmax_scale: Float32, aux: Aux):
         """Sub-tile t's rows, one per thread: per kv tile, S_t from TMEM to registers, the holes,
         an online-softmax step, P_t back to TMEM, then the row's factors to the correction."""
         tidx = cute.arch.thread_idx()[0] % 128
-        tS, _, _ = self._tmem_views(mma_qk, mma_pv, t_ptr, tP_layout)
+        # This sub-tile's S: TMEM columns 128·t .. 128·t + 127.
+        tS, _, _ = self._tmem_views(mma_qk, mma_pv, t_ptr + t * (self.tmem_s[1] - self.tmem_s[0]),
+                                    tP_layout)
         thr_qk = mma_qk.get_slice(0)
         tScS = thr_qk.partition_C(cute.make_identity_tensor(self.qk_tiler[:2]))
         # S is read in S_CHUNK-column pieces, each waited for and modded before the next is
         # read: the waits bound how far the compiler can hoist the mods' temporaries (with all
         # 128 scores' mask predicates live at once ptxas spilled).
         chunk_layout = cute.make_layout((SUB_M, S_CHUNK))
-        tS_chunk = cute.make_tensor(tS[t].iterator, cute.composition(tS[t].layout, chunk_layout))
+        tS_chunk = cute.make_tensor(tS[0].iterator, cute.composition(tS[0].layout, chunk_layout))
         ld = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(S_CHUNK)),
                                 Float32), tS_chunk).get_slice(tidx)
@@ -620,8 +622,8 @@ class FlexAttentionFwdSm100:
         # P: 16-bit values two to a 32-bit column, over S_t's first TILE_N / 2 columns, written
         # in pieces of 32 columns (64 scores) so that only 32 registers of P live beside S.
         p_cols = TILE_N * self.dtype.width // 32
-        tStP = cute.make_tensor(tS[t].iterator,
-                                cute.composition(tS[t].layout, cute.make_layout((SUB_M, 32))))
+        tStP = cute.make_tensor(tS[0].iterator,
+                                cute.composition(tS[0].layout, cute.make_layout((SUB_M, 32))))
         st = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(32)), Float32),
             tStP).get_slice(tidx)
@@ -638,8 +640,9 @@ class FlexAttentionFwdSm100:
         row_sum = Float32(0.0)
         row_peak = -Float32.inf
         scale = Float32(1.0)
-        s_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        # Stage t of the two-stage pipelines, every other position (see _make_pipelines).
+        s_state = pipeline.PipelineState(2, Int32(0), t, Int32(0))  # consumer
+        v_state = pipeline.PipelineState(2, Int32(0), t, Int32(1))  # producer
         for j in cutlass.range(0, sched.n, unroll=1):
             tile = self._kv_tile(sched, j)
             kind = Int32(KIND_FULL)
@@ -655,7 +658,7 @@ class FlexAttentionFwdSm100:
                     w0, w1, w2, w3 = self._mask_bits(tile, row, sched, aux)
             elif const_expr(self.mask_mod is not None):
                 w0, w1, w2, w3 = self._mask_bits(tile, row, sched, aux)
-            pipes.s[t].consumer_wait(s_state)
+            pipes.s.consumer_wait(s_state)
             tcgen05_fence(after=True)
             # One branch per kind around the whole step, so that no branch join has to merge
             # the 128 scores (merging them made ptxas spill hundreds of bytes).
@@ -685,15 +688,15 @@ class FlexAttentionFwdSm100:
                 else:
                     scale, row_max, row_sum, row_peak = self._step(
                         "full", step, row_max, row_sum, row_peak)
-            pipes.s[t].consumer_release(s_state)
-            s_state.advance()
-            pipes.vec[t].producer_acquire(v_state)
+            pipes.s.consumer_release(s_state)
+            s_state.advance(2)
+            pipes.vec.producer_acquire(v_state)
             sVec[tidx, 0, t] = scale
             sVec[tidx, 1, t] = row_sum
             sVec[tidx, 2, t] = row_max
             sVec[tidx, 3, t] = row_peak
-            pipes.vec[t].producer_commit(v_state)
-            v_state.advance()
+            pipes.vec.producer_commit(v_state)
+            v_state.advance(2)
 
     @cute.jit
     def _step(self, kind: cutlass.Constexpr, step: tuple, row_max: Float32, row_sum: Float32,
@@ -823,14 +826,15 @@ class FlexAttentionFwdSm100:
         ).get_slice(tidx)
         tTcO = ld.partition_D(cO)
         n_chunks = self.head_dim_v // chunk
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+        o_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
         for j in cutlass.range(0, sched.n, unroll=1):
             for t in cutlass.range_constexpr(2):
-                pipes.vec[t].consumer_wait(v_state)
+                pipes.vec.consumer_wait(v_state)
                 scale = sVec[tidx, 0, t]
-                pipes.vec[t].consumer_release(v_state)
-                pipes.o[t].producer_acquire(o_state)
+                pipes.vec.consumer_release(v_state)
+                v_state.advance()
+                pipes.o.producer_acquire(o_state)
                 tcgen05_fence(after=True)
                 if j > 0:
                     if cute.arch.vote_any_sync(scale < 1.0):
@@ -846,9 +850,8 @@ class FlexAttentionFwdSm100:
                             cute.copy(st, rO, st.partition_D(src))
                         cute.arch.fence_view_async_tmem_store()
                 tcgen05_fence(after=False)
-                pipes.o[t].producer_commit(o_state)
-            v_state.advance()
-            o_state.advance()
+                pipes.o.producer_commit(o_state)
+                o_state.advance()
         for t in cutlass.range_constexpr(2):
             # The last step's running sum and max are the final ones (zero steps: the softmax
             # never wrote them, and the epilogue ignores them).
@@ -859,7 +862,8 @@ class FlexAttentionFwdSm100:
                 row_sum = sVec[tidx, 1, t]
                 row_max = sVec[tidx, 2, t]
                 row_peak = sVec[tidx, 3, t]
-                pipes.o[t].producer_acquire(o_state)  # the last PV_t has completed
+                pipes.o.producer_acquire(o_state)  # the last PV_t has completed
+                o_state.advance()
                 tcgen05_fence(after=True)
             self._epilogue(t, ld, tO_chunk[t], tTcO, n_chunks, chunk, row_sum, row_max,
                            row_peak, sched, mO, mLSE, mMax, softmax_scale, tidx)
@@ -918,9 +922,9 @@ class _Pipes:
     q: object
     k: object
     v: object
-    s: tuple  # per sub-tile
-    vec: tuple
-    o: tuple
+    s: object  # 2 stages: stage t is sub-tile t's
+    vec: object
+    o: object
 
 
 # ---------------------------------------------------------------------------------------------
