@@ -39,19 +39,28 @@ The kv loop, as the MMA warp issues it (tcgen05.mma from one thread executes in 
 
 Because PV_t(j-1) is issued before QK_t(j), the new S_t never overwrites P_t before the tensor
 core has read it, and while softmax t works on S_t(j) the tensor core runs the other sub-tile's
-PV and QK: the two sub-tiles ping-pong. The pipelines (mbarriers, one stage unless noted):
+PV and QK: the two sub-tiles ping-pong. The pipelines (mbarriers):
 
 * ``pipe_q`` (2 stages: Q0, Q1), ``pipe_k``, ``pipe_v`` (``num_stages`` each): TMA -> MMA warp,
   released by tcgen05.commit when the MMAs reading the stage complete.
-* ``pipe_s[t]``: MMA -> softmax t, "S_t(j) is in tensor memory" (tcgen05.commit).
-* ``pipe_vec[t]``: softmax t -> correction, "P_t(j) is in tensor memory, and here are row j's
-  rescale factor, running sum and max" (in shared memory, ``sVec``).
-* ``pipe_o[t]``: correction -> MMA, "O_t is rescaled for step j (and P_t(j) is ready)"; its
+* ``pipe_s``: MMA -> softmax t, "S_t(j) is in tensor memory" (tcgen05.commit).
+* ``pipe_vec``: softmax t -> correction, "P_t(j) is in tensor memory, and here are step j's
+  rescale factor, running sum and max of the row" (in shared memory, ``sVec``).
+* ``pipe_o``: correction -> MMA, "O_t is rescaled for step j (and P_t(j) is ready)"; its
   release by the MMA warp (tcgen05.commit after PV_t(j)) is what the correction's next acquire
   waits for, i.e. "PV_t(j) has completed".
 
-Softmax (one thread per row, so no shuffles): p = exp2(s·c − m·c) with c = softmax_scale·log2(e)
-(log2(e) where a score_mod already produced natural-unit scores); O is rescaled by the correction
+These three have two stages, stage t belonging to sub-tile t: the MMA warp and the correction
+warpgroup serve the sub-tiles in turn (their states advance by one), a softmax warpgroup only its
+own stage (its states start at t and advance by two), so one copy of the softmax code serves both
+sub-tiles with t a runtime value. Every hand-off is wrapped in tcgen05 fences
+(``tcgen05_fence``): before_thread_sync ahead of the arrive, after_thread_sync behind the wait.
+
+Softmax (one thread per row, so no shuffles): S_t is read from TMEM 16 columns at a time, each
+chunk modded before the next is read; mask_mod (with the kv < S bound) is evaluated into four
+32-bit words before S_t is waited for, so its loads overlap the QK GEMM. p = exp2(s·c − m·c) with
+c = softmax_scale·log2(e) (log2(e) where a score_mod already produced natural-unit scores); O is
+rescaled by the correction
 warpgroup only where a row's max grew by more than ``rescale_threshold`` (log2 units, default 0),
 skipped per warp by vote. Epilogue (correction warpgroup): O_t / rowsum -> 16-bit -> global memory
 straight from registers (one row per thread, 16-byte vectors; rows >= L are not written); LSE =
@@ -62,7 +71,7 @@ Block sparsity
 flexjit's BlockMask is 128×128 (partial and full lists per 128-row block); this CTA covers two
 128-row blocks. The host (``cute_sm100.sm100_block_lists``) merges each pair of rows into one
 list of kv blocks that at least one of the two visits, and gives each entry a kind per sub-tile:
-0 = the sub-tile skips the block (all its scores become −inf), 1 = partial (mask_mod and the
+0 = the sub-tile skips the block (its softmax stores P = 0), 1 = partial (mask_mod and the
 kv < S bound apply), 2 = full (no mask_mod; only the bound where the block crosses S). ``kinds``
 holds k0 | (k1 << 2). Without a block mask every kv tile is visited, partial with a mask_mod and
 full without one.
@@ -91,7 +100,7 @@ from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from flexjit.templates.cute_common import (
-    LN_2, LOG2_E, MASK_BLOCK, Aux, FloatIndices, as_scalar, aux_cutlass_dtype, fadd,
+    LN_2, LOG2_E, Aux, FloatIndices, as_scalar, aux_cutlass_dtype, fadd,
     ffi_function, permute, placeholder, tree, tvm_ffi_enabled,
 )
 
@@ -505,7 +514,8 @@ class FlexAttentionFwdSm100:
         o_layout = thr_pv.make_fragment_C(thr_pv.partition_shape_C(self.pv_tiler[:2])).layout
         tS = [cute.make_tensor(t_ptr + self.tmem_s[t], s_layout) for t in range(2)]
         tO = [cute.make_tensor(t_ptr + self.tmem_o[t], o_layout) for t in range(2)]
-        p_frag = thr_pv.make_fragment_A(cute.make_tensor(t_ptr, tP_layout.outer))[None, None, None, 0]
+        p_frag = thr_pv.make_fragment_A(
+            cute.make_tensor(t_ptr, tP_layout.outer))[None, None, None, 0]
         tP = [cute.make_tensor(cute.recast_ptr(t_ptr + self.tmem_s[t], dtype=self.dtype),
                                p_frag.layout) for t in range(2)]
         return tS, tO, tP
@@ -976,10 +986,12 @@ class CompiledFwd:
         return o, lse
 
 
-def compile_fwd(cfg: FwdConfig, q, aux_tensors=(), aux_scalars=(), options: str = "") -> CompiledFwd:
+def compile_fwd(cfg: FwdConfig, q, aux_tensors=(), aux_scalars=(),
+                options: str = "") -> CompiledFwd:
     """Compile for these input kinds (dtype from ``q``; sizes and strides stay runtime values).
-    Always targets ``GPU_ARCH`` (a CPU-only machine needs no CUTE_DSL_ARCH); read ``result.compiled.__ptx__``
-    with ``options='--keep-ptx'``."""
+    Always targets ``GPU_ARCH`` (a CPU-only machine needs no CUTE_DSL_ARCH); read
+    ``result.compiled.__ptx__`` with ``options='--keep-ptx'`` (a path to the dumped file when
+    ``--dump-dir`` is given)."""
     if not tvm_ffi_enabled():
         raise RuntimeError("cute_sm100_fwd compiles through TVM-FFI only (tvm_ffi not importable "
                            "or FLEXJIT_TVM_FFI=0)")
