@@ -41,7 +41,15 @@ def _template():
 
 
 def supports(call) -> tuple[bool, str]:
-    """Always (False, reason): nothing may reach an unverified kernel."""
+    """Always (False, reason): nothing may reach an unverified kernel.
+
+    Once a first-use self-check exists, this must still refuse what the kernel does not handle
+    (the sm90 backend's ``supports`` checks the same things): a device that is not sm_100
+    (sm_103 needs its own ``--gpu-arch``), dtypes other than fp16/bf16, head dims outside
+    ``HEAD_DIMS``, q/k/v without a contiguous last dim or with strides that are not 16-byte
+    multiples (TMA), a batch broadcast by stride 0, block sizes other than 128x128, and a
+    negative scale without a score_mod (the kernel folds the scale into exp2's multiplier and
+    takes the row max of the raw q·k)."""
     return False, REFUSAL
 
 
