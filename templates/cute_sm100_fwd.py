@@ -178,6 +178,9 @@ class FwdConfig:
     has_block_mask: bool = False
     rescale_threshold: float = 0.0  # log2 units; 0.0 rescales whenever a row max grows
     write_max: bool = False  # also write each row's max modded score (AuxRequest(max_scores))
+    # The score_mod loads per element (bias tables): the softmax takes two passes over S in
+    # TMEM instead of holding 128 scores in registers beside those loads (see ``_step``).
+    score_loads: bool = False
 
     def __post_init__(self):
         if (self.head_dim, self.head_dim_v) not in HEAD_DIMS:
@@ -629,6 +632,12 @@ class FlexAttentionFwdSm100:
         tTtS = [ld.partition_S(cute.make_tensor(tS_chunk.iterator + S_CHUNK * h, tS_chunk.layout))
                 for h in range(TILE_N // S_CHUNK)]
         tTcS = ld.partition_D(cute.composition(tScS, chunk_layout))
+        st_s = tcgen05.make_tmem_copy(  # the modded scores back to S_t (two-pass softmax)
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(S_CHUNK)),
+                                Float32), tS_chunk).get_slice(tidx)
+        tTtS_st = [st_s.partition_D(cute.make_tensor(tS_chunk.iterator + S_CHUNK * h,
+                                                     tS_chunk.layout))
+                   for h in range(TILE_N // S_CHUNK)]
         # P: 16-bit values two to a 32-bit column, over S_t's first TILE_N / 2 columns, written
         # in pieces of 32 columns (64 scores) so that only 32 registers of P live beside S.
         p_cols = TILE_N * self.dtype.width // 32
@@ -672,7 +681,8 @@ class FlexAttentionFwdSm100:
             tcgen05_fence(after=True)
             # One branch per kind around the whole step, so that no branch join has to merge
             # the 128 scores (merging them made ptxas spill hundreds of bytes).
-            step = (ld, tTtS, tTcS, st, tTtP, p_shape, c, tile, row, sched, softmax_scale, aux,
+            step = (ld, tTtS, tTcS, st_s, tTtS_st, st, tTtP, p_shape, c, tile, row, sched,
+                    softmax_scale, aux,
                     (w0, w1, w2, w3))
             crosses = (tile + 1) * TILE_N > sched.seqlen_k
             if const_expr(not self.sparse and self.mask_mod is not None):
@@ -715,7 +725,8 @@ class FlexAttentionFwdSm100:
         be rescaled by, new max, new sum, new true max). ``kind``: "partial" (score_mod,
         mask_mod and the kv < S bound), "bounded" (a full tile that crosses S: score_mod and the
         bound), "full" (score_mod only), "skip" (a block this sub-tile does not visit: P = 0)."""
-        ld, tTtS, tTcS, st, tTtP, p_shape, c, tile, row, sched, softmax_scale, aux, bits = step
+        (ld, tTtS, tTcS, st_s, tTtS_st, st, tTtP, p_shape, c, tile, row, sched, softmax_scale,
+         aux, bits) = step
         per_col = 32 // self.dtype.width
         scale = Float32(1.0)
         if const_expr(kind == "skip"):
@@ -723,6 +734,9 @@ class FlexAttentionFwdSm100:
                 rP32 = cute.make_rmem_tensor(p_shape, Float32)
                 rP32.fill(0.0)  # two 16-bit zeros
                 cute.copy(st, rP32, tTtP[h])
+        elif const_expr(self.cfg.score_loads):
+            scale, row_max, row_sum, row_peak = self._two_pass(kind, step, row_max, row_sum,
+                                                               row_peak)
         else:
             chunks = []
             for h in cutlass.range_constexpr(len(tTtS)):
@@ -762,6 +776,52 @@ class FlexAttentionFwdSm100:
         cute.arch.fence_view_async_tmem_store()
         tcgen05_fence(after=False)  # P and the reads of S, before the arrives that publish them
         return scale, row_max, row_sum, row_peak
+
+    @cute.jit
+    def _two_pass(self, kind: cutlass.Constexpr, step: tuple, row_max: Float32,
+                  row_sum: Float32, row_peak: Float32):
+        """``_step`` for a score_mod that loads per element. Pass 1, chunk by chunk: mods, the
+        row max, the modded chunk written back to S_t. Pass 2: exp2, the row sum and P, each
+        P piece written over S columns this pass has already read. Only a chunk of scores is
+        live at a time, so the score_mod's loads (which ptxas hoists across chunks) fit."""
+        (ld, tTtS, tTcS, st_s, tTtS_st, st, tTtP, p_shape, c, tile, row, sched, softmax_scale,
+         aux, bits) = step
+        per_col = 32 // self.dtype.width
+        use_bits = kind == "partial" and self.mask_mod is not None
+        blk_max = -Float32.inf
+        for h in cutlass.range_constexpr(len(tTtS)):
+            rS = cute.make_rmem_tensor(tTcS.shape, Float32)
+            cute.copy(ld, tTtS[h], rS)
+            cute.arch.fence_view_async_tmem_load()
+            self._apply(rS, tTcS, tile * TILE_N, S_CHUNK * h, row, sched, softmax_scale, aux,
+                        bits if use_bits else None, kind != "full" and not use_bits)
+            blk_max = cute.arch.fmax(
+                blk_max, tree([rS[i] for i in range(cute.size(rS))], cute.arch.fmax))
+            cute.copy(st_s, rS, tTtS_st[h])
+        cute.arch.fence_view_async_tmem_store()  # pass 2 reads what pass 1 wrote
+        if const_expr(self.write_max):
+            row_peak = cute.arch.fmax(row_peak, blk_max)
+        grow = (blk_max - row_max) * c > self.rescale_threshold  # false for NaN (-inf - -inf)
+        m_new = blk_max if grow else row_max
+        scale = cute.math.exp2((row_max - m_new) * c, fastmath=True) if grow else Float32(1.0)
+        row_max = m_new
+        bias = (Float32(0.0) if m_new == -Float32.inf else m_new) * c
+        blk_sum = Float32(0.0)
+        per_piece = 32 * per_col // S_CHUNK
+        for h in cutlass.range_constexpr(len(tTtP)):
+            rP32 = cute.make_rmem_tensor(p_shape, Float32)
+            rP = cute.recast_tensor(rP32, self.dtype)
+            for q in cutlass.range_constexpr(per_piece):
+                rS = cute.make_rmem_tensor(tTcS.shape, Float32)
+                cute.copy(ld, tTtS[h * per_piece + q], rS)
+                cute.arch.fence_view_async_tmem_load()
+                for i in cutlass.range_constexpr(cute.size(rS)):
+                    rS[i] = cute.math.exp2(cute.fma(rS[i], c, -bias), fastmath=True)
+                blk_sum = blk_sum + tree([rS[i] for i in range(cute.size(rS))], fadd)
+                part = cute.make_tensor(rP.iterator + S_CHUNK * q, cute.make_layout(S_CHUNK))
+                part.store(rS.load().to(self.dtype))
+            cute.copy(st, rP32, tTtP[h])
+        return scale, row_max, row_sum * scale + blk_sum, row_peak
 
     @cute.jit
     def _mask_bits(self, tile: Int32, row: Int32, sched: _Sched, aux: Aux):

@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from .. import cache
+from .. import cache, ir
+from ..ir import Op
 from ..passes import Program
 from .cute_sm90 import _aux_tensor, _cutlass_dtype, block_sparse_args, load_mods
 
@@ -102,6 +103,18 @@ def sm100_block_lists(bm):
 # --------------------------------------------------------------------------- compile, launch
 
 
+def score_loads(program: Program) -> bool:
+    """Whether the score_mod reads a captured tensor at an index that varies with kv_idx (a bias
+    table: one load per score), ``FwdConfig.score_loads``: the softmax then goes through TMEM
+    twice rather than spill beside the loads. A per-head or per-row load (ALiBi's slope) is
+    one value per thread and stays on the one-pass path."""
+    if program.score is None:
+        return False
+    memo: dict = {}
+    return any(n.op is Op.LOAD and "kv" in ir.varies_with(n, memo)
+               for n in ir.toposort([program.score]))
+
+
 def compile_program(program: Program, q, v, has_block_mask: bool, aux_tensors, options: str = "",
                     write_max: bool = False, rescale_threshold: float = 0.0):
     """Compile (or find in memory) the sm100 forward for this program and these input kinds.
@@ -118,7 +131,7 @@ def compile_program(program: Program, q, v, has_block_mask: bool, aux_tensors, o
         mods = load_mods(program)
         cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
                             has_block_mask=has_block_mask, rescale_threshold=rescale_threshold,
-                            write_max=write_max)
+                            write_max=write_max, score_loads=score_loads(program))
         t0 = time.perf_counter()
         fn = tpl.compile_fwd(cfg, q, aux_tensors, program.scalars, options=options)
         log.info("flexjit: sm100 forward for %s/%s D=%d compiled in %.1f s", program.score_name,
