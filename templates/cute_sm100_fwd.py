@@ -107,7 +107,7 @@ from flexjit.templates.cute_common import (
 HEAD_DIMS = ((64, 64), (128, 128))
 SUB_M = 128  # rows of one sub-tile (the tcgen05 M, one TMEM lane per row)
 CTA_M = 2 * SUB_M  # query rows per CTA
-TILE_N = 128  # keys per kv tile (= the mask block)
+TILE_N = 128  # keys per kv tile (= the mask block; _mask_bits assumes 4 words of 32)
 S_CHUNK = 16  # S columns the softmax reads from TMEM (and mods) at a time
 TMEM_COLUMNS = 512
 SMEM_CAPACITY = 227 * 1024  # sm100 opt-in maximum per CTA
@@ -826,22 +826,26 @@ class FlexAttentionFwdSm100:
     @cute.jit
     def _mask_bits(self, tile: Int32, row: Int32, sched: _Sched, aux: Aux):
         """mask_mod and the kv < S bound of this row over kv tile ``tile``, as TILE_N / 32 words:
-        bit i of word w keeps column 32·w + i."""
+        bit i of word w keeps column 32·w + i. A runtime loop over the words (not unrolled):
+        unrolled, ptxas kept all 128 kv indices and mask values live at once and spilled."""
         kv0 = tile * TILE_N
-        limit = sched.seqlen_k - kv0
-        indices = FloatIndices(row, kv0)
-        words = []
-        for w in cutlass.range_constexpr(TILE_N // 32):
+        w0 = w1 = w2 = w3 = cutlass.Uint32(0)
+        for w in cutlass.range(TILE_N // 32, unroll=1):
+            base = kv0 + 32 * w
+            limit = sched.seqlen_k - base
+            indices = FloatIndices(row, base)
             word = cutlass.Uint32(0)
             for i in cutlass.range_constexpr(32):
-                col = 32 * w + i
-                kv_idx = kv0 + col
+                kv_idx = base + i
                 keep = self.mask_mod(sched.batch, sched.head, row, kv_idx, aux,
                                      *indices.args(self.mask_mod, row, kv_idx))
                 bit = cutlass.Uint32(1 << i) if keep else cutlass.Uint32(0)
-                word = word | (bit if col < limit else cutlass.Uint32(0))
-            words.append(word)
-        return tuple(words)
+                word = word | (bit if i < limit else cutlass.Uint32(0))
+            w0 = word if w == 0 else w0
+            w1 = word if w == 1 else w1
+            w2 = word if w == 2 else w2
+            w3 = word if w == 3 else w3
+        return w0, w1, w2, w3
 
     @cute.jit
     def _apply(self, rS: cute.Tensor, tTcS: cute.Tensor, kv_base: Int32, col0: cutlass.Constexpr,
