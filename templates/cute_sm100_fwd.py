@@ -219,6 +219,9 @@ class FlexAttentionFwdSm100:
         self.tmem_o = (2 * TILE_N, 2 * TILE_N + self.head_dim_v)
         assert 2 * TILE_N + 2 * self.head_dim_v <= TMEM_COLUMNS
         assert smem_bytes(cfg) <= SMEM_CAPACITY, smem_bytes(cfg)
+        # Each CTA allocates all 512 TMEM columns: a second resident CTA would wait in
+        # tcgen05.alloc for the first to finish. The smem use keeps it to one CTA per SM.
+        assert 2 * smem_bytes(cfg) > SMEM_CAPACITY, smem_bytes(cfg)
 
     # -----------------------------------------------------------------------------------------
     @cute.jit

@@ -145,12 +145,15 @@ def _mods_of(name):
 
 
 def test_config_table():
-    """Head dims 64 and 128 only; each fits the smem and the 512 TMEM columns; the register
-    split fills the register file exactly (setmaxnreg acts on whole warpgroups)."""
+    """Head dims 64 and 128 only; each fits the smem and the 512 TMEM columns, with one CTA per
+    SM; the register split fills the register file exactly (setmaxnreg acts on whole
+    warpgroups)."""
     assert cute_sm100.HEAD_DIMS == _tpl.HEAD_DIMS
     for d, dv in _tpl.HEAD_DIMS:
         cfg = _tpl.FwdConfig(d, dv, cutlass.BFloat16, has_block_mask=True)
         assert _tpl.smem_bytes(cfg) <= _tpl.SMEM_CAPACITY
+        # One CTA per SM: each allocates all 512 TMEM columns (a second would block in alloc).
+        assert 2 * _tpl.smem_bytes(cfg) > _tpl.SMEM_CAPACITY
         assert 2 * _tpl.TILE_N + 2 * dv <= _tpl.TMEM_COLUMNS
         _tpl.FlexAttentionFwdSm100(cfg)
     assert 128 * (2 * _tpl._SOFTMAX_REGS + _tpl._CORRECTION_REGS + _tpl._OTHER_REGS) == 65536
