@@ -685,8 +685,7 @@ class FlexAttentionFwdSm100:
             # One branch per kind around the whole step, so that no branch join has to merge
             # the 128 scores (merging them made ptxas spill hundreds of bytes).
             step = (ld, tTtS, tTcS, st_s, tTtS_st, st, tTtP, p_shape, c, tile, row, sched,
-                    softmax_scale, aux,
-                    (w0, w1, w2, w3))
+                    softmax_scale, aux, (w0, w1, w2, w3))
             crosses = (tile + 1) * TILE_N > sched.seqlen_k
             if const_expr(not self.sparse and self.mask_mod is not None):
                 scale, row_max, row_sum, row_peak = self._step(
