@@ -1,7 +1,7 @@
 """Gradient accuracy under torch's error-ratio oracle (issue #14), flexjit against torch's flex.
 
     python -m benchmarks.grad_accuracy [--S 1024] [--impls flexjit-cute,flexjit-triton,torch-flex-triton]
-                                       [--seeds N] [--out DIR]
+                                       [--seeds N] [--cases SUBSTR] [--per-seed] [--out DIR]
 
 For each case every implementation runs the same bf16 inputs forward and backward; a float64
 "golden" runs the same math (tests/oracle.py's dense attention, mods called eagerly) on the
@@ -71,6 +71,24 @@ def _cases(S: int, device):
 
 def _impl(name: str, device):
     """name -> run(q, k, v, score_mod, mask_mod) -> out (differentiable)."""
+    if name.startswith("flexjit-") and "+" in name:
+        # "flexjit-FWD+BWD": one backend's forward feeding another's backward (which kernel an
+        # error comes from), through the same autograd function as flex_attention.
+        import flexjit
+        from flexjit import dispatch
+        from flexjit.api import prepare_call
+
+        fwd, bwd = name.removeprefix("flexjit-").split("+")
+
+        def run(q, k, v, score_mod, mask_mod):
+            bm = None
+            if mask_mod is not None:
+                bm = flexjit.create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2],
+                                               device=device)
+            call = prepare_call(q, k, v, score_mod, bm, None, False, None)
+            choice = dispatch.Choice(fwd, "asked for", backward=bwd, backward_reason="asked for")
+            return dispatch.run(choice, call)[0]
+        return run
     if name.startswith("flexjit-"):
         import flexjit
 
@@ -110,6 +128,28 @@ def _grads(out_fn, q, k, v, tables, do):
     return out.detach(), {n: g for n, g in zip(names, grads)}
 
 
+# The tables a score_mod adds to the score (``score + table[...]``): every score's dS reaches
+# exactly one entry, so their gradients sum to sum(dS) = 0 exactly. In a kernel that sum is
+# -sum_i dO_i · (O_i - O_stored_i) (dS rows sum to the mismatch between the output P implies and
+# the bf16 output the forward stored), spread over the entries as a common offset: for a
+# kv-indexed table it dominates the error (gpu-s7 NOTES). "<table> centred" is the error with
+# each gradient's mean over entries removed (what the backward's dS controls); ROW_PROJECTION,
+# the RMS over rows of dO_i · (O_i - golden_i), is what sets the offset's expected size.
+ADDITIVE = {"bias1", "bias2", "bias"}
+CENTRED = " centred"
+ROW_PROJECTION = "out·dO rms"
+
+
+def _tensors(tables) -> list[str]:
+    return (["out", ROW_PROJECTION, "q", "k", "v", *tables]
+            + [t + CENTRED for t in tables if t in ADDITIVE])
+
+
+def _row_projection(out, golden, do) -> float:
+    r = ((out.double() - golden.double()) * do.double()).sum(-1)
+    return r.pow(2).mean().sqrt().item()
+
+
 def _err(a, golden) -> float:
     if a is None:
         return math.nan
@@ -118,12 +158,17 @@ def _err(a, golden) -> float:
 
 
 def measure(S: int, impls: list[str], device, B: int = 2, H: int = 8, D: int = 128,
-            seeds: int = 1) -> list[dict]:
+            seeds: int = 1, cases: str | None = None, per_seed: bool = False) -> list[dict]:
     """One row per (case, tensor): each implementation's mean |golden - result|, averaged over
-    ``seeds`` fresh draws of q, k, v and dout (the tables stay)."""
+    ``seeds`` fresh draws of q, k, v and dout (the tables stay). ``cases``: only the cases whose
+    name contains this string. ``per_seed``: also print, per seed and captured table, each
+    implementation's mean |error| and mean signed error (a kernel whose table gradient is
+    biased shows a signed mean near its |error|; rounding noise averages out)."""
     rows = []
     runs = {name: _impl(name, device) for name in impls}
     for case, (make, tables, mask_mod) in _cases(S, device).items():
+        if cases is not None and cases not in case:
+            continue
         def dense(dtype):
             def fn(leaves):
                 t = {n: leaves[n].to(dtype) if dtype == torch.float64 else leaves[n]
@@ -149,14 +194,30 @@ def measure(S: int, impls: list[str], device, B: int = 2, H: int = 8, D: int = 1
                     print(f"[grad_accuracy] {case} {name}: {type(e).__name__}: {e}", flush=True)
                     results[name] = None
             gold_out, gold = results["golden"]
-            for tensor in ["out", "q", "k", "v"] + list(tables):
-                ref = gold_out if tensor == "out" else gold[tensor]
-                for name, res in results.items():
-                    if name != "golden":
-                        err = math.nan if res is None else _err(
-                            res[0] if tensor == "out" else res[1][tensor], ref)
-                        sums[(tensor, name)] = sums.get((tensor, name), 0.0) + err / seeds
-        for tensor in ["out", "q", "k", "v"] + list(tables):
+            if per_seed:
+                for tensor in tables:
+                    line = {"case": case, "tensor": tensor, "seed": seed}
+                    for name, res in results.items():
+                        if name != "golden" and res is not None:
+                            d = res[1][tensor].double() - gold[tensor].double()
+                            line[name] = [d.abs().mean().item(), d.mean().item()]
+                    print(json.dumps(line), flush=True)
+            for name, res in results.items():
+                if name == "golden":
+                    continue
+                errs = {t: math.nan for t in _tensors(tables)}
+                if res is not None:
+                    out, grads = res
+                    errs.update({t: _err(out if t == "out" else grads[t], gold_out if t == "out"
+                                         else gold[t]) for t in ["out", "q", "k", "v", *tables]})
+                    errs[ROW_PROJECTION] = _row_projection(out, gold_out, do)
+                    for t in tables:
+                        if t in ADDITIVE:
+                            errs[t + CENTRED] = _err(grads[t] - grads[t].double().mean(),
+                                                     gold[t] - gold[t].mean())
+                for t, err in errs.items():
+                    sums[(t, name)] = sums.get((t, name), 0.0) + err / seeds
+        for tensor in _tensors(tables):
             row = {"case": case, "tensor": tensor, "seeds": seeds,
                    **{name: sums[(tensor, name)] for name in ["eager"] + impls}}
             rows.append(row)
@@ -183,13 +244,17 @@ def report(rows: list[dict], impls: list[str]) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--S", type=int, default=1024)
-    p.add_argument("--impls", default="flexjit-cute,flexjit-triton,torch-flex-triton")
+    p.add_argument("--impls", default="flexjit-cute,flexjit-triton,torch-flex-triton",
+                   help="also flexjit-FWD+BWD: one backend's forward into another's backward")
     p.add_argument("--seeds", type=int, default=1, help="fresh inputs per case, errors averaged")
+    p.add_argument("--cases", default=None, help="only the cases whose name contains this")
+    p.add_argument("--per-seed", action="store_true",
+                   help="print each seed's |error| and signed error of the captured tables")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     impls = a.impls.split(",")
-    rows = measure(a.S, impls, device, seeds=a.seeds)
+    rows = measure(a.S, impls, device, seeds=a.seeds, cases=a.cases, per_seed=a.per_seed)
     md = report(rows, impls)
     print(md)
     if a.out:

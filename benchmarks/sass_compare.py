@@ -122,7 +122,8 @@ def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128, head_dim_v: i
         tpl = load_template("cute_sm90_bwd")
         cfg = tpl.BwdConfig(head_dim, head_dim_v, cutlass.BFloat16, mods.score_mod_and_grad,
                             mods.mask_mod, has_block_mask=causal)
-        tpl.compile_bwd(cfg, (), (), options=options, parts=("main",))
+        host = load_template("cute_sm90_bwd_host")
+        host.compile_bwd(cfg, (), (), options=options, parts=("main",))
     return _largest_cubin(out)
 
 

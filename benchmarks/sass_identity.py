@@ -9,6 +9,16 @@ CUTE_DSL_ARCH=sm_90a and no GPU, the forward and the backward's main kernel, den
 (``sass_compare._ours``: D=128, bf16), disassembles each cubin with the cuobjdump Triton ships
 and keeps the instruction text (addresses stripped). Equal text means the GPU runs the same
 kernel, whatever moved in the Python around it.
+
+Then the backward's matrix (``BWD_CASES``), built the way a training step builds it: through
+``flexjit.backends.cute_sm90.compile_backward`` (the backend's config choices included:
+``overlap_dp`` for light mods, the captured-gradient holes), all three parts (pre, main, post),
+with the disk cache off so that every part is compiled here. Head dims 64, 128, 192 and
+(192, 128), causal block lists, a learnable relative-bias table and learnable ALiBi slopes
+(captured gradients), and the deterministic mode, dense and with heavy mods. The cases use only
+interfaces that both trees have (the backend's ``compile_backward``, the tracer, ``mods``), so
+an older tree compares too. ``--no-backward-matrix`` leaves them out (about a minute per tree
+on two CPU cores).
 """
 from __future__ import annotations
 
@@ -21,31 +31,110 @@ import sys
 import tempfile
 import textwrap
 
+# The backward matrix: (name, head_dim, head_dim_v, mods, deterministic), ``mods`` naming a
+# builder in the child. D = 128 is the register-tight tile and (192, 128) the dim split with a
+# narrower V; the learnable cases exercise the captured-gradient holes (a per-element and a
+# tile-uniform index); "heavy" is softcap + ALiBi + document ids (captured tensors in both
+# holes and a runtime scalar), the mods that turn overlap_dp off.
+BWD_CASES = (
+    ("d64_causal", 64, 64, "causal", False),
+    ("d128_dense", 128, 128, "none", False),
+    ("d128_causal", 128, 128, "causal", False),
+    ("d192_causal", 192, 192, "causal", False),
+    ("d192x128_causal", 192, 128, "causal", False),
+    ("d128_learnable_bias", 128, 128, "learnable_bias", False),
+    ("d64_learnable_alibi", 64, 64, "learnable_alibi", False),
+    ("d192_learnable_bias", 192, 192, "learnable_bias", False),
+    ("d128_det_dense", 128, 128, "none", True),
+    ("d128_det_causal", 128, 128, "causal", True),
+    ("d128_det_heavy", 128, 128, "heavy", True),
+    ("d192x128_det_causal", 192, 128, "causal", True),
+)
+
 _CHILD = textwrap.dedent('''
     import json, os, pathlib, re, subprocess, sys, tempfile
-    tree = sys.argv[1]
+    tree, matrix = sys.argv[1], json.loads(sys.argv[2])
     sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # this tree only
     sys.path.insert(0, tree)
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     os.environ["FLEXJIT_CACHE_DIR"] = tempfile.mkdtemp()
+    os.environ["CUTE_DSL_KEEP"] = "cubin"  # each compiled part keeps its cubin (``__cubin__``)
+    os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp()
     import triton
     from benchmarks import sass_compare
     cuobjdump = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+
+    def instructions(cubin):
+        sass = subprocess.run([str(cuobjdump), "-sass", cubin], capture_output=True, text=True).stdout
+        return [re.sub(r"/\\*[0-9a-f]{4,}\\*/", "", line).strip()
+                for line in sass.splitlines() if line.strip().startswith("/*")]
+
     out = {}
     for pass_ in ("fwd", "bwd"):
         for causal in (False, True):
             cubin = sass_compare._ours(pass_, causal, tempfile.mkdtemp())
-            sass = subprocess.run([str(cuobjdump), "-sass", cubin], capture_output=True, text=True).stdout
-            out[f"{pass_}_{'causal' if causal else 'dense'}"] = [
-                re.sub(r"/\\*[0-9a-f]{4,}\\*/", "", line).strip()
-                for line in sass.splitlines() if line.strip().startswith("/*")]
+            out[f"{pass_}_{'causal' if causal else 'dense'}"] = instructions(cubin)
+    if matrix:
+        import torch
+        from flexjit import mods as fmods
+        from flexjit.backends import cute_sm90
+        from flexjit.passes import lower
+        from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
+        from flexjit.cache import load_template
+        os.environ["FLEXJIT_CACHE"] = "0"  # compile every part here, load none
+        try:  # the module holding compile_bwd (the backward's kernel module before the split)
+            host = load_template("cute_sm90_bwd_host")
+        except ModuleNotFoundError:
+            host = load_template("cute_sm90_bwd")
+        compile_bwd, built = host.compile_bwd, {}
+
+        def keeping(*args, **kwargs):  # the backend keeps only the FFI functions; keep the parts
+            fn = compile_bwd(*args, **kwargs)
+            built.update(fn.parts)
+            return fn
+        host.compile_bwd = keeping
+        torch.manual_seed(0)
+        H, L = 4, 500
+
+        def learnable_bias():
+            table = torch.randn(H, 33).requires_grad_(True)
+            return fmods.relative_bias(table), fmods.causal()
+
+        def learnable_alibi():
+            return fmods.alibi(torch.rand(H).requires_grad_(True)), fmods.causal()
+
+        def heavy():
+            slopes, docs, cap = torch.rand(H), torch.randint(0, 3, (L,)).sort().values, 30.0
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return cap * torch.tanh(score / cap) + slopes[h] * (kv_idx - q_idx)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
+            return score_mod, mask_mod
+
+        builders = {"none": lambda: (None, None), "causal": lambda: (None, fmods.causal()),
+                    "learnable_bias": learnable_bias, "learnable_alibi": learnable_alibi,
+                    "heavy": heavy}
+        for name, d, dv, mods, deterministic in matrix:
+            score_mod, mask_mod = builders[mods]()
+            program = lower(trace_mod(score_mod, SCORE_MOD) if score_mod else None,
+                            trace_mod(mask_mod, MASK_MOD) if mask_mod else None, float_index=True)
+            aux = tuple(cute_sm90._aux_tensor(t, torch.device("cpu")) for t in program.buffers)
+            built.clear()
+            cute_sm90.compile_backward(program, torch.bfloat16, d, mask_mod is not None,
+                                       deterministic, aux, head_dim_v=dv)
+            for part, compiled in sorted(built.items()):
+                path = os.path.join(tempfile.mkdtemp(), "k.cubin")
+                pathlib.Path(path).write_bytes(compiled.compiled.__cubin__)
+                out[f"bwd_{name}_{part}"] = instructions(path)
     print(json.dumps(out))
 ''')
 
 
-def sass_of(tree: str) -> dict[str, list[str]]:
-    res = subprocess.run([sys.executable, "-c", _CHILD, os.path.abspath(tree)], capture_output=True,
-                         text=True, cwd=tempfile.gettempdir())
+def sass_of(tree: str, matrix=BWD_CASES) -> dict[str, list[str]]:
+    res = subprocess.run([sys.executable, "-c", _CHILD, os.path.abspath(tree), json.dumps(matrix)],
+                         capture_output=True, text=True, cwd=tempfile.gettempdir())
     if res.returncode:
         raise SystemExit(f"building from {tree} failed:\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -55,12 +144,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sass_identity", description=__doc__.split("\n")[0])
     p.add_argument("before")
     p.add_argument("after")
+    p.add_argument("--no-backward-matrix", action="store_true",
+                   help="only the four sass_compare kernels (fwd/bwd main, dense/causal, D=128)")
     args = p.parse_args(argv)
-    a, b = sass_of(args.before), sass_of(args.after)
-    same = True
-    for name in sorted(a):
+    matrix = () if args.no_backward_matrix else BWD_CASES
+    a, b = sass_of(args.before, matrix), sass_of(args.after, matrix)
+    same = set(a) == set(b)
+    for name in sorted(set(a) | set(b)):
+        if name not in a:
+            print(f"{name}: only in {args.after}")
+            continue
         digest = lambda lines: hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]  # noqa: E731
-        equal = a[name] == b.get(name)
+        equal = a[name] == b.get(name) and len(a[name]) > 0  # no SASS read is no proof
         same &= equal
         print(f"{name}: {len(a[name])} / {len(b.get(name, []))} instructions, "
               f"{digest(a[name])} / {digest(b.get(name, []))}: {'identical' if equal else 'DIFFERENT'}")

@@ -20,6 +20,17 @@ Expect about 4 minutes on a fresh H200: 96 cold compiles of 1.5-2 s each (S=8k r
 binaries: the lengths are unspecialised arguments) and 192 short timings. The loop runs variant by
 variant, so a sweep the budget cuts is finished by a second call with `--variants` the rest.
 
+`--grid tma` (issue #13's Triton target, >= 1.1x torch's compiled Flex-Triton): the default
+against `TMA_FWD_GRID` / `TMA_BWD_GRID` (USE_TMA tensor descriptors, WARP_SPECIALIZE, with a few
+tiles and stage counts around them; the fwdbwd entries set both passes). `--torch` times torch's
+compiled Flex-Triton on each case beside them, and the report gives default x torch and
+best x torch per case. Expect about 5 minutes on a fresh H200: 7 variants x 2 lengths, 6 forward
+and 5 forward + backward measurements each (56 cold flexjit compiles of 1.5-3 s; 28 torch compiles,
+one per variant, pass and length: dynamic=False) and 154 short timings; `--budget-s` stops it
+in time and a second call with `--variants` the rest (or `--passes` one pass) finishes it:
+
+    python3 -m benchmarks.tune_triton --grid tma --torch --out $OUT/tma --budget-s 270
+
 DIR/tune_triton.json (meta and every row) is rewritten after each measurement; at the end
 DIR/tune_triton.md holds, per pass, each case's best config beside the default and each config's
 geometric-mean speedup over the default across cases (the tables are per arch and head dim, not
@@ -46,6 +57,7 @@ import flexjit
 from flexjit.api import prepare_call
 from flexjit.backends import triton as fj_triton
 
+from .impls import make as make_impl
 from .impls import plan_mask
 from .reference import check, mask_density
 from .run import (FATAL_CUDA, Refs, call_once, environment, for_pass, make_inputs, make_step, parse_list,
@@ -64,26 +76,59 @@ FWD_GRID = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)
 BWD_GRID = [(32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3),
             (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 8, 2),
             (32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 4, 2)]
+# --grid tma (issue #13's Triton target): TMA tensor descriptors and warp specialisation
+# against the current default at its tiles, plus torch Flex-Triton's sm90 forward tile (128x64,
+# 8 warps, 3 stages) and deeper pipelines, which TMA's cheaper loads may now afford. The
+# fwdbwd entries set both passes (unprefixed keys), so the row is the end-to-end choice.
+# Warp specialisation: Triton 3.6 (the H200's), at 4 warps with TMA, splits the forward into a
+# producer and two consumer warpgroups (384 threads, 168 registers, no spills; 180 KB of smem
+# at 128x128 and 2 stages, 148 KB at 128x64 and 3; compile-only) for every variant here but
+# document (its per-key gather of the document ids fails the pass: the launch then runs
+# unspecialised and the row says "ws refused"). At 8 warps it partitions nothing.
+TMA_FWD_GRID = [{"USE_TMA": 1},
+                {"USE_TMA": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+                {"USE_TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4,
+                 "num_stages": 2},
+                {"USE_TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4,
+                 "num_stages": 3}]
+# The backward: Triton partitions nothing there (two roles, two lists, the GQA loop), so its
+# rows vary TMA and tiles, and pair the backward with the forward's warp-specialised build.
+TMA_BWD_GRID = [{"USE_TMA": 1},
+                {"USE_TMA": 1, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32},
+                {"USE_TMA": 1, "fwd_WARP_SPECIALIZE": 1, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128,
+                 "fwd_num_warps": 4, "fwd_num_stages": 2}]
+# Issue #13's variant list (the blocks grid's default omits prefix_lm).
+TMA_VARIANTS = ("full", "causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap")
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 BWD_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
 BWD_BLOCKS = BWD_KEYS[:4]
+TORCH_LABEL = "torch-flex-triton"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.tune_triton", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for tune_triton.json and tune_triton.md")
     p.add_argument("--S", default="2k,8k", help="sequence lengths (default 2k,8k); B = 16384 / S")
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="default: " + ",".join(DEFAULT_VARIANTS))
+    p.add_argument("--variants", default=None,
+                   help="default: " + ",".join(DEFAULT_VARIANTS) + " (--grid tma: " + ",".join(TMA_VARIANTS) + ")")
     p.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default both)")
     p.add_argument("--budget-s", type=float, default=240.0,
                    help="start no measurement after this many seconds (0: no limit)")
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up (default 10)")
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time (default 40)")
+    p.add_argument("--grid", choices=("blocks", "tma"), default="blocks",
+                   help="blocks: FWD_GRID/BWD_GRID (tile sweep); tma: TMA_FWD_GRID/TMA_BWD_GRID "
+                        "(descriptors and warp specialisation against the default)")
+    p.add_argument("--torch", action="store_true",
+                   help="also time torch's compiled Flex-Triton (the same mods) per case, the "
+                        "issue #13 baseline: the report gives each config's ratio to it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU only: build everything at a tiny shape, print the plan, launch nothing")
     args = p.parse_args(argv)
     args.S = parse_sizes(args.S)
+    if args.variants is None:
+        args.variants = ",".join(TMA_VARIANTS if args.grid == "tma" else DEFAULT_VARIANTS)
     args.variants = parse_list(args.variants, VARIANTS)
     args.passes = parse_list(args.passes, ("fwd", "fwdbwd"))
     for S in args.S:
@@ -98,8 +143,10 @@ def parse_args(argv=None):
 # ---- configurations ----------------------------------------------------------------------------
 
 
-def grid_options(pass_: str) -> list[dict]:
+def grid_options(pass_: str, grid: str = "blocks") -> list[dict]:
     """The grid as kernel_options dicts, for the forward or (fwdbwd) the backward."""
+    if grid == "tma":
+        return [dict(o) for o in (TMA_FWD_GRID if pass_ == "fwd" else TMA_BWD_GRID)]
     keys, grid = (FWD_KEYS, FWD_GRID) if pass_ == "fwd" else (BWD_KEYS, BWD_GRID)
     return [dict(zip(keys, entry)) for entry in grid]
 
@@ -109,24 +156,35 @@ def resolved(q, k, v, variant, block_mask, pass_: str, opts: dict, arch: int) ->
     (meta tensors, nothing compiled), so a grid entry the planner refits or rejects shows here."""
     call = prepare_call(q, k, v, variant.score_mod, block_mask, None, False, opts)
     name = "flex_fwd" if pass_ == "fwd" else "flex_bwd"
-    launch = next(x for x in fj_triton.launches_for(call, arch) if x.kernel == name)
+    launches = {x.kernel: x for x in fj_triton.launches_for(call, arch)}
+    launch = launches[name]
     blocks = FWD_KEYS[:2] if pass_ == "fwd" else BWD_BLOCKS
     cfg = {b: launch.constexprs[b] for b in blocks}
-    return {**cfg, "num_warps": launch.options["num_warps"], "num_stages": launch.options["num_stages"]}
+    cfg = {**cfg, "num_warps": launch.options["num_warps"], "num_stages": launch.options["num_stages"],
+           "tma": launch.constexprs["USE_TMA"], "ws": launch.constexprs["WARP_SPEC"]}
+    if pass_ == "fwdbwd":  # the forward it runs with: the row times both
+        cfg["fwd_tma"] = launches["flex_fwd"].constexprs["USE_TMA"]
+        cfg["fwd_ws"] = launches["flex_fwd"].constexprs["WARP_SPEC"]
+    return cfg
 
 
 def label(cfg: dict) -> str:
-    """'128x128 w8 s3' (forward) or '32/128/128/32 w8 s3' (backward)."""
+    """'128x128 w8 s3' (forward) or '32/128/128/32 w8 s3' (backward), then ' tma' / ' ws' where
+    the kernel loads by tensor descriptors / is warp-specialised (fwdbwd: ' fwd:tma' etc. for
+    its forward)."""
     blocks = "x".join(str(cfg[b]) for b in FWD_KEYS[:2]) if "BLOCK_M" in cfg \
         else "/".join(str(cfg[b]) for b in BWD_BLOCKS)
-    return f"{blocks} w{cfg['num_warps']} s{cfg['num_stages']}"
+    flags = "".join(f" {n}" for n in ("tma", "ws") if cfg.get(n))
+    flags += "".join(f" fwd:{n}" for n in ("tma", "ws") if cfg.get("fwd_" + n))
+    return f"{blocks} w{cfg['num_warps']} s{cfg['num_stages']}{flags}"
 
 
-def candidates(q, k, v, variant, block_mask, pass_: str, arch: int) -> list[tuple[dict, dict, bool]]:
+def candidates(q, k, v, variant, block_mask, pass_: str, arch: int,
+               grid: str = "blocks") -> list[tuple[dict, dict, bool]]:
     """(kernel_options, resolved config, is the default) per measurement: the default first, then
     the grid without entries that resolve to a config already listed."""
     out, seen = [], set()
-    for opts in [{}] + grid_options(pass_):
+    for opts in [{}] + grid_options(pass_, grid):
         try:
             cfg = resolved(q, k, v, variant, block_mask, pass_, opts, arch)
         except Exception as e:  # e.g. kernel_options the planner refuses (a block not dividing the mask's)
@@ -155,6 +213,7 @@ def measure(fn, sets: list[dict], pass_: str, case: Case, refs: Refs, args) -> d
     """Check once, then time; never raises. ms, first_call_s, stages_ran (kernels whose launch fell
     back to fewer pipeline stages for shared memory, see triton._run) and check, or error."""
     fj_triton._STAGES_THAT_FIT.clear()  # forget earlier configs' fallbacks: this first call shows its own
+    fj_triton.WS_REFUSED.clear()
     poison_allocator(case, args.device)
     t0 = time.perf_counter()
     try:
@@ -165,6 +224,8 @@ def measure(fn, sets: list[dict], pass_: str, case: Case, refs: Refs, args) -> d
     fell_back = {key[1]: n for key, n in fj_triton._STAGES_THAT_FIT.items() if n != dict(key[3])["num_stages"]}
     if fell_back:
         res["stages_ran"] = fell_back
+    if fj_triton.WS_REFUSED:  # a WARP_SPECIALIZE build Triton could not lower ran unspecialised
+        res["ws_refused"] = sorted({key[1] for key in fj_triton.WS_REFUSED})
     try:
         verdict = check(got, *refs.pair())
     except Exception as e:
@@ -226,7 +287,10 @@ class Sweep:
         for pass_ in args.passes:
             flops = attention_flops(case, density, pass_)
             pass_sets = for_pass(sets, pass_)
-            for opts, cfg, is_default in candidates(q, k, v, variant, block_mask, pass_, self.arch):
+            if args.torch:
+                self.measure_torch(base, pass_, variant, built, pass_sets, refs, flops, density)
+            for opts, cfg, is_default in candidates(q, k, v, variant, block_mask, pass_, self.arch,
+                                                    args.grid):
                 name = label(cfg) if "error" not in cfg else " ".join(f"{n}={x}" for n, x in opts.items())
                 row = {**base, "pass": pass_, "label": name,
                        "options": opts, "config": cfg, "default": is_default, "density": density,
@@ -239,10 +303,28 @@ class Sweep:
                     reason = self.reason_not_to_run()
                     res = {"error": reason} if reason else \
                         measure(make_fn(variant, block_mask, opts), pass_sets, pass_, built, refs, args)
+                if res.get("ws_refused"):
+                    row["label"] += " [ws refused: " + ",".join(res["ws_refused"]) + "]"
                 self.record({**row, **res})
         del sets, refs
         if dev.type == "cuda" and not self.fatal:
             torch.cuda.empty_cache()
+
+    def measure_torch(self, base, pass_, variant, case, pass_sets, refs, flops, density) -> None:
+        """torch's compiled Flex-Triton on the same case and inputs (its own block mask), checked
+        and timed like a config; the markdown's baseline column."""
+        row = {**base, "pass": pass_, "label": TORCH_LABEL, "options": None, "config": {},
+               "default": False, "baseline": True, "density": density, "flops": flops}
+        reason = self.reason_not_to_run()
+        if reason or self.args.dry_run:
+            self.record({**row, "error": reason or "dry run: not launched"})
+            return
+        try:
+            fn = make_impl("torch-flex-triton").setup(variant, case, self.args.device)
+        except Exception as e:
+            self.record({**row, "error": f"setup: {type(e).__name__}: {e}"[:600]})
+            return
+        self.record({**row, **measure(fn, pass_sets, pass_, case, refs, self.args)})
 
     def setup(self, vname: str, case: Case):
         """The variant, flexjit's block mask, the mask's exact density and the rotating inputs."""
@@ -283,33 +365,46 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "(no kernel_options).", ""]
     for pass_ in dict.fromkeys(r["pass"] for r in rows):
         prow = [r for r in rows if r["pass"] == pass_]
-        what = "forward" if pass_ == "fwd" else "forward + backward (forward at its default, backward varied)"
+        what = "forward" if pass_ == "fwd" else \
+            "forward + backward (blocks grid: forward at its default, backward varied; tma grid: both)"
         lines += [f"## {pass_}: {what}", "",
-                  "| variant | S | default | TFLOP/s | best | TFLOP/s | x default |", "|---|---|---|---|---|---|---|"]
+                  "| variant | S | default | TFLOP/s | best | TFLOP/s | x default | torch Flex-Triton "
+                  "| default x torch | best x torch |", "|---|---|---|---|---|---|---|---|---|---|"]
         cases = defaultdict(list)
         for r in prow:
             cases[(r["variant"], r["S"])].append(r)
         speedups = defaultdict(dict)  # label -> {case: tflops / default tflops}
+        vs_torch = defaultdict(dict)  # label -> {case: tflops / torch Flex-Triton's}
         for (vname, S), rs in cases.items():
+            torch_row = next((r for r in rs if r.get("baseline")), None)
+            rs = [r for r in rs if not r.get("baseline")]
             ok = [r for r in rs if r["tflops"]]
             dflt = next((r for r in rs if r.get("default")), None)
             best = max(ok, key=lambda r: r["tflops"], default=None)
             d_tf = dflt["tflops"] if dflt else None
+            t_tf = torch_row["tflops"] if torch_row else None
             ratio = f"{best['tflops'] / d_tf:.3f}" if best and d_tf else "-"
-            lines.append(f"| {vname} | {S} | {_cell(dflt)} | {_cell(best)} | {ratio} |")
+            d_t = f"{d_tf / t_tf:.3f}" if d_tf and t_tf else "-"
+            b_t = f"{best['tflops'] / t_tf:.3f}" if best and t_tf else "-"
+            t_cell = f"{t_tf:.0f}" if t_tf else (torch_row["error"][:40] if torch_row else "-")
+            lines.append(f"| {vname} | {S} | {_cell(dflt)} | {_cell(best)} | {ratio} | {t_cell} | {d_t} | {b_t} |")
             for r in ok:
                 if d_tf:
                     speedups[r["label"]][(vname, S)] = r["tflops"] / d_tf
+                if t_tf:
+                    vs_torch[r["label"]][(vname, S)] = r["tflops"] / t_tf
         tried = defaultdict(lambda: [0, 0])  # label -> [measured, failed]
         for r in prow:
             if r["label"] and not (r["error"] or "").startswith(("skipped", "dry run")):
                 tried[r["label"]][0 if r["tflops"] else 1] += 1
-        lines += ["", "| config | geomean x default | worst | best | cases | failed |", "|---|---|---|---|---|---|"]
+        lines += ["", "| config | geomean x default | worst | best | cases | failed | worst x torch |",
+                  "|---|---|---|---|---|---|---|"]
         by_geo = sorted(speedups.items(), key=lambda kv: -_geomean(kv[1].values()))
         for lab, per_case in by_geo:
             xs = list(per_case.values())
+            wt = f"{min(vs_torch[lab].values()):.3f}" if vs_torch.get(lab) else "-"
             lines.append(f"| {lab} | {_geomean(xs):.3f} | {min(xs):.3f} | {max(xs):.3f} | {len(xs)} | "
-                         f"{tried[lab][1]} |")
+                         f"{tried[lab][1]} | {wt} |")
         for lab, (n_ok, n_bad) in tried.items():
             if lab not in speedups:
                 lines.append(f"| {lab} | - | - | - | {n_ok} | {n_bad} |")

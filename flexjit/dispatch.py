@@ -14,7 +14,8 @@ when the call needs gradients, its backward as a pair: the forward's own backend
 else the next that can (the sm90 forward trains on the Triton backward for head dims its
 backward lacks). ``flexjit.explain`` shows the same answer without running anything.
 
-Preference for "auto": Hopper (sm90) -> cute; any other CUDA GPU -> triton; CPU -> reference.
+Preference for "auto": Hopper (sm90) -> cute; any other CUDA GPU -> triton; CPU -> reference;
+on any GPU, a decode-shaped call without gradients (``triton_decode.routes``) -> triton first.
 An explicit backend that cannot serve the call is an error.
 
 ``run`` is the eager entry: one ``torch.autograd.Function`` over every backend pair. The
@@ -124,7 +125,10 @@ def select(requested: str, call) -> Choice:
                                       f"Use backend='auto' to pick one that can.")
         return choice
     passed = []
-    for name in _preference(call.q.device):
+    order = _preference(call.q.device)
+    if "triton" in order and _decodes(call):
+        order = ("triton",) + tuple(n for n in order if n != "triton")
+    for name in order:
         ok, reason = _supports(name, call)
         choice = _pair(name, reason, call, passed) if ok else reason
         if isinstance(choice, Choice):
@@ -140,6 +144,16 @@ def _preference(device: torch.device) -> tuple[str, ...]:
     # Off the GPU only the reference runs; the Triton interpreter (TRITON_INTERPRET=1)
     # is for tests and must be asked for by name.
     return ("reference",)
+
+
+def _decodes(call) -> bool:
+    """Whether the Triton backend's split-KV decode kernel takes the call (few query rows, long
+    KV, no gradient): it goes before the sm90 prefill kernel, whose grid has too few CTAs."""
+    try:
+        from .backends import triton_decode
+    except ImportError:
+        return False
+    return triton_decode.routes(call)[0]
 
 
 # --------------------------------------------------------------------------- running
@@ -188,5 +202,7 @@ def run(choice: Choice, call) -> tuple:
     if choice.backward is None:
         with torch.no_grad():
             return forward(choice.name, call)
+    if call.grad is None:  # grad mode is off inside the Function: backends must still know
+        call.grad = True     # (the Triton backend sends only gradient-free calls to decoding)
     res = _FlexAttention.apply(call, choice, call.q, call.k, call.v, *call.program.buffers)
     return res if len(res) == 3 else (*res, None)

@@ -7,26 +7,33 @@ A key may carry torch's ``fwd_`` / ``bwd_`` prefix (the forward's or the backwar
 Keys with a meaning for flexjit:
 
 * ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``: the Triton forward's tiles (``fwd_``
-  prefix too); ``BLOCK_M1``, ``BLOCK_N1``, ``BLOCK_M2``, ``BLOCK_N2``, ``bwd_num_warps``,
+  prefix too; BLOCK_N, num_warps and num_stages also tune the split-KV decode kernel);
+  ``BLOCK_M1``, ``BLOCK_N1``, ``BLOCK_M2``, ``BLOCK_N2``, ``bwd_num_warps``,
   ``bwd_num_stages``: the Triton backward's. The CuTeDSL kernels choose their own tiles.
 * ``FAST_MATH`` (flexjit): approximate tanh/exp in the Triton kernels (default True).
+* ``FORCE_USE_FLEX_ATTENTION`` (torch): True keeps a decode-shaped call (Q_LEN <= 128, no
+  gradient) off the split-KV decode kernel, on the prefill forward, as torch's does.
+* ``USE_TMA`` (torch's key; ``fwd_``/``bwd_`` per pass): the Triton kernels load tiles through
+  TMA tensor descriptors on sm90+ where the tensors allow it (else pointer loads, as torch
+  turns it off); ``WARP_SPECIALIZE`` (flexjit): Triton's automatic warp specialisation of the
+  kv/q loops, sm90+. Both default to the backend's table (``triton_config``).
 * ``BACKEND`` (torch): "AUTO" (default), "TRITON" and "TRITON_DECODE" run flexjit's Triton
   kernels, "FLASH" its CuTeDSL kernels (torch's FLASH backend is FlashAttention-4's CuTeDSL
   kernel); with ``backend="auto"`` only: an explicit ``backend=`` wins.
 
 Accepted and ignored (they tune torch's own Triton template, which flexjit does not run):
 ``PRESCALE_QK``, ``ROWS_GUARANTEED_SAFE``, ``BLOCKS_ARE_CONTIGUOUS``, ``WRITE_DQ``,
-``FORCE_USE_FLEX_ATTENTION``, ``USE_TMA``, ``kpack``, ``matrix_instr_nonkdim``, ``waves_per_eu``,
-``OUTPUT_LOGSUMEXP``, ``OUTPUT_MAX``, ``SAFE_HEAD_DIMENSION``, and any other key this torch's
-``FlexKernelOptions`` declares.
+``kpack``, ``matrix_instr_nonkdim``, ``waves_per_eu``, ``OUTPUT_LOGSUMEXP``, ``OUTPUT_MAX``,
+``SAFE_HEAD_DIMENSION``, and any other key this torch's ``FlexKernelOptions`` declares.
 """
 from __future__ import annotations
 
 MEANINGFUL = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
-              "BLOCK_N2", "FAST_MATH", "BACKEND")
+              "BLOCK_N2", "FAST_MATH", "BACKEND", "FORCE_USE_FLEX_ATTENTION", "USE_TMA",
+              "WARP_SPECIALIZE")
 IGNORED = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
-           "FORCE_USE_FLEX_ATTENTION", "USE_TMA", "kpack", "matrix_instr_nonkdim", "waves_per_eu",
-           "OUTPUT_LOGSUMEXP", "OUTPUT_MAX", "SAFE_HEAD_DIMENSION")
+           "kpack", "matrix_instr_nonkdim", "waves_per_eu", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
+           "SAFE_HEAD_DIMENSION")
 _BACKENDS = {"AUTO": "auto", "TRITON": "triton", "TRITON_DECODE": "triton", "FLASH": "cute"}
 
 

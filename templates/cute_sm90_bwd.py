@@ -11,8 +11,10 @@ What this module holds
     registers, dQ partial sums added into the fp32 accumulator by TMA reduce-add.
   - ``FlexAttentionBwdPostSm90`` (postprocess): ``dQ = accumulator · softmax_scale`` in the
     input dtype.
-* A host API like the forward's: ``compile_bwd`` (fake tensors + TVM-FFI) returns a
-  ``CompiledBwd``; calling it runs the three kernels on torch's current stream.
+* The host half (compiling against placeholders, the workspaces, the argument checks and the
+  launch: ``compile_bwd`` / ``CompiledBwd`` / ``load_bwd``) is ``cute_sm90_bwd_host``; this
+  module holds what runs on the device and the configuration it is traced with. ``Lpad`` below
+  is ``cute_sm90_bwd_host.padded_len(L)``: whole mask blocks.
 
 Gradients of captured tensors that require grad (``BwdConfig.score_grads``/``grad_offsets``,
 rendered by the backend): per element, P∘(dP − delta) · d score_mod / d load is added into an
@@ -104,9 +106,9 @@ and columns kv >= S can reach them and their results are discarded).
 Block lists (FlexAttention's BlockMask, mask block 128×128, int32, Bm ∈ {1, B}, Hm ∈ {1, Hq}):
 ``q_num_blocks`` (Bm, Hm, nKV) + ``q_indices`` (Bm, Hm, nKV, nQ) list the PARTIAL q blocks of
 each kv block (mask_mod applied), ``full_q_*`` the FULL ones (mask_mod skipped; bounds still
-checked on a tile that crosses L or S). The host API takes all 8 BlockMask tensors (the kernel
-reads the q lists; deterministic mode reads ``dq_order``'s merged ones). Without a block mask
-every q tile is visited (partial with a mask_mod, else full).
+checked on a tile that crosses L or S). The host API (``cute_sm90_bwd_host``) takes all 8
+BlockMask tensors (the kernel reads the q lists; deterministic mode reads ``dq_order``'s merged
+ones). Without a block mask every q tile is visited (partial with a mask_mod, else full).
 
 Shapes: q (B, Hq, L, D), k/v (B, Hkv, S, D), out/dout (B, Hq, L, D), lse/dlse (B, Hq, L) fp32;
 dq/dk/dv like q/k/v. Last dims contiguous, other strides multiples of 8 elements (TMA), bf16 or
@@ -131,10 +133,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory.smem import SmemAllocator
 
 # Shared with the forward (and the kernels to come): the aux container the generated mods index,
-# layout helpers, the placeholder/TVM-FFI plumbing.
+# layout helpers. The placeholder/TVM-FFI plumbing is the host module's (cute_sm90_bwd_host).
 from flexjit.templates.cute_common import (
-    LOG2_E, MASK_BLOCK, Aux, FloatIndices, as_scalar, aux_cutlass_dtype, ffi_function, permute,
-    placeholder, smem_layout, stream_context, transposed, tvm_ffi_enabled, wgmma_gemm,
+    LOG2_E, MASK_BLOCK, Aux, FloatIndices, permute, smem_layout, transposed, wgmma_gemm,
 )
 
 # Named barrier ids (0 is __syncthreads).
@@ -254,12 +255,6 @@ class BwdConfig:
                 overlap = self.score_mod_and_grad is None and self.mask_mod is None
             object.__setattr__(self, "tiling",
                                choose_bwd_tiling(self.head_dim, self.head_dim_v, overlap))
-
-
-def padded_len(seqlen_q: int) -> int:
-    """Rows of the lse2 / delta / dQ-accumulator workspaces: whole mask blocks, so that every
-    Q tile's TMA box is in bounds and every row stride is a multiple of 16 bytes."""
-    return max(1, -(-seqlen_q // MASK_BLOCK)) * MASK_BLOCK
 
 
 def _transposed_2d(s: cute.Tensor) -> cute.Tensor:
@@ -1442,202 +1437,3 @@ class FlexAttentionBwdPostSm90:
                             out[2 * t + e] = (acc[t // 2][4 * (t % 2) + 2 * h + e]
                                               * softmax_scale).to(self.dtype)
                     cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (8,), (g,)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Host API (TVM-FFI only: compiled once against placeholders, called with torch tensors)
-# ---------------------------------------------------------------------------------------------
-class _Part:
-    """One compiled kernel of the backward: ``cute.compile``'s result (None when loaded from
-    disk) and the bare TVM-FFI function that is called."""
-
-    def __init__(self, compiled, ffi_fn):
-        self.compiled = compiled
-        self.ffi_fn = ffi_fn
-
-    def export(self, object_file_path: str, function_name: str) -> None:
-        if self.compiled is None:
-            raise RuntimeError("only a function compiled in this process can be exported")
-        self.compiled.export_to_c(object_file_path=object_file_path, function_name=function_name)
-
-
-PARTS = ("pre", "main", "post")
-
-
-def _block_args(cfg: BwdConfig, block_lists, q_order):
-    """(q lists, QOrder tensors or None) from the 8 BlockMask tensors (kv lists first, as in
-    ``BlockMask._TENSOR_ATTRS``; zeros for absent full lists); (None, None) without a mask."""
-    import torch
-
-    if (block_lists is not None) != cfg.has_block_mask:
-        raise ValueError("block_lists presence must match BwdConfig.has_block_mask")
-    if block_lists is None:
-        return None, None
-    if len(block_lists) != 8 or any(t is None for t in block_lists):
-        raise ValueError("block_lists: kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, "
-                         "full_q_num, full_q_idx (zeros for absent full lists)")
-    if cfg.deterministic:
-        if q_order is None:
-            raise ValueError("a deterministic launch needs q_order = flexjit.block_mask.dq_order(block_lists)")
-        qlists, order = q_order
-        return tuple(qlists), tuple(order)
-    return tuple(t.to(torch.int32).contiguous() for t in block_lists[4:]), None  # no-op if int32
-
-
-def _tma_ready(t) -> bool:
-    """What the TVM-FFI wrapper checks for a TMA operand: unit last stride, other strides
-    multiples of 16 bytes, a 16-byte aligned base."""
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all((x * t.element_size()) % 16 == 0 for x in t.stride()[:-1]))
-
-
-def _placeholder_main_args(cfg: BwdConfig, aux_tensors, aux_scalars) -> tuple:
-    q, k, v, do, dk, dv = [placeholder(cfg.dtype, 4, 16, 8) for _ in range(6)]
-    lse2, delta = [placeholder(Float32, 3, 16, 4) for _ in range(2)]
-    dqacc = placeholder(Float32, 4, 16, 4)
-    qblocks = qorder = None
-    if cfg.has_block_mask:
-        qblocks = QBlockLists(*[placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
-        if cfg.deterministic:
-            qorder = QOrder(*[placeholder(Int32, 4, 4) for _ in range(2)])
-    sem = placeholder(Int32, 3, 4) if cfg.deterministic else None
-    tensors = tuple(placeholder(aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
-                    for t in aux_tensors)
-    scalars = tuple(as_scalar(x) for x in aux_scalars)
-    accs = tuple(placeholder(cutlass.Float64, 1, 8) for _ in range(num_grad_accs(cfg)))
-    return (q, k, v, do, lse2, delta, dqacc, dk, dv, Float32(1.0), Int32(1), qblocks, qorder, sem,
-            tensors or None, scalars or None, accs or None)
-
-
-def num_grad_accs(cfg: BwdConfig) -> int:
-    """How many fp64 captured-gradient accumulators the main kernel takes."""
-    if cfg.grad_offsets is None:
-        return 0
-    return max(cfg.grad_offsets.acc) + 1
-
-
-def _placeholder_pre_args(cfg: BwdConfig) -> tuple:
-    o, do = [placeholder(cfg.dtype, 4, 16, 8) for _ in range(2)]
-    lse, dlse = [placeholder(Float32, 3, 4) for _ in range(2)]
-    lse2, delta = [placeholder(Float32, 3, 16, 4) for _ in range(2)]
-    dqacc = placeholder(Float32, 4, 16, 4)
-    sem = placeholder(Int32, 3, 4) if cfg.deterministic else None
-    return (o, do, lse, dlse, Int32(0), lse2, delta, dqacc, sem)
-
-
-def _placeholder_post_args(cfg: BwdConfig) -> tuple:
-    return (placeholder(Float32, 4, 16, 4), placeholder(cfg.dtype, 4, 16, 8), Float32(1.0))
-
-
-class CompiledBwd:
-    """The three compiled kernels of one backward and the facts needed to launch them.
-
-    ``__call__`` allocates the fp32 workspaces (lse2, delta, dQ accumulator, semaphores) from
-    torch's caching allocator and runs preprocess → main → postprocess on the current stream
-    (or ``stream``)."""
-
-    def __init__(self, cfg: BwdConfig, parts: dict, signature):
-        self.cfg = cfg
-        self.parts = parts  # "pre" / "main" / "post" -> _Part
-        self.signature = signature
-
-    def __call__(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale: float,
-                 block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_order=None,
-                 grad_accs=()):
-        """Write dq, dk, dv (preallocated like q, k, v) and return them.
-
-        ``lse`` is the forward's natural-log LSE (B, Hq, L) fp32; ``dlse`` its gradient or None;
-        ``dout`` None means zeros (autograd passes None when only the LSE was used).
-        ``block_lists``: the 8 BlockMask tensors (kv lists, then q lists) or None.
-        ``q_order``: ``flexjit.block_mask.dq_order(block_lists)``, required in deterministic
-        mode (the host builds it once per BlockMask).
-        ``grad_accs``: with ``BwdConfig.score_grads``, one zeroed contiguous float64 tensor per
-        learnable captured tensor (``num_grad_accs``), shaped like it (or flat): the kernel adds
-        d loss / d tensor into them."""
-        if stream is None:
-            return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
-                                block_lists, aux_tensors, aux_scalars, q_order, grad_accs)
-        with stream_context(stream):
-            return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
-                                block_lists, aux_tensors, aux_scalars, q_order, grad_accs)
-
-    def _launch(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale, block_lists,
-                aux_tensors, aux_scalars, q_order, grad_accs):
-        import torch
-
-        cfg = self.cfg
-        B, Hq, L, D = q.shape
-        Hkv = k.shape[1]
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif not _tma_ready(dout):  # e.g. the expanded (stride 0) gradient of out.sum()
-            dout = dout.contiguous()
-        o_shape = (B, Hq, L, v.shape[-1])  # (192, 128): out/dout/v narrower than q/k
-        if (tuple(out.shape) != o_shape or tuple(dout.shape) != o_shape or dq.shape != q.shape
-                or dk.shape != k.shape or dv.shape != v.shape or v.shape[:-1] != k.shape[:-1]
-                or (D, v.shape[-1]) != (cfg.head_dim, cfg.head_dim_v)
-                or tuple(lse.shape) != (B, Hq, L) or k.shape[0] != B or Hq % Hkv):
-            raise ValueError("cute_sm90_bwd: inconsistent shapes")
-        lpad = padded_len(L)
-        f32 = dict(dtype=torch.float32, device=q.device)
-        lse2 = torch.empty(B, Hq, lpad, **f32)
-        delta = torch.empty(B, Hq, lpad, **f32)
-        dqacc = torch.empty(B, Hq, lpad, D, **f32)  # zeroed by the preprocess
-        sem = None
-        if cfg.deterministic:  # zeroed by the preprocess
-            sem = torch.empty(B, Hq, 2 * (lpad // cfg.tiling.tile_m), dtype=torch.int32,
-                              device=q.device)
-        has_dlse = dlse is not None
-        dlse = dlse.float().contiguous() if has_dlse else lse  # autograd may hand a stride-0 grad
-        qblocks, qorder = _block_args(cfg, block_lists, q_order)
-        tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in aux_tensors) or None
-        for x in aux_scalars:
-            if isinstance(x, bool) or not isinstance(x, (int, float)):
-                raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
-        if len(grad_accs) != num_grad_accs(cfg):
-            raise ValueError(f"expected {num_grad_accs(cfg)} captured-gradient accumulators, "
-                             f"got {len(grad_accs)}")
-        for a in grad_accs:
-            if a.dtype != torch.float64 or not a.is_contiguous():
-                raise ValueError("captured-gradient accumulators must be contiguous float64")
-        accs = tuple(a.view(-1) for a in grad_accs) or None
-        self.parts["pre"].ffi_fn(out, dout, lse, dlse, int(has_dlse), lse2, delta, dqacc, sem)
-        self.parts["main"].ffi_fn(q, k, v, dout, lse2, delta, dqacc, dk, dv, float(softmax_scale),
-                                  Hq // Hkv, qblocks, qorder, sem, tensors,
-                                  tuple(aux_scalars) or None, accs)
-        self.parts["post"].ffi_fn(dqacc, dq, float(softmax_scale))
-        return dq, dk, dv
-
-
-def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "",
-                parts=PARTS) -> CompiledBwd:
-    """Compile the backward's kernels for this config and these aux kinds (dtypes and ranks of
-    the captured tensors, types of the scalars). Sizes, strides, batch and heads are runtime
-    values, so no example q/k/v are needed. Works on a CPU-only machine with
-    CUTE_DSL_ARCH=sm_90a; with ``options='--keep-ptx'`` each part's ``compiled.__ptx__`` holds
-    its PTX. ``parts``: which kernels to compile (the others are left out of the result)."""
-    if not tvm_ffi_enabled():
-        raise RuntimeError("cute_sm90_bwd launches through TVM-FFI only (import tvm_ffi failed "
-                           "or FLEXJIT_TVM_FFI=0)")
-    signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
-        type(as_scalar(x)).__name__ for x in aux_scalars)
-    opts = f"{options} --enable-tvm-ffi".strip()
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    built = {}
-    for name in parts:
-        if name == "pre":
-            kernel, args = FlexAttentionBwdPreSm90(cfg), _placeholder_pre_args(cfg)
-        elif name == "main":
-            kernel, args = FlexAttentionBwdSm90(cfg), _placeholder_main_args(cfg, aux_tensors, aux_scalars)
-        elif name == "post":
-            kernel, args = FlexAttentionBwdPostSm90(cfg), _placeholder_post_args(cfg)
-        else:
-            raise ValueError(f"unknown part {name!r}")
-        compiled = cute.compile(kernel, *args, stream, options=opts)
-        built[name] = _Part(compiled, ffi_function(compiled))
-    return CompiledBwd(cfg, built, signature)
-
-
-def load_bwd(cfg: BwdConfig, ffi_fns: dict, signature=()) -> CompiledBwd:
-    """A ``CompiledBwd`` from functions loaded from exported object files (``_Part.export``)."""
-    return CompiledBwd(cfg, {name: _Part(None, fn) for name, fn in ffi_fns.items()}, signature)

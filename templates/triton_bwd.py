@@ -140,26 +140,33 @@ def _key_tile(K, V, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, st
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, Q, DO, LSE2, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
-               idx_ptr, stride_idx, n_listed, off_b, off_h, offs_n, L, S, sm_scale,
+def _dkdv_loop(dk, dv, k, v, Q, DO, QD, DOD, q_row0, LSE2, DELTA, stride_qm, stride_qd,
+               stride_dom, stride_dod, idx_ptr, stride_idx, n_listed, off_b, off_h, offs_n, L, S,
+               sm_scale,
                # {{CAPTURE_PARAMS}}
                # {{GRAD_PARAMS}}
                E: tl.constexpr, EV: tl.constexpr, E_PAD: tl.constexpr, EV_PAD: tl.constexpr,
                BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
                APPLY_MASK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                HAS_SCORE_MOD: tl.constexpr, ACC_GRADS: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Accumulate dK, dV of one key tile over the query tiles of one block list (transposed tiles)."""
+               DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
+               USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """Accumulate dK, dV of one key tile over the query tiles of one block list (transposed tiles).
+    USE_TMA: q and dO tiles through the descriptors QD/DOD at row ``q_row0 + start_m``."""
     offs_d = tl.arange(0, E_PAD)
     offs_dv = tl.arange(0, EV_PAD)
     n_iter = _n_tiles(n_listed, SPARSE_Q, BLOCK_M, HAS_BLOCK_MASK)
-    for it in tl.range(0, n_iter, num_stages=NUM_STAGES):
+    for it in tl.range(0, n_iter, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
         start_m = _tile_start(it, idx_ptr, stride_idx, SPARSE_Q, BLOCK_M, HAS_BLOCK_MASK)
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-        do_ptrs = DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod
-        q = _load_tile(q_ptrs, offs_m, offs_d, L, E, EVEN_M, E == E_PAD)
-        do = _load_tile(do_ptrs, offs_m, offs_dv, L, EV, EVEN_M, EV == EV_PAD)
+        if USE_TMA:
+            q = QD.load([q_row0 + start_m, 0])
+            do = DOD.load([q_row0 + start_m, 0])
+        else:
+            q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+            do_ptrs = DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod
+            q = _load_tile(q_ptrs, offs_m, offs_d, L, E, EVEN_M, E == E_PAD)
+            do = _load_tile(do_ptrs, offs_m, offs_dv, L, EV, EVEN_M, EV == EV_PAD)
         lse2 = _load_rows(LSE2, offs_m, L, EVEN_M)
         delta = _load_rows(DELTA, offs_m, L, EVEN_M)
         qk_t = _dot(k, tl.trans(q), None, DOT_PRECISION)
@@ -175,7 +182,7 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE2, DELTA, stride_qm, stride_qd, stride_do
 
 
 @triton.jit
-def _dq_loop(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+def _dq_loop(dq, q, do, lse2, delta, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
              idx_ptr, stride_idx, n_listed, off_b, off_h, offs_m, L, S, sm_scale,
              # {{CAPTURE_PARAMS}}
              # {{GRAD_PARAMS}}
@@ -183,16 +190,21 @@ def _dq_loop(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stri
              BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
              APPLY_MASK: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
              HAS_SCORE_MOD: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-             NUM_STAGES: tl.constexpr):
-    """Accumulate dQ of one query tile over the key tiles of one block list."""
+             NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """Accumulate dQ of one query tile over the key tiles of one block list (USE_TMA: k and v
+    through the descriptors KD/VD at row ``kv_row0 + start_n``)."""
     offs_d = tl.arange(0, E_PAD)
     offs_dv = tl.arange(0, EV_PAD)
     n_iter = _n_tiles(n_listed, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
-    for it in tl.range(0, n_iter, num_stages=NUM_STAGES):
+    for it in tl.range(0, n_iter, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
         start_n = _tile_start(it, idx_ptr, stride_idx, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k, v = _key_tile(K, V, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                         S, E, EV, E_PAD, EV_PAD, EVEN_N)
+        if USE_TMA:
+            k = KD.load([kv_row0 + start_n, 0])
+            v = VD.load([kv_row0 + start_n, 0])
+        else:
+            k, v = _key_tile(K, V, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
+                             stride_vd, S, E, EV, E_PAD, EV_PAD, EVEN_N)
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         dp = _dot(do, tl.trans(v), None, DOT_PRECISION)
         p, ds = _ds_tile(qk, dp, lse2[:, None], delta[:, None], off_b, off_h,
@@ -207,6 +219,8 @@ def _dq_loop(dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stri
 @_jit
 def flex_bwd(
     Q, K, V, DO, LSE2, DELTA, DQ, DK, DV,  # dq like q, dk like k, dv like v (B, H*, seq, dim)
+    QD, KD, VD, DOD,  # USE_TMA: descriptors of q, k, v, dO as (rows, dim) (contiguous: row
+                      # (b·H + h)·len + i), blocks BLOCK_M1 (q, dO) / BLOCK_N2 (k, v); else unread
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -230,7 +244,8 @@ def flex_bwd(
     HAS_BLOCK_MASK: tl.constexpr, HAS_PARTIAL: tl.constexpr, HAS_FULL: tl.constexpr,
     HAS_MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, ACC_GRADS: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
+    FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     off_hkv = tl.program_id(1)
@@ -259,36 +274,36 @@ def flex_bwd(
                 idx_off = off_b * stride_qib + off_h * stride_qih + col * stride_qin
                 if HAS_PARTIAL:
                     dk, dv = _dkdv_loop(
-                        dk, dv, k, v, Qh, DOh, LSE2 + row0, DELTA + row0,
-                        stride_qm, stride_qd, stride_dom, stride_dod,
+                        dk, dv, k, v, Qh, DOh, QD, DOD, row0.to(tl.int32), LSE2 + row0,
+                        DELTA + row0, stride_qm, stride_qd, stride_dom, stride_dod,
                         Q_IDX + idx_off, stride_qij, tl.load(Q_NUM + num_off), off_b, off_h,
                         offs_n, L, S, sm_scale,
                         # {{CAPTURE_ARGS}}
                         # {{GRAD_ARGS}}
                         E, EV, E_PAD, EV_PAD, BLOCK_M1, SPARSE_Q, True, HAS_MASK_MOD,
                         EVEN_M, EVEN_N, HAS_SCORE_MOD, ACC_GRADS, DOT_PRECISION, FAST_MATH,
-                        NUM_STAGES)
+                        NUM_STAGES, USE_TMA, WARP_SPEC)
                 if HAS_FULL:
                     dk, dv = _dkdv_loop(
-                        dk, dv, k, v, Qh, DOh, LSE2 + row0, DELTA + row0,
-                        stride_qm, stride_qd, stride_dom, stride_dod,
+                        dk, dv, k, v, Qh, DOh, QD, DOD, row0.to(tl.int32), LSE2 + row0,
+                        DELTA + row0, stride_qm, stride_qd, stride_dom, stride_dod,
                         FULL_Q_IDX + idx_off, stride_qij, tl.load(FULL_Q_NUM + num_off), off_b,
                         off_h, offs_n, L, S, sm_scale,
                         # {{CAPTURE_ARGS}}
                         # {{GRAD_ARGS}}
                         E, EV, E_PAD, EV_PAD, BLOCK_M1, SPARSE_Q, True, False,
                         EVEN_M, EVEN_N, HAS_SCORE_MOD, ACC_GRADS, DOT_PRECISION, FAST_MATH,
-                        NUM_STAGES)
+                        NUM_STAGES, USE_TMA, WARP_SPEC)
             else:
                 dk, dv = _dkdv_loop(
-                    dk, dv, k, v, Qh, DOh, LSE2 + row0, DELTA + row0,
-                    stride_qm, stride_qd, stride_dom, stride_dod,
+                    dk, dv, k, v, Qh, DOh, QD, DOD, row0.to(tl.int32), LSE2 + row0,
+                    DELTA + row0, stride_qm, stride_qd, stride_dom, stride_dod,
                     Q_IDX, 0, n_dense_q, off_b, off_h, offs_n, L, S, sm_scale,
                     # {{CAPTURE_ARGS}}
                     # {{GRAD_ARGS}}
                     E, EV, E_PAD, EV_PAD, BLOCK_M1, BLOCK_M1, False, False,
                     EVEN_M, EVEN_N, HAS_SCORE_MOD, ACC_GRADS, DOT_PRECISION, FAST_MATH,
-                    NUM_STAGES)
+                    NUM_STAGES, USE_TMA, WARP_SPEC)
         dk = dk * sm_scale
         dk_ptrs = (DK + b64 * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
                    + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
@@ -312,36 +327,37 @@ def flex_bwd(
         lse2 = _load_rows(LSE2 + row0, offs_m, L, EVEN_M)
         delta = _load_rows(DELTA + row0, offs_m, L, EVEN_M)
         dq = tl.full([BLOCK_M2, E_PAD], 0.0, tl.float32)
+        kv_row0 = (off_b * (Hq // G) + off_hkv) * S  # K/V's first row in the descriptors' view
         if HAS_BLOCK_MASK:
             row = (pid_m * BLOCK_M2) // SPARSE_Q
             num_off = off_b * stride_kvnb + off_h * stride_kvnh + row * stride_kvnm
             idx_off = off_b * stride_kvib + off_h * stride_kvih + row * stride_kvim
             if HAS_PARTIAL:
                 dq = _dq_loop(
-                    dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                    dq, q, do, lse2, delta, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
                     KV_IDX + idx_off, stride_kvij, tl.load(KV_NUM + num_off), off_b, off_h,
                     offs_m, L, S, sm_scale,
                     # {{CAPTURE_ARGS}}
                     # {{GRAD_ARGS}}
                     E, EV, E_PAD, EV_PAD, BLOCK_N2, SPARSE_KV, True, HAS_MASK_MOD, EVEN_M,
-                    EVEN_N, HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+                    EVEN_N, HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC)
             if HAS_FULL:
                 dq = _dq_loop(
-                    dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                    dq, q, do, lse2, delta, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
                     FULL_KV_IDX + idx_off, stride_kvij, tl.load(FULL_KV_NUM + num_off), off_b,
                     off_h, offs_m, L, S, sm_scale,
                     # {{CAPTURE_ARGS}}
                     # {{GRAD_ARGS}}
                     E, EV, E_PAD, EV_PAD, BLOCK_N2, SPARSE_KV, True, False, EVEN_M,
-                    EVEN_N, HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+                    EVEN_N, HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC)
         else:
             dq = _dq_loop(
-                dq, q, do, lse2, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
+                dq, q, do, lse2, delta, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
                 KV_IDX, 0, n_dense_kv, off_b, off_h, offs_m, L, S, sm_scale,
                 # {{CAPTURE_ARGS}}
                 # {{GRAD_ARGS}}
                 E, EV, E_PAD, EV_PAD, BLOCK_N2, BLOCK_N2, False, False, EVEN_M,
-                EVEN_N, HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+                EVEN_N, HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC)
         dq = dq * sm_scale
         dq_ptrs = (DQ + b64 * stride_dqb + h64 * stride_dqh
                    + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)

@@ -71,8 +71,9 @@ from .triton_common import _dot, _load_tile, _max, _n_tiles, _store_tile, _sum, 
 def _score_tile(qk, off_b, off_h, q_idx, kv_idx, S, sm_scale, qk_scale_log2,
                 # {{CAPTURE_PARAMS}}
                 APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
-                FAST_MATH: tl.constexpr):
-    """Scores of one (BLOCK_M, BLOCK_N) tile in log2 units, -inf where not kept."""
+                FAST_MATH: tl.constexpr, MERGED: tl.constexpr, full_tile):
+    """Scores of one (BLOCK_M, BLOCK_N) tile in log2 units, -inf where not kept. MERGED: the
+    tile may come from the full list (``full_tile``, a run-time bool), which keeps everything."""
     if HAS_SCORE_MOD:
         score = qk * sm_scale
         # {{SCORE_MOD}}
@@ -81,6 +82,8 @@ def _score_tile(qk, off_b, off_h, q_idx, kv_idx, S, sm_scale, qk_scale_log2,
         s2 = qk * qk_scale_log2
     if APPLY_MASK:
         mask = kv_idx >= 0  # {{MASK_MOD}}
+        if MERGED:
+            mask = mask | full_tile
         if not EVEN_N:
             mask = mask & (kv_idx < S)
         s2 = tl.where(mask, s2, float("-inf"))
@@ -90,35 +93,58 @@ def _score_tile(qk, off_b, off_h, q_idx, kv_idx, S, sm_scale, qk_scale_log2,
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-            idx_ptr, stride_idx, n_listed, off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
+def _attend(acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
+            idx_ptr, stride_idx, n_listed, idx2_ptr, n_listed2, off_b, off_h, offs_m, S, sm_scale,
+            qk_scale_log2,
             # {{CAPTURE_PARAMS}}
             E: tl.constexpr, EV: tl.constexpr, E_PAD: tl.constexpr, EV_PAD: tl.constexpr,
             BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
             APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Online softmax over the key tiles of one block list; returns the updated (acc, l, m)."""
+            DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
+            USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, MERGED: tl.constexpr):
+    """Online softmax over the key tiles of one block list; returns the updated (acc, l, m).
+    USE_TMA: K and V tiles come through the (rows, dim) tensor descriptors KD/VD at row
+    ``kv_row0 + start_n`` (one TMA copy each) instead of pointer loads. MERGED: one loop over
+    the partial list (``idx_ptr``, masked) and then the full list (``idx2_ptr``, ``n_listed2``
+    blocks; mask_mod still evaluated, its result overridden): Triton's Hopper warp specialiser
+    takes a kernel with one loop only, not two in sequence."""
     offs_d = tl.arange(0, E_PAD)
     offs_dv = tl.arange(0, EV_PAD)
     n_iter = _n_tiles(n_listed, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
-    for it in tl.range(0, n_iter, num_stages=NUM_STAGES):
-        start_n = _tile_start(it, idx_ptr, stride_idx, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
+    n_first = n_iter
+    if MERGED:
+        n_iter += _n_tiles(n_listed2, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
+    for it in tl.range(0, n_iter, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+        if MERGED:
+            full_tile = it >= n_first
+            start_n = _tile_start(tl.where(full_tile, it - n_first, it),
+                                  tl.where(full_tile, idx2_ptr, idx_ptr), stride_idx, SPARSE_KV,
+                                  BLOCK_N, HAS_BLOCK_MASK)
+        else:
+            full_tile = False
+            start_n = _tile_start(it, idx_ptr, stride_idx, SPARSE_KV, BLOCK_N, HAS_BLOCK_MASK)
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-        k = _load_tile(k_ptrs, offs_n, offs_d, S, E, EVEN_N, E == E_PAD)
+        if USE_TMA:
+            k = KD.load([kv_row0 + start_n, 0])
+        else:
+            k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+            v_ptrs = V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+            k = _load_tile(k_ptrs, offs_n, offs_d, S, E, EVEN_N, E == E_PAD)
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         s2 = _score_tile(qk, off_b, off_h, offs_m[:, None], offs_n[None, :], S, sm_scale,
                          qk_scale_log2,
                          # {{CAPTURE_ARGS}}
-                         APPLY_MASK, EVEN_N, HAS_SCORE_MOD, FAST_MATH)
+                         APPLY_MASK, EVEN_N, HAS_SCORE_MOD, FAST_MATH, MERGED, full_tile)
         m_new = tl.maximum(m_i, _max(s2, 1))
         # A row with nothing kept yet has m = -inf: use 0 as the base so exp2 gives 0, not NaN.
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_base)
         p = tl.math.exp2(s2 - m_base[:, None])
         l_i = l_i * alpha + _sum(p, 1, False)
-        v = _load_tile(v_ptrs, offs_n, offs_dv, S, EV, EVEN_N, EV == EV_PAD)
+        if USE_TMA:
+            v = VD.load([kv_row0 + start_n, 0])
+        else:
+            v = _load_tile(v_ptrs, offs_n, offs_dv, S, EV, EVEN_N, EV == EV_PAD)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
@@ -129,6 +155,8 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
 def flex_fwd(
     Q, K, V, O, LSE, MAXS,  # q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, EV), o like q/v,
                             # lse and (with OUTPUT_MAX) the row max of the modded scores (B, Hq, L)
+    QD, KD, VD,  # USE_TMA: tensor descriptors of q, k, v viewed as (rows, dim) (contiguous inputs:
+                 # row (b·H + h)·len + i), blocks (BLOCK_M, E_PAD) / (BLOCK_N, *); else q, k, v, unread
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -144,7 +172,8 @@ def flex_fwd(
     HAS_BLOCK_MASK: tl.constexpr, HAS_PARTIAL: tl.constexpr, HAS_FULL: tl.constexpr,
     HAS_MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr,
-    NUM_STAGES: tl.constexpr, OUTPUT_MAX: tl.constexpr,
+    NUM_STAGES: tl.constexpr, OUTPUT_MAX: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr, MERGE_LISTS: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-first under causal-like masks
     off_h = tl.program_id(1)
@@ -158,8 +187,12 @@ def flex_fwd(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, E_PAD)
-    q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    q = _load_tile(q_ptrs, offs_m, offs_d, L, E, EVEN_M, E == E_PAD)
+    kv_row0 = (off_b * (Hq // G) + off_hkv) * S  # K/V's first row in the descriptors' view
+    if USE_TMA:
+        q = QD.load([(off_b * Hq + off_h) * L + pid_m * BLOCK_M, 0])
+    else:
+        q_ptrs = Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+        q = _load_tile(q_ptrs, offs_m, offs_d, L, E, EVEN_M, E == E_PAD)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -169,29 +202,38 @@ def flex_fwd(
         row = (pid_m * BLOCK_M) // SPARSE_Q
         num_off = off_b * stride_nb + off_h * stride_nh + row * stride_nm
         idx_off = off_b * stride_ib + off_h * stride_ih + row * stride_im
-        if HAS_PARTIAL:
+        if MERGE_LISTS:  # WARP_SPEC with both lists: one loop (see _attend)
             acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                KV_IDX + idx_off, stride_ij, tl.load(KV_NUM + num_off), off_b, off_h, offs_m, S,
-                sm_scale, qk_scale_log2,
+                acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
+                KV_IDX + idx_off, stride_ij, tl.load(KV_NUM + num_off), FULL_IDX + idx_off,
+                tl.load(FULL_NUM + num_off), off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
                 # {{CAPTURE_ARGS}}
                 E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, HAS_MASK_MOD, EVEN_N,
-                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
-        if HAS_FULL:
-            acc, l_i, m_i = _attend(
-                acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-                FULL_IDX + idx_off, stride_ij, tl.load(FULL_NUM + num_off), off_b, off_h, offs_m,
-                S, sm_scale, qk_scale_log2,
-                # {{CAPTURE_ARGS}}
-                E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, False, EVEN_N,
-                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC, True)
+        else:
+            if HAS_PARTIAL:
+                acc, l_i, m_i = _attend(
+                    acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn,
+                    stride_vd, KV_IDX + idx_off, stride_ij, tl.load(KV_NUM + num_off), KV_IDX, 0,
+                    off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
+                    # {{CAPTURE_ARGS}}
+                    E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, HAS_MASK_MOD, EVEN_N,
+                    HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC, False)
+            if HAS_FULL:
+                acc, l_i, m_i = _attend(
+                    acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn,
+                    stride_vd, FULL_IDX + idx_off, stride_ij, tl.load(FULL_NUM + num_off), KV_IDX,
+                    0, off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
+                    # {{CAPTURE_ARGS}}
+                    E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, False, EVEN_N,
+                    HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC, False)
     else:
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
-            KV_IDX, 0, n_dense, off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
+            acc, l_i, m_i, q, K, V, KD, VD, kv_row0, stride_kn, stride_kd, stride_vn, stride_vd,
+            KV_IDX, 0, n_dense, KV_IDX, 0, off_b, off_h, offs_m, S, sm_scale, qk_scale_log2,
             # {{CAPTURE_ARGS}}
             E, EV, E_PAD, EV_PAD, BLOCK_N, BLOCK_N, False, False, EVEN_N,
-            HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+            HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, USE_TMA, WARP_SPEC, False)
 
     empty = l_i == 0.0  # nothing kept in the row: out = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)

@@ -3,15 +3,16 @@
 #
 #   source .devbundle/env.sh && export PYTHONPATH=$PWD:$PWD/tests:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc &&
 #   bash tests/gpu.sh new $OUT       # code that has never run on a GPU first
-#   bash tests/gpu.sh cute $OUT      # every sm90 forward and backward test
+#   bash tests/gpu.sh cute $OUT      # every sm90 forward and backward test (cute-fwd, cute-bwd: half)
 #   bash tests/gpu.sh triton $OUT    # the Triton backend's GPU tests
 #   bash tests/gpu.sh training $OUT  # autocast, torch.compile, CUDA graphs, fp32, transformers
+#   bash tests/gpu.sh decode $OUT    # the split-KV decode kernel
 #
 # Each pytest run gets a wall-clock limit (a hung kernel fails the batch instead of the call)
 # and writes its log to $OUT/<batch>-<n>.txt; a summary line per run is printed.
 set -u
-batch=${1:?usage: gpu.sh new|cute|triton|training OUT_DIR}
-out=${2:?usage: gpu.sh new|cute|triton|training OUT_DIR}
+batch=${1:?usage: gpu.sh new|cute|cute-fwd|cute-bwd|triton|training|decode OUT_DIR}
+out=${2:?usage: gpu.sh new|cute|cute-fwd|cute-bwd|triton|training|decode OUT_DIR}
 mkdir -p "$out"
 n=0
 run() {  # run LIMIT_S pytest-args...   (one after another)
@@ -26,25 +27,32 @@ run_as() {  # run_as NAME LIMIT_S pytest-args...   (NAME: the log's name; may ru
 }
 case $batch in
   new)
-    # The newest code's GPU tests; point it at the next change before its first GPU run. Now
-    # (after the sixth session's last call): gradient accuracy against torch's compiled
-    # Flex-Triton (issue #14, written after the device time was spent; the measurements it
-    # encodes are in benchmarks/results/2026-12-01-gpu-s6-*), then the whole cute batch (the
-    # default rescale threshold became 0; only core mods and max_scores ran with it).
+    # The newest code's GPU tests, side by side; point it at the next change before its first
+    # GPU run. Now (seventh session): gradient accuracy with additive tables judged centred
+    # (issue #14), paged KV (#16), the split-KV decode kernel (#16, three processes), context
+    # parallelism at world size 1 on NCCL (#17).
     run_as new-1 300 tests/test_grad_accuracy_gpu.py &
-    # Issue #13: the sm90 backward's 64-key tile for 192 and (192, 128) (branch bwd192; compiled
-    # spill-free on the CPU, never run): correctness, the ragged last mask block, determinism,
-    # the API path without a Triton hand-off, captured-tensor gradients at 192.
-    run_as new-2 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
+    run_as new-2 280 tests/test_paged_gpu.py &
+    run_as new-3 280 tests/test_distributed_gpu.py &
+    run_as decode-1 280 tests/test_decode_gpu.py -k "core_mods and not L16" &
+    run_as decode-2 280 tests/test_decode_gpu.py -k "core_mods and L16" &
+    run_as decode-3 280 tests/test_decode_gpu.py -k "not core_mods" &
     wait
     ;;
-  cute)
-    # Three processes side by side: the time is the kernels' compiles (one CPU core each); on
-    # the H200 the batch took ~280 s this way (sixth session).
-    run_as cute-1 420 tests/test_cute_gpu.py tests/test_cute_cache.py &
-    run_as cute-2 300 tests/test_cute_sm90_bwd_gpu.py -k "mods_ragged or rest_of_the_core" &
-    run_as cute-3 300 tests/test_cute_sm90_bwd_gpu.py -k "not (mods_ragged or rest_of_the_core or 192)" &
-    run_as cute-4 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
+  cute|cute-fwd|cute-bwd)
+    # Processes side by side: the time is the kernels' compiles (one CPU core each). With the
+    # forward tests in one process beside five others, that process passed 420 s (seventh
+    # session): they are three now. cute = cute-fwd + cute-bwd.
+    if [ "$batch" != cute-bwd ]; then
+      run_as cute-1 420 tests/test_cute_gpu.py -k "core_mods or d64 or more_head_dims" &
+      run_as cute-5 420 tests/test_cute_gpu.py -k "not (core_mods or d64 or more_head_dims)" &
+      run_as cute-6 420 tests/test_cute_cache.py &
+    fi
+    if [ "$batch" != cute-fwd ]; then
+      run_as cute-2 300 tests/test_cute_sm90_bwd_gpu.py -k "mods_ragged or rest_of_the_core" &
+      run_as cute-3 300 tests/test_cute_sm90_bwd_gpu.py -k "not (mods_ragged or rest_of_the_core or 192)" &
+      run_as cute-4 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
+    fi
     wait
     ;;
   triton)
@@ -52,6 +60,13 @@ case $batch in
     ;;
   training)
     run 330 tests/test_training_gpu.py
+    ;;
+  decode)
+    # The split-KV decode kernel (issue #16): ~45 Triton compiles, three processes side by side.
+    run_as decode-1 280 tests/test_decode_gpu.py -k "core_mods and not L16" &
+    run_as decode-2 280 tests/test_decode_gpu.py -k "core_mods and L16" &
+    run_as decode-3 280 tests/test_decode_gpu.py -k "not core_mods" &
+    wait
     ;;
   *)
     echo "unknown batch $batch" >&2

@@ -40,6 +40,7 @@ from mods_catalog import CORE, lowered, make_case  # noqa: E402
 from ptx_checks import assert_no_spills  # noqa: E402
 
 tpl = load_template("cute_sm90_bwd")
+host = load_template("cute_sm90_bwd_host")
 
 
 def _program(score_mod, mask_mod):
@@ -62,14 +63,14 @@ def _softcap_alibi_document():
 
 
 def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False,
-             deterministic=False, parts=tpl.PARTS, overlap_dp=None, program=None, head_dim_v=None):
+             deterministic=False, parts=host.PARTS, overlap_dp=None, program=None, head_dim_v=None):
     program = program or _program(score_mod, mask_mod)
     mods = load_mods(program)
     cfg = tpl.BwdConfig(head_dim, head_dim_v or head_dim, cutlass.BFloat16, mods.score_mod_and_grad,
                         mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
                         overlap_dp=overlap_dp)
     aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
-    fn = tpl.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
+    fn = host.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
                          parts=parts)
     ptx = {name: part.compiled.__ptx__ for name, part in fn.parts.items()}
     for name, text in ptx.items():
@@ -229,7 +230,7 @@ def light_mods(program) -> bool:
 def _clean_main_ptx(tmp_path, cfg, program) -> str:
     """The main kernel's PTX for ``cfg``, checked for the Hopper machinery and clean registers."""
     aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
-    fn = tpl.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
+    fn = host.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
                          parts=("main",))
     ptx = fn.parts["main"].compiled.__ptx__
     _assert_main_machinery(ptx)
@@ -271,7 +272,7 @@ def test_captured_tensor_grads(tmp_path, name, head_dim):
                         mods.mask_mod, has_block_mask=True,
                         overlap_dp=True if light_mods(program) else None,
                         score_grads=mods.score_grads, grad_offsets=mods.grad_offsets)
-    assert tpl.num_grad_accs(cfg) == 1
+    assert host.num_grad_accs(cfg) == 1
     ptx = _clean_main_ptx(tmp_path, cfg, program)
     assert re.search(r"(red|atom)\.global(\.\w+)*\.add\.f64", ptx), "no fp64 atomic add"
     if name == "learnable_alibi":
@@ -372,7 +373,7 @@ def test_dq_order_matches_brute_force(case):
 
 def test_padded_len_covers_whole_mask_blocks():
     for L, want in ((1, 128), (128, 128), (129, 256), (1000, 1024)):
-        assert tpl.padded_len(L) == want
+        assert host.padded_len(L) == want
 
 
 def test_host_launch_marshals_workspaces_and_lists():
@@ -385,7 +386,7 @@ def test_host_launch_marshals_workspaces_and_lists():
 
     cfg = tpl.BwdConfig(128, 128, cutlass.BFloat16, None, None, has_block_mask=True,
                         deterministic=True)
-    fn = tpl.load_bwd(cfg, {name: recorder(name) for name in tpl.PARTS})
+    fn = host.load_bwd(cfg, {name: recorder(name) for name in host.PARTS})
     B, Hq, Hkv, L, S, D = 2, 8, 2, 300, 500, 128
     q, out = torch.randn(B, Hq, L, D).bfloat16(), torch.randn(B, Hq, L, D).bfloat16()
     k, v = torch.randn(B, Hkv, S, D).bfloat16(), torch.randn(B, Hkv, S, D).bfloat16()
@@ -426,7 +427,7 @@ def test_host_launch_with_narrower_v():
         return lambda *args: calls.setdefault(name, args)
 
     cfg = tpl.BwdConfig(192, 128, cutlass.BFloat16, None, None)
-    fn = tpl.load_bwd(cfg, {name: recorder(name) for name in tpl.PARTS})
+    fn = host.load_bwd(cfg, {name: recorder(name) for name in host.PARTS})
     B, Hq, Hkv, L, S = 1, 4, 2, 200, 300
     q, k = torch.randn(B, Hq, L, 192).bfloat16(), torch.randn(B, Hkv, S, 192).bfloat16()
     v = torch.randn(B, Hkv, S, 128).bfloat16()

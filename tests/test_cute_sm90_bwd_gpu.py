@@ -40,6 +40,7 @@ from mods_catalog import CORE, case_and_oracle, lowered, make_case  # noqa: E402
 from oracle import FLOOR, assert_close_to_oracle, dense_attention  # noqa: E402
 
 tpl = load_template("cute_sm90_bwd")
+host = load_template("cute_sm90_bwd_host")
 DEV = "cuda"
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 _COMPILED = {}
@@ -65,7 +66,7 @@ def _compiled(case, D, dtype, sparse, deterministic, Dv=None):
                             overlap_dp=True if light_mods(program) else None,
                             score_grads=getattr(mods, "score_grads", None),
                             grad_offsets=getattr(mods, "grad_offsets", None))
-        _COMPILED[key] = tpl.compile_bwd(cfg, aux, program.scalars)
+        _COMPILED[key] = host.compile_bwd(cfg, aux, program.scalars)
     return _COMPILED[key], aux, program.scalars
 
 

@@ -39,6 +39,8 @@ fwd = load_template("cute_sm90_fwd")
 assert bwd.__file__.startswith(sys.argv[1]) and fwd.Aux is bwd.Aux
 import flexjit.templates.cute_common as common
 assert common.Aux is fwd.Aux
+host = load_template("cute_sm90_bwd_host")  # a template importing another template's classes
+assert host.FlexAttentionBwdSm90 is bwd.FlexAttentionBwdSm90 and host.BwdConfig is bwd.BwdConfig
 print("ok")
 """
 

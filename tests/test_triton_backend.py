@@ -136,6 +136,113 @@ def test_core_mods_fp16(interp, name):
     check(case, **SHAPE, dtype=torch.float16, block_size=32, seed=2, oracle=oracle)
 
 
+def _record_tma(monkeypatch) -> dict:
+    """kernel name -> the USE_TMA each launch of it ran with (spies on the backend's launcher)."""
+    seen = {}
+    run = tb._run
+
+    def spy(plan, launch):
+        seen.setdefault(launch.kernel, []).append(launch.constexprs.get("USE_TMA"))
+        return run(plan, launch)
+    monkeypatch.setattr(tb, "_run", spy)
+    return seen
+
+
+# Tensor descriptors (USE_TMA) under the interpreter, which runs host-side descriptors on the
+# CPU: GQA (2 query heads per kv head) and two batches put tiles at many (b, h) row offsets of
+# the (rows, dim) views, so a wrong offset reads another head. 128 = 4 mask blocks of 32, the
+# lengths the descriptors need (even); D = 32 (64-byte rows, 16-byte aligned).
+TMA_SHAPE = dict(B=2, Hq=4, Hkv=2, L=128, S=128, E=32, Ev=32)
+
+
+@pytest.mark.parametrize("name", ["full", "causal", "document", "softcap_alibi_window", "learnable_alibi"])
+def test_tma_descriptor_path(interp, monkeypatch, name):
+    seen = _record_tma(monkeypatch)
+    case, oracle = case_and_oracle(name, TMA_SHAPE["B"], TMA_SHAPE["Hq"], TMA_SHAPE["L"], TMA_SHAPE["S"],
+                                   seed=11)
+    check(case, **TMA_SHAPE, dtype=torch.bfloat16, block_size=32, seed=11, oracle=oracle,
+          kernel_options={"USE_TMA": True, "WARP_SPECIALIZE": True})
+    assert seen["flex_fwd"] == [True] and seen["flex_bwd"] == [True], seen
+
+
+def test_warp_specialize_walks_both_block_lists_in_one_loop(interp, monkeypatch):
+    # WARP_SPECIALIZE alone (pointer loads) with partial and full blocks: the forward's merged
+    # loop (MERGE_LISTS) must apply mask_mod on the partial tiles only. Ragged S (the last
+    # mask block partial) checks the length mask on top of it.
+    seen = []
+    run = tb._run
+
+    def spy(plan, launch):
+        seen.append(launch.constexprs.get("MERGE_LISTS"))
+        return run(plan, launch)
+    monkeypatch.setattr(tb, "_run", spy)
+    case, oracle = case_and_oracle("softcap_alibi_window", 2, 4, 128, 112, seed=13)
+    check(case, B=2, Hq=4, Hkv=2, L=128, S=112, E=32, Ev=32, dtype=torch.bfloat16, block_size=32,
+          seed=13, oracle=oracle, kernel_options={"WARP_SPECIALIZE": True})
+    assert seen[0] is True, seen
+
+
+def test_tma_falls_back_to_pointers_where_descriptors_cannot_serve(interp, monkeypatch):
+    # Ragged lengths (a tile would reach into the next head's rows) and non-contiguous inputs
+    # run the pointer path under USE_TMA, with the same numerics; per pass options too.
+    seen = _record_tma(monkeypatch)
+    torch.manual_seed(12)
+    case = make_case("causal_or_global", 2, 2, 77, 53)
+    check(case, B=2, Hq=2, Hkv=2, L=77, S=53, E=32, Ev=32, dtype=torch.bfloat16, block_size=32,
+          seed=12, kernel_options={"USE_TMA": True})
+    B, H, L, D = 1, 2, 64, 32
+    q = torch.randn(B, L, H, D).transpose(1, 2).to(torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(B, H, L, D, dtype=torch.bfloat16).requires_grad_(True) for _ in "kv")
+    check(make_case("alibi", B, H, L, L), B=B, Hq=H, Hkv=H, L=L, S=L, E=D, Ev=D,
+          dtype=torch.bfloat16, block_size=32, qkv=(q, k, v),
+          kernel_options={"fwd_USE_TMA": True, "bwd_USE_TMA": True})
+    assert seen["flex_fwd"] == [False, False] and seen["flex_bwd"] == [False, False], seen
+
+
+def test_a_warp_specialised_build_triton_cannot_lower_runs_unspecialised(interp, monkeypatch):
+    # Triton's Hopper warp specialiser takes only simple loops (3.6: the dense forward without
+    # a score_mod at 4 warps; others fail in its pass with "PassManager::run failed"): the
+    # launch then runs the same kernel unspecialised, and remembers so. A stand-in kernel that
+    # fails like Triton's compiler whenever WARP_SPEC is on checks that path; its real launch
+    # check is the GPU test's.
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                calls.append(kw["WARP_SPEC"])
+                if kw["WARP_SPEC"]:
+                    raise RuntimeError("PassManager::run failed")
+            return launch
+    monkeypatch.setattr(tb, "load_module", lambda *a: type("M", (), {"flex_fwd": Kernel()}))
+    q = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
+    call = prepare_call(q, q, q, None, None, None, False, {"WARP_SPECIALIZE": True})
+    plan = tb.make_plan(call)
+    launch = tb.fwd_launch(plan, q, q, q, torch.empty_like(q), torch.empty(1, 2, 64), [])
+    tb.WS_REFUSED.clear()
+    tb._run(plan, launch)
+    tb._run(plan, launch)
+    assert calls == [True, False, False] and len(tb.WS_REFUSED) == 1
+    tb.WS_REFUSED.clear()
+
+
+def test_tma_options_are_checked_and_need_sm90():
+    on = {"USE_TMA": True, "WARP_SPECIALIZE": True}
+    args = (torch.bfloat16, 128, 128, 2048, 2048, (128, 128))
+    c90 = tb.fwd_config(90, *args, on)
+    assert (c90.use_tma, c90.warp_specialize) == (True, True)
+    assert not tb.fwd_config(90, *args, {}).use_tma  # off by default (until the sweep says)
+    c80 = tb.fwd_config(80, *args, on)
+    assert (c80.use_tma, c80.warp_specialize) == (False, False)  # no TMA before Hopper
+    b90 = tb.bwd_config(90, *args, {"bwd_USE_TMA": True, "fwd_USE_TMA": False})
+    assert b90.use_tma and not tb.fwd_config(90, *args, {"bwd_USE_TMA": True, "fwd_USE_TMA": False}).use_tma
+    with pytest.raises(TypeError, match="USE_TMA"):
+        tb.fwd_config(90, *args, {"USE_TMA": "yes"})
+    q = torch.randn(1, 1, 16, 16)
+    with pytest.raises(ValueError, match="unknown kernel_options"):
+        flex_attention(q, q, q, kernel_options={"USE_TMAX": True}, backend="reference")
+
+
 def test_captured_gradient_sums_without_fp32_rounding(interp):
     # relative_bias under a causal mask: table entry 0 (kv - q <= -16) takes one atomic per score,
     # ~29k per head here (~500k at L = 1024). Summed in fp32, each add rounds a running sum of
@@ -546,6 +653,57 @@ def test_max_scores_forward_compiles_for_sm90():
     assert "wgmma" in ptx and ptx.count("st.global") > plain.count("st.global")
 
 
+@pytest.mark.parametrize("name", ["causal", "softcap"])
+def test_tma_kernels_lower_to_bulk_tensor_copies_on_sm90(name):
+    # USE_TMA as the H200 builds it (D = 128, the benchmark's 128-blocks): K/V (forward) and
+    # the streamed Q/dO, K/V tiles (backward) become cp.async.bulk.tensor copies and the
+    # pointer path's cp.async disappears; the default build keeps cp.async and no bulk copy.
+    # Warp specialisation: see test_warp_specialised_forward_lowers_on_triton_36.
+    torch.manual_seed(0)
+    N = 1024
+    case = make_case(name, 1, 2, N, N)
+    bm = _block_mask(case.mask_mod, 1, 2, N, N, 128)
+    q = torch.randn(1, 2, N, 128, dtype=torch.bfloat16)
+    for opts, tma in (({"USE_TMA": True}, True), ({}, False)):
+        call = prepare_call(q, q, q, case.score_mod, bm, None, True, opts)
+        plan = tb.make_plan(call, arch=90, interpret=False)
+        for launch in tb.launches_for(call, 90):
+            if launch.kernel == "flex_bwd_preprocess":
+                continue
+            assert launch.constexprs["USE_TMA"] is tma
+            ptx = tb.compile_launch(plan, launch, 90).asm["ptx"]
+            assert ("cp.async.bulk.tensor" in ptx) is tma, (launch.kernel, opts)
+            assert ("cp.async.cg" in ptx) is not tma, (launch.kernel, opts)
+            assert "wgmma" in ptx
+
+
+WS4 = {"USE_TMA": True, "WARP_SPECIALIZE": True, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4,
+       "num_stages": 2}
+
+
+@pytest.mark.skipif(_triton_version() >= (3, 9), reason="Triton 3.9's Hopper warp specialiser fails "
+                    "on every forward build (the launch then runs unspecialised); 3.6, the H200's, "
+                    "lowers it: run this where triton 3.6 is installed")
+@pytest.mark.parametrize("name", ["full", "causal", "softcap", "alibi", "sliding_window", "prefix_lm"])
+def test_warp_specialised_forward_lowers_on_triton_36(name):
+    # 4 warps + TMA + WARP_SPECIALIZE on sm_90a: Triton 3.6 partitions the forward into a
+    # producer and two consumer warpgroups (384 threads; one kv loop, the merged lists, is what
+    # its pass accepts). Block masks of mods that gather captured tensors per key (document)
+    # still fail its pass and run unspecialised (test_a_warp_specialised_build_...).
+    torch.manual_seed(0)
+    N = 8192
+    case = make_case(name, 1, 2, N, N)
+    bm = _block_mask(case.mask_mod, 1, 2, N, N, 128)
+    q = torch.randn(1, 2, N, 128, dtype=torch.bfloat16)
+    call = prepare_call(q, q, q, case.score_mod, bm, None, True, WS4)
+    plan = tb.make_plan(call, arch=90, interpret=False)
+    launch = tb.launches_for(call, 90)[0]
+    assert launch.constexprs["WARP_SPEC"] and launch.constexprs["MERGE_LISTS"] is (bm is not None)
+    ptx = tb.compile_launch(plan, launch, 90).asm["ptx"]
+    assert re.search(r"\.(maxntid|reqntid) 384\b", ptx), "not warp-specialised (384 threads)"
+    assert "cp.async.bulk.tensor" in ptx and "wgmma" in ptx
+
+
 def test_fp16_and_fp32_compile():
     ptx16 = _compile_all("causal", 64, 90, torch.float16)
     assert "wgmma" in ptx16["flex_fwd"]
@@ -704,3 +862,21 @@ def test_max_scores(interp, name, L, S, block_size):
     assert_close_to_oracle("max_scores", aux.max_scores, ref, low, FLOOR[torch.float32])
     plain, lse = flex_attention(q, k, v, case.score_mod, bm, backend="triton", return_lse=True)
     assert torch.equal(out, plain) and torch.equal(aux.lse, lse)
+
+
+def test_tune_triton_tma_grid_plans_descriptors_and_the_torch_baseline(tmp_path):
+    # The lead's one-call sweep (--grid tma --torch), planned on the CPU: every pass has its
+    # default (pointer loads), TMA candidates the planner resolves to descriptors for sm90, and
+    # one torch Flex-Triton row per case (not launched in a dry run).
+    import json
+    from benchmarks import tune_triton
+    tune_triton.main(["--dry-run", "--grid", "tma", "--torch", "--out", str(tmp_path), "--S", "2k",
+                      "--variants", "causal"])
+    rows = json.loads((tmp_path / "tune_triton.json").read_text())["rows"]
+    for pass_ in ("fwd", "fwdbwd"):
+        prow = [r for r in rows if r["pass"] == pass_]
+        assert sum(r["default"] for r in prow) == 1
+        assert not next(r for r in prow if r["default"])["config"]["tma"]
+        assert sum(1 for r in prow if r.get("baseline")) == 1
+        assert any(r["config"].get("tma") and " tma" in r["label"] for r in prow), prow
+    assert "best x torch" in (tmp_path / "tune_triton.md").read_text()

@@ -5,6 +5,7 @@
 * Every core mod, head dims 64 and 128, bf16, GQA, Q_LEN != KV_LEN, ragged lengths: out, LSE
   and every gradient against the float64 oracle with tolerances from the data
   (err <= 2·err(plain torch in bf16) + floor), outputs poisoned first (FLEXJIT_POISON=1).
+* The USE_TMA / WARP_SPECIALIZE options (issue #13) on the benchmark's variants.
 * Long sequences (S = 16k): out and LSE on sampled query rows against a float64 oracle of those
   rows; gradients against the reference backend (fp32) by relative norm.
 * Compiles are counted: a new captured scalar, a captured tensor of a new shape or a new
@@ -58,13 +59,14 @@ def _loss_grads(out, lse, inputs, g_out, g_lse):
     return torch.autograd.grad(loss, inputs, allow_unused=True)
 
 
-def check(case, B, Hq, Hkv, L, S, E, Ev, dtype=torch.bfloat16, block_size=128, seed=0, oracle=None):
+def check(case, B, Hq, Hkv, L, S, E, Ev, dtype=torch.bfloat16, block_size=128, seed=0, oracle=None,
+          kernel_options=None):
     """``oracle``: the case's float64-captures twin (``case_and_oracle``) for the float64 math."""
     oracle = oracle or case
     q, k, v = _inputs(B, Hq, Hkv, L, S, E, Ev, dtype, seed)
     bm = _block_mask(case.mask_mod, B, Hq, L, S, block_size)
     out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
-                              return_lse=True, backend="triton")
+                              return_lse=True, backend="triton", kernel_options=kernel_options)
     ref, ref_lse = dense_attention(q, k, v, oracle.score_mod, oracle.mask_mod, dtype=torch.float64)
     low, low_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=dtype)
     floor = FLOOR[dtype]
@@ -89,6 +91,52 @@ def check(case, B, Hq, Hkv, L, S, E, Ev, dtype=torch.bfloat16, block_size=128, s
 def test_core_mods(name, E):
     case, oracle = case_and_oracle(name, 2, 8, 1536, 2048, device=DEV, seed=0)
     check(case, B=2, Hq=8, Hkv=2, L=1536, S=2048, E=E, Ev=E, oracle=oracle)
+
+
+# Issue #13's Triton options on the GPU: TMA tensor descriptors (USE_TMA), alone and with
+# Triton's warp specialisation, forward and backward, against the float64 oracle.
+# 2k x 2k, GQA 8:2, D = 128 (the benchmark's head dim and 128-blocks; lengths the descriptors
+# serve). The launches are spied on so a silent fallback to pointer loads fails the test, and
+# on Triton 3.6 a warp-specialised forward that fell back to unspecialised (WS_REFUSED) where
+# the CPU compile showed it lowers fails it too.
+_TMA_OPTIONS = {"tma": {"USE_TMA": True},
+                "tma_128x64": {"USE_TMA": True, "BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 4},
+                # 4 warps + TMA: the build Triton 3.6 warp-specialises (producer + 2 consumer
+                # warpgroups, one merged kv loop); document's per-key gather makes its pass
+                # fail and runs unspecialised
+                "tma_ws4": {"USE_TMA": True, "WARP_SPECIALIZE": True, "BLOCK_M": 128, "BLOCK_N": 128,
+                            "num_warps": 4, "num_stages": 2}}
+
+
+@pytest.mark.parametrize("opts", list(_TMA_OPTIONS))
+@pytest.mark.parametrize("name", ["full", "causal", "sliding_window", "document", "alibi", "softcap",
+                                  "learnable_alibi"])
+def test_tma_and_warp_specialize_options(monkeypatch, name, opts):
+    kernel_options = _TMA_OPTIONS[opts]
+    seen = {}
+    run = tb._run
+
+    def spy(plan, launch):
+        seen.setdefault(launch.kernel, []).append(
+            (launch.constexprs.get("USE_TMA"), launch.constexprs.get("WARP_SPEC")))
+        return run(plan, launch)
+    monkeypatch.setattr(tb, "_run", spy)
+    tb.WS_REFUSED.clear()
+    case, oracle = case_and_oracle(name, 2, 8, 2048, 2048, device=DEV, seed=5)
+    check(case, B=2, Hq=8, Hkv=2, L=2048, S=2048, E=128, Ev=128, seed=5, oracle=oracle,
+          kernel_options=kernel_options)
+    want = (bool(kernel_options.get("USE_TMA")), bool(kernel_options.get("WARP_SPECIALIZE")))
+    if torch.cuda.get_device_capability()[0] < 9:
+        want = (False, False)
+    assert seen["flex_fwd"] == [want] and seen["flex_bwd"] == [want], seen
+    if opts == "tma_ws4" and name != "document" and _triton_version() < (3, 9):
+        # compile-only on the CPU, Triton 3.6 lowers these: they must run specialised
+        assert not any(key[1] == "flex_fwd" for key in tb.WS_REFUSED), tb.WS_REFUSED
+
+
+def _triton_version() -> tuple:
+    import triton
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])
 
 
 @pytest.mark.parametrize("name", ["causal", "document", "learnable_alibi", "softcap_alibi_window"])

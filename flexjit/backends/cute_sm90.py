@@ -5,7 +5,8 @@ What this module holds
 * The generated mods module of a Program (``load_mods``: ``cute_render.render``, written to
   ``$FLEXJIT_CACHE_DIR/cute/mods_<key>.py`` and imported once), the holes of
   ``templates/cute_sm90_fwd.py`` and ``cute_sm90_bwd.py``.
-* Compile and load: ``compile_program`` (forward), ``compile_backward`` (its three kernels), kept
+* Compile and load: ``compile_program`` (forward), ``compile_backward`` (its three kernels,
+  through the backward's host module ``templates/cute_sm90_bwd_host.py``), kept
   in memory per (key, dtypes, head dims, block-mask presence, tiling) and, when launched through
   TVM-FFI, on disk as ``$FLEXJIT_CACHE_DIR/cute/<kernel_key>.o`` (``backends.cute_cache``), all
   through ``cache.cached``, so a second process loads them instead of compiling.
@@ -317,6 +318,10 @@ def _bwd_template():
     return cache.load_template("cute_sm90_bwd")
 
 
+def _bwd_host():
+    return cache.load_template("cute_sm90_bwd_host")
+
+
 def backward_supports(call) -> tuple[bool, str]:
     """Whether the sm90 backward serves this call's gradients (else the Triton backward does)."""
     D, Dv = call.q.shape[-1], call.v.shape[-1]
@@ -385,39 +390,40 @@ def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse
     memory, the disk cache (each part its own object file) or a fresh compile. A program with
     learnable captured tensors (``Program.grad_loads``, part of its key) gets a main kernel that
     also accumulates their gradients (``BwdConfig.score_grads``)."""
-    tpl = _bwd_template()
+    host = _bwd_host()
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
     head_dim_v = head_dim_v or head_dim
     key = (program.key, dtype, head_dim, head_dim_v, sparse, deterministic, sig,
            program.scalar_dtypes)
     return cache.cached(_COMPILED_BWD, key, lambda: _build_backward(
-        tpl, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors, sig))
+        host, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors, sig))
 
 
-def _build_backward(tpl, program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
+def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
                     deterministic: bool, aux_tensors, sig):
-    """The three kernels, each from its own object file on disk, the missing ones compiled
+    """The three kernels (``host``: the template ``cute_sm90_bwd_host``), each from its own object file on disk, the missing ones compiled
     together (and exported); the pre/postprocess keys leave the Program out: every mod shares
     them."""
     mods = load_mods(program)
-    cfg = tpl.BwdConfig(head_dim, head_dim_v, _cutlass_dtype(dtype), mods.score_mod_and_grad,
-                        mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
-                        overlap_dp=True if light_mods(program) else None,
-                        score_grads=getattr(mods, "score_grads", None),
-                        grad_offsets=getattr(mods, "grad_offsets", None))
+    cfg = _bwd_template().BwdConfig(
+        head_dim, head_dim_v, _cutlass_dtype(dtype), mods.score_mod_and_grad, mods.mask_mod,
+        has_block_mask=sparse, deterministic=deterministic,
+        overlap_dp=True if light_mods(program) else None,
+        score_grads=getattr(mods, "score_grads", None),
+        grad_offsets=getattr(mods, "grad_offsets", None))
     dims = f"{head_dim}" if head_dim_v == head_dim else f"{head_dim}/{head_dim_v}"
     what = f"{program.score_name}/{program.mask_name} D={dims} {str(dtype).replace('torch.', '')}"
     frozen = _kernel_config(cfg, aux_tensors, program, f"deterministic={deterministic}",
                             f"grad_slots={grad_slots(program)}")
     disk = cute_cache.available()
     keys = {part: cache.kernel_key(program.key if part == "main" else "", f"cute_sm90_bwd_{part}",
-                                   frozen, "sm90") for part in tpl.PARTS}
+                                   frozen, "sm90") for part in host.PARTS}
     t0 = time.perf_counter()
     loaded = {part: cute_cache.load(k) for part, k in keys.items()} if disk else {}
-    missing = tuple(p for p in tpl.PARTS if loaded.get(p) is None)
+    missing = tuple(p for p in host.PARTS if loaded.get(p) is None)
     if missing:
         log.info("flexjit: compiling the sm90 backward (%s) for %s ...", ", ".join(missing), what)
-        built = tpl.compile_bwd(cfg, aux_tensors, program.scalars, parts=missing)
+        built = host.compile_bwd(cfg, aux_tensors, program.scalars, parts=missing)
         for part in missing:
             loaded[part] = built.parts[part].ffi_fn
             if disk:
@@ -426,7 +432,7 @@ def _build_backward(tpl, program: Program, dtype, head_dim: int, head_dim_v: int
                   f"{time.perf_counter() - t0:.1f} s")
     else:
         _announce(f"sm90 backward for {what}: loaded from disk in {time.perf_counter() - t0:.3f} s")
-    return tpl.load_bwd(cfg, loaded, sig + _scalar_signature(program))
+    return host.load_bwd(cfg, loaded, sig + _scalar_signature(program))
 
 
 def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:

@@ -17,7 +17,8 @@ What this module holds
   retries with fewer stages when Triton's shared memory outgrows the estimate.
   ``FLEXJIT_POISON=1`` NaN-fills outputs (tests).
 * ``forward``/``backward`` for ``flexjit.dispatch`` (the backward needs only out and lse, so
-  it also follows the CuTeDSL forward).
+  it also follows the CuTeDSL forward). ``forward`` sends decode-shaped calls without gradients
+  to ``triton_decode`` (split-KV decoding).
 * Compile-only builds (``launches_for`` + ``compile_launch``): the exact launches a training
   step makes, built for any sm_XX without a GPU, specialised as Triton's launcher would.
 * The backend interface ``supports`` / ``backward_supports``.
@@ -180,6 +181,29 @@ def _options(num_warps: int, num_stages: int) -> dict:
     return dict(num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True)
 
 
+def _tma_ok(tensors, even: bool) -> bool:
+    """Whether tensor descriptors over (rows, dim) views can serve these tensors: contiguous (the
+    kernels address row (b·H + h)·len + i), 16-byte aligned, an unpadded power-of-two head dim
+    (the box is the padded dim), and ``even`` lengths (no tile reaches past its head's rows, so
+    the descriptors' missing per-head bounds are never needed). Otherwise: pointer loads."""
+    if not even:
+        return False
+    for t in tensors:
+        d = t.shape[-1]
+        if t.numel() == 0 or not t.is_contiguous() or d != head_pad(d) or (d * t.element_size()) % 16:
+            return False
+        if t.device.type != "meta" and t.data_ptr() % 16:
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A host-side TMA descriptor of contiguous ``t`` viewed as (numel / dim, dim), block (rows, dim)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    d = t.shape[-1]
+    return TensorDescriptor(t, [t.numel() // d, d], [d, 1], [rows, d])
+
+
 def fwd_launch(plan: Plan, q, k, v, out, lse, bufs, max_scores=None) -> Launch:
     """``max_scores``: a (B, Hq, L) fp32 tensor for the row max of the modded scores, or None."""
     B, Hq, L, E = q.shape
@@ -187,14 +211,20 @@ def fwd_launch(plan: Plan, q, k, v, out, lse, bufs, max_scores=None) -> Launch:
     c = plan.fwd
     lists = plan.kv_lists
     maxs = max_scores if max_scores is not None else lse  # unread unless OUTPUT_MAX
-    args = [q, k, v, out, lse, maxs, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+    even_m, even_n = L % c.BLOCK_M == 0, _even(S, c.BLOCK_N, plan.sparse, 1)
+    tma = c.use_tma and _tma_ok((q, k, v), even_m and even_n)
+    descs = [_descriptor(q, c.BLOCK_M), _descriptor(k, c.BLOCK_N), _descriptor(v, c.BLOCK_N)] \
+        if tma else [q, k, v]
+    args = [q, k, v, out, lse, maxs, *descs, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *lists.args(lse), Hq, L, S, Hq // Hkv, triton_cdiv(S, c.BLOCK_N),
             plan.scale, plan.scale * LOG2E, *_capture_args(plan.program, bufs)]
     consts = _common_constexprs(plan, E, EV)
     consts.update(BLOCK_M=c.BLOCK_M, BLOCK_N=c.BLOCK_N, HAS_PARTIAL=lists.num is not None,
-                  HAS_FULL=lists.full_num is not None, EVEN_M=L % c.BLOCK_M == 0,
-                  EVEN_N=_even(S, c.BLOCK_N, plan.sparse, 1), DOT_PRECISION=plan.dot,
-                  NUM_STAGES=c.num_stages, OUTPUT_MAX=max_scores is not None)
+                  HAS_FULL=lists.full_num is not None, EVEN_M=even_m,
+                  EVEN_N=even_n, DOT_PRECISION=plan.dot,
+                  NUM_STAGES=c.num_stages, OUTPUT_MAX=max_scores is not None,
+                  USE_TMA=tma, WARP_SPEC=c.warp_specialize,
+                  MERGE_LISTS=c.warp_specialize and lists.num is not None and lists.full_num is not None)
     return Launch("fwd", "flex_fwd", (triton_cdiv(L, c.BLOCK_M), Hq, B), args, consts,
                   _options(c.num_warps, c.num_stages))
 
@@ -208,11 +238,22 @@ def _even(length: int, block: int, sparse, axis: int) -> bool:
 
 
 _STAGES_THAT_FIT: dict[tuple, int] = {}
+# Launch keys whose warp-specialised build Triton could not lower (its Hopper pass takes one
+# simple loop: on 3.6 the forward at 4 warps with TMA, lists merged, but not a mod that gathers a
+# captured tensor per key; 3.9's fails on every forward); they run unspecialised.
+WS_REFUSED: set[tuple] = set()
+
+
+def _ws_refused(e: Exception) -> bool:
+    """Whether ``e`` is Triton's compiler failing in a pass (how a warp-specialised build that
+    its partitioner cannot handle fails, on 3.6 and 3.9)."""
+    return isinstance(e, RuntimeError) and "PassManager" in str(e)
 
 
 def _run(plan: Plan, launch: Launch) -> None:
     """Launch; if Triton's real shared-memory use exceeds the estimate (a mod's loads can add
-    layout-conversion buffers), retry with fewer pipeline stages and remember what fit."""
+    layout-conversion buffers), retry with fewer pipeline stages and remember what fit; if a
+    WARP_SPEC build fails to compile, run (and remember) the unspecialised one."""
     mod = load_module(plan.program, launch.which, plan.interpret)
     kernel = getattr(mod, launch.kernel)
     key = (plan.program.key, launch.kernel, tuple(sorted(launch.constexprs.items())),
@@ -224,9 +265,16 @@ def _run(plan: Plan, launch: Launch) -> None:
         consts = dict(launch.constexprs)
         if "NUM_STAGES" in consts:
             consts["NUM_STAGES"] = stages
+        if key in WS_REFUSED:
+            consts["WARP_SPEC"] = False
         try:
             kernel[launch.grid](*launch.args, **consts, **dict(launch.options, num_stages=stages))
         except Exception as e:  # triton.runtime.errors.OutOfResources (its module moved across versions)
+            if consts.get("WARP_SPEC") and _ws_refused(e):
+                WS_REFUSED.add(key)
+                log.info("flexjit: Triton cannot warp-specialise %s for %s/%s; running it "
+                         "unspecialised", launch.kernel, plan.program.score_name, plan.program.mask_name)
+                continue
             if type(e).__name__ != "OutOfResources" or stages <= 1:
                 raise
             stages -= 1
@@ -321,7 +369,13 @@ def bwd_launch(plan: Plan, c: BwdConfig, q, k, v, dout, lse2, delta, dq, dk, dv,
     q_lists = _q_lists(plan) if plan.sparse is not None else _Lists(None, None, None, None)
     n_kv, n_q, G = triton_cdiv(S, c.BLOCK_N1), triton_cdiv(L, c.BLOCK_M2), Hq // Hkv
     kv_args, q_args = kv_lists.args(delta), q_lists.args(delta)
-    args = [q, k, v, dout, lse2, delta, dq, dk, dv, *q.stride(), *k.stride(), *v.stride(),
+    even_m = _even(L, max(c.BLOCK_M1, c.BLOCK_M2), plan.sparse, 0)
+    even_n = _even(S, max(c.BLOCK_N1, c.BLOCK_N2), plan.sparse, 1)
+    tma = c.use_tma and _tma_ok((q, k, v, dout), even_m and even_n)
+    # Descriptors for the streamed tiles only: Q/dO walked by the dK/dV role, K/V by the dQ role.
+    descs = [_descriptor(q, c.BLOCK_M1), _descriptor(k, c.BLOCK_N2), _descriptor(v, c.BLOCK_N2),
+             _descriptor(dout, c.BLOCK_M1)] if tma else [q, k, v, dout]
+    args = [q, k, v, dout, lse2, delta, dq, dk, dv, *descs, *q.stride(), *k.stride(), *v.stride(),
             *dout.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
             *kv_args[:4], *q_args[:4], *kv_args[4:], *q_args[4:],
             Hq, L, S, G, n_kv, n_q, triton_cdiv(L, c.BLOCK_M1), triton_cdiv(S, c.BLOCK_N2),
@@ -329,10 +383,9 @@ def bwd_launch(plan: Plan, c: BwdConfig, q, k, v, dout, lse2, delta, dq, dk, dv,
     consts = _common_constexprs(plan, E, EV)
     consts.update(BLOCK_M1=c.BLOCK_M1, BLOCK_N1=c.BLOCK_N1, BLOCK_M2=c.BLOCK_M2, BLOCK_N2=c.BLOCK_N2,
                   HAS_PARTIAL=kv_lists.num is not None, HAS_FULL=kv_lists.full_num is not None,
-                  ACC_GRADS=bool(grads),
-                  EVEN_M=_even(L, max(c.BLOCK_M1, c.BLOCK_M2), plan.sparse, 0),
-                  EVEN_N=_even(S, max(c.BLOCK_N1, c.BLOCK_N2), plan.sparse, 1),
-                  DOT_PRECISION=plan.dot, NUM_STAGES=c.num_stages)
+                  ACC_GRADS=bool(grads), EVEN_M=even_m, EVEN_N=even_n,
+                  DOT_PRECISION=plan.dot, NUM_STAGES=c.num_stages,
+                  USE_TMA=tma, WARP_SPEC=c.warp_specialize)
     return Launch("bwd", "flex_bwd", (n_kv + n_q * G, Hkv, B), args, consts,
                   _options(c.num_warps, c.num_stages))
 
@@ -342,7 +395,8 @@ def _backward(plan: Plan, q, k, v, out, lse, dout, dlse, bufs):
     B, Hq, L, E = q.shape
     S, EV = k.shape[2], v.shape[3]
     c = bwd_config(plan.arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options,
-                   captured_grads=bool(grad_slots(plan.program)), tf32=plan.tf32)
+                   captured_grads=bool(grad_slots(plan.program)), tf32=plan.tf32,
+                   interpret=plan.interpret)
     delta = _out((B, Hq, L), torch.float32, q.device)
     lse2 = _out((B, Hq, L), torch.float32, q.device)
     if dlse is not None:
@@ -377,6 +431,8 @@ _SIG_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp3
 
 
 def _sig_type(value) -> str:
+    if type(value).__name__ == "TensorDescriptor":
+        return f"tensordesc<{_SIG_TYPES[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, torch.Tensor):
         return "*" + _SIG_TYPES[value.dtype]
     if isinstance(value, bool):
@@ -474,7 +530,9 @@ def supports(call) -> tuple[bool, str]:
     for slot, t in enumerate(call.program.buffers):
         if t.numel() == 0:
             return False, f"captured tensor #{slot} is empty"
-    return True, where
+    from . import triton_decode
+    decode, why = triton_decode.routes(call)
+    return True, f"{where}; {why}" if decode else where
 
 
 def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> Plan:
@@ -495,13 +553,17 @@ def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> P
     fast = bool(opts.get("FAST_MATH", True)) and not interp
     short = bm is not None and bm.mean_kv_tokens() <= SHORT_KV_LOOP
     dot = _dot_precision(q.dtype, interp)
-    cfg = fwd_config(arch, q.dtype, E, EV, L, S, sparse, opts, short_kv_loop=short, tf32=dot == "tf32")
+    cfg = fwd_config(arch, q.dtype, E, EV, L, S, sparse, opts, short_kv_loop=short, tf32=dot == "tf32",
+                     interpret=interp)
     return Plan(call.program, call.scale, kv, None, bm, sparse, cfg, opts, arch, interp, fast, dot)
 
 
 def forward(call):
     """(out, lse, max_scores or None) of the Triton forward for a validated call (no autograd:
     ``dispatch`` pairs it with a backward)."""
+    from . import triton_decode
+    if triton_decode.routes(call)[0]:  # few query rows, long KV, no gradient: split-KV decoding
+        return triton_decode.forward(call)
     bufs = [t.to(call.q.device) for t in call.program.buffers]
     return _forward(make_plan(call), call.q, call.k, call.v, bufs, call.max_scores)
 

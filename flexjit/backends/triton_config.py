@@ -25,6 +25,8 @@ class FwdConfig:
     BLOCK_N: int
     num_warps: int
     num_stages: int
+    use_tma: bool = False  # Q/K/V tiles by TMA tensor descriptors (sm90+; see ``tma_options``)
+    warp_specialize: bool = False  # tl.range(warp_specialize=True) on the kv loop (sm90+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,8 @@ class BwdConfig:
     BLOCK_N2: int  # key sub-tile walked by the dQ role
     num_warps: int
     num_stages: int
+    use_tma: bool = False  # streamed tiles (Q/dO in the dK/dV role, K/V in the dQ role) by TMA
+    warp_specialize: bool = False
 
 
 # Forward (BLOCK_M, BLOCK_N, num_warps, num_stages) by (arch class, 16-bit inputs, padded head
@@ -172,6 +176,46 @@ def _bwd_smem(c: "BwdConfig", e_pad, ev_pad, elem) -> int:
     return elem * max(role_kv, role_q)
 
 
+# TMA tensor descriptors and Triton's automatic warp specialisation (issue #13's Triton target).
+# Off by default until the H200 sweep (benchmarks/tune_triton.py --tma) says where they win;
+# (use_tma, warp_specialize) per pass, for sm90+ only.
+_FWD_TMA_DEFAULT = (False, False)
+_BWD_TMA_DEFAULT = (False, False)
+
+
+def _flag(opts: dict, names: tuple[str, ...], default: bool) -> bool:
+    for n in names:
+        if n in opts:
+            v = opts[n]
+            if not isinstance(v, (bool, int)) or isinstance(v, int) and v not in (0, 1):
+                raise TypeError(f"kernel_options[{n!r}] must be a bool, got {v!r}")
+            return bool(v)
+    return default
+
+
+def has_tensor_descriptors() -> bool:
+    """Whether this Triton passes host-side TMA descriptors (``triton.tools.tensor_descriptor``,
+    Triton >= 3.4; the H200 has 3.6, CI 3.9)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def tma_options(arch: int, opts: dict, prefix: str, default: tuple[bool, bool]) -> tuple[bool, bool]:
+    """(use_tma, warp_specialize) for one pass: ``kernel_options`` USE_TMA / WARP_SPECIALIZE (also
+    ``fwd_``/``bwd_``-prefixed) over the table's default. Both need sm90+ (TMA is Hopper's; Triton's
+    warp specialiser partitions around async copies): below that they are off, as torch turns
+    USE_TMA off where the GPU cannot use it. Whether a call's tensors admit descriptors (layout,
+    alignment, lengths) is decided at launch (``triton._tma_ok``)."""
+    tma = _flag(opts, (prefix + "USE_TMA", "USE_TMA"), default[0])
+    ws = _flag(opts, (prefix + "WARP_SPECIALIZE", "WARP_SPECIALIZE"), default[1])
+    if arch < 90:
+        return False, False
+    return tma and has_tensor_descriptors(), ws
+
+
 def _warps(want: int, bm: int, bn: int, per_warp: int = 512) -> int:
     """The table's warps, fewer where a fitted tile leaves under ``per_warp`` elements a warp
     (fp32 tiles run their dots on the CUDA cores: 256 elements a warp, see the fp32 tables)."""
@@ -183,12 +227,14 @@ def _per_warp(dtype) -> int:
 
 
 def fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
-               short_kv_loop: bool = False, tf32: bool = False) -> FwdConfig:
+               short_kv_loop: bool = False, tf32: bool = False, interpret: bool = False) -> FwdConfig:
     """The forward's block config: table default, fitted to the mask blocks, lengths and smem;
     ``kernel_options`` (BLOCK_M, BLOCK_N, num_warps, num_stages, or fwd_-prefixed) override.
     ``short_kv_loop``: a block mask whose query blocks visit few keys (SHORT_KV_LOOP).
-    ``tf32``: fp32 inputs whose dots run in TF32."""
-    return _remembered(_fwd_config, arch, dtype, E, EV, L, S, sparse, opts, (short_kv_loop, tf32))
+    ``tf32``: fp32 inputs whose dots run in TF32. ``interpret``: the Triton interpreter, which
+    runs tensor descriptors on any arch (USE_TMA is honoured there, for the CPU tests)."""
+    return _remembered(_fwd_config, arch, dtype, E, EV, L, S, sparse, opts,
+                       (short_kv_loop, tf32, interpret))
 
 
 _CONFIGS: dict[tuple, object] = {}
@@ -210,7 +256,7 @@ def _remembered(build, arch, dtype, E, EV, L, S, sparse, opts: dict, flag: tuple
 
 
 def _fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
-                short_kv_loop: bool, tf32: bool = False) -> FwdConfig:
+                short_kv_loop: bool, tf32: bool = False, interpret: bool = False) -> FwdConfig:
     e_pad, ev_pad = head_pad(E), head_pad(EV)
     bm, bn, warps, stages = _table_entry(_FWD_TABLE, _FWD_FP32, arch, dtype, max(e_pad, ev_pad),
                                          "short_kv_loop" if short_kv_loop else None, tf32)
@@ -227,19 +273,22 @@ def _fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts:
     while ubn is None and bn > 16 and _fwd_smem(bm, bn, stages, e_pad, ev_pad, elem) > smem_limit(arch):
         bn //= 2
     warps = _opt(opts, ("fwd_num_warps", "num_warps"), _warps(warps, bm, bn, _per_warp(dtype)))
-    return FwdConfig(bm, bn, warps, stages)
+    tma, ws = tma_options(90 if interpret else arch, opts, "fwd_", _FWD_TMA_DEFAULT)
+    return FwdConfig(bm, bn, warps, stages, tma, ws)
 
 
 def bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
-               captured_grads: bool = False, tf32: bool = False) -> BwdConfig:
+               captured_grads: bool = False, tf32: bool = False, interpret: bool = False) -> BwdConfig:
     """The backward's block config (table, fitted like the forward's; kernel_options BLOCK_M1,
     BLOCK_N1, BLOCK_M2, BLOCK_N2, bwd_num_warps, bwd_num_stages override). ``captured_grads``:
-    the kernel also accumulates captured tensors' gradients; ``tf32`` as for the forward."""
-    return _remembered(_bwd_config, arch, dtype, E, EV, L, S, sparse, opts, (captured_grads, tf32))
+    the kernel also accumulates captured tensors' gradients; ``tf32``, ``interpret`` as for the
+    forward."""
+    return _remembered(_bwd_config, arch, dtype, E, EV, L, S, sparse, opts,
+                       (captured_grads, tf32, interpret))
 
 
 def _bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
-                captured_grads: bool, tf32: bool = False) -> BwdConfig:
+                captured_grads: bool, tf32: bool = False, interpret: bool = False) -> BwdConfig:
     e_pad, ev_pad = head_pad(E), head_pad(EV)
     m1, n1, m2, n2, warps, stages = _table_entry(_BWD_TABLE, _BWD_FP32, arch, dtype,
                                                  max(e_pad, ev_pad),
@@ -256,4 +305,5 @@ def _bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts:
             _bwd_smem(c, e_pad, ev_pad, elem) > smem_limit(arch):
         c = dataclasses.replace(c, num_stages=c.num_stages - 1)
     warps = _opt(opts, ("bwd_num_warps",), _warps(warps, max(m1, m2), max(n1, n2), _per_warp(dtype)))
-    return dataclasses.replace(c, num_warps=warps)
+    tma, ws = tma_options(90 if interpret else arch, opts, "bwd_", _BWD_TMA_DEFAULT)
+    return dataclasses.replace(c, num_warps=warps, use_tma=tma, warp_specialize=ws)

@@ -1,0 +1,278 @@
+"""The Triton backend's split-KV decoding path (flash-decoding, issue #16).
+
+A call with few query rows (Q_LEN <= ``MAX_Q_LEN``) against a longer KV, that needs no
+gradient, runs ``templates/triton_decode.py`` instead of the prefill forward: the prefill grid
+(query tiles × heads × batch) has B·Hq programs at Q_LEN = 1, far fewer than the GPU's SMs, each
+streaming the whole KV. Here
+
+* the query heads of one kv head are packed into the M dimension of a tile (GQA packed: each
+  K/V tile loaded serves the whole group), unless the block lists differ per query head;
+* the kv walk of each row (partial blocks, then full blocks: full blocks skip mask_mod) is cut
+  into ``splits`` contiguous parts, one program each; a second small kernel merges the parts'
+  (out, lse, max) by log-sum-exp. One split writes the result directly.
+
+What this module holds
+----------------------
+* ``routes(call)``: whether a call goes here, and why (``flexjit.explain`` shows it, with the
+  split count); ``dispatch`` puts the Triton backend first for such calls on any GPU, and
+  ``triton.forward`` sends them here.
+* ``DecodePlan`` / ``make_plan``: tiles, head packing and ``choose_splits`` (from the shape and the
+  SM count; ``FLEXJIT_DECODE_SPLITS`` or ``forward(call, splits=)`` overrides).
+* ``decode_launch`` / ``merge_launch`` (``triton.Launch`` objects, run by ``triton._run`` and
+  buildable without a GPU by ``triton.compile_launch``) and ``forward``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from . import triton as tb
+from .triton_config import _next_pow2, head_pad
+
+MAX_Q_LEN = 128  # torch's flex decoding takes Q_LEN < 128; past it the prefill grid is wide enough
+CTAS_PER_SM = 2  # programs resident per SM the split count plans for (3 stages of 64-key tiles: 70 KB)
+WAVES = 4  # programs per resident slot the split count aims at: equal-length programs leave a
+           # partly idle last wave; with 4 waves it is at most a quarter of the time, whatever the
+           # true residency, and the partial results cost < 1% of the K/V bytes at KV >= 4k
+MIN_TILES_PER_SPLIT = 4  # a shorter split pays more in pipeline fill than it saves
+MAX_SPLITS = 256
+DEFAULT_SMS = 132  # the SM count assumed off the GPU (interpreter, explain on the CPU): an H100/H200
+_MERGE_ROWS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """How one decode call is cut up: ``GP`` query heads per program (Hq // Hkv, or 1), row
+    tiles of BLOCK_M packed (position, head) rows, kv tiles of BLOCK_N, and the split count."""
+    GP: int
+    QB: int  # query positions per query block (the block mask's; L without one)
+    q_blocks: int
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+    m_tiles: int
+    head_programs: int
+    splits: int
+    sms: int
+
+    def describe(self, B: int) -> str:
+        return (f"split-KV decode kernel: {self.splits} split{'s' if self.splits != 1 else ''} × "
+                f"{B * self.head_programs * self.q_blocks * self.m_tiles} programs ({self.GP} query head"
+                f"{'s' if self.GP != 1 else ''} packed per program, BLOCK_M={self.BLOCK_M}, "
+                f"BLOCK_N={self.BLOCK_N}), for {self.sms} SMs")
+
+
+def _forced_off(opts: dict) -> bool:
+    """torch's FORCE_USE_FLEX_ATTENTION: run the prefill kernel even where decoding would run."""
+    return bool(opts.get("FORCE_USE_FLEX_ATTENTION", False))
+
+
+def routes(call) -> tuple[bool, str]:
+    """(True, what runs) if the call goes to the decode kernel, else (False, why not). Asked by
+    dispatch, ``triton.supports`` and ``triton.forward``: answered once per call (kept on it)."""
+    hit = call.__dict__.get("_decode_route")
+    if hit is not None and hit[0] == call.needs_grad:
+        return hit[1]
+    answer = _routes(call)
+    call.__dict__["_decode_route"] = (call.needs_grad, answer)
+    return answer
+
+
+def _routes(call) -> tuple[bool, str]:
+    B, Hq, Hkv, L, S, E, EV = call.shape
+    if call.needs_grad:
+        return False, "gradients are needed (the decode kernel has no backward)"
+    if L > MAX_Q_LEN:
+        return False, f"Q_LEN {L} > {MAX_Q_LEN}"
+    if S <= L:
+        return False, f"KV_LEN {S} is not longer than Q_LEN {L}"
+    if _forced_off(call.kernel_options):
+        return False, "kernel_options FORCE_USE_FLEX_ATTENTION=True"
+    bm = call.block_mask
+    if bm is not None:
+        skv = bm.BLOCK_SIZE[1]
+        if skv < 16:
+            return False, f"kv block size {skv} < 16 (tl.dot's minimum tile)"
+    return True, make_plan(call).describe(B)
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def choose_splits(programs: int, kv_tiles: int, sms: int) -> int:
+    """Splits per row for ``programs`` programs per split walking ``kv_tiles`` tiles each: the
+    fewest that give ``WAVES × sms × CTAS_PER_SM`` programs, no split shorter than
+    ``MIN_TILES_PER_SPLIT`` tiles, at most ``MAX_SPLITS``."""
+    target = WAVES * sms * CTAS_PER_SM
+    want = -(-target // max(1, programs))
+    return max(1, min(want, kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+
+
+def _block_n(E: int, EV: int, sparse_kv: int | None, S: int) -> int:
+    """64-key tiles at head dim <= 128 (two 16 KB K/V loads per stage at bf16, three stages
+    per program and two programs per SM fit Hopper's 227 KB); 128 at <= 64; 32 past 128."""
+    d = max(head_pad(E), head_pad(EV))
+    bn = 128 if d <= 64 else 64 if d <= 128 else 32
+    bn = min(bn, max(16, _next_pow2(S)))
+    if sparse_kv is not None:
+        bn = min(bn, sparse_kv & -sparse_kv)
+    return max(16, bn)
+
+
+def _opt(opts: dict, names: tuple[str, ...], default: int) -> int:
+    for n in names:
+        if n in opts:
+            return int(opts[n])
+    return default
+
+
+_PLANS: dict[tuple, DecodePlan] = {}
+
+
+def make_plan(call, splits: int | None = None) -> DecodePlan:
+    """The call's decode plan, remembered by what it depends on (dispatch, ``supports`` and the
+    forward each ask for it on every call: a decode step's host time is most of its time)."""
+    bm = call.block_mask
+    env = os.environ.get("FLEXJIT_DECODE_SPLITS")
+    try:
+        key = (call.shape, call.q.device, tuple(sorted(call.kernel_options.items())), splits, env,
+               None if bm is None else (tuple(bm.BLOCK_SIZE), bm.kv_num_blocks.shape[1],
+                                        bm.mean_kv_tokens()))
+        hit = _PLANS.get(key)
+    except TypeError:  # an unhashable kernel_options value
+        return _make_plan(call, splits)
+    if hit is None:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        hit = _PLANS[key] = _make_plan(call, splits)
+    return hit
+
+
+def _make_plan(call, splits: int | None) -> DecodePlan:
+    B, Hq, Hkv, L, S, E, EV = call.shape
+    G = Hq // Hkv
+    bm = call.block_mask
+    opts = call.kernel_options
+    per_head_lists = bm is not None and bm.kv_num_blocks.shape[1] > 1
+    GP = 1 if per_head_lists else G
+    QB = bm.BLOCK_SIZE[0] if bm is not None else L
+    q_blocks = -(-L // QB)
+    rows = GP * min(QB, L)  # rows of one query block's programs
+    # Up to 128 rows a tile: every row tile reads the group's whole K/V once, so at Q_LEN ~100
+    # with 4 heads packed, 64-row tiles would read it 7 times where the prefill kernel reads it 4.
+    bmm = min(128, max(16, _next_pow2(rows)))
+    sparse_kv = bm.BLOCK_SIZE[1] if bm is not None else None
+    bn = _block_n(E, EV, sparse_kv, S)
+    ubn = _opt(opts, ("fwd_BLOCK_N", "BLOCK_N"), 0)
+    if ubn:
+        if ubn < 16 or ubn & (ubn - 1) or (sparse_kv is not None and sparse_kv % ubn):
+            raise ValueError(f"kernel_options BLOCK_N = {ubn}: the decode kernel needs a power of "
+                             f"two >= 16 that divides the kv block size {sparse_kv}")
+        bn = ubn
+    warps = _opt(opts, ("fwd_num_warps", "num_warps"), 8 if bmm == 128 else 4)
+    stages = _opt(opts, ("fwd_num_stages", "num_stages"), 3 if head_pad(max(E, EV)) <= 128 else 2)
+    m_tiles = -(-rows // bmm)
+    head_programs = Hq // GP
+    sms = sm_count(call.q.device)
+    if splits is None and os.environ.get("FLEXJIT_DECODE_SPLITS"):
+        splits = int(os.environ["FLEXJIT_DECODE_SPLITS"])
+    if splits is None:
+        tokens = bm.mean_kv_tokens() if bm is not None else S
+        splits = choose_splits(B * head_programs * q_blocks * m_tiles, max(1, -(-int(tokens) // bn)), sms)
+    if splits < 1:
+        raise ValueError(f"the decode split count must be >= 1, got {splits}")
+    return DecodePlan(GP, QB, q_blocks, bmm, bn, warps, stages, m_tiles, head_programs, int(splits), sms)
+
+
+def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, bufs) -> tb.Launch:
+    """The main kernel's launch; ``parts`` = (OP, LP, MP) partial buffers (any tensors when
+    ``dp.splits`` is 1: unread)."""
+    B, Hq, L, E = q.shape
+    Hkv, S, EV = k.shape[1], k.shape[2], v.shape[3]
+    lists = tp.kv_lists
+    la = lists.args(lse)
+    # _Lists.args: the 4 list tensors, num's 3 strides (b, h, q block), idx's 4 (b, h, q block, kv)
+    args = [q, k, v, out, lse, maxs, *parts, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+            *la, Hq, L, S, Hq // Hkv, dp.GP, dp.QB, dp.m_tiles, tb.triton_cdiv(S, dp.BLOCK_N),
+            dp.splits,
+            tp.scale, tp.scale * tb.LOG2E, *tb._capture_args(tp.program, bufs)]
+    p = tp.program
+    consts = dict(E=E, EV=EV, E_PAD=head_pad(E), EV_PAD=head_pad(EV), BLOCK_M=dp.BLOCK_M,
+                  BLOCK_N=dp.BLOCK_N, SPARSE_KV=tp.sparse[1] if tp.sparse else 16,
+                  HAS_BLOCK_MASK=tp.sparse is not None, HAS_PARTIAL=lists.num is not None,
+                  HAS_FULL=lists.full_num is not None, HAS_MASK_MOD=p.mask is not None,
+                  HAS_SCORE_MOD=p.score is not None, EVEN_N=tb._even(S, dp.BLOCK_N, tp.sparse, 1),
+                  DOT_PRECISION=tp.dot, FAST_MATH=tp.fast_math, NUM_STAGES=dp.num_stages,
+                  OUTPUT_MAX=maxs is not None and maxs is not lse, SPLIT=dp.splits > 1)
+    grid = (dp.q_blocks * dp.m_tiles * dp.splits, dp.head_programs, B)
+    return tb.Launch("decode", "flex_decode", grid, args, consts,
+                     tb._options(dp.num_warps, dp.num_stages))
+
+
+def merge_launch(dp: DecodePlan, parts, out, lse, maxs, EV: int) -> tb.Launch:
+    R = lse.numel()
+    args = [*parts, out, lse, maxs if maxs is not None else lse, R, dp.splits]
+    consts = dict(EV=EV, EV_PAD=head_pad(EV), BLOCK_R=_MERGE_ROWS,
+                  SPLITS_PAD=max(2, _next_pow2(dp.splits)), OUTPUT_MAX=maxs is not None)
+    return tb.Launch("decode", "flex_decode_merge", (tb.triton_cdiv(R, _MERGE_ROWS),), args, consts,
+                     tb._options(4, 1))
+
+
+def forward(call, splits: int | None = None):
+    """(out, lse, max_scores or None) of the decode kernels for a validated call."""
+    q, k, v = call.q, call.k, call.v
+    B, Hq, L, _ = q.shape
+    EV = v.shape[3]
+    tp = tb.make_plan(call)
+    dp = make_plan(call, splits)
+    bufs = [t.to(q.device) for t in call.program.buffers]
+    out = tb._out((B, Hq, L, EV), q.dtype, q.device)
+    lse = tb._out((B, Hq, L), torch.float32, q.device)
+    maxs = tb._out((B, Hq, L), torch.float32, q.device) if call.max_scores else None
+    if dp.splits == 1:
+        tb._run(tp, decode_launch(tp, dp, q, k, v, out, lse, maxs if maxs is not None else lse,
+                                  (lse, lse, lse), bufs))
+    else:
+        rows = B * Hq * L
+        parts = (tb._out((rows, dp.splits, EV), torch.float32, q.device),
+                 tb._out((rows, dp.splits), torch.float32, q.device),
+                 tb._out((rows, dp.splits), torch.float32, q.device) if maxs is not None else lse)
+        tb._run(tp, decode_launch(tp, dp, q, k, v, out, lse, maxs if maxs is not None else lse,
+                                  parts, bufs))
+        tb._run(tp, merge_launch(dp, parts, out, lse, maxs, EV))
+    tb.STATS["decode_launch"] = tb.STATS.get("decode_launch", 0) + 1
+    return out, lse, maxs
+
+
+def launches_for(call, arch: int, splits: int | None = None) -> list[tb.Launch]:
+    """The decode call's launches (main kernel, and the merge when it splits), planned for
+    ``sm_<arch>`` with meta tensors for the data (compile-only: ``triton.compile_launch``)."""
+    tp = tb.make_plan(call, arch=arch, interpret=False)
+    dp = make_plan(call, splits)
+    q, k, v = (t.to("meta") for t in (call.q, call.k, call.v))
+    B, Hq, L, _ = q.shape
+    EV = v.shape[3]
+    bufs = [t.detach().to("meta") for t in call.program.buffers]
+    out = torch.empty(B, Hq, L, EV, dtype=q.dtype, device="meta")
+    lse = torch.empty(B, Hq, L, dtype=torch.float32, device="meta")
+    maxs = torch.empty_like(lse) if call.max_scores else None
+    rows = B * Hq * L
+    parts = (torch.empty(rows, dp.splits, EV, device="meta"), torch.empty(rows, dp.splits, device="meta"),
+             torch.empty(rows, dp.splits, device="meta"))
+    main = decode_launch(tp, dp, q, k, v, out, lse, maxs if maxs is not None else lse, parts, bufs)
+    return [main] + ([merge_launch(dp, parts, out, lse, maxs, EV)] if dp.splits > 1 else [])
