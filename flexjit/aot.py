@@ -14,7 +14,11 @@ used, the forward's tiling (persistent or not: from the mean number of kv tiles 
 ``seq_len``), deterministic mode for the backward, and the versions of flexjit's templates,
 CuTeDSL and tvm_ffi. Sizes, strides, batch, heads and scalar values are runtime arguments.
 
-Only sm_90a has kernels today; sm_100a is refused with the reason (no sm100 kernel is built).
+sm_100a: the forward only (no sm100 backward is built), and its kernel is not put in the disk
+cache: it has never run on Blackwell, and ``cute_sm100.supports`` refuses every call until a
+first-use self-check exists, so a run could not use it anyway. CuTeDSL reads ``CUTE_DSL_ARCH`` once
+per process: compile for sm_90a in a process that has not compiled for another arch (the CLI
+sets it before importing cutlass); the sm100 template passes its arch explicitly.
 """
 from __future__ import annotations
 
@@ -121,9 +125,9 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     from .api import prepare_call
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r}: flexjit's CuTe kernels target {', '.join(ARCHS)}")
-    if arch == "sm_100a":
-        raise ValueError("no sm_100a kernels are built yet (issue #15): flexjit runs the Triton "
-                         "backend on Blackwell; compile for sm_90a, or Triton compiles at run time")
+    if arch == "sm_100a" and "bwd" in passes:
+        raise ValueError("no sm_100a backward is built yet (issue #15); pass --pass fwd (the "
+                         "sm100 forward compiles, but never runs until a Blackwell self-check exists)")
     bad = [p for p in passes if p not in PASSES]
     if bad or not passes:
         raise ValueError(f"passes {tuple(passes)}: choose from {PASSES}")
@@ -143,6 +147,9 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     leaf = f"{name}-d{head_dim}" + ("" if head_dim_v == head_dim else f"-{head_dim_v}")
     root = Path(out) / leaf if out is not None else None
 
+    if arch == "sm_100a":
+        return _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads,
+                              kv_heads, name, what, root, log)
     with _arch(arch), torch.no_grad():
         from .backends import cute_sm90 as backend
 
@@ -191,6 +198,38 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
                 if log:
                     log(kernels[-1].line())
     return kernels
+
+
+def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads, kv_heads,
+                   name, what, root, log) -> list[Kernel]:
+    """The sm100 forward (``cute_sm100``; it targets sm_100a whatever CUTE_DSL_ARCH says). Not
+    exported to the disk cache: no run may use it before a Blackwell self-check exists."""
+    from . import create_block_mask, noop_mask
+    from .api import prepare_call
+    from .backends import cute_sm100, cute_sm90
+
+    if (head_dim, head_dim_v) not in cute_sm100.HEAD_DIMS:
+        raise ValueError(f"head dims {(head_dim, head_dim_v)}: the sm100 forward takes "
+                         f"{cute_sm100.HEAD_DIMS}")
+    with torch.no_grad():
+        q = torch.empty(1, heads, seq_len, head_dim, dtype=dtype)
+        k = torch.empty(1, kv_heads, seq_len, head_dim, dtype=dtype)
+        v = torch.empty(1, kv_heads, seq_len, head_dim_v, dtype=dtype)
+        bm = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu") \
+            if mask_mod is not None and mask_mod is not noop_mask else None
+        program = prepare_call(q, k, v, score_mod, bm, None, kv_heads != heads, None).program
+        aux = tuple(cute_sm90._aux_tensor(t, q.device) for t in program.buffers)
+        folder = _folder(root, "fwd-main")
+        options = "--keep-ptx --keep-cubin" + ("" if folder is None else f" --dump-dir {folder}")
+        t0 = time.perf_counter()
+        cute_sm100._COMPILED.clear()
+        cute_sm100.compile_program(program, q, v, bm is not None, aux, options=options)
+        kernel = Kernel("sm_100a", "fwd", "main", what,
+                        *(_files(folder, "sm_100a") if folder else (None, None)), None,
+                        time.perf_counter() - t0)
+    if log:
+        log(kernel.line() + " (sm100: never cached before a Blackwell self-check)")
+    return [kernel]
 
 
 def _folder(root: Path | None, leaf: str) -> Path | None:

@@ -7,8 +7,10 @@
   size, finds all four kernels there with ``cute.compile`` patched to raise: the AOT keys are the
   run's keys.
 * The Python function does the same for a user's mod (a captured tensor, a Python float).
-* Bad requests get argparse's error: sm_100a (no kernels yet), an unknown variant, a head dim
-  the kernels lack, a bad --pass.
+* sm_100a: the forward compiles (tcgen05, no wgmma in its PTX) and is NOT put in the disk cache
+  (never run on Blackwell; no run may use it before a self-check exists).
+* Bad requests get argparse's error: the sm_100a backward (not built), an unknown variant, a
+  head dim the kernels lack, a bad --pass.
 """
 import json
 import os
@@ -130,8 +132,21 @@ def test_python_api_compiles_a_user_mod(tmp_path, monkeypatch):
     assert lines == [k.line()] and "head_bias_causal D=64 bfloat16" in lines[0]
 
 
+def test_cli_compiles_the_sm100_forward_and_caches_nothing(tmp_path):
+    cache_dir, out = tmp_path / "cache", tmp_path / "out"
+    res = _cli(["compile", "--arch", "sm_100a", "--variant", "document", "--pass", "fwd",
+                "--seq-len", "1024", "--out", str(out)], cache_dir)
+    assert "never cached before a Blackwell self-check" in res.stdout, res.stdout
+    ptx = (out / "document-d128" / "fwd-main" / "fwd-main.sm_100a.ptx").read_text()
+    assert ".target sm_100a" in ptx and "tcgen05.mma" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "wgmma" not in ptx
+    assert not list(cache_dir.rglob("*.o"))
+
+
 @pytest.mark.parametrize("args,message", [
-    (["--arch", "sm_100a", "--variant", "causal"], "no sm_100a kernels are built yet"),
+    (["--arch", "sm_100a", "--variant", "causal"], "no sm_100a backward is built yet"),
+    (["--arch", "sm_100a", "--variant", "causal", "--pass", "fwd", "--head-dim", "96"],
+     "the sm100 forward takes"),
     (["--arch", "sm_90a", "--variant", "nope"], "invalid choice: 'nope'"),
     (["--arch", "sm_90a", "--variant", "causal", "--head-dim", "80"], "head dims (80, 80)"),
     (["--arch", "sm_90a", "--variant", "causal", "--pass", "fwd,back"], "give fwd, bwd or fwd,bwd"),
