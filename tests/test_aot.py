@@ -27,6 +27,7 @@ pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
 from flexjit import aot  # noqa: E402
+from test_cute_cache import CHILD_NO_COMPILE  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 S, D = 2048, 64
@@ -42,28 +43,14 @@ def _cli(args, cache_dir, check=True):
     return res
 
 
-_CHILD = """
-    import json, logging
-    import cutlass.cute as cute
-
-    def _no_compile(*args, **kwargs):
-        raise AssertionError("cute.compile called: the AOT kernel was not found")
-    cute.compile = _no_compile
-    messages = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-    logging.getLogger("flexjit").addHandler(Keep())
-    logging.getLogger("flexjit").setLevel(logging.INFO)
-
+_CHILD = CHILD_NO_COMPILE + """
     import torch
     import flexjit
     from flexjit.aot import builtin_variant
     from flexjit.api import prepare_call
     from flexjit.backends import cute_sm90 as backend
 
-    S, D, B, H = {S}, {D}, 3, 16  # another batch than the AOT compile's 1: a runtime value
+    S, D, B, H = SIZES, 3, 16  # another batch than the AOT compile's 1: a runtime value
     score_mod, mask_mod = builtin_variant("causal", S, H)
     q, k, v = (torch.empty(B, H, S, D, dtype=torch.bfloat16) for _ in range(3))
     bm = flexjit.create_block_mask(mask_mod, None, None, S, S, device="cpu")
@@ -73,7 +60,7 @@ _CHILD = """
     backend.compile_program(call.program, q, k, v, sparse, aux,
                             persistent=backend._persistent_fwd(D, sparse, S, owner=bm))
     backend.compile_backward(call.program, q.dtype, D, True, False, aux, head_dim_v=D)
-    print(json.dumps({{"messages": messages}}))
+    print(json.dumps({"messages": messages}))
 """
 
 
@@ -101,7 +88,7 @@ def test_cli_compiles_a_variant_and_a_training_process_finds_it(tmp_path):
 
     env = dict(os.environ, FLEXJIT_CACHE_DIR=str(cache_dir))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    child = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD.format(S=S, D=D))],
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD.replace("SIZES", f"{S}, {D}"))],
                            env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-4000:]
     messages = json.loads(child.stdout.strip().splitlines()[-1])["messages"]

@@ -195,7 +195,9 @@ def test_key_options_and_config():
 # ------------------------------------------------------------------ compile, export, load (CPU)
 
 
-_CHILD_LOAD = """
+# A second process's first lines: cute.compile raises, flexjit's log lines are kept in
+# ``messages`` (also tests/test_aot.py's).
+CHILD_NO_COMPILE = """
     import json, logging, os
     import cutlass.cute as cute
 
@@ -209,7 +211,9 @@ _CHILD_LOAD = """
             messages.append(record.getMessage())
     logging.getLogger("flexjit").addHandler(Keep())
     logging.getLogger("flexjit").setLevel(logging.INFO)
+"""
 
+_CHILD_LOAD = CHILD_NO_COMPILE + """
     import torch
     from test_cute_cache import build
     from flexjit.backends.cute_sm90 import compile_program
