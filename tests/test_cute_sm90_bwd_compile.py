@@ -238,8 +238,17 @@ def _clean_main_ptx(tmp_path, cfg, program) -> str:
     return ptx
 
 
-@pytest.mark.parametrize("head_dim", [128, 96, (192, 192), (192, 128)])
-@pytest.mark.parametrize("name", CORE)
+# CI compiles every core mod at 128 and 96, and at 192 / (192, 128) the mods with the most live
+# state beside the 64-key tile's dK + dV (a per-head slope, a tanh, document ids, a mask); every
+# core mod at those two passed on the CPU (2026-12-01-cpu-bwd192-NOTES.md) and their GPU tests on
+# the H200. FLEXJIT_COMPILE_ALL=1 compiles every pair (about 7 more minutes on 2 cores).
+_WIDE = {"causal", "alibi", "softcap", "document"}
+_EVERY = os.environ.get("FLEXJIT_COMPILE_ALL") == "1"
+
+
+@pytest.mark.parametrize("name,head_dim", [
+    (n, d) for d in (128, 96, (192, 192), (192, 128)) for n in CORE
+    if _EVERY or isinstance(d, int) or n in _WIDE])
 def test_every_core_mod_fits(tmp_path, name, head_dim):
     # D = 128 is the register-tight case (dV + dK = 128 registers), D = 96 the next (96); 192
     # and (192, 128) hold dK + dV = 96 (80) per thread in the 64-key tile, beside a full
