@@ -193,16 +193,16 @@ def _worker(rank, world, init_file, out_dir, cases, block):
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def spawn(world: int, cases, block: int, tmp) -> list[dict]:
-    """Run ``cases`` on ``world`` spawned gloo ranks; each rank's results."""
-    torch.save({case_id(c): references(c, block) for c in cases}, tmp / "refs.pt")
+def run_ranks(target, world: int, args: tuple, tmp, timeout: float) -> list[dict]:
+    """``target(rank, *args)`` in ``world`` spawned processes (each saves ``tmp/rank<r>.pt``);
+    a rank still running after ``timeout`` s is terminated and fails the test; each rank's
+    results, none of them a crash. Also tests/test_distributed_gpu.py's."""
     ctx = multiprocessing.get_context("spawn")
-    init = str(tmp / "init")
-    procs = [ctx.Process(target=_worker, args=(r, world, init, str(tmp), cases, block)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=300)
+        p.join(timeout=timeout)
     hung = [p for p in procs if p.is_alive()]
     for p in hung:
         p.terminate()
@@ -211,6 +211,12 @@ def spawn(world: int, cases, block: int, tmp) -> list[dict]:
     for r, res in enumerate(results):
         assert "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
     return results
+
+
+def spawn(world: int, cases, block: int, tmp) -> list[dict]:
+    """Run ``cases`` on ``world`` spawned gloo ranks; each rank's results."""
+    torch.save({case_id(c): references(c, block) for c in cases}, tmp / "refs.pt")
+    return run_ranks(_worker, world, (world, str(tmp / "init"), str(tmp), cases, block), tmp, 300)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ full, partial and empty blocks; small enough to compile each kernel once within 
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import traceback
 
@@ -28,6 +27,7 @@ import flexjit
 import flexjit.distributed as cp
 from flexjit import mods
 from oracle import FLOOR, dense_attention, max_err
+from test_distributed import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -140,18 +140,7 @@ def _worker(rank, world, init, out_dir):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_nccl_ranks_equal_plain_call(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, 2, str(tmp_path / "init"), str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=400)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.terminate()
-    assert not hung, "a rank hung"
-    for r in range(2):
-        res = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
-        assert "crash" not in res, res.get("crash")
+    for r, res in enumerate(run_ranks(_worker, 2, (2, str(tmp_path / "init"), str(tmp_path)),
+                                      tmp_path, 400)):
         for name, case in res.items():
             _assert(case, f"rank {r} {name}: ")
