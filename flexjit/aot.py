@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from . import mods
+
 ARCHS = ("sm_90a", "sm_100a")
 PASSES = ("fwd", "bwd")
 
@@ -39,28 +41,25 @@ def _table(n: int) -> torch.Tensor:
     return torch.randn(n) * 0.1
 
 
+# name -> (seq_len, heads) -> (score_mod, mask_mod), as a model would build it
+_VARIANTS = {
+    "causal": lambda S, H: (None, mods.causal()),
+    "sliding_window": lambda S, H: (None, mods.sliding_window(min(1024, S))),
+    "prefix_lm": lambda S, H: (None, mods.prefix_lm(min(1024, max(S // 2, 1)))),
+    "document": lambda S, H: (None, mods.document(torch.arange(S) // max(S // 4, 1))),
+    "alibi": lambda S, H: (mods.alibi(H), mods.causal()),
+    "softcap": lambda S, H: (mods.softcap(30.0), mods.causal()),
+    "relative_bias": lambda S, H: (mods.relative_bias(_table(2 * S - 1)), None),
+    "t5_bias": lambda S, H: (mods.t5_bias(_table(32)), None),
+}
+VARIANTS = tuple(_VARIANTS)
+
+
 def builtin_variant(name: str, seq_len: int, heads: int) -> tuple[Callable | None, Callable | None]:
-    """(score_mod, mask_mod) of a built-in variant, as a model would build it at ``seq_len``."""
-    from . import mods
-
-    half = max(seq_len // 2, 1)
-    variants = {
-        "causal": lambda: (None, mods.causal()),
-        "sliding_window": lambda: (None, mods.sliding_window(min(1024, seq_len))),
-        "prefix_lm": lambda: (None, mods.prefix_lm(min(1024, half))),
-        "document": lambda: (None, mods.document(torch.arange(seq_len) // max(seq_len // 4, 1))),
-        "alibi": lambda: (mods.alibi(heads), mods.causal()),
-        "softcap": lambda: (mods.softcap(30.0), mods.causal()),
-        "relative_bias": lambda: (mods.relative_bias(_table(2 * seq_len - 1)), None),
-        "t5_bias": lambda: (mods.t5_bias(_table(32)), None),
-    }
-    if name not in variants:
-        raise ValueError(f"unknown variant {name!r}; the built-in ones are {', '.join(variants)}")
-    return variants[name]()
-
-
-VARIANTS = ("causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap",
-            "relative_bias", "t5_bias")
+    """(score_mod, mask_mod) of a built-in variant (``VARIANTS``) at ``seq_len``."""
+    if name not in _VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; the built-in ones are {', '.join(VARIANTS)}")
+    return _VARIANTS[name](seq_len, heads)
 
 
 @dataclasses.dataclass
@@ -84,7 +83,8 @@ class Kernel:
 
 @contextlib.contextmanager
 def _arch(arch: str):
-    """CUTE_DSL_ARCH for the duration of the compiles (restored after)."""
+    """CUTE_DSL_ARCH set while compiling, the old value restored after. CuTeDSL reads it once per
+    process, at its first compile: it decides only where nothing has compiled yet (the CLI)."""
     old = os.environ.get("CUTE_DSL_ARCH")
     os.environ["CUTE_DSL_ARCH"] = arch
     try:
@@ -101,7 +101,7 @@ def _files(folder: Path, arch: str) -> tuple[Path | None, Path | None]:
     ``<folder name>.<arch>.ptx`` / ``.cubin``."""
     found = []
     for ext in ("ptx", "cubin"):
-        dumped = sorted(p for p in folder.glob(f"*.{ext}") if p.parent == folder)
+        dumped = sorted(folder.glob(f"*.{ext}"))
         target = folder / f"{folder.name}.{arch}.{ext}"
         if dumped and dumped[-1] != target:
             dumped[-1].replace(target)
@@ -121,8 +121,6 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     ``heads`` / ``kv_heads`` matter only to mods that use them. ``out``: where each kernel's PTX
     and cubin go (``out/<name>/<pass>-<part>/``); None keeps no files. ``log`` gets one line per
     kernel as it is done. Returns the kernels, forward first."""
-    from . import create_block_mask, noop_mask
-    from .api import prepare_call
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r}: flexjit's CuTe kernels target {', '.join(ARCHS)}")
     if arch == "sm_100a" and "bwd" in passes:
@@ -153,29 +151,23 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     with _arch(arch), torch.no_grad():
         from .backends import cute_sm90 as backend
 
-        q = torch.empty(1, heads, seq_len, head_dim, dtype=dtype)
-        k = torch.empty(1, kv_heads, seq_len, head_dim, dtype=dtype)
-        v = torch.empty(1, kv_heads, seq_len, head_dim_v, dtype=dtype)
-        bm = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu") \
-            if mask_mod is not None and mask_mod is not noop_mask else None
-        call = prepare_call(q, k, v, score_mod, bm, None, kv_heads != heads, None)
-        program = call.program
         dims = (head_dim, head_dim_v)
         if dims not in backend._HEAD_DIMS:
             raise ValueError(f"head dims {dims}: the sm90 forward takes {backend._HEAD_DIMS}")
         if "bwd" in passes and dims not in backend._BWD_HEAD_DIMS:
             raise ValueError(f"head dims {dims}: the sm90 backward takes {backend._BWD_HEAD_DIMS} "
                              "(others train on the Triton backward); pass passes=('fwd',)")
-        aux = tuple(backend._aux_tensor(t, q.device) for t in program.buffers)
+        q, k, v, bm, program, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
+                                             seq_len, heads, kv_heads)
         kernels = []
         if "fwd" in passes:
             folder = _folder(root, "fwd-main")
             sparse = backend.block_sparse_args(bm)
             options = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
             t0 = time.perf_counter()
-            backend._COMPILED.clear()  # compile here, not from this process's memory
             keys: dict = {}
-            # A compile that keeps files never loads from disk, and still exports its kernel.
+            # A compile that keeps files never loads from disk, and still exports its kernel
+            # (its options are part of the in-memory key: a run's own kernels stay as they are).
             backend.compile_program(program, q, k, v, sparse, aux, options=options or "--keep-cubin",
                                     persistent=backend._persistent_fwd(head_dim, sparse, seq_len,
                                                                        owner=bm), keys=keys)
@@ -187,7 +179,6 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
         if "bwd" in passes:
             host = backend._bwd_host()
             t0 = time.perf_counter()
-            backend._COMPILED_BWD.clear()
             folders = {part: _folder(root, f"bwd-{part}") for part in host.PARTS}
             keys = backend.export_backward(program, dtype, head_dim, bm is not None, deterministic,
                                            aux, head_dim_v=head_dim_v, dump_dirs=folders)
@@ -204,25 +195,17 @@ def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, he
                    name, what, root, log) -> list[Kernel]:
     """The sm100 forward (``cute_sm100``; it targets sm_100a whatever CUTE_DSL_ARCH says). Not
     exported to the disk cache: no run may use it before a Blackwell self-check exists."""
-    from . import create_block_mask, noop_mask
-    from .api import prepare_call
-    from .backends import cute_sm100, cute_sm90
+    from .backends import cute_sm100
 
     if (head_dim, head_dim_v) not in cute_sm100.HEAD_DIMS:
         raise ValueError(f"head dims {(head_dim, head_dim_v)}: the sm100 forward takes "
                          f"{cute_sm100.HEAD_DIMS}")
     with torch.no_grad():
-        q = torch.empty(1, heads, seq_len, head_dim, dtype=dtype)
-        k = torch.empty(1, kv_heads, seq_len, head_dim, dtype=dtype)
-        v = torch.empty(1, kv_heads, seq_len, head_dim_v, dtype=dtype)
-        bm = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu") \
-            if mask_mod is not None and mask_mod is not noop_mask else None
-        program = prepare_call(q, k, v, score_mod, bm, None, kv_heads != heads, None).program
-        aux = tuple(cute_sm90._aux_tensor(t, q.device) for t in program.buffers)
+        q, _, v, bm, program, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
+                                             seq_len, heads, kv_heads)
         folder = _folder(root, "fwd-main")
         options = "--keep-ptx --keep-cubin" + ("" if folder is None else f" --dump-dir {folder}")
         t0 = time.perf_counter()
-        cute_sm100._COMPILED.clear()
         cute_sm100.compile_program(program, q, v, bm is not None, aux, options=options)
         kernel = Kernel("sm_100a", "fwd", "main", what,
                         *(_files(folder, "sm_100a") if folder else (None, None)), None,
@@ -230,6 +213,22 @@ def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, he
     if log:
         log(kernel.line() + " (sm100: never cached before a Blackwell self-check)")
     return [kernel]
+
+
+def _example(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads, kv_heads):
+    """(q, k, v, block mask or None, Program, aux tensors): the call a run at ``seq_len`` makes,
+    on CPU tensors without data (only kinds and the mask's lists shape the kernels)."""
+    from . import create_block_mask, noop_mask
+    from .api import prepare_call
+    from .backends.cute_sm90 import _aux_tensor
+
+    q = torch.empty(1, heads, seq_len, head_dim, dtype=dtype)
+    k = torch.empty(1, kv_heads, seq_len, head_dim, dtype=dtype)
+    v = torch.empty(1, kv_heads, seq_len, head_dim_v, dtype=dtype)
+    bm = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu") \
+        if mask_mod is not None and mask_mod is not noop_mask else None
+    program = prepare_call(q, k, v, score_mod, bm, None, kv_heads != heads, None).program
+    return q, k, v, bm, program, tuple(_aux_tensor(t, q.device) for t in program.buffers)
 
 
 def _folder(root: Path | None, leaf: str) -> Path | None:
