@@ -71,36 +71,26 @@ def _cases(S: int, device):
 
 def _impl(name: str, device):
     """name -> run(q, k, v, score_mod, mask_mod) -> out (differentiable)."""
-    if name.startswith("flexjit-") and "+" in name:
+    if name.startswith("flexjit-"):
         # "flexjit-FWD+BWD": one backend's forward feeding another's backward (which kernel an
         # error comes from), through the same autograd function as flex_attention.
         import flexjit
         from flexjit import dispatch
         from flexjit.api import prepare_call
 
-        fwd, bwd = name.removeprefix("flexjit-").split("+")
+        fwd, _, bwd = name.removeprefix("flexjit-").partition("+")
 
         def run(q, k, v, score_mod, mask_mod):
             bm = None
             if mask_mod is not None:
                 bm = flexjit.create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2],
                                                device=device)
+            if not bwd:
+                return flexjit.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                              backend=fwd)
             call = prepare_call(q, k, v, score_mod, bm, None, False, None)
             choice = dispatch.Choice(fwd, "asked for", backward=bwd, backward_reason="asked for")
             return dispatch.run(choice, call)[0]
-        return run
-    if name.startswith("flexjit-"):
-        import flexjit
-
-        backend = name.removeprefix("flexjit-")
-
-        def run(q, k, v, score_mod, mask_mod):
-            bm = None
-            if mask_mod is not None:
-                bm = flexjit.create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2],
-                                               device=device)
-            return flexjit.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
-                                          backend=backend)
         return run
     from torch.nn.attention import flex_attention as tfa
 
