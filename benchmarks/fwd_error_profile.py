@@ -27,6 +27,8 @@ def _forward(name, device):
         backend = name.removeprefix("flexjit-")
         return lambda q, k, v, sm: flexjit.flex_attention(q, k, v, score_mod=sm, return_lse=True,
                                                           backend=backend)
+    if name != "torch-flex-triton":
+        raise SystemExit(f"unknown impl {name}: flexjit-<backend> or torch-flex-triton")
     from torch.nn.attention import flex_attention as tfa
     fn = torch.compile(tfa.flex_attention, dynamic=False)
     return lambda q, k, v, sm: fn(q, k, v, score_mod=sm, return_lse=True)
