@@ -9,8 +9,9 @@ Bars, from the mean |float64 golden - result| (``out·dO rms``: an RMS, see belo
   on a captured table's gradient over four seeds (8 to 1024 entries, each a sum over every
   score that reads it: one seed's ratio ranged 0.76-1.13 where four seeds' mean read 0.93-1.07
   for the same kernels, gpu-s6-call1 and -call2).
-* A table the score_mod adds (``score + table[...]``) is judged with its gradient's mean over
-  entries removed (``<table> centred``). Its gradients sum to sum(dS), 0 exactly; in a kernel
+* A table the score_mod adds (``score + table[...]``) is judged raw (1.15x, as every table) AND
+  with its gradient's mean over entries removed (``<table> centred``, 1.15x: what the
+  backward's dS controls). Its gradients sum to sum(dS), 0 exactly; in a kernel
   that sum is -sum_i dO_i · (O_i - O_stored_i), the bf16 rounding of the forward's output
   projected on dO, and it lands on every entry as one common offset. For the fp32 kv-indexed
   table that offset is most of the error, and it is one Gaussian draw per seed whose spread is
@@ -18,8 +19,10 @@ Bars, from the mean |float64 golden - result| (``out·dO rms``: an RMS, see belo
   flexjit-triton and torch's kernel within 0.7%, while the raw bias2 error over 8 seeds read
   1.32x torch's for cute and 1.01x for flexjit-triton, and feeding cute's backward from
   Triton's forward read 1.01x (cute's forward into Triton's backward: 1.32x). The offset
-  follows the forward's rounding draws, not a bias of either kernel. So the raw table error
-  is held to torch's rule, and its expected offset to 1.03x through ``out·dO rms``.
+  follows the forward's rounding draws. Whether cute's draws are merely unlucky or wider is
+  open (over 32 seeds their spread read 1.7x torch's, with the same ``out·dO rms``): until
+  that is settled the raw bar stays, and this test fails on cute's bias2 (1.18x over these four
+  seeds on the H200, 2026-12-01-gpu-s7 stage 1). Issue #14 stays open on it.
 """
 import pytest
 import torch
@@ -47,8 +50,6 @@ def test_errors_within_torch_rule_and_no_worse_than_torch_flex(backend):
         bar = 1.03 if tensor in ("out", "q", "k", "v", grad_accuracy.ROW_PROJECTION) else 1.15
         if not ours <= 1.1 * eager:
             bad.append(f"{r['case']} {r['tensor']}: {ours:.3g} > 1.1 x eager {eager:.3g}")
-        if tensor in grad_accuracy.ADDITIVE:
-            continue  # judged centred; raw: torch's rule only (see the module docstring)
         if not ours <= bar * theirs:
             bad.append(f"{r['case']} {r['tensor']}: {ours:.3g} > {bar} x {TORCH} {theirs:.3g}")
     assert not bad, "\n".join(bad)
