@@ -50,7 +50,7 @@ for l in sys.stdin:
   2)
     pt 400 grad_test.txt tests/test_grad_accuracy_gpu.py &
     pt 300 aot.txt tests/test_aot_gpu.py &
-    pt 400 tma_one.txt tests/test_triton_gpu.py -k "tma_and_warp_specialize and full and not ws4 and not 128x64" --durations=5 &
+    pt 400 tma_one.txt tests/test_triton_gpu.py -k "tma_option and full and not 128x64" --durations=5 &
     timeout 400 python3 -m benchmarks.grad_accuracy --S 1024 --seeds 16 --per-seed \
       --out "$work/grad16" >"$work/grad16.txt" 2>&1 &
     wait
