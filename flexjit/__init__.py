@@ -9,6 +9,7 @@ kernel (CuTeDSL on Hopper, Triton on other GPUs, a torch reference on the CPU).
 from .api import AuxOutput, AuxRequest, explain, flex_attention
 from .block_mask import BlockMask, and_masks, create_block_mask, create_mask, noop_mask, or_masks
 from .paged import PagedAttention
+from .selfcheck import SelfCheckWarning
 from .trace import TraceError
 
 __version__ = "0.1.0"
@@ -23,4 +24,4 @@ def __getattr__(name):
 
 
 __all__ = ["flex_attention", "create_block_mask", "create_mask", "BlockMask", "and_masks", "or_masks",
-           "noop_mask", "AuxRequest", "AuxOutput", "explain", "PagedAttention", "TraceError", "__version__"]
+           "noop_mask", "AuxRequest", "AuxOutput", "explain", "PagedAttention", "TraceError", "SelfCheckWarning", "__version__"]

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import compile as compiled, dispatch, options
+from . import compile as compiled, dispatch, options, selfcheck
 from .block_mask import BlockMask, from_torch_block_mask
 from .passes import FLOAT_INDEX_LIMIT, Program, lower
 from .trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
@@ -133,12 +133,15 @@ def _scale(scale, query) -> float:
 def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
             kernel_options=None, *, return_aux: AuxRequest | None = None,
             backend: str = "auto") -> "dispatch.Choice":
-    """Which backend flex_attention would run for these arguments, and why. Runs nothing."""
+    """Which backend flex_attention would run for these arguments, and why. Runs nothing: on a
+    Blackwell GPU it says whether the call's sm100 kernel has passed its first-use self-check,
+    failed it (and why), or has not run it yet (it runs on the first call)."""
     query, key, value, block_mask, kernel_options, backend, return_aux = _normalize(
         query, key, value, block_mask, kernel_options, backend, return_aux)
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
                         max_scores=return_aux is not None and return_aux.max_scores)
-    return dispatch.select(backend, call)
+    with selfcheck.dry_run():
+        return dispatch.select(backend, call)
 
 
 def _normalize(query, key, value, block_mask, kernel_options, backend, return_aux):

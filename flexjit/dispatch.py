@@ -14,9 +14,12 @@ when the call needs gradients, its backward as a pair: the forward's own backend
 else the next that can (the sm90 forward trains on the Triton backward for head dims its
 backward lacks). ``flexjit.explain`` shows the same answer without running anything.
 
-Preference for "auto": Hopper (sm90) -> cute; any other CUDA GPU -> triton; CPU -> reference;
-on any GPU, a decode-shaped call without gradients (``triton_decode.routes``) -> triton first.
-An explicit backend that cannot serve the call is an error.
+Preference for "auto": Hopper (sm90) -> cute; Blackwell (10.x) -> cute_sm100, only once its
+compiled kernel has passed its first-use self-check on that GPU (``flexjit.selfcheck``, run from
+``cute_sm100.supports``); any other CUDA GPU -> triton; CPU -> reference; on any GPU, a
+decode-shaped call without gradients (``triton_decode.routes``) -> triton first. An explicit
+backend that cannot serve the call is an error; ``backend="cute"`` on a 10.x GPU is the sm100
+backend (gated the same way).
 
 ``run`` is the eager entry: one ``torch.autograd.Function`` over every backend pair. The
 torch.compile path (``flexjit.compile``) calls the same ``forward``/``backward`` from its custom
@@ -34,12 +37,13 @@ import torch
 from .backends import capability
 
 BACKENDS = ("cute", "triton", "reference")
-_MODULES = {"cute": "flexjit.backends.cute_sm90", "triton": "flexjit.backends.triton",
-            "reference": "flexjit.backends.reference"}
+_MODULES = {"cute": "flexjit.backends.cute_sm90", "cute_sm100": "flexjit.backends.cute_sm100",
+            "triton": "flexjit.backends.triton", "reference": "flexjit.backends.reference"}
 # Which backends may compute the gradients of each forward, in order of preference. A backward
 # only needs (q, k, v, out, lse): any backend's backward can follow any forward of the same
 # semantics; these orders keep training on the fastest one that runs the call.
-_BACKWARD_ORDER = {"cute": ("cute", "triton"), "triton": ("triton",), "reference": ("reference",)}
+_BACKWARD_ORDER = {"cute": ("cute", "triton"), "cute_sm100": ("cute_sm100", "triton"),
+                   "triton": ("triton",), "reference": ("reference",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +122,9 @@ def check_backend(requested: str) -> None:
 def select(requested: str, call) -> Choice:
     check_backend(requested)
     if requested != "auto":
-        ok, reason = _supports(requested, call)
-        choice = _pair(requested, f"requested; {reason}", call) if ok else reason
+        name = "cute_sm100" if requested == "cute" and _sm100(call.q.device) else requested
+        ok, reason = _supports(name, call)
+        choice = _pair(name, f"requested; {reason}", call) if ok else reason
         if isinstance(choice, str):
             raise NotImplementedError(f"backend={requested!r} cannot run this call: {choice}. "
                                       f"Use backend='auto' to pick one that can.")
@@ -138,7 +143,14 @@ def select(requested: str, call) -> Choice:
                               "\n".join(f"  {n}: {r}" for n, r in passed))
 
 
+def _sm100(device: torch.device) -> bool:
+    from .backends import cute_sm100  # no cutlass import; its SEAM answers the capability
+    return cute_sm100.on_sm100(device)
+
+
 def _preference(device: torch.device) -> tuple[str, ...]:
+    if _sm100(device):
+        return ("cute_sm100", "triton", "reference")
     if device.type == "cuda":
         return ("cute", "triton", "reference")
     # Off the GPU only the reference runs; the Triton interpreter (TRITON_INTERPRET=1)

@@ -1,5 +1,5 @@
 """Compile-only tests of the Blackwell CuTeDSL forward (CPU, no GPU needed), and of what the
-sm100 backend does without one: the block lists it derives, and its refusal to run.
+sm100 backend does without one: the block lists it derives, and its refusal off Blackwell.
 
 Each compile builds the kernel for sm_100a (the template passes ``--gpu-arch sm_100a`` itself,
 so the sm90 tests' CUTE_DSL_ARCH=sm_90a in the same process does not matter) and checks the PTX
@@ -181,12 +181,13 @@ class _Call:
         self.q = self.k = self.v = q
 
 
-def test_backend_refuses_every_call():
+def test_backend_refuses_off_blackwell():
+    # Off a 10.x GPU the sm100 backend refuses (its first-use gate: tests/test_sm100_gate.py).
     q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16)
     ok, why = cute_sm100.supports(_Call(q))
-    assert ok is False and why == "never run on Blackwell; self-check not built"
+    assert ok is False and why == "needs a CUDA tensor, got cpu"
     from flexjit import dispatch
-    assert "flexjit.backends.cute_sm100" not in dispatch._MODULES.values()
+    assert dispatch._MODULES["cute_sm100"] == "flexjit.backends.cute_sm100"
 
 
 def _expand(num, idx, kinds, nQB, nKVB):
@@ -266,8 +267,8 @@ _BLACKWELL = torch.cuda.is_available() and torch.cuda.get_device_capability()[0]
                                   "relative_bias", "natten_2d"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_forward_matches_float64_on_blackwell(name, D):
-    """The first-use self-check's content, by hand: the kernel called directly (``supports``
-    refuses it), against float64 math. L = 700 (ragged against 128 and 256, an odd number of
+    """The first-use self-check's content, by hand: the kernel called directly (``forward`` runs
+    its self-check first and raises if it fails), against float64 math. L = 700 (ragged against 128 and 256, an odd number of
     block rows), S = 1000, GQA 4:2."""
     import math
 

@@ -1,34 +1,57 @@
-"""The CuTeDSL Blackwell backend (sm_100a): fill the sm100 forward's holes from a Program, compile.
+"""The CuTeDSL Blackwell backend (sm_100a): fill the sm100 forward's holes from a Program, compile,
+self-check, launch.
 
-Status: REFUSES EVERY CALL. The kernel (``templates/cute_sm100_fwd.py``) compiles for sm_100a on
-the CPU but has never run on a Blackwell GPU, and the first-use self-check that would have to
-pass before it may answer is not built, so ``supports`` says no and ``flexjit.dispatch`` does not
-list this module. What is here is what that gate will call:
+Status: the kernel (``templates/cute_sm100_fwd.py``) compiles for sm_100a on the CPU but has
+NEVER RUN on a Blackwell GPU. So no call gets an answer from it before that compiled kernel has
+passed a first-use self-check on the GPU it runs on (``flexjit.selfcheck``): a small case of the
+same Program, compared with the reference backend. ``supports`` runs the check on a kernel's
+first call (``flexjit.explain`` only reports it), and a kernel that fails it is refused for the
+rest of the process (``backend="auto"`` falls back to Triton, ``backend="cute"`` raises).
+``FLEXJIT_CUTE_SM100=0`` turns the sm100 kernels off. Dispatch lists this module as
+``cute_sm100``: ``backend="cute"`` on a 10.x GPU means it.
 
 * ``sm100_block_lists``: flexjit's 128×128 block lists regrouped for the kernel's 256-row query
   tiles (one merged kv list per pair of mask-block rows, a kind per sub-tile), remembered on the
   BlockMask.
 * ``compile_program``: the forward for a Program, its mods rendered by the shared CuTe renderer
   (``cute_sm90.load_mods``: the same generated module fills the sm90 and sm100 kernels), kept in
-  memory per (program, dtype, head dims, block-mask presence, captured-tensor kinds, options).
-* ``forward``: allocate, compile, launch; only reachable by calling it directly.
+  memory under ``kernel_key`` (program, dtype, head dims, block-mask presence, captured-tensor
+  kinds, options); no disk cache yet.
+* ``supports`` / ``forward``: the backend interface, both gated. ``backward_supports`` /
+  ``backward``: no sm100 backward exists yet, so training pairs this forward with the Triton
+  backward (its saved LSE is the natural-log, fp32 (B, Hq, L) LSE, -inf on an empty row, that
+  the Triton backward reads; the self-check compares it). ``backward_supports`` gates a future
+  ``cute_sm100_bwd`` module the same way (``_backward_module``).
+* ``SEAM``: the capability query, the compile and the launch, replaced by the CPU tests
+  (``tests/test_sm100_gate.py``) to simulate a Blackwell device with stand-in kernels.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 import logging
+import os
 import time
+from typing import Callable
 
 import torch
 
-from .. import cache, ir
+from .. import cache, ir, selfcheck
 from ..ir import Op
 from ..passes import Program
+from . import capability
 from .cute_sm90 import _aux_tensor, _cutlass_dtype, block_sparse_args, load_mods
 
 # (head_dim, head_dim_v) pairs the sm100 forward has a tile for (``cute_sm100_fwd.HEAD_DIMS``,
 # repeated so that refusing needs no cutlass import).
 HEAD_DIMS = ((64, 64), (128, 128))
-REFUSAL = "never run on Blackwell; self-check not built"
+ENV = "FLEXJIT_CUTE_SM100"
+NO_BACKWARD = ("no sm100 backward exists yet (the Triton backward trains the sm100 forward from "
+               "its saved out and LSE)")
+# The backward module a later change adds, and what it must expose to be used (and gated).
+BACKWARD_MODULE = "flexjit.backends.cute_sm100_bwd"
+BACKWARD_API = ("backward_supports", "kernel_key", "backward")
 
 log = logging.getLogger("flexjit")
 _COMPILED: dict[tuple, object] = {}
@@ -41,17 +64,164 @@ def _template():
     return cache.load_template("cute_sm100_fwd")
 
 
-def supports(call) -> tuple[bool, str]:
-    """Always (False, reason): nothing may reach an unverified kernel.
+# --------------------------------------------------------------------------- the seam
 
-    Once a first-use self-check exists, this must still refuse what the kernel does not handle
-    (the sm90 backend's ``supports`` checks the same things): a device that is not sm_100
-    (sm_103 needs its own ``--gpu-arch``), dtypes other than fp16/bf16, head dims outside
-    ``HEAD_DIMS``, q/k/v without a contiguous last dim or with strides that are not 16-byte
-    multiples (TMA), a batch broadcast by stride 0, block sizes other than 128x128, and a
-    negative scale without a score_mod (the kernel folds the scale into exp2's multiplier and
-    takes the row max of the raw q·k)."""
-    return False, REFUSAL
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    return capability(device) if device.type == "cuda" else None
+
+
+def _compile(call):
+    """The compiled sm100 forward for this call (``compile_program``, memory-cached by
+    ``kernel_key``)."""
+    q = call.q
+    aux = tuple(_aux_tensor(t, q.device) for t in call.program.buffers)
+    return compile_program(call.program, q, call.v, call.block_mask is not None, aux,
+                           write_max=call.max_scores)
+
+
+def _launch(kernel, call, o, lse, max_scores) -> None:
+    """Run ``kernel`` on the call, writing o, lse (and max_scores when asked)."""
+    prog = call.program
+    aux = tuple(_aux_tensor(t, call.q.device) for t in prog.buffers)
+    kernel(call.q, call.k, call.v, o, lse, call.scale, sm100_block_lists(call.block_mask), aux,
+           prog.scalars, max_scores=max_scores)
+
+
+@dataclasses.dataclass
+class Seam:
+    """What stands between the gate and the hardware. ``capability(device)``: (major, minor) of
+    a CUDA device, None for any other; ``compile(call)``: the compiled kernel for the call;
+    ``launch(kernel, call, o, lse, max_scores)``: run it, writing the outputs. The CPU tests
+    replace all three (a "Blackwell" CPU device, stand-in kernels); nothing else should."""
+    capability: Callable = _cuda_capability
+    compile: Callable = _compile
+    launch: Callable = _launch
+
+
+SEAM = Seam()
+
+
+def on_sm100(device: torch.device) -> bool:
+    """Whether ``device`` is a compute-capability 10.x GPU (dispatch's preference order)."""
+    cap = SEAM.capability(device)
+    return cap is not None and cap[0] == 10
+
+
+# --------------------------------------------------------------------------- backend interface
+
+
+def supports(call) -> tuple[bool, str]:
+    """Whether the sm100 forward may answer the call: what the kernel handles (as the sm90
+    backend's ``supports`` checks it: sm_100 exactly (sm_103 needs its own ``--gpu-arch``),
+    fp16/bf16, head dims in ``HEAD_DIMS``, contiguous last dims and 16-byte strides for TMA, no
+    batch broadcast by stride 0, 128x128 blocks, no negative scale without a score_mod), then the
+    first-use self-check of the call's compiled kernel, run here on the first call (reported
+    only, under ``flexjit.explain``)."""
+    q, k, v = call.q, call.k, call.v
+    cap = SEAM.capability(q.device)
+    if cap is None:
+        return False, f"needs a CUDA tensor, got {q.device.type}"
+    if tuple(cap) != (10, 0):
+        return False, (f"the sm100 kernel is built for sm_100a (B200/GB200), this GPU is "
+                       f"sm_{cap[0]}{cap[1]}")
+    if os.environ.get(ENV, "1") == "0":
+        return False, f"{ENV}=0 turns the sm100 kernels off"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False, f"dtype {q.dtype} (the sm100 kernel takes fp16/bf16)"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if (D, Dv) not in HEAD_DIMS:
+        return False, (f"head dims ({D}, {Dv}); the sm100 kernel takes (head_dim, head_dim_v) in "
+                       f"{HEAD_DIMS}")
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False, f"{name} needs a contiguous last dim and 16-byte aligned strides for TMA"
+        if t.shape[0] > 1 and t.stride(0) == 0:
+            return False, (f"{name} is broadcast over the batch (stride 0), which the sm100 "
+                           "kernel's TMA descriptors are not built for")
+    bm = call.block_mask
+    if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
+        return False, f"block size {bm.BLOCK_SIZE}; the sm100 kernel takes 128x128 mask blocks"
+    if call.program.score is None and call.scale < 0:
+        return False, f"scale {call.scale} < 0 without a score_mod (the sm100 forward folds the scale)"
+    if SEAM.compile is _compile:
+        try:
+            _template()
+        except ImportError as e:
+            return False, f"nvidia-cutlass-dsl is not importable ({e})"
+    return _gated(call, "Blackwell GPU: the CuTeDSL sm100 forward (tcgen05, TMEM, warp roles)",
+                  ("sm100 forward", kernel_key(call)), _what(call, "forward"),
+                  lambda: selfcheck.check_forward(call, _checked_launch))
+
+
+def _what(call, part: str) -> str:
+    p = call.program
+    dims = f"{call.q.shape[-1]}" if call.q.shape[-1] == call.v.shape[-1] else \
+        f"{call.q.shape[-1]}/{call.v.shape[-1]}"
+    return (f"the sm100 {part} for {p.score_name}/{p.mask_name} D={dims} "
+            f"{str(call.q.dtype).replace('torch.', '')}")
+
+
+def _gated(call, base: str, key, what: str, check) -> tuple[bool, str]:
+    """``supports``' answer from the self-check of kernel ``key``: run it now if it has not run
+    (unless explaining), then (True, base + how it passed) or (False, how it failed)."""
+    res = selfcheck.gate(key, what, check)
+    if res is None:
+        if selfcheck.dry():
+            return True, f"{base}; {selfcheck.NOT_RUN}"
+        return False, (f"its first-use self-check has not run and cannot run now ({selfcheck.blocked()}); "
+                       "run one call outside CUDA graph capture first")
+    if res.passed:
+        return True, f"{base}; self-checked on this GPU (passed: {res.summary})"
+    return False, f"self-check failed on this GPU, disabled for this process: {res.summary}"
+
+
+def _require_passed(call, key, what: str, check) -> None:
+    """Raise unless kernel ``key`` has passed its self-check (running it if it has not run)."""
+    res = selfcheck.gate(key, what, check)
+    if res is None or not res.passed:
+        why = "it has not run" if res is None else res.summary
+        raise RuntimeError(f"flexjit: {what} may not run before it has passed its first-use "
+                           f"self-check on this GPU ({why})")
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_module():
+    """The sm100 backward's module (``BACKWARD_MODULE``) when it exists and offers
+    ``BACKWARD_API``, else None: until then the Triton backward trains this forward."""
+    try:
+        mod = importlib.import_module(BACKWARD_MODULE)
+    except ImportError:
+        return None
+    return mod if all(hasattr(mod, a) for a in BACKWARD_API) else None
+
+
+def backward_supports(call) -> tuple[bool, str]:
+    """Whether the sm100 backward serves the call's gradients: it must exist
+    (``_backward_module``), accept the call, and its compiled kernel must pass a first-use
+    self-check of its gradients (``selfcheck.check_backward``) as the forward's does. Else
+    dispatch pairs the forward with the Triton backward."""
+    mod = _backward_module()
+    if mod is None:
+        return False, NO_BACKWARD
+    ok, why = mod.backward_supports(call)
+    if not ok:
+        return False, why
+    return _gated(call, why, ("sm100 backward", mod.kernel_key(call)), _what(call, "backward"),
+                  lambda: selfcheck.check_backward(call, mod.backward))
+
+
+def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
+    """(dq, dk, dv, *captured grads) on the sm100 backward; only after its self-check passed."""
+    mod = _backward_module()
+    if mod is None:
+        raise RuntimeError(f"flexjit: {NO_BACKWARD}")
+    _require_passed(call, ("sm100 backward", mod.kernel_key(call)), _what(call, "backward"),
+                    lambda: selfcheck.check_backward(call, mod.backward))
+    return mod.backward(call, q, k, v, out, lse, dout, dlse)
 
 
 # --------------------------------------------------------------------------- block lists
@@ -115,6 +285,21 @@ def score_loads(program: Program) -> bool:
                for n in ir.toposort([program.score]))
 
 
+def _key(program: Program, dtype, D: int, Dv: int, has_block_mask: bool, aux_tensors,
+         options: str = "", write_max: bool = False, rescale_threshold: float = 0.0) -> tuple:
+    sig = tuple((t.dtype, max(t.dim(), 1)) for t in aux_tensors)  # 0-d buffers launch as 1-d
+    return (program.key, dtype, D, Dv, has_block_mask, sig, program.scalar_dtypes, options,
+            write_max, float(rescale_threshold))
+
+
+def kernel_key(call) -> tuple:
+    """The compiled-kernel key of the call's sm100 forward (what ``compile_program`` keeps it
+    under, and what its self-check result is kept under): lengths, batch, heads, strides, the
+    scale and scalar values are runtime arguments and not in it."""
+    return _key(call.program, call.q.dtype, call.q.shape[-1], call.v.shape[-1],
+                call.block_mask is not None, call.program.buffers, write_max=call.max_scores)
+
+
 def compile_program(program: Program, q, v, has_block_mask: bool, aux_tensors, options: str = "",
                     write_max: bool = False, rescale_threshold: float = 0.0):
     """Compile (or find in memory) the sm100 forward for this program and these input kinds.
@@ -123,9 +308,8 @@ def compile_program(program: Program, q, v, has_block_mask: bool, aux_tensors, o
     been verified to be worth keeping."""
     tpl = _template()
     D, Dv = q.shape[-1], v.shape[-1]
-    sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
-    key = (program.key, q.dtype, D, Dv, has_block_mask, sig, program.scalar_dtypes, options,
-           write_max, float(rescale_threshold))
+    key = _key(program, q.dtype, D, Dv, has_block_mask, aux_tensors, options, write_max,
+               rescale_threshold)
 
     def build():
         mods = load_mods(program)
@@ -141,17 +325,28 @@ def compile_program(program: Program, q, v, has_block_mask: bool, aux_tensors, o
     return cache.cached(_COMPILED, key, build)
 
 
-def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(out, lse, max_scores or None). Unverified: ``supports`` refuses every call, so dispatch
-    never gets here."""
-    prog = call.program
-    q, k, v = call.q, call.k, call.v
-    bm = call.block_mask
-    lists = sm100_block_lists(bm)
-    aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
-    fn = compile_program(prog, q, v, lists is not None, aux, write_max=call.max_scores)
-    o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    max_scores = torch.empty_like(lse) if call.max_scores else None
-    fn(q, k, v, o, lse, call.scale, lists, aux, prog.scalars, max_scores=max_scores)
+def _run(call, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Compile and launch through ``SEAM``; ``poison``: outputs start as NaN, so that an element
+    the kernel does not write shows up (the self-check)."""
+    q = call.q
+    alloc = torch.full if poison else (lambda shape, _, **kw: torch.empty(shape, **kw))
+    nan = float("nan")
+    o = alloc((*q.shape[:-1], call.v.shape[-1]), nan, dtype=q.dtype, device=q.device)
+    lse = alloc(tuple(q.shape[:-1]), nan, dtype=torch.float32, device=q.device)
+    max_scores = alloc(tuple(q.shape[:-1]), nan, dtype=torch.float32, device=q.device) \
+        if call.max_scores else None
+    SEAM.launch(SEAM.compile(call), call, o, lse, max_scores)
     return o, lse, max_scores
+
+
+def _checked_launch(small) -> tuple:
+    """The self-check's run of the kernel on its small case (poisoned outputs)."""
+    return _run(small, poison=True)
+
+
+def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, max_scores or None), only from a kernel that has passed its self-check on this
+    GPU (run now if it has not run: a direct call is gated too)."""
+    _require_passed(call, ("sm100 forward", kernel_key(call)), _what(call, "forward"),
+                    lambda: selfcheck.check_forward(call, _checked_launch))
+    return _run(call)

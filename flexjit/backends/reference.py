@@ -45,10 +45,29 @@ def _forward_chunk(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                    buffers: tuple, compute: torch.dtype):
     """out (B, Hq, rows, Ev), lse and the row max of the kept modded scores (B, Hq, rows; -inf
     where nothing is kept) for query rows [r0, r0 + rows)."""
-    B, Hq, L, E = q.shape
+    B, Hq, L, _ = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     g = Hq // Hkv
-    qc = q.to(compute).view(B, Hkv, g, L, E)
+    s = _scores(plan, q, k, r0, buffers, compute)
+    row_max = s.amax(-1, keepdim=True).detach()  # softmax is shift-invariant: no gradient through m
+    m = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(s - m)
+    denom = e.sum(-1, keepdim=True)
+    empty = denom == 0
+    p = e / torch.where(empty, torch.ones_like(denom), denom)
+    out = torch.matmul(p.view(B, Hkv, g, L, S), v.to(compute).unsqueeze(2)).view(B, Hq, L, -1)
+    lse = torch.where(empty, torch.full_like(denom, float("-inf")),
+                      torch.log(torch.where(empty, torch.ones_like(denom), denom)) + m).squeeze(-1)
+    return out, lse, row_max.squeeze(-1)
+
+
+def _scores(plan: Plan, q: torch.Tensor, k: torch.Tensor, r0: int, buffers: tuple,
+            compute: torch.dtype) -> torch.Tensor:
+    """The modded scores (B, Hq, rows, S) in ``compute`` of query rows [r0, r0 + rows), -inf
+    where an element is not kept."""
+    B, Hq, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qc = q.to(compute).view(B, Hkv, Hq // Hkv, L, E)
     s = torch.matmul(qc, k.to(compute).unsqueeze(2).transpose(-1, -2)).view(B, Hq, L, S) * plan.scale
     dev = q.device
     env = Env(b=torch.arange(B, device=dev).view(-1, 1, 1, 1), h=torch.arange(Hq, device=dev).view(1, -1, 1, 1),
@@ -60,16 +79,18 @@ def _forward_chunk(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     keep = _keep(plan, env, r0, L, S)
     if keep is not None:
         s = torch.where(keep, s, torch.tensor(float("-inf"), dtype=compute, device=dev))
-    row_max = s.amax(-1, keepdim=True).detach()  # softmax is shift-invariant: no gradient through m
-    m = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    e = torch.exp(s - m)
-    denom = e.sum(-1, keepdim=True)
-    empty = denom == 0
-    p = e / torch.where(empty, torch.ones_like(denom), denom)
-    out = torch.matmul(p.view(B, Hkv, g, L, S), v.to(compute).unsqueeze(2)).view(B, Hq, L, -1)
-    lse = torch.where(empty, torch.full_like(denom, float("-inf")),
-                      torch.log(torch.where(empty, torch.ones_like(denom), denom)) + m).squeeze(-1)
-    return out, lse, row_max.squeeze(-1)
+    return s
+
+
+def scores(call, q: torch.Tensor, k: torch.Tensor, compute: torch.dtype,
+           buffers=None) -> torch.Tensor:
+    """The call's modded scores (B, Hq, L, S) for these q, k (the call's shapes) in ``compute``,
+    -inf where an element is not kept: the whole call in one piece (no chunking), differentiable
+    in q, k and ``buffers`` (default: the Program's captured tensors). For small cases
+    (``flexjit.selfcheck`` builds its baselines from it)."""
+    buffers = call.program.buffers if buffers is None else buffers
+    buffers = tuple(b.to(q.device) if b.device != q.device else b for b in buffers)
+    return _scores(_plan(call), q, k, 0, buffers, compute)
 
 
 def _keep(plan: Plan, env: Env, r0: int, L: int, S: int) -> torch.Tensor | None:
