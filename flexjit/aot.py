@@ -15,8 +15,8 @@ used, the forward's tiling (persistent or not: from the mean number of kv tiles 
 CuTeDSL and tvm_ffi. Sizes, strides, batch, heads and scalar values are runtime arguments.
 
 sm_100a: the forward only (no sm100 backward is built), and its kernel is not put in the disk
-cache: it has never run on Blackwell, and ``cute_sm100.supports`` refuses every call until a
-first-use self-check exists, so a run could not use it anyway. CuTeDSL reads ``CUTE_DSL_ARCH`` once
+cache: it has never run on Blackwell, and a run uses it only after its first-use self-check has
+passed on that GPU (``flexjit.selfcheck``). CuTeDSL reads ``CUTE_DSL_ARCH`` once
 per process: compile for sm_90a in a process that has not compiled for another arch (the CLI
 sets it before importing cutlass); the sm100 template passes its arch explicitly.
 """

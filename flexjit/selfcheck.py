@@ -74,7 +74,8 @@ class Outcome:
     summary: str
 
 
-_RESULTS: dict = {}
+_FAILED: dict = {}  # kernel key -> Outcome: disabled for the process
+_PASSED: dict = {}  # (kernel key, variant) -> Outcome
 _LOCK = threading.Lock()
 _DRY = contextvars.ContextVar("flexjit_selfcheck_dry", default=False)
 
@@ -100,40 +101,45 @@ def blocked() -> str:
     return ""
 
 
-def outcome(key) -> Outcome | None:
-    """The self-check result of compiled kernel ``key``; None if it has not run."""
-    return _RESULTS.get(key)
+def outcome(key, variant=()) -> Outcome | None:
+    """The self-check result of compiled kernel ``key`` for calls of ``variant``: its failure
+    (any variant's: the kernel is disabled), else its pass for that variant, else None (not
+    run)."""
+    return _FAILED.get(key) or _PASSED.get((key, variant))
 
 
 def results() -> dict:
-    """{key: Outcome} of every self-check run in this process."""
-    return dict(_RESULTS)
+    """{(key, variant or None for a failure): Outcome} of every self-check run in this process."""
+    return {**{(k, None): o for k, o in _FAILED.items()}, **_PASSED}
 
 
-def forget(key=None) -> None:
-    """Drop one result (or all): the kernel is checked again on its next call. For tests."""
-    if key is None:
-        _RESULTS.clear()
-    else:
-        _RESULTS.pop(key, None)
+def forget() -> None:
+    """Drop every result: kernels are checked again on their next call. For tests."""
+    _FAILED.clear()
+    _PASSED.clear()
 
 
-def gate(key, what: str, check: Callable[[], Outcome]) -> Outcome | None:
-    """The result for compiled kernel ``key``, running ``check()`` once if there is none (not in
-    a dry run, nor while a CUDA graph is being captured: then None). An exception from the check
-    (compile or launch errors included) is a failure. A failure warns once, here."""
-    hit = _RESULTS.get(key)
+def gate(key, what: str, check: Callable[[], Outcome], variant=()) -> Outcome | None:
+    """The result for compiled kernel ``key`` on calls of ``variant`` (what the kernel takes as
+    runtime values but the check's case copies from the call: the GQA ratio, the memory layout),
+    running ``check()`` once if there is none (not in a dry run, nor while a CUDA graph is being
+    captured: then None). An exception from the check (compile or launch errors included) is a
+    failure. A failure disables the kernel for every variant and warns once, here."""
+    hit = outcome(key, variant)
     if hit is not None or dry() or blocked():
         return hit
     with _LOCK:
-        hit = _RESULTS.get(key)
+        hit = outcome(key, variant)
         if hit is not None:
             return hit
         try:
             res = check()
         except Exception as e:  # noqa: BLE001 -- any error disables the kernel, with its text
             res = Outcome(False, f"the check raised {type(e).__name__}: {e}")
-        _RESULTS[key] = res
+        if res.passed:
+            _PASSED[(key, variant)] = res
+        else:
+            _FAILED[key] = res
     if res.passed:
         log.info("flexjit: %s passed its first-use self-check on this GPU (%s)", what, res.summary)
     else:
@@ -141,6 +147,11 @@ def gate(key, what: str, check: Callable[[], Outcome]) -> Outcome | None:
                       f"disabled for this process (backend='auto' falls back to Triton, "
                       f"backend='cute' raises): {res.summary}", SelfCheckWarning, stacklevel=2)
     return res
+
+
+def layout(t: torch.Tensor) -> tuple[int, ...]:
+    """The order of ``t``'s dims in memory, outermost first (what ``small_call`` copies)."""
+    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
 
 
 # --------------------------------------------------------------------------- the small case
@@ -171,7 +182,7 @@ def small_call(call, grad: bool = False):
 def _randn_like(shape, like: torch.Tensor, gen) -> torch.Tensor:
     """Standard-normal values of ``shape`` in ``like``'s dtype and device, stored in the order
     of ``like``'s strides (outermost first; a transposed (B, L, H, D) layout stays one)."""
-    order = sorted(range(len(shape)), key=lambda d: (-like.stride(d), d))
+    order = layout(like)
     base = torch.randn([shape[d] for d in order], generator=gen, device=like.device)
     inverse = [order.index(d) for d in range(len(shape))]
     return base.to(like.dtype).permute(inverse)
@@ -272,7 +283,8 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, low: torch.Tensor,
     """(ok, text): max |got − want| against 2·max |low − want| + floor; NaN or a mismatched
     infinity in ``got`` is an infinite error. ``dims`` name the indices of where it is worst."""
     if got is None or tuple(got.shape) != tuple(want.shape):
-        return False, f"{name}: shape {None if got is None else tuple(got.shape)}, expected {tuple(want.shape)}"
+        shape = None if got is None else tuple(got.shape)
+        return False, f"{name}: shape {shape}, expected {tuple(want.shape)}"
     d = _abs_err(got, want)
     tol = 2 * float(_abs_err(low, want).max()) + floor if want.numel() else floor
     if not d.numel():

@@ -192,6 +192,41 @@ def test_the_bound_accepts_a_flash_kernels_rounding(blackwell, dtype, masked):
     assert "max_scores" in res.summary
 
 
+def test_an_explicit_cute_request_is_checked_first(blackwell):
+    q, k, v = inputs()
+    bm = block_mask()
+    choice = explain(q, k, v, alibi, bm, enable_gqa=True, backend="cute")
+    assert choice.name == "cute_sm100" and "requested" in choice.reason
+    assert "not yet run" in choice.reason and blackwell.launched == []
+    out, lse = run(q, k, v, bm, backend="cute")
+    assert blackwell.launched == [(2, 4, 300, D), (B, HQ, L, D)]
+    assert_matches_oracle(out, lse, q, k, v)
+    assert "self-checked on this GPU" in explain(q, k, v, alibi, bm, enable_gqa=True, backend="cute").reason
+
+
+def test_a_new_gqa_ratio_or_layout_is_checked_again_and_a_failure_disables_all(blackwell):
+    # The kernel takes the GQA ratio and strides at run time, but the check's case copies them
+    # from the call: a call that differs in them gets its own check. A failure in any of them
+    # disables the kernel (its compiled-kernel key) for every call.
+    q, k, v = inputs()
+    bm = block_mask()
+    run(q, k, v, bm)
+    assert len(blackwell.launched) == 2
+    run(q, k, v, bm)  # the same variant: no new check
+    assert len(blackwell.launched) == 3
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    run(qt, kt, vt, bm)  # another layout: checked, then run
+    assert [s[2] for s in blackwell.launched[3:]] == [300, L]
+    blackwell.wrong = "lse"
+    k1, v1 = k[:, :1].contiguous(), v[:, :1].contiguous()  # GQA 4:1
+    with pytest.warns(SelfCheckWarning, match="lse: max abs error"):
+        flex_attention(q, k1, v1, alibi, bm, enable_gqa=True)
+    n = len(blackwell.launched)
+    out, lse = run(q, k, v, bm)  # the passed variant is disabled too
+    assert len(blackwell.launched) == n
+    assert_matches_oracle(out, lse, q, k, v, backend="reference")
+
+
 # --------------------------------------------------------------------------- wrong kernels
 
 
@@ -326,7 +361,8 @@ def test_off_blackwell_nothing_changes(monkeypatch):
     call = prepare_call(q, k, v, alibi, block_mask(), None, True, None)
     assert dispatch._preference(q.device) == ("reference",)
     assert cute_sm100.supports(call) == (False, "needs a CUDA tensor, got cpu")
-    monkeypatch.setattr(cute_sm100, "SEAM", dataclasses.replace(cute_sm100.SEAM, capability=lambda d: (10, 3)))
+    sm103 = dataclasses.replace(cute_sm100.SEAM, capability=lambda d: (10, 3))
+    monkeypatch.setattr(cute_sm100, "SEAM", sm103)
     ok, why = cute_sm100.supports(call)
     assert not ok and "sm_103" in why
     assert selfcheck.results() == {}
@@ -353,7 +389,8 @@ def test_the_small_case_has_the_calls_program_and_kernel(blackwell):
     kinds = small.block_mask.block_kinds()
     assert kinds.shape == (1, 2 * HQ // HKV, 3, 3)
     assert {0, 1, 2} <= set(kinds[0, 0].flatten().tolist())
-    assert {1, 2} <= set(kinds[0, :, 2, :].flatten().tolist()) and {1, 2} <= set(kinds[0, :, :, 2].flatten().tolist())
+    assert {1, 2} <= set(kinds[0, :, 2, :].flatten().tolist())  # the ragged last block row
+    assert {1, 2} <= set(kinds[0, :, :, 2].flatten().tolist())  # the ragged last block column
     assert (kinds[0, 1, 1] == 0).all()
     assert ((kinds[0, 0, 0] == 0) != (kinds[0, 0, 1] == 0)).any()
     # The kernel compiled for the check is the call's: one compile, under the call's key.
@@ -440,7 +477,8 @@ def test_a_future_sm100_backward_is_gated_too(blackwell, monkeypatch, wrong):
         assert (choice.name, choice.backward) == ("cute_sm100", "cute_sm100")
         assert "self-check not yet run" in choice.backward_reason and fake.ran == 0
         if wrong:
-            with pytest.warns(SelfCheckWarning, match=r"sm100 backward.*dk: max abs error 1\d(\.\d+)? at \(b=0, h=0, kv=3, d=0\)"):
+            expect = r"sm100 backward.*dk: max abs error 1\d(\.\d+)? at \(b=0, h=0, kv=3, d=0\)"
+            with pytest.warns(SelfCheckWarning, match=expect):
                 out, lse = run(q, k, v, bm)
         else:
             out, lse = run(q, k, v, bm)
@@ -451,8 +489,9 @@ def test_a_future_sm100_backward_is_gated_too(blackwell, monkeypatch, wrong):
             # forward stays enabled.
             assert choice.name == "reference"
             assert "self-check failed" in dict(choice.passed_over)["cute_sm100"]
-            assert selfcheck.outcome(("sm100 forward", cute_sm100.kernel_key(
-                prepare_call(q, k, v, alibi, bm, None, True, None)))).passed
+            fwd = prepare_call(q, k, v, alibi, bm, None, True, None)
+            assert selfcheck.outcome(("sm100 forward", cute_sm100.kernel_key(fwd)),
+                                     cute_sm100.variant(fwd)).passed
         else:
             assert (choice.name, choice.backward) == ("cute_sm100", "cute_sm100")
             assert "self-checked on this GPU (passed: dq" in choice.backward_reason

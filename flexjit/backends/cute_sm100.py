@@ -154,6 +154,14 @@ def supports(call) -> tuple[bool, str]:
                   lambda: selfcheck.check_forward(call, _checked_launch))
 
 
+def variant(call) -> tuple:
+    """What a kernel takes at run time but its self-check's case copies from the call, so that
+    a call that differs in it is checked again (``selfcheck.gate``): the GQA ratio and the
+    memory order of q, k, v."""
+    return (call.q.shape[1] // call.k.shape[1], selfcheck.layout(call.q), selfcheck.layout(call.k),
+            selfcheck.layout(call.v))
+
+
 def _what(call, part: str) -> str:
     p = call.program
     dims = f"{call.q.shape[-1]}" if call.q.shape[-1] == call.v.shape[-1] else \
@@ -165,7 +173,7 @@ def _what(call, part: str) -> str:
 def _gated(call, base: str, key, what: str, check) -> tuple[bool, str]:
     """``supports``' answer from the self-check of kernel ``key``: run it now if it has not run
     (unless explaining), then (True, base + how it passed) or (False, how it failed)."""
-    res = selfcheck.gate(key, what, check)
+    res = selfcheck.gate(key, what, check, variant(call))
     if res is None:
         if selfcheck.dry():
             return True, f"{base}; {selfcheck.NOT_RUN}"
@@ -178,7 +186,7 @@ def _gated(call, base: str, key, what: str, check) -> tuple[bool, str]:
 
 def _require_passed(call, key, what: str, check) -> None:
     """Raise unless kernel ``key`` has passed its self-check (running it if it has not run)."""
-    res = selfcheck.gate(key, what, check)
+    res = selfcheck.gate(key, what, check, variant(call))
     if res is None or not res.passed:
         why = "it has not run" if res is None else res.summary
         raise RuntimeError(f"flexjit: {what} may not run before it has passed its first-use "
