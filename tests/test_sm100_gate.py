@@ -50,9 +50,9 @@ def flash_standin(call, o, lse, max_scores, *, tile=128):
     q, v = call.q, call.v
     s = reference.scores(call, q, call.k, torch.float32)
     vv = v.float().repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    m = torch.full(s.shape[:-1] + (1,), -math.inf)
-    acc = torch.zeros(*s.shape[:-1], v.shape[-1])
-    den = torch.zeros(s.shape[:-1] + (1,))
+    m = torch.full(s.shape[:-1] + (1,), -math.inf, device=q.device)
+    acc = torch.zeros(*s.shape[:-1], v.shape[-1], device=q.device)
+    den = torch.zeros(s.shape[:-1] + (1,), device=q.device)
     for j in range(0, s.shape[-1], tile):
         st = s[..., j:j + tile]
         m_new = torch.maximum(m, st.amax(-1, keepdim=True))
@@ -416,6 +416,26 @@ def test_the_check_compares_with_the_reference_on_the_small_case(blackwell):
     assert not res.passed and "out: max abs error" in res.summary
 
 
+@pytest.mark.parametrize("wrong", [None, "out"])
+def test_the_gate_holds_inside_torch_compile(blackwell, programs_run, wrong):
+    # flexjit.compile's custom op selects at run time, with real tensors: the check runs there,
+    # and a failing kernel falls back (here to the reference) inside the compiled graph too.
+    torch._dynamo.reset()
+    blackwell.wrong = wrong
+    q, k, v = inputs()
+    bm = block_mask()
+    fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, alibi, bm, enable_gqa=True,
+                                                      return_lse=True),
+                       backend="aot_eager", fullgraph=True)
+    if wrong:
+        with pytest.warns(SelfCheckWarning, match="out: max abs error"):
+            out, lse = fn(q, k, v)
+    else:
+        out, lse = fn(q, k, v)
+    assert [name for name, _ in programs_run] == ["reference" if wrong else "cute_sm100"]
+    assert_matches_oracle(out, lse, q, k, v)
+
+
 # --------------------------------------------------------------------------- training
 
 
@@ -523,3 +543,57 @@ def test_the_check_cannot_run_during_graph_capture(blackwell, monkeypatch):
 
 def test_selfcheck_warning_is_exported():
     assert flexjit.SelfCheckWarning is SelfCheckWarning and issubclass(SelfCheckWarning, RuntimeWarning)
+
+
+# --------------------------------------------------------------------------- on a real GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_simulated_as_blackwell(blackwell):
+    # On the lent H200 (no Blackwell exists here): CUDA tensors, the capability said to be 10.0,
+    # stand-in kernels. Checks what the CPU cannot: the check's generator and outputs on the GPU,
+    # the fallback to the real Triton kernels, and CUDA graph capture (the check cannot run
+    # there: the call is passed over to Triton and nothing is recorded). Sizes as the CPU tests'.
+    dev = "cuda"
+    q, k, v = (t.to(dev) for t in inputs())
+    bm = create_block_mask(causal, None, None, L, L, device=dev)
+    slopes = SLOPES.to(dev)
+
+    def alibi_gpu(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def check(out, lse):
+        with torch.no_grad():
+            ref, ref_lse = dense_attention(q, k, v, alibi_gpu, causal, dtype=torch.float64)
+            low, low_lse = dense_attention(q, k, v, alibi_gpu, causal, dtype=q.dtype)
+        assert_close_to_oracle("out", out, ref, low, FLOOR[q.dtype])
+        assert_close_to_oracle("lse", lse, ref_lse, low_lse, FLOOR[q.dtype])
+
+    def call(**kw):
+        return flex_attention(q, k, v, alibi_gpu, bm, enable_gqa=True, return_lse=True, **kw)
+
+    # CUDA graph capture before any check: passed over, Triton captured and replayed (Triton
+    # compiled first, outside the capture).
+    flex_attention(q, k, v, alibi_gpu, bm, enable_gqa=True, return_lse=True, backend="triton")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert blackwell.compiled == [] and selfcheck.results() == {}
+    check(g_out, g_lse)
+    # A correct stand-in passes on the GPU and answers.
+    out, lse = call()
+    assert blackwell.launched == [(2, 4, 300, D), (B, HQ, L, D)]
+    assert explain(q, k, v, alibi_gpu, bm, enable_gqa=True).name == "cute_sm100"
+    check(out, lse)
+    # A wrong one (another kernel key: max_scores asked) is disabled; the fallback is Triton.
+    blackwell.wrong = "lse"
+    with pytest.warns(SelfCheckWarning, match="lse: max abs error"):
+        out, aux = flex_attention(q, k, v, alibi_gpu, bm, enable_gqa=True,
+                                  return_aux=flexjit.AuxRequest(lse=True, max_scores=True))
+    choice = explain(q, k, v, alibi_gpu, bm, enable_gqa=True,
+                     return_aux=flexjit.AuxRequest(lse=True, max_scores=True))
+    assert choice.name == "triton", str(choice)
+    check(out, aux.lse)
