@@ -177,8 +177,8 @@ def _gated(call, base: str, key, what: str, check) -> tuple[bool, str]:
     if res is None:
         if selfcheck.dry():
             return True, f"{base}; {selfcheck.NOT_RUN}"
-        return False, (f"its first-use self-check has not run and cannot run now ({selfcheck.blocked()}); "
-                       "run one call outside CUDA graph capture first")
+        return False, (f"its first-use self-check has not run and cannot run now "
+                       f"({selfcheck.blocked()}); run one call outside CUDA graph capture first")
     if res.passed:
         return True, f"{base}; self-checked on this GPU (passed: {res.summary})"
     return False, f"self-check failed on this GPU, disabled for this process: {res.summary}"
