@@ -15,13 +15,13 @@
 Shapes are tiny: sizes and strides are runtime values. Compiles take 3-6 s each on the dev CPU.
 """
 import hashlib
+import io
 import os
 import pathlib
 import re
 import shutil
 import subprocess
 import tarfile
-import io
 
 import pytest
 
@@ -30,7 +30,6 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 torch = pytest.importorskip("torch")
 cutlass = pytest.importorskip("cutlass")
 
-from flexjit import mods as fmods  # noqa: E402
 from flexjit.backends import cute_sm90  # noqa: E402
 from flexjit.cache import load_template  # noqa: E402
 from flexjit.passes import lower  # noqa: E402
@@ -174,7 +173,7 @@ def test_backward_host_refuses_a_mismatched_kv_batch(backwards):
     lists = tuple(t.contiguous() for t in (*_lists(), *_lists()))
     for flag, kv_batch in ((False, 1), (True, B)):
         q, k, v = _qkv(kv_batch)
-        out, dout = torch.randn(B, HQ, L, D, dtype=torch.bfloat16), torch.randn(B, HQ, L, D, dtype=torch.bfloat16)
+        out, dout = [torch.randn(B, HQ, L, D, dtype=torch.bfloat16) for _ in range(2)]
         lse = torch.randn(B, HQ, L)
         dq = torch.empty_like(q)
         dk = torch.empty(B, HKV, S, D, dtype=torch.bfloat16)
