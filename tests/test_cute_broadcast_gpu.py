@@ -88,14 +88,20 @@ def _flex(case, q, k, v, dout, dlse, bm):
     return (out.detach(), lse.detach(), *grads)
 
 
-def check(name, D=128, Dv=None, B=3, Hq=8, Hkv=2, L=1000, S=1000, seed=0, runs=1):
+def check(name, D=128, Dv=None, B=3, Hq=8, Hkv=2, L=1000, S=1000, seed=0, runs=1,
+          deterministic=False):
     """Values against the oracle; ``runs`` > 1 repeats the kernels (for the determinism check)
-    and returns every run."""
+    and returns every run. ``deterministic``: the flex calls (only: the oracle's cuBLAS matmuls
+    would refuse it) under ``torch.use_deterministic_algorithms(True)``."""
     Dv = Dv or D
     case, case64 = case_and_oracle(name, B, Hq, L, S, device=DEV, seed=seed)
     q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, Dv, seed)
     bm = _block_mask(case.mask_mod, B, Hq, L, S)
-    got = [_flex(case, q, k, v, dout, dlse, bm) for _ in range(runs)]
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        got = [_flex(case, q, k, v, dout, dlse, bm) for _ in range(runs)]
+    finally:
+        torch.use_deterministic_algorithms(False)
     want = _oracle(case64, q, k, v, dout, dlse, torch.float64)
     low = _oracle(case, q, k, v, dout, dlse, torch.bfloat16)
     labels = ("out", "lse", "dq", "dk", "dv", "d_captured0")
@@ -143,11 +149,7 @@ def test_broadcast_persistent_short_loops(passes_run, monkeypatch):
 
 def test_broadcast_deterministic_is_bit_identical(passes_run):
     # 2k tokens: 16 kv blocks add into every causal dQ tile's last rows, in each query batch.
-    torch.use_deterministic_algorithms(True)
-    try:
-        runs = check("causal", L=2048, S=2048, seed=2, runs=3)
-    finally:
-        torch.use_deterministic_algorithms(False)
+    runs = check("causal", L=2048, S=2048, seed=2, runs=3, deterministic=True)
     for r in runs[1:]:
         for label, a, b in zip(("out", "lse", "dq", "dk", "dv"), r, runs[0]):
             assert torch.equal(a, b), f"deterministic broadcast runs differ in {label}"
