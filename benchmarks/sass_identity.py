@@ -19,6 +19,11 @@ with the disk cache off so that every part is compiled here. Head dims 64, 128, 
 interfaces that both trees have (the backend's ``compile_backward``, the tracer, ``mods``), so
 an older tree compares too. ``--no-backward-matrix`` leaves them out (about a minute per tree
 on two CPU cores).
+
+The forward's matrix (``FWD_CASES``) likewise goes through the backend's ``compile_program``:
+head dims 32 to 256 and (192, 128), the one-tile-per-CTA and the persistent (dynamic) kernels,
+D = 64's three-consumer dense tile, ``write_max``, and the heavy mods. ``--no-forward-matrix``
+leaves it out (about a minute per tree).
 """
 from __future__ import annotations
 
@@ -51,9 +56,25 @@ BWD_CASES = (
     ("d192x128_det_causal", 192, 128, "causal", True),
 )
 
+# The forward matrix: (name, head_dim, head_dim_v, mods, persistent, write_max). Block-sparse
+# whenever the mods have a mask; persistent kernels take the dynamic scheduler (the default).
+FWD_CASES = (
+    ("d128_dense", 128, 128, "none", False, False),
+    ("d128_causal", 128, 128, "causal", False, False),
+    ("d128_causal_persistent", 128, 128, "causal", True, False),
+    ("d64_dense", 64, 64, "none", False, False),
+    ("d64_causal_persistent", 64, 64, "causal", True, False),
+    ("d32_causal", 32, 32, "causal", False, False),
+    ("d96_causal", 96, 96, "causal", False, False),
+    ("d192x128_causal", 192, 128, "causal", False, False),
+    ("d256_causal", 256, 256, "causal", False, False),
+    ("d128_alibi_write_max", 128, 128, "learnable_alibi", False, True),
+    ("d128_heavy_persistent", 128, 128, "heavy", True, False),
+)
+
 _CHILD = textwrap.dedent('''
     import json, os, pathlib, re, subprocess, sys, tempfile
-    tree, matrix = sys.argv[1], json.loads(sys.argv[2])
+    tree, matrix, fwd_matrix = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # this tree only
     sys.path.insert(0, tree)
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
@@ -74,7 +95,7 @@ _CHILD = textwrap.dedent('''
         for causal in (False, True):
             cubin = sass_compare._ours(pass_, causal, tempfile.mkdtemp())
             out[f"{pass_}_{'causal' if causal else 'dense'}"] = instructions(cubin)
-    if matrix:
+    if matrix or fwd_matrix:
         import torch
         from flexjit import mods as fmods
         from flexjit.backends import cute_sm90
@@ -128,12 +149,32 @@ _CHILD = textwrap.dedent('''
                 path = os.path.join(tempfile.mkdtemp(), "k.cubin")
                 pathlib.Path(path).write_bytes(compiled.compiled.__cubin__)
                 out[f"bwd_{name}_{part}"] = instructions(path)
+        for name, d, dv, mods, persistent, write_max in fwd_matrix:
+            score_mod, mask_mod = builders[mods]()
+            program = lower(trace_mod(score_mod, SCORE_MOD) if score_mod else None,
+                            trace_mod(mask_mod, MASK_MOD) if mask_mod else None, float_index=True)
+            aux = tuple(cute_sm90._aux_tensor(t, torch.device("cpu")) for t in program.buffers)
+            q = torch.randn(2, H, L, d, dtype=torch.bfloat16)
+            k = torch.randn(2, H // 2, L, d, dtype=torch.bfloat16)
+            v = torch.randn(2, H // 2, L, dv, dtype=torch.bfloat16)
+            lists = None
+            if mask_mod is not None:
+                n = -(-L // 128)
+                ones, idx = torch.ones(1, 1, n, dtype=torch.int32), torch.zeros(1, 1, n, n, dtype=torch.int32)
+                lists = (ones, idx, ones.clone(), idx.clone())
+            fn = cute_sm90.compile_program(program, q, k, v, lists, aux,
+                                           options=f"--keep-cubin --dump-dir {tempfile.mkdtemp()}",
+                                           persistent=persistent, write_max=write_max)
+            path = os.path.join(tempfile.mkdtemp(), "k.cubin")
+            pathlib.Path(path).write_bytes(fn.compiled.__cubin__)
+            out[f"fwd_{name}"] = instructions(path)
     print(json.dumps(out))
 ''')
 
 
-def sass_of(tree: str, matrix=BWD_CASES) -> dict[str, list[str]]:
-    res = subprocess.run([sys.executable, "-c", _CHILD, os.path.abspath(tree), json.dumps(matrix)],
+def sass_of(tree: str, matrix=BWD_CASES, fwd_matrix=FWD_CASES) -> dict[str, list[str]]:
+    res = subprocess.run([sys.executable, "-c", _CHILD, os.path.abspath(tree), json.dumps(matrix),
+                          json.dumps(fwd_matrix)],
                          capture_output=True, text=True, cwd=tempfile.gettempdir())
     if res.returncode:
         raise SystemExit(f"building from {tree} failed:\n{res.stderr[-4000:]}")
@@ -146,9 +187,12 @@ def main(argv=None) -> int:
     p.add_argument("after")
     p.add_argument("--no-backward-matrix", action="store_true",
                    help="only the four sass_compare kernels (fwd/bwd main, dense/causal, D=128)")
+    p.add_argument("--no-forward-matrix", action="store_true",
+                   help="leave out the forward's matrix (FWD_CASES)")
     args = p.parse_args(argv)
     matrix = () if args.no_backward_matrix else BWD_CASES
-    a, b = sass_of(args.before, matrix), sass_of(args.after, matrix)
+    fwd_matrix = () if args.no_forward_matrix else FWD_CASES
+    a, b = sass_of(args.before, matrix, fwd_matrix), sass_of(args.after, matrix, fwd_matrix)
     same = set(a) == set(b)
     for name in sorted(set(a) | set(b)):
         if name not in a:

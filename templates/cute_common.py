@@ -14,7 +14,8 @@ nothing here is a template of its own.
   accumulator row), ``fadd``.
 * Host plumbing for the TVM-FFI launch path: ``tvm_ffi_enabled``, ``placeholder`` (compile-time
   stand-ins for torch tensors), ``aux_cutlass_dtype``, ``as_scalar``, ``ffi_function``,
-  ``stream_context``; for persistent kernels, ``scheduler_counter`` (the dynamic scheduler's zeroed
+  ``stream_context``, ``check_kv_batch`` (K/V's batch against the kernel's broadcast flag);
+  for persistent kernels, ``scheduler_counter`` (the dynamic scheduler's zeroed
   per-stream counter, from a memory pool of its own) and ``device_num_sms``.
 * Constants: ``MASK_BLOCK`` (the BlockMask's 128x128 granularity), ``LOG2_E``, ``LN_2``.
 """
@@ -195,6 +196,22 @@ def placeholder(dtype, ndim: int, align: int, stride_div: int = 1):
     shape = tuple(cute.sym_int32() for _ in range(ndim))
     stride = tuple(cute.sym_int64(divisibility=stride_div) for _ in range(ndim - 1)) + (1,)
     return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
+
+
+def check_kv_batch(kv_batch_broadcast: bool, q, k, v) -> None:
+    """K/V's batch against the query's: equal, or 1 for a kernel compiled with
+    ``kv_batch_broadcast`` (whose K/V batch stride must then be nonzero: a TMA descriptor is
+    built over it). Neither kernel reads another batch entry than these allow: an unflagged
+    kernel given a K/V batch of 1 would read past it (zeros from the TMA unit, a silent wrong
+    answer), hence the check on the host."""
+    want = 1 if kv_batch_broadcast else q.shape[0]
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != want:
+            raise ValueError(f"{name} has batch {t.shape[0]}, the kernel takes {want} "
+                             f"(query batch {q.shape[0]}, kv_batch_broadcast={kv_batch_broadcast})")
+        if t.stride(0) == 0 and (t.shape[0] > 1 or kv_batch_broadcast):
+            raise ValueError(f"{name}: a zero batch stride; pass the un-expanded (1, H, S, D) "
+                             "tensor to a kv_batch_broadcast kernel")
 
 
 def ffi_function(compiled):

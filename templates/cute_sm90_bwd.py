@@ -8,7 +8,9 @@ What this module holds
     ``lse2 = LSE·log2 e`` (0 on a row with nothing kept), fp32, padded to whole mask blocks; it
     zeroes the fp32 dQ accumulator (and the dQ semaphores in deterministic mode).
   - ``FlexAttentionBwdSm90`` (main): one CTA per (kv tile, kv head, batch); dK and dV in
-    registers, dQ partial sums added into the fp32 accumulator by TMA reduce-add.
+    registers, dQ partial sums added into the fp32 accumulator by TMA reduce-add. With
+    ``BwdConfig.kv_batch_broadcast`` K/V have batch 1 and every batch's CTAs load entry 0; dK/dV
+    stay per query batch (B, Hkv, S, ·), summed over the batch by the caller (autograd).
   - ``FlexAttentionBwdPostSm90`` (postprocess): ``dQ = accumulator · softmax_scale`` in the
     input dtype.
 * The host half (compiling against placeholders, the workspaces, the argument checks and the
@@ -247,6 +249,10 @@ class BwdConfig:
     score_grads: Optional[Callable] = None
     grad_offsets: Optional[Callable] = None
     tiling: BwdTiling = field(default=None)
+    # K/V of batch extent 1 serve every query batch (torch's batch broadcast; the paged caches):
+    # the main kernel loads them at batch 0 and still writes dK/dV per query batch, into
+    # (B, Hkv, S, ·), which autograd's expand backward sums.
+    kv_batch_broadcast: bool = False
 
     def __post_init__(self):
         if self.tiling is None:
@@ -424,6 +430,7 @@ class FlexAttentionBwdSm90:
         self.mask_mod = cfg.mask_mod
         self.sparse = cfg.has_block_mask
         self.deterministic = cfg.deterministic
+        self.kv_batch_broadcast = bool(cfg.kv_batch_broadcast)
         self.score_grads, self.grad_offsets = cfg.score_grads, cfg.grad_offsets
         assert (self.score_grads is None) == (self.grad_offsets is None)
         assert self.score_grads is None or self.score_mod is not None
@@ -447,8 +454,8 @@ class FlexAttentionBwdSm90:
     def __call__(
         self,
         mQ: cute.Tensor,  # (B, Hq, L, D)
-        mK: cute.Tensor,  # (B, Hkv, S, D)
-        mV: cute.Tensor,  # (B, Hkv, S, Dv)
+        mK: cute.Tensor,  # (B, Hkv, S, D); (1, Hkv, S, D) with kv_batch_broadcast
+        mV: cute.Tensor,  # (B, Hkv, S, Dv); (1, Hkv, S, Dv) with kv_batch_broadcast
         mdO: cute.Tensor,  # (B, Hq, L, Dv)
         mLSE2: cute.Tensor,  # (B, Hq, Lpad) fp32, log2 units
         mDelta: cute.Tensor,  # (B, Hq, Lpad) fp32
@@ -552,6 +559,8 @@ class FlexAttentionBwdSm90:
         # clipped), so that every listed mask block adds into dQ exactly kv_per_block times
         # (the deterministic ranks count on it).
         num_n = self._num_kv_tiles(k.shape[0])
+        # The batch extent: K's, or the query's (and dK's) when K/V are broadcast over it.
+        num_b = q.shape[3] if const_expr(self.kv_batch_broadcast) else k.shape[3]
         self.kernel(
             tQ, tK, tV, tdO, tLSE, tDelta, tdQ, tdK, tdV,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv,
@@ -559,7 +568,7 @@ class FlexAttentionBwdSm90:
             aux_tensors, aux_scalars, grad_accs,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
         ).launch(
-            grid=[num_n, k.shape[2], k.shape[3]],
+            grid=[num_n, k.shape[2], num_b],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -727,9 +736,10 @@ class FlexAttentionBwdSm90:
         """K and V once, then per q tile: Q + lse2 on the Q pipeline, dO + delta on the dO
         pipeline (separate barriers so the S GEMM can start before dO lands)."""
         one = cute.make_layout(1)
-        gK = cute.local_tile(mK[None, None, sched.head_kv, sched.batch], (self.tile_n, self.head_dim),
+        kv_batch = 0 if const_expr(self.kv_batch_broadcast) else sched.batch  # see BwdConfig
+        gK = cute.local_tile(mK[None, None, sched.head_kv, kv_batch], (self.tile_n, self.head_dim),
                              (sched.n_block, 0))
-        gV = cute.local_tile(mV[None, None, sched.head_kv, sched.batch], (self.tile_n, self.head_dim_v),
+        gV = cute.local_tile(mV[None, None, sched.head_kv, kv_batch], (self.tile_n, self.head_dim_v),
                              (sched.n_block, 0))
         tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = _tma_tiles(tma_v, sV, gV)

@@ -27,8 +27,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from flexjit.templates.cute_common import (
-    MASK_BLOCK, as_scalar, aux_cutlass_dtype, ffi_function, placeholder, stream_context,
-    tvm_ffi_enabled,
+    MASK_BLOCK, as_scalar, aux_cutlass_dtype, check_kv_batch, ffi_function, placeholder,
+    stream_context, tvm_ffi_enabled,
 )
 from flexjit.templates.cute_sm90_bwd import (
     BwdConfig, FlexAttentionBwdPostSm90, FlexAttentionBwdPreSm90, FlexAttentionBwdSm90,
@@ -139,7 +139,9 @@ class CompiledBwd:
     def __call__(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale: float,
                  block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_order=None,
                  grad_accs=()):
-        """Write dq, dk, dv (preallocated like q, k, v) and return them.
+        """Write dq, dk, dv (preallocated like q, k, v; dk/dv with the query's batch when
+        ``BwdConfig.kv_batch_broadcast`` gives k/v batch 1: the caller sums them over it) and
+        return them.
 
         ``lse`` is the forward's natural-log LSE (B, Hq, L) fp32; ``dlse`` its gradient or None;
         ``dout`` None means zeros (autograd passes None when only the LSE was used).
@@ -168,11 +170,15 @@ class CompiledBwd:
         elif not _tma_ready(dout):  # e.g. the expanded (stride 0) gradient of out.sum()
             dout = dout.contiguous()
         o_shape = (B, Hq, L, v.shape[-1])  # (192, 128): out/dout/v narrower than q/k
+        # dK/dV are per query batch, also when K/V are one batch broadcast over it.
+        dk_shape, dv_shape = (B, *k.shape[1:]), (B, *v.shape[1:])
         if (tuple(out.shape) != o_shape or tuple(dout.shape) != o_shape or dq.shape != q.shape
-                or dk.shape != k.shape or dv.shape != v.shape or v.shape[:-1] != k.shape[:-1]
+                or tuple(dk.shape) != dk_shape or tuple(dv.shape) != dv_shape
+                or v.shape[:-1] != k.shape[:-1]
                 or (D, v.shape[-1]) != (cfg.head_dim, cfg.head_dim_v)
-                or tuple(lse.shape) != (B, Hq, L) or k.shape[0] != B or Hq % Hkv):
+                or tuple(lse.shape) != (B, Hq, L) or Hq % Hkv):
             raise ValueError("cute_sm90_bwd: inconsistent shapes")
+        check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
         lpad = padded_len(L)
         f32 = dict(dtype=torch.float32, device=q.device)
         lse2 = torch.empty(B, Hq, lpad, **f32)

@@ -141,7 +141,9 @@ for an X uniform over the tile is ``cute.fma(X, offset, X * base)``, one FFMA pe
 * Masking is applied after score_mod (a masked element becomes -inf), as in torch.
 
 Shapes: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), o (B, Hq, L, Dv), lse (B, Hq, L)
-fp32; the last dim of q/k/v/o contiguous, 16-byte aligned, other strides arbitrary; bf16 or fp16;
+fp32 (k and v (1, Hkv, S, ·) with ``FwdConfig.kv_batch_broadcast``: one K/V for every query
+batch, e.g. a paged KV cache; strides nonzero, see ``check_kv_batch``); the last dim of q/k/v/o
+contiguous, 16-byte aligned, other strides arbitrary; bf16 or fp16;
 Hq = g·Hkv (query head h reads kv head h // g). Supported head dims (D, Dv): ``HEAD_DIMS``, i.e.
 D == Dv in {32, 64, 96, 128, 192, 256} and (192, 128).
 """
@@ -162,8 +164,8 @@ from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute_common import (
     LN_2, LOG2_E, MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, as_scalar, aux_cutlass_dtype,
-    device_num_sms, fadd, ffi_function, permute, placeholder, quad_allreduce, rows_cols,
-    rows_cols_layout, scheduler_counter, smem_layout, stream_context, transposed, tree,
+    check_kv_batch, device_num_sms, fadd, ffi_function, permute, placeholder, quad_allreduce,
+    rows_cols, rows_cols_layout, scheduler_counter, smem_layout, stream_context, transposed, tree,
     tvm_ffi_enabled, wgmma_gemm,
 )
 
@@ -310,6 +312,9 @@ class FwdConfig:
     rescale_threshold: float = 0.0  # log2 units; 0.0 rescales whenever a row max grows
     tiling: Tiling = field(default=None)
     write_max: bool = False  # also write each row's max modded score (AuxRequest(max_scores))
+    # K/V of batch extent 1 serve every query batch (torch's batch broadcast; the paged caches):
+    # their TMA loads take batch coordinate 0. Off: K/V have the query's batch.
+    kv_batch_broadcast: bool = False
 
     def __post_init__(self):
         if self.tiling is None:
@@ -344,6 +349,7 @@ class FlexAttentionFwdSm90:
         self.sparse = cfg.has_block_mask
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.write_max = bool(cfg.write_max)
+        self.kv_batch_broadcast = bool(cfg.kv_batch_broadcast)
         if self.sparse:
             assert self.tile_m == MASK_BLOCK and MASK_BLOCK % self.tile_n == 0
         self.tiles_per_mask_block = max(1, MASK_BLOCK // self.tile_n)
@@ -743,10 +749,14 @@ class FlexAttentionFwdSm90:
         lane 0's counter value (None without the dynamic scheduler)."""
         mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v = ld
         head_kv = sched.head // (mQ.shape[2] // mK.shape[2])
+        # A K/V batch broadcast over the query's (``FwdConfig.kv_batch_broadcast``): K and V
+        # have batch extent 1 and every batch reads entry 0, as GQA maps a query head to its
+        # kv head.
+        kv_batch = 0 if const_expr(self.kv_batch_broadcast) else sched.batch
         gQ = cute.local_tile(mQ[None, None, sched.head, sched.batch],
                              (self.tile_m, self.head_dim), (sched.m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, sched.batch], (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, sched.batch], (self.tile_n, self.head_dim_v), (None, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, kv_batch], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, kv_batch], (self.tile_n, self.head_dim_v), (None, 0))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
@@ -1430,6 +1440,7 @@ def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensor
     Python checks did (alignment, last-dim stride, strides % 8, dtypes, block-mask presence);
     only the copies that make block lists / aux buffers contiguous happen here. The last one is
     the dynamic scheduler's tile counter for the current stream (None without it)."""
+    check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
     blocks = None
     if block_mask is not None:
         blocks = BlockSparse(*[t if t.is_contiguous() else t.contiguous() for t in block_mask])
@@ -1447,6 +1458,7 @@ def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensor
 def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
                  hb_per_section=None, num_sms=None, max_scores=None):
     """DLPack-path call arguments (the fallback): cute tensors built per call."""
+    check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
             raise ValueError(f"{name}: last dim must be contiguous and the base 16-byte aligned")

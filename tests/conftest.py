@@ -16,3 +16,24 @@ def programs_run(monkeypatch):
         return real(name, call)
     monkeypatch.setattr(dispatch, "forward", spy)
     return seen
+
+
+@pytest.fixture
+def passes_run(monkeypatch):
+    """(pass, backend, call) of every forward ("fwd") and backward ("bwd") flexjit dispatches
+    from here on: which kernels actually ran, not only which ``explain`` would pick."""
+    from flexjit import dispatch
+
+    seen = []
+    fwd, bwd = dispatch.forward, dispatch.backward
+
+    def spy_fwd(name, call):
+        seen.append(("fwd", name, call))
+        return fwd(name, call)
+
+    def spy_bwd(name, call, *args):
+        seen.append(("bwd", name, call))
+        return bwd(name, call, *args)
+    monkeypatch.setattr(dispatch, "forward", spy_fwd)
+    monkeypatch.setattr(dispatch, "backward", spy_bwd)
+    return seen

@@ -7,12 +7,13 @@
 #   bash tests/gpu.sh triton $OUT    # the Triton backend's GPU tests
 #   bash tests/gpu.sh training $OUT  # autocast, torch.compile, CUDA graphs, fp32, transformers
 #   bash tests/gpu.sh decode $OUT    # the split-KV decode kernel
+#   bash tests/gpu.sh broadcast $OUT # the sm90 kernels on a K/V batch broadcast (paged caches too)
 #
 # Each pytest run gets a wall-clock limit (a hung kernel fails the batch instead of the call)
 # and writes its log to $OUT/<batch>-<n>.txt; a summary line per run is printed.
 set -u
-batch=${1:?usage: gpu.sh new|cute|cute-fwd|cute-bwd|triton|training|decode OUT_DIR}
-out=${2:?usage: gpu.sh new|cute|cute-fwd|cute-bwd|triton|training|decode OUT_DIR}
+batch=${1:?usage: gpu.sh new|cute|cute-fwd|cute-bwd|triton|training|decode|broadcast OUT_DIR}
+out=${2:?usage: gpu.sh new|cute|cute-fwd|cute-bwd|triton|training|decode|broadcast OUT_DIR}
 mkdir -p "$out"
 n=0
 run() {  # run LIMIT_S pytest-args...   (one after another)
@@ -61,6 +62,14 @@ case $batch in
     ;;
   training)
     run 330 tests/test_training_gpu.py
+    ;;
+  broadcast)
+    # The sm90 kernels on a K/V batch broadcast over the query's (issue #16, kv_batch_broadcast):
+    # torch's batch broadcast through the API, and paged prefill / training on the caches.
+    run_as broadcast-1 300 tests/test_cute_broadcast_gpu.py -k "broadcast_mods" &
+    run_as broadcast-2 300 tests/test_cute_broadcast_gpu.py -k "not broadcast_mods" &
+    run_as broadcast-3 300 tests/test_paged_gpu.py &
+    wait
     ;;
   decode)
     # The split-KV decode kernel (issue #16): ~45 Triton compiles, three processes side by side.

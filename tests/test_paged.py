@@ -19,12 +19,6 @@ from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err
 
 DEV = "cpu"
 
-# The paged caches are (1, Hkv, pages * page_size, D) views broadcast over the batch (stride 0);
-# the sm90 kernels' TMA descriptors refuse a zero batch stride, so a paged prefill or training
-# call on Hopper runs the Triton kernels (correct, slower) until the cute kernels index K/V at
-# batch 0 for a broadcast batch (seen on the H200, seventh session).
-BROADCAST_GAP = "broadcast over the batch (stride 0)"
-
 
 # --------------------------------------------------------------------------- scenario
 
@@ -151,8 +145,6 @@ def _run(sc: Scenario, name: str, L: int, block=(16, 16), Hq=4, backend="referen
         assert_close_to_oracle("contiguous lse", c_lse, ref_lse, low_lse, FLOOR[dtype])
         paged_choice = flexjit.explain(q, sc.k_cache, sc.v_cache, score_mod=paged_score, block_mask=bm, **args)
         dense_choice = flexjit.explain(q, sc.k, sc.v, score_mod=score_mod, block_mask=dense_bm, **args)
-        if paged_choice.name != dense_choice.name and BROADCAST_GAP in str(paged_choice):
-            pytest.xfail(f"known gap (issue #16): {BROADCAST_GAP}; the values above passed")
         assert paged_choice.name == dense_choice.name, f"paged: {paged_choice}\ncontiguous: {dense_choice}"
     return bm, out, lse
 

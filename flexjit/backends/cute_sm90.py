@@ -93,9 +93,12 @@ def supports(call) -> tuple[bool, str]:
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
             return False, f"{name} needs a contiguous last dim and 16-byte aligned strides for TMA"
-        if t.shape[0] > 1 and t.stride(0) == 0:
-            return False, (f"{name} is broadcast over the batch (stride 0), which the sm90 kernel's "
-                           "TMA descriptors are not built for")
+    if q.shape[0] > 1 and q.stride(0) == 0:
+        return False, ("query is broadcast over the batch (stride 0), which the sm90 kernel's "
+                       "TMA descriptors are not built for")
+    if q.shape[0] > 1 and (k.stride(0) == 0) != (v.stride(0) == 0):
+        return False, ("only one of key and value is broadcast over the batch (stride 0); the sm90 "
+                       "kernel takes both broadcast or neither")
     bm = call.block_mask
     if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
         return False, f"block size {bm.BLOCK_SIZE}; the sm90 kernel's tiles are 128x128"
@@ -107,7 +110,26 @@ def supports(call) -> tuple[bool, str]:
         _template()
     except ImportError as e:
         return False, f"nvidia-cutlass-dsl is not importable ({e})"
+    if kv_broadcast(call):
+        return True, ("Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised), key/value "
+                      "batch broadcast (read at batch 0)")
     return True, "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)"
+
+
+def kv_broadcast(call) -> bool:
+    """Whether the call's key and value are one batch entry broadcast over the query's batch
+    (stride 0: torch's batch broadcast, a paged KV cache). The kernels then take the un-expanded
+    (1, H, S, D) tensors (``_batch_one``) and load K/V at batch 0 (``kv_batch_broadcast``)."""
+    k, v = call.k, call.v
+    return k.shape[0] > 1 and k.stride(0) == 0 and v.stride(0) == 0
+
+
+def _batch_one(t: torch.Tensor) -> torch.Tensor:
+    """Batch entry 0 of a tensor broadcast over the batch, as (1, H, S, D) with a nonzero batch
+    stride (its span: a TMA descriptor is built over every stride; with extent 1 it never moves
+    an address). A view: no copy."""
+    span = max(st * n for st, n in zip(t.stride()[1:], t.shape[1:]))
+    return t.as_strided((1, *t.shape[1:]), (span, *t.stride()[1:]))
 
 
 _COMPILED: dict[tuple, object] = {}
@@ -142,13 +164,15 @@ def _key_options(options: str) -> str:
 def _kernel_config(cfg, aux_tensors, program: Program, *extra) -> tuple:
     """Everything besides the program that shapes a compiled kernel, forward or backward (the
     disk-cache key material; sizes, strides and scalar values are runtime arguments), plus the
-    kernel's own ``extra`` fields."""
+    kernel's own ``extra`` fields. The K/V batch broadcast is named only where it is on, so the
+    keys of the kernels that existed before it did not change."""
     import tvm_ffi  # the exported object calls into its C ABI: a new version must not reuse it
 
     return (cfg.dtype.__name__, cfg.head_dim, cfg.head_dim_v, cfg.has_block_mask,
             tuple((str(t.dtype), t.dim()) for t in aux_tensors),
             tuple(d.value for d in program.scalar_dtypes), dataclasses.astuple(cfg.tiling),
-            f"launch=tvm-ffi {tvm_ffi.__version__}", *extra)
+            f"launch=tvm-ffi {tvm_ffi.__version__}", *extra,
+            *(("kv_batch_broadcast",) if cfg.kv_batch_broadcast else ()))
 
 
 def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
@@ -210,7 +234,8 @@ def _rescale_threshold() -> float:
 
 
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
-                    persistent: bool | None = None, write_max: bool = False, keys: dict | None = None):
+                    persistent: bool | None = None, write_max: bool = False, keys: dict | None = None,
+                    kv_batch_broadcast: bool = False):
     """Compile (or find in memory, or load from disk) the sm90 forward for this program and
     these input kinds.
 
@@ -224,6 +249,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     PTX to show); its kernel is still exported.
 
     ``write_max``: the kernel also writes the row max of the modded scores (max_scores).
+    ``kv_batch_broadcast``: k and v are one batch entry (1, H, S, D) for every query batch.
     ``keys``: if given, ``keys["fwd"]`` is set to the disk-cache key (None with the cache off;
     ``flexjit.aot`` reports it)."""
     tpl = _template()
@@ -235,7 +261,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     # of the tiling, hence of both cache keys.
     dynamic = persistent and tpl.dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
-           persistent, dynamic, write_max, _rescale_threshold())
+           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast)
     hit = _COMPILED.get(key)
     if hit is not None:  # the per-call path: no mods, config or disk key to build for `cached`
         return hit
@@ -245,8 +271,10 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
                         has_block_mask=block_mask is not None,
                         tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent,
                                                  dynamic_schedule=dynamic), write_max=write_max,
-                        rescale_threshold=_rescale_threshold())
+                        rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast)
     what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
+    if kv_batch_broadcast:
+        what += " (K/V batch broadcast)"
     disk_key = None
     if tpl.tvm_ffi_enabled() and cute_cache.available():
         disk_key = cache.kernel_key(program.key, "cute_sm90_fwd",
@@ -296,12 +324,15 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(out, lse, max_scores or None)."""
     prog = call.program
     q, k, v = call.q, call.k, call.v
+    broadcast = kv_broadcast(call)
+    if broadcast:
+        k, v = _batch_one(k), _batch_one(v)
     bm = call.block_mask
     sparse = block_sparse_args(bm)
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
     fn = compile_program(prog, q, k, v, sparse, aux,
                          persistent=_persistent_fwd(q.shape[-1], sparse, k.shape[2], owner=bm),
-                         write_max=call.max_scores)
+                         write_max=call.max_scores, kv_batch_broadcast=broadcast)
     o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     max_scores = torch.empty_like(lse) if call.max_scores else None
@@ -389,23 +420,26 @@ _COMPILED_BWD: dict[tuple, object] = {}
 
 
 def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
-                     deterministic: bool, aux_tensors, head_dim_v: int | None = None):
+                     deterministic: bool, aux_tensors, head_dim_v: int | None = None,
+                     kv_batch_broadcast: bool = False):
     """The sm90 backward's three kernels (preprocess, main, postprocess) for this program, from
     memory, the disk cache (each part its own object file) or a fresh compile. A program with
     learnable captured tensors (``Program.grad_loads``, part of its key) gets a main kernel that
-    also accumulates their gradients (``BwdConfig.score_grads``)."""
+    also accumulates their gradients (``BwdConfig.score_grads``). ``kv_batch_broadcast``: K/V
+    are one batch entry for every query batch (``BwdConfig.kv_batch_broadcast``)."""
     host = _bwd_host()
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
     head_dim_v = head_dim_v or head_dim
     key = (program.key, dtype, head_dim, head_dim_v, sparse, deterministic, sig,
-           program.scalar_dtypes)
+           program.scalar_dtypes, kv_batch_broadcast)
     return cache.cached(_COMPILED_BWD, key, lambda: _build_backward(
-        host, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors, sig))
+        host, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors, sig,
+        kv_batch_broadcast=kv_batch_broadcast))
 
 
 def export_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
                     deterministic: bool, aux_tensors, head_dim_v: int | None = None,
-                    dump_dirs: dict | None = None) -> dict:
+                    dump_dirs: dict | None = None, kv_batch_broadcast: bool = False) -> dict:
     """Compile the backward's three kernels afresh (never from disk), export each into the disk
     cache under the key ``compile_backward`` looks up, and with ``dump_dirs`` ({part: folder or
     None}) keep each part's PTX and cubin there. {part: disk key or None}. For ``flexjit.aot``."""
@@ -414,13 +448,13 @@ def export_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse:
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
     keys: dict = {}
     _build_backward(host, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors,
-                    sig, dump_dirs=dump_dirs or {}, keys_out=keys)
+                    sig, dump_dirs=dump_dirs or {}, keys_out=keys, kv_batch_broadcast=kv_batch_broadcast)
     return keys
 
 
 def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
                     deterministic: bool, aux_tensors, sig, dump_dirs: dict | None = None,
-                    keys_out: dict | None = None):
+                    keys_out: dict | None = None, kv_batch_broadcast: bool = False):
     """The three kernels (``host``: the template ``cute_sm90_bwd_host``), each from its own object file on disk, the missing ones compiled
     together (and exported); the pre/postprocess keys leave the Program out: every mod shares
     them."""
@@ -430,9 +464,11 @@ def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: in
         has_block_mask=sparse, deterministic=deterministic,
         overlap_dp=True if light_mods(program) else None,
         score_grads=getattr(mods, "score_grads", None),
-        grad_offsets=getattr(mods, "grad_offsets", None))
+        grad_offsets=getattr(mods, "grad_offsets", None), kv_batch_broadcast=kv_batch_broadcast)
     dims = f"{head_dim}" if head_dim_v == head_dim else f"{head_dim}/{head_dim_v}"
     what = f"{program.score_name}/{program.mask_name} D={dims} {str(dtype).replace('torch.', '')}"
+    if kv_batch_broadcast:
+        what += " (K/V batch broadcast)"
     frozen = _kernel_config(cfg, aux_tensors, program, f"deterministic={deterministic}",
                             f"grad_slots={grad_slots(program)}")
     disk = cute_cache.available()
@@ -468,7 +504,8 @@ def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: in
 
 def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
     """(dq, dk, dv, *captured-tensor grads) on the sm90 backward kernels: one gradient per
-    ``Program.buffers`` entry, None for those that get none (no ``grad_loads``). dq/dk/dv are
+    ``Program.buffers`` entry, None for those that get none (no ``grad_loads``). dk/dv have the
+    query's batch also where K/V are broadcast over it (``kv_broadcast``). dq/dk/dv are
     deterministic (a fixed dQ accumulation order) when
     ``torch.are_deterministic_algorithms_enabled()``; the captured gradients are summed by fp64
     atomics in any order (as the Triton backward's), so they are reproducible to fp64 rounding,
@@ -477,11 +514,18 @@ def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
     bm = call.block_mask
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
     deterministic = torch.are_deterministic_algorithms_enabled()
+    broadcast = kv_broadcast(call)
     fn = compile_backward(prog, q.dtype, q.shape[-1], bm is not None, deterministic, aux,
-                          head_dim_v=v.shape[-1])
+                          head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast)
     lists = bwd_block_lists(bm)
     order = _dq_order(bm, lists) if deterministic and bm is not None else None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if broadcast:
+        # dK/dV per query batch (contiguous: empty_like of a stride-0 view is): the gradient of
+        # the expanded view, which autograd's expand backward sums over the batch.
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        k, v = _batch_one(k), _batch_one(v)
     slots = grad_slots(prog) if prog.grad_loads else []
     # fp64: a table entry can receive ~L·S/2 adds (see triton._GRAD_ACC).
     accs = {s: torch.zeros(aux[s].shape, dtype=torch.float64, device=q.device) for s in slots}
