@@ -13,6 +13,9 @@
 #    same cases over 16 seeds (per seed), the AOT test after its oracle-device fix, one Triton
 #    TMA case with its durations (why 21 cases passed 420 s); then alone on the GPU the decode
 #    rows not yet measured (batch 1, KV 4k, sliding window).
+# 4: the sm90 K/V batch broadcast (tests/gpu.sh broadcast: paged prefill/training on the sm90
+#    kernels) and the sm100 gate's GPU test (a faked 10.0 capability on CUDA tensors), beside the
+#    raw table-gradient errors over 128 seeds (two_tables; the bias2 ratio the 4-seed bar read).
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
 stage=${1:?usage: gpu_plan.sh STAGE OUT_DIR}
@@ -60,6 +63,15 @@ for l in sys.stdin:
     timeout 170 python3 -m benchmarks.decode --out "$work/decode" --batch 1,8,64 --kv 4k \
       --variants causal,sliding_window --paged 0,1 --budget-s 150 >"$work/decode.txt" 2>&1
     echo "[decode rc=$?]"; tail -30 "$work/decode.txt"
+    ;;
+  4)
+    bash tests/gpu.sh broadcast "$work/tests" &
+    pt 300 gate.txt tests/test_sm100_gate.py &
+    timeout 420 python3 -m benchmarks.grad_accuracy --S 1024 --seeds 128 --cases two_tables \
+      --impls flexjit-cute,flexjit-triton,torch-flex-triton --out "$work/grad128" >"$work/grad128.txt" 2>&1 &
+    wait
+    grep -v '^{' "$work/grad128.txt" | tail -16
+    pt 200 hopper_picks_cute.txt tests/test_cute_gpu.py -k "core_mods_d128_ragged_gqa and (causal or alibi)"
     ;;
   *)
     echo "unknown stage $stage" >&2
