@@ -19,8 +19,9 @@ seed, Σ_i δ_i, and dominates its error. On the H200 (2026-12-01-gpu-s8 NOTES) 
 -Σ_i δ_i / 1024 per seed (correlation -1.000, every kernel), and over 256 seeds Σ_i δ_i spread
 0.250 / 0.255 / 0.260 (flexjit-cute / flexjit-triton / torch) against 0.245 predicted by
 ``out·dO rms``; over their first 32 seeds the same draws read 0.298 / 0.165 / 0.174, and the raw
-ratio over four seeds read 1.18x. Four draws cannot separate two kernels; the draw's size is
-judged through ``out·dO rms`` and the rest of the error directly.
+ratio over four seeds read 1.18x, over 16 1.27x, and over 128 1.03x (flexjit-triton 0.99x).
+Four draws cannot separate two kernels; the draw's size is judged through ``out·dO rms`` and the
+rest of the error directly.
 """
 import pytest
 import torch
