@@ -90,8 +90,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def clear() -> None:
-    """Forget every entry (the next call of each signature prepares afresh)."""
+    """Forget every entry (the next call of each signature prepares afresh); zero ``STATS``."""
     _ENTRIES.clear()
+    for name in STATS:
+        STATS[name] = 0
 
 
 def _tensor_sig(t) -> tuple:
