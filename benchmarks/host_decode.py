@@ -13,7 +13,8 @@ a forward + backward (autograd and the Triton backward's host side).
 
 Per case: --warmup calls, then --rounds rounds of --calls calls; reported are the minimum over
 rounds (the call's own cost on a shared machine, where other work only adds time) and the
-median, in µs per call. Run it against two trees (``PYTHONPATH=TREE``) for a before/after on the
+median, in µs per call (``--clock thread``: this thread's CPU time instead of the wall clock, for a
+loaded machine). Run it against two trees (``PYTHONPATH=TREE``) for a before/after on the
 same machine; ``--profile CASE`` prints cProfile's top functions for one case instead.
 """
 from __future__ import annotations
@@ -99,15 +100,15 @@ def build(case: str):
     return step, f"train forward+backward B={B} H={H} S={S} D={D} causal+alibi bf16"
 
 
-def measure(fn, warmup: int, calls: int, rounds: int) -> tuple[float, float]:
+def measure(fn, warmup: int, calls: int, rounds: int, clock=time.perf_counter_ns) -> tuple[float, float]:
     for _ in range(warmup):
         fn()
     per_call = []
     for _ in range(rounds):
-        t0 = time.perf_counter_ns()
+        t0 = clock()
         for _ in range(calls):
             fn()
-        per_call.append((time.perf_counter_ns() - t0) / calls / 1e3)
+        per_call.append((clock() - t0) / calls / 1e3)
     return min(per_call), statistics.median(per_call)
 
 
@@ -119,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--profile", default=None, help="a case: print its cProfile instead")
     p.add_argument("--out", default=None, help="write DIR/results.json")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                   help="wall (perf_counter) or this thread's CPU time (thread_time: on a loaded "
+                        "machine it leaves out the time the process waited for a core)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     stub_launches()
@@ -139,8 +143,9 @@ def main(argv=None) -> int:
     rows = []
     for case in a.cases.split(","):
         fn, what = build(case)
-        lo, med = measure(fn, a.warmup, a.calls if case != "train" else max(1, a.calls // 4), a.rounds)
-        rows.append(dict(case=case, what=what, min_us=lo, median_us=med))
+        clock = time.thread_time_ns if a.clock == "thread" else time.perf_counter_ns
+        lo, med = measure(fn, a.warmup, a.calls if case != "train" else max(1, a.calls // 4), a.rounds, clock)
+        rows.append(dict(case=case, what=what, clock=a.clock, min_us=lo, median_us=med))
         print(f"{case:9} min {lo:7.1f} µs  median {med:7.1f} µs  ({what})", flush=True)
     if a.out:
         out = Path(a.out)

@@ -53,12 +53,15 @@ ENV_GUARDED = (
     "TRITON_INTERPRET",                 # triton: interpreter or compiled kernels
     "FLEXJIT_DEBUG",                    # prints (a change re-runs the path that prints)
 )
+# Read per launch by the entries' ready launches themselves (triton.Ready), so no guard:
+#   FLEXJIT_TRITON_DIRECT: relaunch Triton's compiled kernel without Triton's launch path.
 # Variables read elsewhere, and why they need no guard here.
 ENV_UNGUARDED = {
     "FLEXJIT_CACHE": "where compiled kernels are kept, not which kernel runs",
     "FLEXJIT_CACHE_DIR": "where compiled kernels are kept, not which kernel runs",
     "FLEXJIT_DUMP_DIR": "a copy of generated sources, written when first rendered",
     "FLEXJIT_POISON": "read on every output allocation (never cached)",
+    "FLEXJIT_TRITON_DIRECT": "read on every relaunch (triton.Ready)",
     "CUTE_DSL_ARCH": "set by flexjit.aot around its own compiles",
 }
 

@@ -402,3 +402,32 @@ def test_gpu_cpu_captured_tensor_copied_per_version(monkeypatch):
         low, _ = dense_attention(q, k, v, per_key_dev, bm.mask_mod, dtype=torch.bfloat16)
         assert_close_to_oracle(f"out step {step}", out, ref, low, FLOOR[torch.bfloat16])
     assert call_cache.STATS["hit"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("direct", ["0", "1"])
+def test_gpu_decode_hits_relaunch(monkeypatch, direct):
+    """Repeated eager decode calls on the GPU (auto: the split-KV kernel, 2 launches) with new
+    q/k/v values each call, relaunched from the entry's templates, with Triton's launch path
+    (FLEXJIT_TRITON_DIRECT=0) and with its compiled kernel called directly (1)."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setenv("FLEXJIT_TRITON_DIRECT", direct)
+    dev = torch.device("cuda")
+    S = 8192
+    bm = create_block_mask(_causal_at_end(S), None, None, 1, S, device=dev)
+    g = torch.Generator().manual_seed(20)
+    for step in range(4):
+        q = torch.randn(8, 32, 1, 128, generator=g).to(dev, torch.bfloat16)
+        k = torch.randn(8, 8, S, 128, generator=g).to(dev, torch.bfloat16)
+        v = torch.randn(8, 8, S, 128, generator=g).to(dev, torch.bfloat16)
+        out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+        ref, ref_lse = dense_attention(q, k, v, None, bm.mask_mod)
+        low, low_lse = dense_attention(q, k, v, None, bm.mask_mod, dtype=torch.bfloat16)
+        assert_close_to_oracle(f"out step {step}", out, ref, low, FLOOR[torch.bfloat16])
+        assert_close_to_oracle(f"lse step {step}", lse, ref_lse, low_lse, FLOOR[torch.bfloat16])
+    assert call_cache.STATS["hit"] == 3
+    if direct == "1":
+        readies = [r for e in call_cache._ENTRIES.values() for key, run in e.memo.items()
+                   if key[0] == "decode_run" for r, _, _ in run.launches]
+        assert readies and all(r.direct for r in readies), "the direct launch was not used"

@@ -254,14 +254,62 @@ class Ready:
     """A launch that has run: the kernel with its grid and the keyword arguments that worked
     (the stages that fit, WARP_SPEC as Triton could build it). ``ready(args)`` launches it
     again with new run-time arguments in the same parameter order: no module lookup, no
-    launch key, no retry loop."""
-    __slots__ = ("fn", "kwargs")
+    launch key, no retry loop.
 
-    def __init__(self, fn, kwargs: dict):
-        self.fn, self.kwargs = fn, kwargs
+    Only for arguments of the same specialisation as the first (a call_cache hit: the same
+    ints, captured tensors and list tensors, q/k/v of the same 16-byte alignment, fresh
+    outputs). Under ``FLEXJIT_TRITON_DIRECT=1`` (opt-in until measured on the GPU) it then
+    skips Triton's own launch path too (binding ~50 arguments, specialising each, the cache
+    key): Triton's compiled kernel is fetched once and its launcher called directly."""
+    __slots__ = ("fn", "kwargs", "jit", "grid", "direct")
+
+    def __init__(self, fn, kwargs: dict, jit=None, grid=None):
+        self.fn, self.kwargs, self.jit, self.grid = fn, kwargs, jit, grid
+        self.direct = None  # the compiled kernel's launch and the constexprs' places, once built
 
     def __call__(self, args) -> None:
+        if self.jit is not None and call_cache.env("FLEXJIT_TRITON_DIRECT") == "1":
+            if self.direct is None:
+                self.direct = _direct_launch(self.jit, self.grid, args, self.kwargs) or False
+            if self.direct:
+                launch, places, consts = self.direct
+                if places is None:  # the constexprs are the last parameters (the templates' order)
+                    launch(*args, *consts)
+                    return
+                full = [None] * (len(args) + len(consts))
+                for i, a in zip(places, args):
+                    full[i] = a
+                for i, c in consts:
+                    full[i] = c
+                launch(*full)
+                return
         self.fn(*args, **self.kwargs)
+
+
+def _direct_launch(jit, grid, args, kwargs):
+    """(launch, run-time argument places, [(place, constexpr value)]) for Triton's compiled
+    kernel of ``jit`` at these arguments, or None where this Triton has no such path (the
+    interpreter; another version's internals). Triton launches a compiled kernel with every
+    parameter's value in order, constexprs included (``JITFunction.run``)."""
+    try:
+        params = jit.params
+        places = [i for i, p in enumerate(params) if not p.is_constexpr]
+        if len(places) != len(args):
+            return None
+        consts = []
+        for i, p in enumerate(params):
+            if p.is_constexpr:
+                if p.name not in kwargs and p.default is p._param.empty:
+                    return None
+                consts.append((i, kwargs.get(p.name, p.default)))
+        compiled = jit.run(*args, grid=grid, warmup=True, **kwargs)
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        if places == list(range(len(args))):
+            return compiled[grid3], None, tuple(c for _, c in consts)
+        return compiled[grid3], places, consts
+    except Exception as e:  # noqa: BLE001 (a Triton without these internals: the normal path)
+        log.info("flexjit: direct Triton launch unavailable (%s: %s)", type(e).__name__, e)
+        return None
 
 
 def _run(plan: Plan, launch: Launch) -> Ready:
@@ -300,7 +348,7 @@ def _run(plan: Plan, launch: Launch) -> Ready:
         _STAGES_THAT_FIT[key] = stages
         if first and not plan.interpret:
             _log_first_launch(plan, launch, time.perf_counter() - t0)
-        return Ready(fn, kwargs)
+        return Ready(fn, kwargs, None if plan.interpret else kernel, launch.grid)
 
 
 def _log_first_launch(plan: Plan, launch: Launch, seconds: float) -> None:

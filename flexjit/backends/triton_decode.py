@@ -253,16 +253,17 @@ class _Runner:
         q, dp = call.q, self.dp
         B, Hq, L, _ = q.shape
         EV = call.v.shape[3]
-        out = tb._out((B, Hq, L, EV), q.dtype, q.device)
-        lse = tb._out((B, Hq, L), torch.float32, q.device)
-        maxs = tb._out((B, Hq, L), torch.float32, q.device) if self.want_max else None
+        new = tb._out if call_cache.env("FLEXJIT_POISON") == "1" else torch.empty  # read once
+        f32, dev = torch.float32, q.device
+        out = new((B, Hq, L, EV), dtype=q.dtype, device=dev)
+        lse = new((B, Hq, L), dtype=f32, device=dev)
+        maxs = new((B, Hq, L), dtype=f32, device=dev) if self.want_max else None
         if dp.splits == 1:
             parts = (lse, lse, lse)
         else:
             rows = B * Hq * L
-            parts = (tb._out((rows, dp.splits, EV), torch.float32, q.device),
-                     tb._out((rows, dp.splits), torch.float32, q.device),
-                     tb._out((rows, dp.splits), torch.float32, q.device) if maxs is not None else lse)
+            parts = (new((rows, dp.splits, EV), dtype=f32, device=dev), new((rows, dp.splits), dtype=f32, device=dev),
+                     new((rows, dp.splits), dtype=f32, device=dev) if maxs is not None else lse)
         return (q, call.k, call.v, out, lse, maxs if maxs is not None else lse, *parts), maxs
 
     def __call__(self, call):
