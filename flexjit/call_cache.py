@@ -137,9 +137,12 @@ def _version(t) -> int | None:
 def block_mask_state(bm) -> tuple:
     """What a cached call depends on in a BlockMask: lengths, block size, mask_mod and each list
     tensor's identity and version counter (any in-place edit bumps it)."""
-    return (tuple(bm.seq_lengths), tuple(bm.BLOCK_SIZE), id(bm.mask_mod),
-            tuple([(id(t), _version(t)) if t is not None else None
-                   for t in (getattr(bm, a) for a in bm._TENSOR_ATTRS)]))
+    lists = [getattr(bm, a) for a in bm._TENSOR_ATTRS]
+    try:
+        versions = tuple([None if t is None else t._version for t in lists])
+    except RuntimeError:  # an inference tensor among them
+        versions = tuple([None if t is None else _version(t) for t in lists])
+    return (tuple(bm.seq_lengths), tuple(bm.BLOCK_SIZE), id(bm.mask_mod), tuple(map(id, lists)), versions)
 
 
 def _ref(obj):
@@ -217,8 +220,10 @@ def device_buffers(call) -> list:
     """The call's captured tensors on its device. A tensor captured on another device is copied
     once per version (an in-place edit bumps it) and the copy kept in the call's memo; one
     without a version counter (an inference tensor) is copied every call."""
-    device = call.q.device
     bufs = call.program.buffers
+    if not bufs:
+        return []
+    device = call.q.device
     if all(t.device == device for t in bufs):
         return list(bufs)
     copies = call.memo.setdefault("device_buffers", {})
