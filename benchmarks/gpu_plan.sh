@@ -9,6 +9,10 @@
 # 1: the seventh session's unrun GPU tests (tests/gpu.sh new) beside the table-gradient question
 #    of issue #14: the forward-error profile over 256 seeds (is cute's wider r_sum spread over
 #    32 seeds a sample or a property?) and the gradient-accuracy cases over 32 seeds.
+# 2: issue #14's gradient-accuracy test with tables judged beyond the forward's output part, the
+#    same cases over 16 seeds (per seed), the AOT test after its oracle-device fix, one Triton
+#    TMA case with its durations (why 21 cases passed 420 s); then alone on the GPU the decode
+#    rows not yet measured (batch 1, KV 4k, sliding window).
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
 stage=${1:?usage: gpu_plan.sh STAGE OUT_DIR}
@@ -42,6 +46,20 @@ for l in sys.stdin:
         d['r_sum'], d['r_sum_std'], d['r_rms'] * d['rows'] ** 0.5))"
     tail -5 "$work/fwd_profile256.txt" | grep -v '^{'
     grep -v '^{' "$work/grad32.txt" | tail -25
+    ;;
+  2)
+    pt 400 grad_test.txt tests/test_grad_accuracy_gpu.py &
+    pt 300 aot.txt tests/test_aot_gpu.py &
+    pt 400 tma_one.txt tests/test_triton_gpu.py -k "tma_option and full and not 128x64" --durations=5 &
+    timeout 400 python3 -m benchmarks.grad_accuracy --S 1024 --seeds 16 --per-seed \
+      --out "$work/grad16" >"$work/grad16.txt" 2>&1 &
+    wait
+    grep -v '^{' "$work/grad16.txt" | tail -45
+    grep -E "passed|failed|PASS|FAIL|call|setup" "$work/tma_one.txt" | tail -8
+    grep -E "^E " "$work/grad_test.txt" | head -20
+    timeout 170 python3 -m benchmarks.decode --out "$work/decode" --batch 1,8,64 --kv 4k \
+      --variants causal,sliding_window --paged 0,1 --budget-s 150 >"$work/decode.txt" 2>&1
+    echo "[decode rc=$?]"; tail -30 "$work/decode.txt"
     ;;
   *)
     echo "unknown stage $stage" >&2

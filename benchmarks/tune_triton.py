@@ -21,12 +21,11 @@ binaries: the lengths are unspecialised arguments) and 192 short timings. The lo
 variant, so a sweep the budget cuts is finished by a second call with `--variants` the rest.
 
 `--grid tma` (issue #13's Triton target, >= 1.1x torch's compiled Flex-Triton): the default
-against `TMA_FWD_GRID` / `TMA_BWD_GRID` (USE_TMA tensor descriptors, WARP_SPECIALIZE, with a few
+against `TMA_FWD_GRID` / `TMA_BWD_GRID` (USE_TMA tensor descriptors, with a few
 tiles and stage counts around them; the fwdbwd entries set both passes). `--torch` times torch's
 compiled Flex-Triton on each case beside them, and the report gives default x torch and
-best x torch per case. Expect about 5 minutes on a fresh H200: 7 variants x 2 lengths, 6 forward
-and 5 forward + backward measurements each (56 cold flexjit compiles of 1.5-3 s; 28 torch compiles,
-one per variant, pass and length: dynamic=False) and 154 short timings; `--budget-s` stops it
+best x torch per case. Expect a few minutes on a fresh H200 (one cold flexjit compile of 1.5-3 s
+per entry, one torch compile per variant, pass and length: dynamic=False); `--budget-s` stops it
 in time and a second call with `--variants` the rest (or `--passes` one pass) finishes it:
 
     python3 -m benchmarks.tune_triton --grid tma --torch --out $OUT/tma --budget-s 270
@@ -80,23 +79,12 @@ BWD_GRID = [(32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64,
 # against the current default at its tiles, plus torch Flex-Triton's sm90 forward tile (128x64,
 # 8 warps, 3 stages) and deeper pipelines, which TMA's cheaper loads may now afford. The
 # fwdbwd entries set both passes (unprefixed keys), so the row is the end-to-end choice.
-# Warp specialisation: Triton 3.6 (the H200's), at 4 warps with TMA, splits the forward into a
-# producer and two consumer warpgroups (384 threads, 168 registers, no spills; 180 KB of smem
-# at 128x128 and 2 stages, 148 KB at 128x64 and 3; compile-only) for every variant here but
-# document (its per-key gather of the document ids fails the pass: the launch then runs
-# unspecialised and the row says "ws refused"). At 8 warps it partitions nothing.
+# Warp specialisation (WARP_SPECIALIZE) is refused on a GPU: its 4-warp TMA forward never
+# finished on the H200 with Triton 3.6 (gpu-s8 NOTES); the grid has TMA rows only.
 TMA_FWD_GRID = [{"USE_TMA": 1},
-                {"USE_TMA": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-                {"USE_TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4,
-                 "num_stages": 2},
-                {"USE_TMA": 1, "WARP_SPECIALIZE": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4,
-                 "num_stages": 3}]
-# The backward: Triton partitions nothing there (two roles, two lists, the GQA loop), so its
-# rows vary TMA and tiles, and pair the backward with the forward's warp-specialised build.
+                {"USE_TMA": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}]
 TMA_BWD_GRID = [{"USE_TMA": 1},
-                {"USE_TMA": 1, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32},
-                {"USE_TMA": 1, "fwd_WARP_SPECIALIZE": 1, "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128,
-                 "fwd_num_warps": 4, "fwd_num_stages": 2}]
+                {"USE_TMA": 1, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32}]
 # Issue #13's variant list (the blocks grid's default omits prefix_lm).
 TMA_VARIANTS = ("full", "causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap")
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")

@@ -16,7 +16,9 @@ Keys with a meaning for flexjit:
 * ``USE_TMA`` (torch's key; ``fwd_``/``bwd_`` per pass): the Triton kernels load tiles through
   TMA tensor descriptors on sm90+ where the tensors allow it (else pointer loads, as torch
   turns it off); ``WARP_SPECIALIZE`` (flexjit): Triton's automatic warp specialisation of the
-  kv/q loops, sm90+. Both default to the backend's table (``triton_config``).
+  kv/q loops, refused on a GPU (``ValueError``: its kernels never finished on the H200 with
+  Triton 3.6); the interpreter runs its merged loop. USE_TMA defaults to the backend's table
+  (``triton_config``).
 * ``BACKEND`` (torch): "AUTO" (default), "TRITON" and "TRITON_DECODE" run flexjit's Triton
   kernels, "FLASH" its CuTeDSL kernels (torch's FLASH backend is FlashAttention-4's CuTeDSL
   kernel); with ``backend="auto"`` only: an explicit ``backend=`` wins.

@@ -10,6 +10,11 @@ file (the interpreter swaps its ``libdevice`` per module). Unrendered, the templ
   listed mask block, or every tile without a block mask), for the forward and both backward roles.
 * ``_load_tile``, ``_store_tile``, ``_load_rows``: tile and per-row accesses, masked only where a
   tile can pass the sequence length or a padded head dim.
+* ``_score_tile``: one tile's modded scores in log2 units, for the forward and the decode
+  kernels. It holds holes (``# {{CAPTURE_PARAMS}}``, ``# {{SCORE_MOD}}``, ``# {{MASK_MOD}}``):
+  the renderer pastes this file first and fills every hole after, so the pasted lines are filled
+  like the template's own. (In a backward module it is pasted unused: the backward's scores
+  carry their derivative, ``triton_bwd.py``'s ``_ds_tile``.)
 The helpers inline into every kernel, and Triton's schedule follows the order of the source:
 a change here (or moving a call) is checked by compiling for sm_90 and comparing registers,
 spills and SASS before and after.
@@ -17,6 +22,8 @@ spills and SASS before and after.
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+LOG2E = tl.constexpr(1.4426950408889634)  # (unrendered use; each template defines its own)
 
 @triton.jit
 def _tanh(x, FAST: tl.constexpr):
@@ -106,3 +113,28 @@ def _load_rows(ptr, offs, n, EVEN: tl.constexpr):
         return tl.load(ptr + offs)
     else:
         return tl.load(ptr + offs, mask=offs < n, other=0.0)
+
+
+@triton.jit
+def _score_tile(qk, off_b, off_h, q_idx, kv_idx, S, sm_scale, qk_scale_log2,
+                # {{CAPTURE_PARAMS}}
+                APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
+                FAST_MATH: tl.constexpr, MERGED: tl.constexpr, full_tile):
+    """Scores of one (BLOCK_M, BLOCK_N) tile in log2 units, -inf where not kept. MERGED: the
+    tile may come from the full list (``full_tile``, a run-time bool), which keeps everything."""
+    if HAS_SCORE_MOD:
+        score = qk * sm_scale
+        # {{SCORE_MOD}}
+        s2 = score * LOG2E
+    else:
+        s2 = qk * qk_scale_log2
+    if APPLY_MASK:
+        mask = kv_idx >= 0  # {{MASK_MOD}}
+        if MERGED:
+            mask = mask | full_tile
+        if not EVEN_N:
+            mask = mask & (kv_idx < S)
+        s2 = tl.where(mask, s2, float("-inf"))
+    elif not EVEN_N:
+        s2 = tl.where(kv_idx < S, s2, float("-inf"))
+    return s2

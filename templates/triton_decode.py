@@ -13,8 +13,8 @@ What this module holds
 * ``flex_decode_merge``: combines the splits of each (b, h, q) row: ``lse = log2 Σ 2^lse_s``,
   ``out = Σ 2^(lse_s − lse) · out_s`` (FlashDecoding's reduction), and the row max as the max
   of the splits' maxima.
-* ``_score_tile``: the holes, as in ``triton_fwd.py``; here ``off_h`` and ``q_idx`` are
-  (BLOCK_M, 1) vectors (rows of one tile belong to several query heads), ``off_b`` a scalar.
+* ``_score_tile`` (``triton_common.py``'s, with its holes, unmerged): here ``off_h`` and ``q_idx``
+  are (BLOCK_M, 1) vectors (rows of one tile belong to several query heads), ``off_b`` a scalar.
 
 Holes (filled by ``flexjit.backends.triton_render``, as for ``triton_fwd.py``):
 ``# {{CAPTURE_PARAMS}}``, ``# {{CAPTURE_ARGS}}``, ``# {{SCORE_MOD}}``, ``# {{MASK_MOD}}``,
@@ -49,29 +49,7 @@ def _jit(fn):
     return triton.jit(fn, do_not_specialize=DO_NOT_SPECIALIZE)
 
 
-from .triton_common import _dot, _max, _n_tiles, _sum, _tanh, _tile_start  # {{COMMON}}
-
-
-@triton.jit
-def _score_tile(qk, off_b, off_h, q_idx, kv_idx, S, sm_scale, qk_scale_log2,
-                # {{CAPTURE_PARAMS}}
-                APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
-                FAST_MATH: tl.constexpr):
-    """Scores of one (BLOCK_M, BLOCK_N) tile in log2 units, -inf where not kept."""
-    if HAS_SCORE_MOD:
-        score = qk * sm_scale
-        # {{SCORE_MOD}}
-        s2 = score * LOG2E
-    else:
-        s2 = qk * qk_scale_log2
-    if APPLY_MASK:
-        mask = kv_idx >= 0  # {{MASK_MOD}}
-        if not EVEN_N:
-            mask = mask & (kv_idx < S)
-        s2 = tl.where(mask, s2, float("-inf"))
-    elif not EVEN_N:
-        s2 = tl.where(kv_idx < S, s2, float("-inf"))
-    return s2
+from .triton_common import _dot, _max, _n_tiles, _score_tile, _sum, _tanh, _tile_start  # {{COMMON}}
 
 
 @triton.jit
@@ -97,7 +75,7 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         s2 = _score_tile(qk, off_b, off_h, q_idx, offs_n[None, :], S, sm_scale, qk_scale_log2,
                          # {{CAPTURE_ARGS}}
-                         APPLY_MASK, EVEN_N, HAS_SCORE_MOD, FAST_MATH)
+                         APPLY_MASK, EVEN_N, HAS_SCORE_MOD, FAST_MATH, False, False)
         m_new = tl.maximum(m_i, _max(s2, 1))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept yet: exp2 gives 0
         alpha = tl.math.exp2(m_i - m_base)

@@ -5,9 +5,8 @@ What this module holds
 * ``flex_fwd``: the kernel. One program computes a BLOCK_M tile of query rows of one
   (batch, query head) and writes O (B, Hq, L, EV) and the natural-log LSE (B, Hq, L) fp32.
 * ``_attend``: the loop over the key/value sub-tiles of one block list (partial or full).
-* ``_score_tile``: the elementwise part, with the two holes the code generator fills:
-  the score_mod body and the mask_mod body.
-* From ``triton_common.py`` (pasted at ``# {{COMMON}}``): ``_tanh`` (the one op whose fast
+* From ``triton_common.py`` (pasted at ``# {{COMMON}}``): ``_score_tile`` (the elementwise
+  part, with the score_mod and mask_mod holes, filled after the paste), ``_tanh`` (the one op whose fast
   form needs a helper: inline PTX off the interpreter), ``_dot``, the reductions, the
   block-list walk (``_n_tiles``, ``_tile_start``) and the tile loads and stores.
 
@@ -64,32 +63,7 @@ def _jit(fn):
     return triton.jit(fn, do_not_specialize=DO_NOT_SPECIALIZE)
 
 
-from .triton_common import _dot, _load_tile, _max, _n_tiles, _store_tile, _sum, _tanh, _tile_start  # {{COMMON}}
-
-
-@triton.jit
-def _score_tile(qk, off_b, off_h, q_idx, kv_idx, S, sm_scale, qk_scale_log2,
-                # {{CAPTURE_PARAMS}}
-                APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
-                FAST_MATH: tl.constexpr, MERGED: tl.constexpr, full_tile):
-    """Scores of one (BLOCK_M, BLOCK_N) tile in log2 units, -inf where not kept. MERGED: the
-    tile may come from the full list (``full_tile``, a run-time bool), which keeps everything."""
-    if HAS_SCORE_MOD:
-        score = qk * sm_scale
-        # {{SCORE_MOD}}
-        s2 = score * LOG2E
-    else:
-        s2 = qk * qk_scale_log2
-    if APPLY_MASK:
-        mask = kv_idx >= 0  # {{MASK_MOD}}
-        if MERGED:
-            mask = mask | full_tile
-        if not EVEN_N:
-            mask = mask & (kv_idx < S)
-        s2 = tl.where(mask, s2, float("-inf"))
-    elif not EVEN_N:
-        s2 = tl.where(kv_idx < S, s2, float("-inf"))
-    return s2
+from .triton_common import _dot, _load_tile, _max, _n_tiles, _score_tile, _store_tile, _sum, _tanh, _tile_start  # {{COMMON}}
 
 
 @triton.jit

@@ -35,7 +35,7 @@ case $batch in
     # the rest of the backward through its new host module.
     run_as new-1 300 tests/test_paged_gpu.py &
     run_as new-2 300 tests/test_decode_gpu.py -k paged &
-    run_as new-3 420 tests/test_triton_gpu.py -k tma_and_warp_specialize &
+    run_as new-3 420 tests/test_triton_gpu.py -k tma_option &
     run_as new-4 300 tests/test_aot_gpu.py &
     run_as new-5 420 tests/test_cute_sm90_bwd_gpu.py -k "not (mods_ragged or rest_of_the_core or 192)" &
     wait

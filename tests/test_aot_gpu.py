@@ -61,13 +61,15 @@ def test_a_cpu_built_entry_trains_on_the_gpu(tmp_path, monkeypatch):
     assert flexjit.explain(q, k, v, score_mod=score_mod, block_mask=bm).name == "cute"
     out = flexjit.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
     grads = torch.autograd.grad(out, (q, k, v), do)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    # The oracle runs on the CPU, where the built-in variant's captured tables live (the eager
+    # mods index them with the oracle's index tensors, which must share their device).
+    leaves = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
     refs = {}
     for dtype in (torch.float64, torch.bfloat16):
         ro = dense_attention(*leaves, score_mod, mask_mod, dtype=dtype)[0]
-        refs[dtype] = (ro, torch.autograd.grad(ro, leaves, do.to(dtype)))
-    assert_close_to_oracle("out", out, refs[torch.float64][0], refs[torch.bfloat16][0],
+        refs[dtype] = (ro, torch.autograd.grad(ro, leaves, do.cpu().to(dtype)))
+    assert_close_to_oracle("out", out.cpu(), refs[torch.float64][0], refs[torch.bfloat16][0],
                            FLOOR[torch.bfloat16])
     for name, got, r64, rlo in zip("qkv", grads, refs[torch.float64][1], refs[torch.bfloat16][1]):
-        assert_close_to_oracle(f"d{name}", got, r64, rlo, FLOOR[torch.bfloat16])
+        assert_close_to_oracle(f"d{name}", got.cpu(), r64, rlo, FLOOR[torch.bfloat16])
     assert sorted(p.name for p in cache_dir.rglob("*.o")) == built  # loaded, none added

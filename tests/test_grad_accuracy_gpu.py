@@ -2,27 +2,25 @@
 compiled Flex-Triton on the same inputs (``benchmarks.grad_accuracy``: relative bias, two bf16 /
 fp32 tables, a gathered table, a learned ALiBi slope, no mod).
 
-Bars, from the mean |float64 golden - result| (``out·dO rms``: an RMS, see below):
-* torch's rule: every tensor within 1.1x the error of torch's eager math in the same dtype;
+Bars, from the mean |float64 golden - result| over four seeds (``out·dO rms``: an RMS):
+* torch's rule: out and every gradient within 1.1x the error of torch's eager math in the same
+  dtype;
 * no worse than torch's compiled kernel: 1.03x on out, dq, dk, dv and ``out·dO rms`` (millions
-  of elements: the ratio moved by less than 0.01 between one seed and four on the H200), 1.15x
-  on a captured table's gradient over four seeds (8 to 1024 entries, each a sum over every
-  score that reads it: one seed's ratio ranged 0.76-1.13 where four seeds' mean read 0.93-1.07
-  for the same kernels, gpu-s6-call1 and -call2).
-* A table the score_mod adds (``score + table[...]``) is judged raw (1.15x, as every table) AND
-  with its gradient's mean over entries removed (``<table> centred``, 1.15x: what the
-  backward's dS controls). Its gradients sum to sum(dS), 0 exactly; in a kernel
-  that sum is -sum_i dO_i · (O_i - O_stored_i), the bf16 rounding of the forward's output
-  projected on dO, and it lands on every entry as one common offset. For the fp32 kv-indexed
-  table that offset is most of the error, and it is one Gaussian draw per seed whose spread is
-  set by ``out·dO rms``: on the H200 (gpu-s7 NOTES) that RMS was the same for flexjit-cute,
-  flexjit-triton and torch's kernel within 0.7%, while the raw bias2 error over 8 seeds read
-  1.32x torch's for cute and 1.01x for flexjit-triton, and feeding cute's backward from
-  Triton's forward read 1.01x (cute's forward into Triton's backward: 1.32x). The offset
-  follows the forward's rounding draws. Whether cute's draws are merely unlucky or wider is
-  open (over 32 seeds their spread read 1.7x torch's, with the same ``out·dO rms``): until
-  that is settled the raw bar stays, and this test fails on cute's bias2 (1.18x over these four
-  seeds on the H200, 2026-12-01-gpu-s7 stage 1). Issue #14 stays open on it.
+  of elements: the ratio moved by less than 0.01 between one seed and four on the H200);
+* and on each gradient's error beyond the part the forward's stored output sets
+  (``<t> beyond out``): 1.03x for dq and dk, 1.15x for a captured table's (8 to 1024 entries,
+  each a sum over every score that reads it).
+
+Why a table is judged beyond the output's part, not raw, against torch's kernel: a flash
+backward forms D_i = dO_i · O_i from the bf16 output, so every gradient carries -Σ P_ij δ_i,
+δ_i = dO_i · (O_i - golden_i) (``grad_accuracy._from_out`` computes it exactly; CPU test:
+test_grad_accuracy_parts). For a table added at kv_idx that part is nearly one common draw per
+seed, Σ_i δ_i, and dominates its error. On the H200 (2026-12-01-gpu-s8 NOTES) its offset equalled
+-Σ_i δ_i / 1024 per seed (correlation -1.000, every kernel), and over 256 seeds Σ_i δ_i spread
+0.250 / 0.255 / 0.260 (flexjit-cute / flexjit-triton / torch) against 0.245 predicted by
+``out·dO rms``; over their first 32 seeds the same draws read 0.298 / 0.165 / 0.174, and the raw
+ratio over four seeds read 1.18x. Four draws cannot separate two kernels; the draw's size is
+judged through ``out·dO rms`` and the rest of the error directly.
 """
 import pytest
 import torch
@@ -47,9 +45,14 @@ def test_errors_within_torch_rule_and_no_worse_than_torch_flex(backend):
     for r in rows:
         ours, eager, theirs = r[impl], r["eager"], r[TORCH]
         tensor = r["tensor"]
-        bar = 1.03 if tensor in ("out", "q", "k", "v", grad_accuracy.ROW_PROJECTION) else 1.15
-        if not ours <= 1.1 * eager:
-            bad.append(f"{r['case']} {r['tensor']}: {ours:.3g} > 1.1 x eager {eager:.3g}")
+        if tensor.endswith(grad_accuracy.BEYOND_OUT):
+            bar = 1.03 if tensor.split()[0] in ("q", "k") else 1.15
+        else:
+            if not ours <= 1.1 * eager:
+                bad.append(f"{r['case']} {tensor}: {ours:.3g} > 1.1 x eager {eager:.3g}")
+            if tensor not in ("out", "q", "k", "v", grad_accuracy.ROW_PROJECTION):
+                continue  # a table: judged beyond the output's part (see above)
+            bar = 1.03
         if not ours <= bar * theirs:
-            bad.append(f"{r['case']} {r['tensor']}: {ours:.3g} > {bar} x {TORCH} {theirs:.3g}")
+            bad.append(f"{r['case']} {tensor}: {ours:.3g} > {bar} x {TORCH} {theirs:.3g}")
     assert not bad, "\n".join(bad)

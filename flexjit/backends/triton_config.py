@@ -203,7 +203,14 @@ def has_tensor_descriptors() -> bool:
     return True
 
 
-def tma_options(arch: int, opts: dict, prefix: str, default: tuple[bool, bool]) -> tuple[bool, bool]:
+WS_DEADLOCK = ("kernel_options WARP_SPECIALIZE is refused on the GPU: flexjit's Triton kernels built "
+               "with Triton's warp specialisation (4 warps + USE_TMA, 128x128) never finished on the "
+               "H200 with Triton 3.6 (benchmarks/results/2026-12-01-gpu-s8-NOTES.md), and it was not "
+               "measured faster; leave it off (USE_TMA alone is served)")
+
+
+def tma_options(arch: int, opts: dict, prefix: str, default: tuple[bool, bool],
+                interpret: bool = False) -> tuple[bool, bool]:
     """(use_tma, warp_specialize) for one pass: ``kernel_options`` USE_TMA / WARP_SPECIALIZE (also
     ``fwd_``/``bwd_``-prefixed) over the table's default. Both need sm90+ (TMA is Hopper's; Triton's
     warp specialiser partitions around async copies): below that they are off, as torch turns
@@ -213,6 +220,8 @@ def tma_options(arch: int, opts: dict, prefix: str, default: tuple[bool, bool]) 
     ws = _flag(opts, (prefix + "WARP_SPECIALIZE", "WARP_SPECIALIZE"), default[1])
     if arch < 90:
         return False, False
+    if ws and not interpret:  # the interpreter ignores it: its CPU tests check the loop's logic
+        raise ValueError(WS_DEADLOCK)
     return tma and has_tensor_descriptors(), ws
 
 
@@ -273,7 +282,7 @@ def _fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts:
     while ubn is None and bn > 16 and _fwd_smem(bm, bn, stages, e_pad, ev_pad, elem) > smem_limit(arch):
         bn //= 2
     warps = _opt(opts, ("fwd_num_warps", "num_warps"), _warps(warps, bm, bn, _per_warp(dtype)))
-    tma, ws = tma_options(90 if interpret else arch, opts, "fwd_", _FWD_TMA_DEFAULT)
+    tma, ws = tma_options(90 if interpret else arch, opts, "fwd_", _FWD_TMA_DEFAULT, interpret)
     return FwdConfig(bm, bn, warps, stages, tma, ws)
 
 
@@ -305,5 +314,5 @@ def _bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts:
             _bwd_smem(c, e_pad, ev_pad, elem) > smem_limit(arch):
         c = dataclasses.replace(c, num_stages=c.num_stages - 1)
     warps = _opt(opts, ("bwd_num_warps",), _warps(warps, max(m1, m2), max(n1, n2), _per_warp(dtype)))
-    tma, ws = tma_options(90 if interpret else arch, opts, "bwd_", _BWD_TMA_DEFAULT)
+    tma, ws = tma_options(90 if interpret else arch, opts, "bwd_", _BWD_TMA_DEFAULT, interpret)
     return dataclasses.replace(c, num_warps=warps, use_tma=tma, warp_specialize=ws)
