@@ -250,6 +250,13 @@ def _ws_refused(e: Exception) -> bool:
     return isinstance(e, RuntimeError) and "PassManager" in str(e)
 
 
+# FLEXJIT_TRITON_DIRECT's default: "1" once tests/test_call_cache.py's GPU tests and the eager
+# decode benchmark have run on the GPU with it. The launcher convention it relies on (every
+# parameter's value in order, constexprs included; CompiledKernel[grid](*values)) is the same in
+# Triton 3.6's and 3.9's JITFunction.run.
+DIRECT_DEFAULT = "0"
+
+
 class Ready:
     """A launch that has run: the kernel with its grid and the keyword arguments that worked
     (the stages that fit, WARP_SPEC as Triton could build it). ``ready(args)`` launches it
@@ -268,7 +275,7 @@ class Ready:
         self.direct = None  # the compiled kernel's launch and the constexprs' places, once built
 
     def __call__(self, args) -> None:
-        if self.jit is not None and call_cache.env("FLEXJIT_TRITON_DIRECT") == "1":
+        if self.jit is not None and call_cache.env("FLEXJIT_TRITON_DIRECT", DIRECT_DEFAULT) == "1":
             if self.direct is None:
                 self.direct = _direct_launch(self.jit, self.grid, args, self.kwargs) or False
             if self.direct:
