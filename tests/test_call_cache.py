@@ -116,6 +116,22 @@ def test_repeated_call_hits_and_reads_the_new_inputs():
     assert not torch.equal(outs[0], outs[1])
 
 
+def test_entry_keeps_no_inputs_or_outputs_alive():
+    """An entry's launch templates hold None where a call's tensors go: once the caller drops
+    K/V (a server's KV cache of a finished request) and the output, nothing keeps them."""
+    import gc
+    import weakref
+    q, k, v = _qkv(21)
+    check(q, k, v)
+    q2, k2, v2 = _qkv(22)
+    out = check(q2, k2, v2)  # a hit: fills a copy of the templates
+    refs = [weakref.ref(t) for t in (k, v, k2, v2, out)]
+    del k, v, k2, v2, out
+    gc.collect()
+    assert call_cache.STATS["hit"] == 1
+    assert all(r() is None for r in refs), "the call cache keeps a call's tensors alive"
+
+
 # --------------------------------------------------------------------------- the mods' captures
 
 
