@@ -3,18 +3,19 @@
 The call path is: validate the inputs -> trace the mods and lower them to a
 :class:`~flexjit.passes.Program` -> pick a backend (``dispatch``) -> run it.
 Every bad input raises here with a message that says how to fix it; nothing
-reaches a kernel that could give a silently wrong answer.
+reaches a kernel that could give a silently wrong answer. A repeated eager call
+with the same signature skips the middle steps (``call_cache``: the signature,
+the guards and what is not cached).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Callable, NamedTuple
 
 import torch
 
-from . import compile as compiled, dispatch, options, selfcheck
+from . import call_cache, compile as compiled, dispatch, options, selfcheck
 from .block_mask import BlockMask, from_torch_block_mask
 from .passes import FLOAT_INDEX_LIMIT, Program, lower
 from .trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
@@ -48,6 +49,9 @@ class Call:
     grad: bool | None = None  # whether gradients will be needed, where autograd cannot tell
                               # (inside flexjit.compile's custom ops); None: ask autograd
     max_scores: bool = False  # whether the forward also returns the row max of the modded scores
+    # What the backends plan for this call (plans, ready launches), shared by every call of one
+    # call_cache entry: its keys may depend only on what the entry's signature and guards fix.
+    memo: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def shape(self):
@@ -92,10 +96,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out, lse, max_scores = _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                          kernel_options, backend, want_max)
     else:
-        call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                            max_scores=want_max)
-        choice = dispatch.select(backend, call)
-        if os.environ.get("FLEXJIT_DEBUG"):
+        call, choice = _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                 kernel_options, backend, want_max)
+        if call_cache.env("FLEXJIT_DEBUG"):
             print(f"[flexjit] {choice}")
         out, lse, max_scores = dispatch.run(choice, call)
     if return_aux is not None:
@@ -104,6 +107,28 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if return_lse:
         return out, lse
     return out
+
+
+def _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
+              backend: str, want_max: bool) -> tuple[Call, "dispatch.Choice"]:
+    """(call, choice) for a normalised eager call: from ``call_cache`` when a call of the same
+    signature was prepared before and its guards hold, else validated, traced, lowered and
+    selected afresh (and remembered)."""
+    sig = call_cache.signature(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                               kernel_options, backend, want_max)
+    if sig is not None:
+        entry = call_cache.lookup(sig, score_mod, block_mask)
+        if entry is not None:
+            return Call(query, key, value, entry.program, block_mask, entry.scale, entry.kernel_options,
+                        max_scores=entry.max_scores, memo=entry.memo), entry.choice
+    call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
+                        max_scores=want_max)
+    choice = dispatch.select(backend, call)
+    if sig is None:
+        call_cache.STATS["uncached"] += 1
+    else:
+        call_cache.store(sig, score_mod, block_mask, call, choice)
+    return call, choice
 
 
 def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, backend,

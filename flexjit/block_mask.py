@@ -34,6 +34,17 @@ log = logging.getLogger("flexjit")
 _DENSE_BATCH_ELEMS = 1 << 24
 
 
+def _version(t) -> int | None:
+    """A tensor's version counter (bumped by every in-place edit); None for None or an
+    inference tensor (which keeps none)."""
+    if t is None:
+        return None
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def noop_mask(b, h, q_idx, kv_idx):
     """A mask_mod that allows everything."""
     return True
@@ -222,21 +233,25 @@ class BlockMask:
 
     def derived(self, name: str, build):
         """``build()``, remembered on this BlockMask while its list tensors are the same objects
-        (what kernels derive from the lists: int32 copies, transposes, orders). The lists are
-        never changed in place; assigning a new tensor to a list attribute rebuilds."""
+        at the same version counters (what kernels derive from the lists: int32 copies,
+        transposes, orders): assigning a new tensor to a list attribute, or editing one in
+        place, rebuilds. (An inference tensor keeps no version counter: its in-place edits
+        are not seen.)"""
         hit = self._remembered(name)
         if hit is not None:
             return hit
         value = build()
-        lists = tuple(getattr(self, a) for a in self._TENSOR_ATTRS)
-        self.__dict__.setdefault("_derived", {})[name] = (lists, value)
+        self.__dict__.setdefault("_derived", {})[name] = (self._list_state(), value)
         return value
+
+    def _list_state(self) -> tuple:
+        return tuple((t, _version(t)) for t in (getattr(self, a) for a in self._TENSOR_ATTRS))
 
     def _remembered(self, name: str):
         """``derived``'s value for ``name`` if it is still valid, else None (nothing computed)."""
         hit = self.__dict__.get("_derived", {}).get(name)
-        lists = tuple(getattr(self, a) for a in self._TENSOR_ATTRS)
-        if hit is not None and all(a is b for a, b in zip(hit[0], lists)):
+        if hit is not None and all(a is b and va == vb for (a, va), (b, vb)
+                                   in zip(hit[0], self._list_state())):
             return hit[1]
         return None
 

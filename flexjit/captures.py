@@ -84,8 +84,7 @@ class ScalarRewriter:
 
 
 def is_library_function(fn) -> bool:
-    filename = os.path.abspath(fn.__code__.co_filename)
-    return filename.startswith(_TORCH_DIR) or "site-packages" in filename and "flexjit" not in filename
+    return _code_facts(fn.__code__)[0]
 
 
 def global_names(code: types.CodeType) -> set[str]:
@@ -94,6 +93,25 @@ def global_names(code: types.CodeType) -> set[str]:
         if isinstance(c, types.CodeType):
             names |= global_names(c)
     return names
+
+
+_FACTS: dict[int, tuple] = {}
+
+
+def _code_facts(code: types.CodeType) -> tuple[bool, tuple[str, ...]]:
+    """(whether the code is a library's, its global names sorted): fixed for a code object, and
+    asked on every call (the call cache's and the trace cache's fingerprints), so kept by the
+    code object's identity (the entry holds the code, so its id is not reused)."""
+    hit = _FACTS.get(id(code))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    filename = os.path.abspath(code.co_filename)
+    library = filename.startswith(_TORCH_DIR) or "site-packages" in filename and "flexjit" not in filename
+    facts = (library, tuple(sorted(global_names(code))))
+    if len(_FACTS) > 4096:
+        _FACTS.clear()
+    _FACTS[id(code)] = (code, facts)
+    return facts
 
 
 
@@ -128,8 +146,7 @@ def fingerprint(v, depth: int = 0):
                     tuple(c.cell_contents for c in v.__closure__), depth + 1))
         cells = tuple(c.cell_contents for c in v.__closure__ or ())
         g = v.__globals__
-        named = tuple((n, fingerprint(g[n], depth + 1)) for n in sorted(global_names(v.__code__))
-                      if n in g)
+        named = tuple((n, fingerprint(g[n], depth + 1)) for n in _code_facts(v.__code__)[1] if n in g)
         return ("F", v.__code__, fingerprint(v.__defaults__, depth + 1),
                 fingerprint(cells, depth + 1), named)
     module = (getattr(v, "__module__", None) or "").split(".")[0]

@@ -77,6 +77,14 @@ class Outcome:
 _FAILED: dict = {}  # kernel key -> Outcome: disabled for the process
 _PASSED: dict = {}  # (kernel key, variant) -> Outcome
 _LOCK = threading.Lock()
+# Bumped whenever a gate records a result or defers its check (dry run, graph capture): the call
+# cache keys on it, so a backend choice made before a kernel passed, failed or could be checked
+# is made again (a cached choice of a kernel since disabled would raise in its forward).
+_EPOCH = [0]
+
+
+def epoch() -> int:
+    return _EPOCH[0]
 _DRY = contextvars.ContextVar("flexjit_selfcheck_dry", default=False)
 
 
@@ -117,6 +125,7 @@ def forget() -> None:
     """Drop every result: kernels are checked again on their next call. For tests."""
     _FAILED.clear()
     _PASSED.clear()
+    _EPOCH[0] += 1
 
 
 def gate(key, what: str, check: Callable[[], Outcome], variant=()) -> Outcome | None:
@@ -126,8 +135,11 @@ def gate(key, what: str, check: Callable[[], Outcome], variant=()) -> Outcome | 
     captured: then None). An exception from the check (compile or launch errors included) is a
     failure. A failure disables the kernel for every variant and warns once, here."""
     hit = outcome(key, variant)
-    if hit is not None or dry() or blocked():
+    if hit is not None:
         return hit
+    if dry() or blocked():
+        _EPOCH[0] += 1
+        return None
     with _LOCK:
         hit = outcome(key, variant)
         if hit is not None:
@@ -140,6 +152,7 @@ def gate(key, what: str, check: Callable[[], Outcome], variant=()) -> Outcome | 
             _PASSED[(key, variant)] = res
         else:
             _FAILED[key] = res
+        _EPOCH[0] += 1
     if res.passed:
         log.info("flexjit: %s passed its first-use self-check on this GPU (%s)", what, res.summary)
     else:

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 import torch
 
+from .. import call_cache
 from ..passes import Program
 from . import capability
 from .triton_cache import (  # noqa: F401  (re-exported)
@@ -250,10 +250,80 @@ def _ws_refused(e: Exception) -> bool:
     return isinstance(e, RuntimeError) and "PassManager" in str(e)
 
 
-def _run(plan: Plan, launch: Launch) -> None:
+# FLEXJIT_TRITON_DIRECT's default: "1" once tests/test_call_cache.py's GPU tests and the eager
+# decode benchmark have run on the GPU with it. The launcher convention it relies on (every
+# parameter's value in order, constexprs included; CompiledKernel[grid](*values)) is the same in
+# Triton 3.6's and 3.9's JITFunction.run.
+DIRECT_DEFAULT = "0"
+
+
+class Ready:
+    """A launch that has run: the kernel with its grid and the keyword arguments that worked
+    (the stages that fit, WARP_SPEC as Triton could build it). ``ready(args)`` launches it
+    again with new run-time arguments in the same parameter order: no module lookup, no
+    launch key, no retry loop.
+
+    Only for arguments of the same specialisation as the first (a call_cache hit: the same
+    ints, captured tensors and list tensors, q/k/v of the same 16-byte alignment, fresh
+    outputs). Under ``FLEXJIT_TRITON_DIRECT=1`` (opt-in until measured on the GPU) it then
+    skips Triton's own launch path too (binding ~50 arguments, specialising each, the cache
+    key): Triton's compiled kernel is fetched once and its launcher called directly."""
+    __slots__ = ("fn", "kwargs", "jit", "grid", "direct")
+
+    def __init__(self, fn, kwargs: dict, jit=None, grid=None):
+        self.fn, self.kwargs, self.jit, self.grid = fn, kwargs, jit, grid
+        self.direct = None  # the compiled kernel's launch and the constexprs' places, once built
+
+    def __call__(self, args) -> None:
+        if self.jit is not None and call_cache.env("FLEXJIT_TRITON_DIRECT", DIRECT_DEFAULT) == "1":
+            if self.direct is None:
+                self.direct = _direct_launch(self.jit, self.grid, args, self.kwargs) or False
+            if self.direct:
+                launch, places, consts = self.direct
+                if places is None:  # the constexprs are the last parameters (the templates' order)
+                    launch(*args, *consts)
+                    return
+                full = [None] * (len(args) + len(consts))
+                for i, a in zip(places, args):
+                    full[i] = a
+                for i, c in consts:
+                    full[i] = c
+                launch(*full)
+                return
+        self.fn(*args, **self.kwargs)
+
+
+def _direct_launch(jit, grid, args, kwargs):
+    """(launch, run-time argument places, [(place, constexpr value)]) for Triton's compiled
+    kernel of ``jit`` at these arguments, or None where this Triton has no such path (the
+    interpreter; another version's internals). Triton launches a compiled kernel with every
+    parameter's value in order, constexprs included (``JITFunction.run``)."""
+    try:
+        params = jit.params
+        places = [i for i, p in enumerate(params) if not p.is_constexpr]
+        if len(places) != len(args):
+            return None
+        consts = []
+        for i, p in enumerate(params):
+            if p.is_constexpr:
+                if p.name not in kwargs and p.default is p._param.empty:
+                    return None
+                consts.append((i, kwargs.get(p.name, p.default)))
+        compiled = jit.run(*args, grid=grid, warmup=True, **kwargs)
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        if places == list(range(len(args))):
+            return compiled[grid3], None, tuple(c for _, c in consts)
+        return compiled[grid3], places, consts
+    except Exception as e:  # noqa: BLE001 (a Triton without these internals: the normal path)
+        log.info("flexjit: direct Triton launch unavailable (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _run(plan: Plan, launch: Launch) -> Ready:
     """Launch; if Triton's real shared-memory use exceeds the estimate (a mod's loads can add
     layout-conversion buffers), retry with fewer pipeline stages and remember what fit; if a
-    WARP_SPEC build fails to compile, run (and remember) the unspecialised one."""
+    WARP_SPEC build fails to compile, run (and remember) the unspecialised one. Returns the
+    launch as it ran, to be launched again (``Ready``)."""
     mod = load_module(plan.program, launch.which, plan.interpret)
     kernel = getattr(mod, launch.kernel)
     key = (plan.program.key, launch.kernel, tuple(sorted(launch.constexprs.items())),
@@ -267,8 +337,9 @@ def _run(plan: Plan, launch: Launch) -> None:
             consts["NUM_STAGES"] = stages
         if key in WS_REFUSED:
             consts["WARP_SPEC"] = False
+        fn, kwargs = kernel[launch.grid], dict(consts, **dict(launch.options, num_stages=stages))
         try:
-            kernel[launch.grid](*launch.args, **consts, **dict(launch.options, num_stages=stages))
+            fn(*launch.args, **kwargs)
         except Exception as e:  # triton.runtime.errors.OutOfResources (its module moved across versions)
             if consts.get("WARP_SPEC") and _ws_refused(e):
                 WS_REFUSED.add(key)
@@ -284,7 +355,7 @@ def _run(plan: Plan, launch: Launch) -> None:
         _STAGES_THAT_FIT[key] = stages
         if first and not plan.interpret:
             _log_first_launch(plan, launch, time.perf_counter() - t0)
-        return
+        return Ready(fn, kwargs, None if plan.interpret else kernel, launch.grid)
 
 
 def _log_first_launch(plan: Plan, launch: Launch, seconds: float) -> None:
@@ -312,7 +383,7 @@ def _forward(plan: Plan, q, k, v, bufs, want_max: bool = False):
 
 def _out(shape, dtype, device) -> torch.Tensor:
     """An output buffer; NaN-filled under FLEXJIT_POISON=1 so an element no kernel writes shows."""
-    if os.environ.get("FLEXJIT_POISON") == "1":
+    if call_cache.env("FLEXJIT_POISON") == "1":
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -537,7 +608,17 @@ def supports(call) -> tuple[bool, str]:
 
 def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> Plan:
     """The launch plan of a call; ``arch``/``interpret`` default to the inputs' device (a
-    compile-only build passes the target's arch and ``interpret=False``)."""
+    compile-only build passes the target's arch and ``interpret=False``). The default plan is
+    kept in ``call.memo`` (everything it reads is fixed by a call_cache entry's guards)."""
+    if arch is None and interpret is None:
+        plan = call.memo.get("triton_plan")
+        if plan is None:
+            plan = call.memo["triton_plan"] = _make_plan(call, None, None)
+        return plan
+    return _make_plan(call, arch, interpret)
+
+
+def _make_plan(call, arch: int | None, interpret: bool | None) -> Plan:
     q = call.q
     B, Hq, L, E = q.shape
     S, EV = call.k.shape[2], call.v.shape[3]
@@ -564,7 +645,7 @@ def forward(call):
     from . import triton_decode
     if triton_decode.routes(call)[0]:  # few query rows, long KV, no gradient: split-KV decoding
         return triton_decode.forward(call)
-    bufs = [t.to(call.q.device) for t in call.program.buffers]
+    bufs = call_cache.device_buffers(call)
     return _forward(make_plan(call), call.q, call.k, call.v, bufs, call.max_scores)
 
 

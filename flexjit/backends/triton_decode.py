@@ -28,6 +28,7 @@ import os
 
 import torch
 
+from .. import call_cache
 from . import triton as tb
 from .triton_config import _next_pow2, head_pad
 
@@ -72,12 +73,12 @@ def _forced_off(opts: dict) -> bool:
 
 def routes(call) -> tuple[bool, str]:
     """(True, what runs) if the call goes to the decode kernel, else (False, why not). Asked by
-    dispatch, ``triton.supports`` and ``triton.forward``: answered once per call (kept on it)."""
-    hit = call.__dict__.get("_decode_route")
-    if hit is not None and hit[0] == call.needs_grad:
-        return hit[1]
-    answer = _routes(call)
-    call.__dict__["_decode_route"] = (call.needs_grad, answer)
+    dispatch, ``triton.supports`` and ``triton.forward``: answered once per call signature
+    (kept in ``call.memo`` by whether gradients are needed)."""
+    key = ("decode_route", call.needs_grad)
+    answer = call.memo.get(key)
+    if answer is None:
+        answer = call.memo[key] = _routes(call)
     return answer
 
 
@@ -141,26 +142,15 @@ def _opt(opts: dict, names: tuple[str, ...], default: int) -> int:
     return default
 
 
-_PLANS: dict[tuple, DecodePlan] = {}
-
-
 def make_plan(call, splits: int | None = None) -> DecodePlan:
-    """The call's decode plan, remembered by what it depends on (dispatch, ``supports`` and the
-    forward each ask for it on every call: a decode step's host time is most of its time)."""
-    bm = call.block_mask
-    env = os.environ.get("FLEXJIT_DECODE_SPLITS")
-    try:
-        key = (call.shape, call.q.device, tuple(sorted(call.kernel_options.items())), splits, env,
-               None if bm is None else (tuple(bm.BLOCK_SIZE), bm.kv_num_blocks.shape[1],
-                                        bm.mean_kv_tokens()))
-        hit = _PLANS.get(key)
-    except TypeError:  # an unhashable kernel_options value
-        return _make_plan(call, splits)
-    if hit is None:
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        hit = _PLANS[key] = _make_plan(call, splits)
-    return hit
+    """The call's decode plan, kept in ``call.memo`` (dispatch, ``supports`` and the forward
+    each ask for it; everything it reads, FLEXJIT_DECODE_SPLITS and the block mask's lists
+    included, is fixed by a call_cache entry's guards)."""
+    key = ("decode_plan", splits)
+    plan = call.memo.get(key)
+    if plan is None:
+        plan = call.memo[key] = _make_plan(call, splits)
+    return plan
 
 
 def _make_plan(call, splits: int | None) -> DecodePlan:
@@ -189,8 +179,9 @@ def _make_plan(call, splits: int | None) -> DecodePlan:
     m_tiles = -(-rows // bmm)
     head_programs = Hq // GP
     sms = sm_count(call.q.device)
-    if splits is None and os.environ.get("FLEXJIT_DECODE_SPLITS"):
-        splits = int(os.environ["FLEXJIT_DECODE_SPLITS"])
+    forced = os.environ.get("FLEXJIT_DECODE_SPLITS")
+    if splits is None and forced:
+        splits = int(forced)
     if splits is None:
         tokens = bm.mean_kv_tokens() if bm is not None else S
         splits = choose_splits(B * head_programs * q_blocks * m_tiles, max(1, -(-int(tokens) // bn)), sms)
@@ -235,28 +226,82 @@ def merge_launch(dp: DecodePlan, parts, out, lse, maxs, EV: int) -> tb.Launch:
 
 def forward(call, splits: int | None = None):
     """(out, lse, max_scores or None) of the decode kernels for a validated call."""
-    q, k, v = call.q, call.k, call.v
-    B, Hq, L, _ = q.shape
-    EV = v.shape[3]
-    tp = tb.make_plan(call)
-    dp = make_plan(call, splits)
-    bufs = [t.to(q.device) for t in call.program.buffers]
-    out = tb._out((B, Hq, L, EV), q.dtype, q.device)
-    lse = tb._out((B, Hq, L), torch.float32, q.device)
-    maxs = tb._out((B, Hq, L), torch.float32, q.device) if call.max_scores else None
-    if dp.splits == 1:
-        tb._run(tp, decode_launch(tp, dp, q, k, v, out, lse, maxs if maxs is not None else lse,
-                                  (lse, lse, lse), bufs))
-    else:
-        rows = B * Hq * L
-        parts = (tb._out((rows, dp.splits, EV), torch.float32, q.device),
-                 tb._out((rows, dp.splits), torch.float32, q.device),
-                 tb._out((rows, dp.splits), torch.float32, q.device) if maxs is not None else lse)
-        tb._run(tp, decode_launch(tp, dp, q, k, v, out, lse, maxs if maxs is not None else lse,
-                                  parts, bufs))
-        tb._run(tp, merge_launch(dp, parts, out, lse, maxs, EV))
+    key = ("decode_run", splits)
+    run = call.memo.get(key)
+    if run is None:
+        run = call.memo[key] = _Runner(call, splits)
+    out = run(call)
     tb.STATS["decode_launch"] = tb.STATS.get("decode_launch", 0) + 1
-    return out, lse, maxs
+    return out
+
+
+class _Runner:
+    """One call signature's decode launches. The first run plans them and launches through
+    ``triton._run``; later runs (a call_cache hit: same shapes, strides, plan and captures)
+    allocate the outputs and relaunch the ready kernels with the argument lists of the first,
+    the per-call tensors swapped in (the strides, lists and scalars are the same)."""
+
+    def __init__(self, call, splits):
+        self.tp = tb.make_plan(call)
+        self.dp = make_plan(call, splits)
+        self.want_max = call.max_scores
+        self.launches = None  # [(Ready, argument template, [(position, role)])] after a run
+        self.bufs = self.alias = None  # the captured tensors and q/k/v aliasing it ran with
+
+    def _tensors(self, call):
+        """The per-call tensors by role: q, k, v, out, lse, maxs, the three partial buffers."""
+        q, dp = call.q, self.dp
+        B, Hq, L, _ = q.shape
+        EV = call.v.shape[3]
+        new = tb._out if call_cache.env("FLEXJIT_POISON") == "1" else torch.empty  # read once
+        f32, dev = torch.float32, q.device
+        out = new((B, Hq, L, EV), dtype=q.dtype, device=dev)
+        lse = new((B, Hq, L), dtype=f32, device=dev)
+        maxs = new((B, Hq, L), dtype=f32, device=dev) if self.want_max else None
+        if dp.splits == 1:
+            parts = (lse, lse, lse)
+        else:
+            rows = B * Hq * L
+            parts = (new((rows, dp.splits, EV), dtype=f32, device=dev), new((rows, dp.splits), dtype=f32, device=dev),
+                     new((rows, dp.splits), dtype=f32, device=dev) if maxs is not None else lse)
+        return (q, call.k, call.v, out, lse, maxs if maxs is not None else lse, *parts), maxs
+
+    def __call__(self, call):
+        roles, maxs = self._tensors(call)
+        out, lse = roles[3], roles[4]
+        bufs = call_cache.device_buffers(call)
+        alias = (call.k is call.q, call.v is call.q, call.v is call.k)
+        if self.launches is not None and alias == self.alias and \
+                all(a is b for a, b in zip(bufs, self.bufs)):
+            for ready, template, slots in self.launches:
+                args = template.copy()
+                for pos, role in slots:
+                    args[pos] = roles[role]
+                ready(args)
+            return out, lse, maxs
+        tp, dp = self.tp, self.dp
+        q, k, v = call.q, call.k, call.v
+        launches = [decode_launch(tp, dp, q, k, v, out, lse, roles[5], roles[6:], bufs)]
+        if dp.splits > 1:
+            launches.append(merge_launch(dp, roles[6:], out, lse, maxs, v.shape[3]))
+        ran = []
+        for launch in launches:
+            ready = tb._run(tp, launch)
+            slots = [(i, _role(a, roles)) for i, a in enumerate(launch.args)
+                     if isinstance(a, torch.Tensor) and _role(a, roles) is not None]
+            template = list(launch.args)
+            for i, _ in slots:
+                template[i] = None  # the entry must not keep this call's K/V or outputs alive
+            ran.append((ready, template, slots))
+        self.launches, self.bufs, self.alias = ran, bufs, alias
+        return out, lse, maxs
+
+
+def _role(t, roles) -> int | None:
+    for i, r in enumerate(roles):
+        if t is r:
+            return i
+    return None
 
 
 def launches_for(call, arch: int, splits: int | None = None) -> list[tb.Launch]:
