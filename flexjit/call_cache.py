@@ -53,6 +53,7 @@ ENV_GUARDED = (
     "FLEXJIT_CUTE_BWD_GRADS",           # dispatch: captured gradients on cute or Triton
     "FLEXJIT_CUTE_DYNAMIC_SCHEDULE",    # cute_sm90: static or atomic tile schedule
     "FLEXJIT_TVM_FFI",                  # cute: launch through TVM-FFI or DLPack
+    "FLEXJIT_CUTE_SM100",               # dispatch: the sm100 kernels on or off
     "TRITON_INTERPRET",                 # triton: interpreter or compiled kernels
     "FLEXJIT_DEBUG",                    # prints (a change re-runs the path that prints)
 )
