@@ -16,6 +16,11 @@
 # 4: the sm90 K/V batch broadcast (tests/gpu.sh broadcast: paged prefill/training on the sm90
 #    kernels) and the sm100 gate's GPU test (a faked 10.0 capability on CUDA tensors), beside the
 #    raw table-gradient errors over 128 seeds (two_tables; the bias2 ratio the 4-seed bar read).
+# 5: the per-signature call cache (branch hostfast: its GPU tests and the decode tests through
+#    its runner) and the backward's early lse2/delta reads (branch bwdpipe: every sm90 backward
+#    test) side by side; then alone on the GPU the decode rows (eager and CUDA graph; batch 1/8/64,
+#    KV 4k/32k/128k, beside FA4 and torch's decode kernel), sliding window at batch 8, and the
+#    fwd+bwd of full / causal at 2k and 8k beside FA4.
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
 stage=${1:?usage: gpu_plan.sh STAGE OUT_DIR}
@@ -72,6 +77,19 @@ for l in sys.stdin:
     wait
     grep -v '^{' "$work/grad128.txt" | tail -16
     pt 200 hopper_picks_cute.txt tests/test_cute_gpu.py -k "core_mods_d128_ragged_gqa and (causal or alibi)"
+    ;;
+  5)
+    pt 200 call_cache.txt tests/test_call_cache.py &
+    bash tests/gpu.sh decode "$work/tests" &
+    bash tests/gpu.sh cute-bwd "$work/tests" &
+    wait
+    timeout 130 python3 -m benchmarks.decode --out "$work/decode" --batch 1,8,64 --kv 4k,32k,128k \
+      --variants causal --paged 0 --budget-s 110 >"$work/decode.txt" 2>&1
+    echo "[decode rc=$?]"; tail -22 "$work/decode.txt"
+    timeout 60 python3 -m benchmarks.decode --out "$work/decode_sw" --batch 8 --kv 32k,128k \
+      --variants sliding_window --paged 0,1 --budget-s 45 >"$work/decode_sw.txt" 2>&1
+    echo "[decode_sw rc=$?]"; tail -10 "$work/decode_sw.txt"
+    bench bwd 110 --S 2k,8k --variants full,causal --passes fwdbwd --impls flexjit-cute,fa4 --budget-s 90
     ;;
   *)
     echo "unknown stage $stage" >&2
