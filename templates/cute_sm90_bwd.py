@@ -994,14 +994,20 @@ class FlexAttentionBwdSm90:
         if const_expr(self.overlap_dp):
             pipe_do.consumer_wait(state)
             wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
+        # lse2 into registers before the Sᵀ wait: the loads land under the GEMMs instead of
+        # stalling the first exp2 right behind the wait (the wait is a memory fence to ptxas:
+        # it does not hoist shared loads above it).
+        rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
+        if const_expr(self.overlap_dp):
             warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under the elementwise work below
         else:
             warpgroup.wait_group(0)
         # Branch-free from here to the dPᵀ wait (a branch would make ptxas wait at its join).
-        self._probabilities(ctx, acc_S, _as_acc_layout(ctx.tVrP, acc_S),
-                            ctx.tSsLSE[None, None, None, idx], head, m, kind)
+        self._probabilities(ctx, acc_S, _as_acc_layout(ctx.tVrP, acc_S), rLSE, head, m, kind)
         if const_expr(not self.overlap_dp):
             pipe_do.consumer_wait(state)
+        # delta likewise before the dPᵀ wait (and before the dV GEMM, whose issue covers them).
+        rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
         # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
         wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
         if const_expr(self.overlap_dp):
@@ -1012,13 +1018,12 @@ class FlexAttentionBwdSm90:
             # the register peak comes back: 44 bytes of spills for softcap at D = 128).
             wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
             warpgroup.wait_group(0)
-        tSsDelta = ctx.tSsDelta[None, None, None, idx]
         sums = None
         if const_expr(self.score_grads is not None):
-            sums = self._captured_grads(ctx, acc_S, acc_dP, tSsDelta, head, m)
+            sums = self._captured_grads(ctx, acc_S, acc_dP, rDelta, head, m)
         else:
             for i in cutlass.range_constexpr(cute.size(acc_dP)):
-                acc_dP[i] = acc_S[i] * (acc_dP[i] - tSsDelta[i])
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - rDelta[i])
         rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
         rdS.store(acc_dP.load().to(self.dtype))
         # Identity moves on the packed dS: otherwise the compiler converts dS to bf16 a second
@@ -1050,6 +1055,16 @@ class FlexAttentionBwdSm90:
             self._flush_uniform_grads(ctx, sums, head, m)
         state.advance()
         return state
+
+    @cute.jit
+    def _row_values(self, ctx, tRow: cute.Tensor) -> cute.Tensor:
+        """One stage of lse2 or delta (smem, broadcast over keys: the Sᵀ accumulator's shape)
+        read into registers here. The 32 reads name 16 distinct addresses per thread (its
+        accumulator covers 16 query columns); the compiler merges them into 8 LDS.64."""
+        r = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        for i in cutlass.range_constexpr(cute.size(r)):
+            r[i] = tRow[i]
+        return r
 
     def _smem_operands(self, ctx, idx: Int32) -> "_SmemOperands":
         """This tile's smem GEMM operands: K, V and stage ``idx`` of Q, dO, dS, each rebased on
