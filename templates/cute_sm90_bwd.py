@@ -49,8 +49,9 @@ Per Q tile, in each MMA warpgroup (the S/dP GEMMs are "swapped": keys are M, so 
 come out already in the A-operand layout of the dV/dK GEMMs, which read them from registers)::
 
     Sᵀ = K Qᵀ  [and dPᵀ = V dOᵀ when overlap_dp]       SS wgmma
+    lse2 smem -> registers (before the wait: the loads land under the GEMMs)
     wait Sᵀ: score_mod_and_grad, mask_mod, bounds, P = exp2(..) -> P (bf16, registers), P∘dscore
-    [dPᵀ = V dOᵀ when not overlap_dp]  ·  dV += Pᵀ dO (RS: needs only P)
+    delta smem -> registers  ·  [dPᵀ = V dOᵀ when not overlap_dp]  ·  dV += Pᵀ dO (RS: needs only P)
     wait dPᵀ: dS = P∘dscore∘(dP − delta) (bf16, registers)
     dSᵀ → smem (stmatrix.trans) · named barrier: both halves of dS are needed by each dQ GEMM
     dQ = dS K (SS) · dK += dSᵀ Q (RS) · dQ → smem box · signal the warpgroup's dQ writer
@@ -187,9 +188,10 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
     and dK D/2 each, dQ D/4 (its 64 × D/2 half), plus bf16 P and dS 16 each.
     * D = 128, 64 × 128: dV + dK alone hold 128 registers for the whole CTA. With
       ``overlap_dp`` (P formed while the dP GEMM runs) the elementwise step has Sᵀ, dPᵀ, P live:
-      208 + the mods' temporaries under the 240 cap. Fine without mods or with light ones
-      (comparisons: causal, windows); mods with loads or transcendentals (document ids, ALiBi
-      slopes, softcap's tanh) spill 20-64 bytes there, so they issue dP after P instead (176
+      208 + the mods' temporaries (+ 16 of lse2 or delta, read ahead of the waits) under the
+      240 cap. Fine without mods or with light ones (comparisons: causal, windows); mods with
+      loads or transcendentals (document ids, ALiBi slopes, softcap's tanh) spill 20-64 bytes
+      there, so they issue dP after P instead (176
       live while the mods run; measured spill-free). An 80-row tile (FA3's non-causal choice)
       would not divide the 128-row mask block, so a CTA would straddle two rows of the block
       lists, and 80 is no wgmma M (the dQ GEMM would have to be swapped); 64 divides it.
