@@ -49,8 +49,9 @@ Per Q tile, in each MMA warpgroup (the S/dP GEMMs are "swapped": keys are M, so 
 come out already in the A-operand layout of the dV/dK GEMMs, which read them from registers)::
 
     Sᵀ = K Qᵀ  [and dPᵀ = V dOᵀ when overlap_dp]       SS wgmma
+    lse2 smem -> registers (before the wait: the loads land under the GEMMs)
     wait Sᵀ: score_mod_and_grad, mask_mod, bounds, P = exp2(..) -> P (bf16, registers), P∘dscore
-    [dPᵀ = V dOᵀ when not overlap_dp]  ·  dV += Pᵀ dO (RS: needs only P)
+    delta smem -> registers  ·  [dPᵀ = V dOᵀ when not overlap_dp]  ·  dV += Pᵀ dO (RS: needs only P)
     wait dPᵀ: dS = P∘dscore∘(dP − delta) (bf16, registers)
     dSᵀ → smem (stmatrix.trans) · named barrier: both halves of dS are needed by each dQ GEMM
     dQ = dS K (SS) · dK += dSᵀ Q (RS) · dQ → smem box · signal the warpgroup's dQ writer
@@ -187,9 +188,10 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
     and dK D/2 each, dQ D/4 (its 64 × D/2 half), plus bf16 P and dS 16 each.
     * D = 128, 64 × 128: dV + dK alone hold 128 registers for the whole CTA. With
       ``overlap_dp`` (P formed while the dP GEMM runs) the elementwise step has Sᵀ, dPᵀ, P live:
-      208 + the mods' temporaries under the 240 cap. Fine without mods or with light ones
-      (comparisons: causal, windows); mods with loads or transcendentals (document ids, ALiBi
-      slopes, softcap's tanh) spill 20-64 bytes there, so they issue dP after P instead (176
+      208 + the mods' temporaries (+ 16 of lse2 or delta, read ahead of the waits) under the
+      240 cap. Fine without mods or with light ones (comparisons: causal, windows); mods with
+      loads or transcendentals (document ids, ALiBi slopes, softcap's tanh) spill 20-64 bytes
+      there, so they issue dP after P instead (176
       live while the mods run; measured spill-free). An 80-row tile (FA3's non-causal choice)
       would not divide the 128-row mask block, so a CTA would straddle two rows of the block
       lists, and 80 is no wgmma M (the dQ GEMM would have to be swapped); 64 divides it.
@@ -994,14 +996,20 @@ class FlexAttentionBwdSm90:
         if const_expr(self.overlap_dp):
             pipe_do.consumer_wait(state)
             wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
+        # lse2 into registers before the Sᵀ wait: the loads land under the GEMMs instead of
+        # stalling the first exp2 right behind the wait (the wait is a memory fence to ptxas:
+        # it does not hoist shared loads above it).
+        rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
+        if const_expr(self.overlap_dp):
             warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under the elementwise work below
         else:
             warpgroup.wait_group(0)
         # Branch-free from here to the dPᵀ wait (a branch would make ptxas wait at its join).
-        self._probabilities(ctx, acc_S, _as_acc_layout(ctx.tVrP, acc_S),
-                            ctx.tSsLSE[None, None, None, idx], head, m, kind)
+        self._probabilities(ctx, acc_S, _as_acc_layout(ctx.tVrP, acc_S), rLSE, head, m, kind)
         if const_expr(not self.overlap_dp):
             pipe_do.consumer_wait(state)
+        # delta likewise before the dPᵀ wait (and before the dV GEMM, whose issue covers them).
+        rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
         # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
         wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
         if const_expr(self.overlap_dp):
@@ -1012,13 +1020,12 @@ class FlexAttentionBwdSm90:
             # the register peak comes back: 44 bytes of spills for softcap at D = 128).
             wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
             warpgroup.wait_group(0)
-        tSsDelta = ctx.tSsDelta[None, None, None, idx]
         sums = None
         if const_expr(self.score_grads is not None):
-            sums = self._captured_grads(ctx, acc_S, acc_dP, tSsDelta, head, m)
+            sums = self._captured_grads(ctx, acc_S, acc_dP, rDelta, head, m)
         else:
             for i in cutlass.range_constexpr(cute.size(acc_dP)):
-                acc_dP[i] = acc_S[i] * (acc_dP[i] - tSsDelta[i])
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - rDelta[i])
         rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
         rdS.store(acc_dP.load().to(self.dtype))
         # Identity moves on the packed dS: otherwise the compiler converts dS to bf16 a second
@@ -1050,6 +1057,16 @@ class FlexAttentionBwdSm90:
             self._flush_uniform_grads(ctx, sums, head, m)
         state.advance()
         return state
+
+    @cute.jit
+    def _row_values(self, ctx, tRow: cute.Tensor) -> cute.Tensor:
+        """One stage of lse2 or delta (smem, broadcast over keys: the Sᵀ accumulator's shape)
+        read into registers here. The 32 reads name 16 distinct addresses per thread (its
+        accumulator covers 16 query columns); the compiler merges them into 8 LDS.64."""
+        r = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        for i in cutlass.range_constexpr(cute.size(r)):
+            r[i] = tRow[i]
+        return r
 
     def _smem_operands(self, ctx, idx: Int32) -> "_SmemOperands":
         """This tile's smem GEMM operands: K, V and stage ``idx`` of Q, dO, dS, each rebased on

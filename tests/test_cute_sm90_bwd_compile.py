@@ -194,6 +194,27 @@ def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
     assert "0f41F00000" not in ptx and "30.0" not in ptx, "runtime scalar was baked in"
 
 
+@pytest.mark.parametrize("causal,head_dim", [(False, 128), (True, 128), (False, 64)])
+def test_row_values_are_read_before_the_waits(tmp_path, causal, head_dim):
+    # Issue #13 (the 2026-12-01 ncu profile: short-scoreboard stalls twice FA4's): lse2 and delta
+    # are read from smem into registers before the Sᵀ / dPᵀ wgmma waits, so their LDS latency
+    # runs under the GEMMs. On the SASS of the steady-state loop (sass_compare's path): every
+    # one of the 16 LDS.64 per 64 query rows crosses a wgmma wait before its first use, and no
+    # LDS sits right behind a wait. main before this read them after the waits: 5 LDS within 5
+    # instructions of a DEPBAR, first use 3-11 later, at each of these three kernels. Dense and
+    # causal D = 128 (the register-tight head dim) and dense D = 64.
+    from benchmarks import sass_compare, sass_latency
+
+    cubin = sass_compare._ours("bwd", causal, str(tmp_path), head_dim)
+    path, _ = sass_compare.hot_path(sass_compare.disassemble(cubin))
+    rows = sass_latency.distances(path)
+    lds = [r for r in rows if r["text"].startswith("LDS")]
+    assert len(lds) == 16, [r["text"] for r in lds]
+    late = [r["text"] for r in lds if r["dist"] is None or not r["waits"]]
+    assert not late, f"LDS read before any wgmma wait covers it: {late}"
+    assert not sass_latency.behind_waits(path, rows)
+
+
 def test_backward_tile_table():
     """One 64 × 128 row for every head dim (the kv tile is the mask block), P formed under dP
     always for D <= 96; 64/128 exactly as before issue #13; K's swizzle atom narrows only for D = 96 (its dQ split at column 48);
