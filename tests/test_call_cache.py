@@ -30,9 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
-def _setup(monkeypatch, tmp_path):
+def _setup(request, monkeypatch, tmp_path):
     import triton
-    if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
+    if (request.node.get_closest_marker("gpu") is None
+            and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9)):
+        # (the GPU tests run compiled kernels: the H200's Triton 3.6 serves them; in the eighth
+        # session this skip covered them too, so they did not run there)
         pytest.skip("interpreter tests need triton >= 3.9")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("FLEXJIT_POISON", "1")
