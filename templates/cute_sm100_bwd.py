@@ -128,7 +128,7 @@ _LOAD_WARP = 13
 _NUM_WARPS = 16
 # 128 · (reduce + 2 · compute + other) = 65536: setmaxnreg only moves registers between warpgroups.
 import os as _os
-_REDUCE_REGS, _COMPUTE_REGS, _OTHER_REGS = (int(x) for x in _os.environ.get("XREGS", "72,184,72").split(","))
+_REDUCE_REGS, _COMPUTE_REGS, _OTHER_REGS = (int(x) for x in _os.environ.get("XREGS", "64,184,80").split(","))
 
 # Named barriers (0 is __syncthreads).
 _BAR_TMEM_ALLOC = 1  # reduce, compute ×2, MMA warp: wait for the TMEM address
@@ -447,8 +447,12 @@ class FlexAttentionBwdSm100:
                 tmem.wait_for_alloc()
                 t_ptr = tmem.retrieve_ptr(Float32)
                 sched = self._schedule(mQ, mK, q_per_kv)
-                self.mma(mma_s, mma_dv, mma_dk, mma_dq, t_ptr, tP_layout, tdS_layout,
-                         _Smem(sK, sKt, sV, sQ, sQt, sdO, sdOt, sdS), pipes, sched, qblocks)
+                smem = _Smem(*[(t, layout.inner) for t, layout in (
+                    (sK, sK_layout), (sKt, sKt_layout), (sV, sV_layout), (sQ, sQ_layout),
+                    (sQt, sQt_layout), (sdO, sdO_layout), (sdOt, sdOt_layout),
+                    (sdS, sdS_layout))])
+                self.mma(mma_s, mma_dv, mma_dk, mma_dq, t_ptr, tP_layout, tdS_layout, smem,
+                         pipes, sched, qblocks)
             elif warp_idx == _LOAD_WARP:
                 sched = self._schedule(mQ, mK, q_per_kv)
                 self.load(mma_s, tma_k, tma_v, tma_q, tma_do, mK, mV, mQ, mdO, sK, sV, sQ, sdO,
@@ -629,9 +633,12 @@ class FlexAttentionBwdSm100:
     @cute.jit
     def _gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
               accumulate):
-        """One tcgen05 GEMM over all k-blocks (a fresh atom: its ACCUMULATE field is mutated)."""
+        """One tcgen05 GEMM over all k-blocks (a fresh atom: its ACCUMULATE field is mutated).
+        A runtime loop over the k-blocks: unrolled, every k-block's 64-bit smem descriptor of
+        every operand was precomputed before the tile loop and kept live across it (the MMA
+        warp spilled them); rolled, each operand keeps one base and adds the k-block's offset."""
         atom = cute.make_mma_atom(tiled_mma.op)
-        for kb in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+        for kb in cutlass.range(cute.size(tA, mode=[2]), unroll=1):
             atom.set(tcgen05.Field.ACCUMULATE, accumulate or kb != 0)
             cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
 
@@ -641,30 +648,37 @@ class FlexAttentionBwdSm100:
         """``_gemm`` with A from TMEM in two halves: k-blocks below 4 from ``tA_lo``, the rest
         from ``tA_hi`` (each compute warpgroup's 64 queries of Pᵀ/dSᵀ)."""
         atom = cute.make_mma_atom(tiled_mma.op)
-        n_kb = cute.size(tA_lo, mode=[2])
-        for kb in cutlass.range_constexpr(n_kb):
-            tA = tA_lo if const_expr(kb < n_kb // 2) else tA_hi
+        half = cute.size(tA_lo, mode=[2]) // 2
+        for kb in cutlass.range(half, unroll=1):
             atom.set(tcgen05.Field.ACCUMULATE, accumulate or kb != 0)
-            cute.gemm(atom, acc, tA[None, None, kb], tB[None, None, kb], acc)
+            cute.gemm(atom, acc, tA_lo[None, None, kb], tB[None, None, kb], acc)
+        for kb in cutlass.range(half, 2 * half, unroll=1):
+            atom.set(tcgen05.Field.ACCUMULATE, True)
+            cute.gemm(atom, acc, tA_hi[None, None, kb], tB[None, None, kb], acc)
+
+    def _smem_operands(self, mma_s, mma_dv, mma_dk, mma_dq, smem: "_Smem") -> "_MmaOps":
+        """The smem MMA operands (descriptor-backed fragments; stage modes kept for Q and dO)."""
+        thr_s, thr_dv = mma_s.get_slice(0), mma_dv.get_slice(0)
+        thr_dk, thr_dq = mma_dk.get_slice(0), mma_dq.get_slice(0)
+        sK, sKt, sV, sQ, sQt, sdO, sdOt, sdS = [t for t, _ in smem]
+        return _MmaOps(
+            tSrK=thr_s.make_fragment_A(sK)[None, None, None, 0],
+            tSrQ=thr_s.make_fragment_B(sQ),
+            tPrV=thr_s.make_fragment_A(sV)[None, None, None, 0],
+            tPrdO=thr_s.make_fragment_B(sdO),
+            tVrdO=thr_dv.make_fragment_B(sdOt),
+            tKrQ=thr_dk.make_fragment_B(sQt),
+            tQrdS=thr_dq.make_fragment_A(sdS)[None, None, None, 0],
+            tQrK=thr_dq.make_fragment_B(sKt)[None, None, None, 0],
+        )
 
     @cute.jit
     def mma(self, mma_s, mma_dv, mma_dk, mma_dq, t_ptr, tP_layout, tdS_layout, smem: "_Smem",
             pipes: _Pipes, sched: _Sched, qblocks):
         tS, tdP, tdV, tdK, tdQ, tP, tdS = self._tmem_tensors(mma_s, mma_dv, mma_dk, mma_dq,
                                                              t_ptr, tP_layout, tdS_layout)
-        thr_s, thr_dv = mma_s.get_slice(0), mma_dv.get_slice(0)
-        thr_dk, thr_dq = mma_dk.get_slice(0), mma_dq.get_slice(0)
-        ops = _MmaOps(
-            tSrK=thr_s.make_fragment_A(smem.sK)[None, None, None, 0],
-            tSrQ=thr_s.make_fragment_B(smem.sQ),
-            tPrV=thr_s.make_fragment_A(smem.sV)[None, None, None, 0],
-            tPrdO=thr_s.make_fragment_B(smem.sdO),
-            tVrdO=thr_dv.make_fragment_B(smem.sdOt),
-            tKrQ=thr_dk.make_fragment_B(smem.sQt),
-            tQrdS=thr_dq.make_fragment_A(smem.sdS)[None, None, None, 0],
-            tQrK=thr_dq.make_fragment_B(smem.sKt)[None, None, None, 0],
-        )
         acc = (tS, tdP, tdV, tdK, tdQ, tP, tdS)
+        ops = self._smem_operands(mma_s, mma_dv, mma_dk, mma_dq, smem)
         total = self._num_tiles(sched, qblocks)
         dkv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         if total > 0:
@@ -748,18 +762,22 @@ class FlexAttentionBwdSm100:
                  for c in range(HALF // CHUNK)]
         tTcS = ld.partition_D(cute.composition(
             thr_s.partition_C(cute.make_identity_tensor((TILE_N, TILE_M))), chunk))
-        # 16-bit Pᵀ / dSᵀ: this warpgroup's 64 values, 32 columns, over what it read.
-        cols16 = HALF * self.dtype.width // 32
-        w_layout = cute.composition(s_layout, cute.make_layout((TILE_N, cols16)))
-        tSt16 = cute.make_tensor(t_ptr + _TMEM_S + col0, w_layout)
+        # 16-bit Pᵀ / dSᵀ: this warpgroup's 64 values in 32 columns over what it read, written
+        # a chunk (16 values, 8 columns) at a time right after the chunk is formed: writing all
+        # 64 at the end kept 32 packed registers live beside the next phase's loads (spills).
+        cols = CHUNK * self.dtype.width // 32
+        w_layout = cute.composition(s_layout, cute.make_layout((TILE_N, cols)))
         st = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(cols16)),
-                                Float32), tSt16).get_slice(tidx)
-        tTtP = st.partition_D(tSt16)
-        tTtdS = st.partition_D(cute.make_tensor(t_ptr + _TMEM_DP + col0, w_layout))
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(cols)),
+                                Float32), cute.make_tensor(t_ptr + _TMEM_S + col0, w_layout)
+        ).get_slice(tidx)
+        tTtP = [st.partition_D(cute.make_tensor(t_ptr + _TMEM_S + col0 + cols * ci, w_layout))
+                for ci in range(HALF // CHUNK)]
+        tTtdS = [st.partition_D(cute.make_tensor(t_ptr + _TMEM_DP + col0 + cols * ci, w_layout))
+                 for ci in range(HALF // CHUNK)]
         w_shape = st.partition_S(cute.composition(
             thr_s.partition_C(cute.make_identity_tensor((TILE_N, TILE_M))),
-            cute.make_layout((TILE_N, cols16)))).shape
+            cute.make_layout((TILE_N, cols)))).shape
 
         c = Float32(LOG2_E)
         if const_expr(self.score_mod is None):
@@ -817,8 +835,7 @@ class FlexAttentionBwdSm100:
         n_chunks = HALF // CHUNK
         pipes.s.consumer_wait(s_state)
         tcgen05_fence(after=True)
-        rP32 = cute.make_rmem_tensor(cx.w_shape, Float32)
-        rP = cute.recast_tensor(rP32, self.dtype)
+        pipes.p.producer_acquire(p_state)  # the last dV has read Pᵀ
         kept = []
         for ci in cutlass.range_constexpr(n_chunks):
             rS = cute.make_rmem_tensor(cx.tTcS.shape, Float32)
@@ -826,11 +843,11 @@ class FlexAttentionBwdSm100:
             cute.arch.fence_view_async_tmem_load()
             rL = cute.make_rmem_tensor((CHUNK,), Float32)
             cute.autovec_copy(cute.local_tile(lse_row, (CHUNK,), (q0 // CHUNK + ci,)), rL)
-            part = cute.make_tensor(rP.iterator + CHUNK * ci, cute.make_layout(CHUNK))
-            self._probabilities(cx, rS, rL, part, head, q0 + CHUNK * ci, kind)
+            rP32 = cute.make_rmem_tensor(cx.w_shape, Float32)
+            self._probabilities(cx, rS, rL, cute.recast_tensor(rP32, self.dtype), head,
+                                q0 + CHUNK * ci, kind)
+            cute.copy(cx.st, rP32, cx.tTtP[ci])  # over S columns this thread has read
             kept.append(rS)
-        pipes.p.producer_acquire(p_state)
-        cute.copy(cx.st, rP32, cx.tTtP)
         cute.arch.fence_view_async_tmem_store()
         tcgen05_fence(after=False)
         pipes.p.producer_commit(p_state)
@@ -840,11 +857,17 @@ class FlexAttentionBwdSm100:
 
         pipes.dp.consumer_wait(dp_state)
         tcgen05_fence(after=True)
-        rdS32 = cute.make_rmem_tensor(cx.w_shape, Float32)
-        rdS = cute.recast_tensor(rdS32, self.dtype)
         sums = None
         if const_expr(self.score_grads is not None):
             sums = [Float32(0.0) for _ in range(len(self.grad_offsets.uniform))]
+        pipes.ds.producer_acquire(ds_state)  # the last dK/dQ MMAs have read dSᵀ and dS
+        # dS (queries × keys, MN-major) in smem: this thread's key column, 16-byte runs of 8
+        # queries. Addressed from opaque indices: hoisted out of the tile loop, the swizzled
+        # addresses stayed live across it and spilled. (The warpgroup's 64 queries are one
+        # 64-row column of swizzle atoms: HALF = 64.)
+        sdS_rows = cute.make_tensor(cx.sdS.iterator, cute.make_layout(
+            (HALF, TILE_M // HALF, TILE_N), stride=(1, HALF * TILE_N, HALF)))
+        my_dS = sdS_rows[None, _opaque_i32(cx.wg), _opaque_i32(cx.tidx)]  # this key's 64 queries
         for ci in cutlass.range_constexpr(n_chunks):
             rdP = cute.make_rmem_tensor(cx.tTcS.shape, Float32)
             cute.copy(cx.ld, cx.tTtdP[ci], rdP)
@@ -856,20 +879,13 @@ class FlexAttentionBwdSm100:
             else:
                 for i in cutlass.range_constexpr(CHUNK):
                     rdP[i] = kept[ci][i] * (rdP[i] - rD[i])
-            part = cute.make_tensor(rdS.iterator + CHUNK * ci, cute.make_layout(CHUNK))
-            part.store(rdP.load().to(self.dtype))
-        pipes.ds.producer_acquire(ds_state)  # the last dK/dQ MMAs have read dSᵀ and dS
-        cute.copy(cx.st, rdS32, cx.tTtdS)
-        # dS (queries × keys, MN-major) in smem: this thread's key column, 16-byte runs of 8
-        # queries. Addressed from an opaque key index: hoisted out of the tile loop, the 8
-        # swizzled addresses stayed live across it and spilled.
-        # (The warpgroup's 64 queries are one 64-row column of swizzle atoms: HALF = 64.)
-        sdS_rows = cute.make_tensor(cx.sdS.iterator, cute.make_layout(
-            (HALF, TILE_M // HALF, TILE_N), stride=(1, HALF * TILE_N, HALF)))
-        my_dS = sdS_rows[None, _opaque_i32(cx.wg), _opaque_i32(cx.tidx)]  # this key's 64 queries
-        for r in cutlass.range_constexpr(HALF // 8):
-            run = cute.make_tensor(rdS.iterator + 8 * r, cute.make_layout(8))
-            cute.autovec_copy(run, cute.local_tile(my_dS, (8,), (r,)))
+            rdS32 = cute.make_rmem_tensor(cx.w_shape, Float32)
+            rdS = cute.recast_tensor(rdS32, self.dtype)
+            rdS.store(rdP.load().to(self.dtype))
+            cute.copy(cx.st, rdS32, cx.tTtdS[ci])  # over dPᵀ columns this thread has read
+            for r in cutlass.range_constexpr(CHUNK // 8):
+                run = cute.make_tensor(rdS.iterator + 8 * r, cute.make_layout(8))
+                cute.autovec_copy(run, cute.local_tile(my_dS, (8,), (ci * (CHUNK // 8) + r,)))
         cute.arch.fence_view_async_tmem_store()
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> the MMA (async proxy)
         tcgen05_fence(after=False)
@@ -1110,6 +1126,8 @@ class FlexAttentionBwdSm100:
 
 
 class _Smem(NamedTuple):
+    """The MMA warp's smem operands, each a (tile, swizzle) pair."""
+
     sK: object
     sKt: object
     sV: object
