@@ -127,8 +127,7 @@ _MMA_WARP = 12
 _LOAD_WARP = 13
 _NUM_WARPS = 16
 # 128 · (reduce + 2 · compute + other) = 65536: setmaxnreg only moves registers between warpgroups.
-import os as _os
-_REDUCE_REGS, _COMPUTE_REGS, _OTHER_REGS = (int(x) for x in _os.environ.get("XREGS", "64,184,80").split(","))
+_REDUCE_REGS, _COMPUTE_REGS, _OTHER_REGS = 72, 184, 72
 
 # Named barriers (0 is __syncthreads).
 _BAR_TMEM_ALLOC = 1  # reduce, compute ×2, MMA warp: wait for the TMEM address
