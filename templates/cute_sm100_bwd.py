@@ -538,9 +538,8 @@ class FlexAttentionBwdSm100:
     @cute.jit
     def load(self, mma_s: cute.TiledMma, tma_k, tma_v, tma_q, tma_do, mK, mV, mQ, mdO,
              sK, sV, sQ, sdO, pipes: _Pipes, sched: _Sched, qblocks):
-        """K and V once (even with no q tile: the pipeline is then simply never consumed... no:
-        only when there is work, so that no TMA is left in flight at exit), then Q(m) and dO(m)
-        per tile in the walk's order."""
+        """K and V once, then Q(m) and dO(m) per tile in the walk's order; nothing at all for a
+        kv block that no q tile visits (no TMA may be left in flight at exit)."""
         thr = mma_s.get_slice(0)
         one = cute.make_layout(1)
         D, Dv = self.head_dim, self.head_dim_v
