@@ -127,7 +127,8 @@ _MMA_WARP = 12
 _LOAD_WARP = 13
 _NUM_WARPS = 16
 # 128 · (reduce + 2 · compute + other) = 65536: setmaxnreg only moves registers between warpgroups.
-_REDUCE_REGS, _COMPUTE_REGS, _OTHER_REGS = 72, 184, 72
+import os as _os
+_REDUCE_REGS, _COMPUTE_REGS, _OTHER_REGS = (int(x) for x in _os.environ.get("XREGS", "72,184,72").split(","))
 
 # Named barriers (0 is __syncthreads).
 _BAR_TMEM_ALLOC = 1  # reduce, compute ×2, MMA warp: wait for the TMEM address
@@ -831,6 +832,11 @@ class FlexAttentionBwdSm100:
         lse_row = cx.mLSE2[None, head, sched.batch]
         delta_row = cx.mDelta[None, head, sched.batch]
         n_chunks = HALF // CHUNK
+        bits = None
+        if const_expr(kind == "partial" and self.mask_mod is not None):
+            # mask_mod (and the bounds) as bits before Sᵀ is waited for: its loads and index
+            # math run under the MMAs and never sit in registers beside P∘dscore.
+            bits = self._mask_bits(cx, head, q0)
         pipes.s.consumer_wait(s_state)
         tcgen05_fence(after=True)
         pipes.p.producer_acquire(p_state)  # the last dV has read Pᵀ
@@ -843,7 +849,7 @@ class FlexAttentionBwdSm100:
             cute.autovec_copy(cute.local_tile(lse_row, (CHUNK,), (q0 // CHUNK + ci,)), rL)
             rP32 = cute.make_rmem_tensor(cx.w_shape, Float32)
             self._probabilities(cx, rS, rL, cute.recast_tensor(rP32, self.dtype), head,
-                                q0 + CHUNK * ci, kind)
+                                q0, CHUNK * ci, kind, bits)
             cute.copy(cx.st, rP32, cx.tTtP[ci])  # over S columns this thread has read
             kept.append(rS)
         cute.arch.fence_view_async_tmem_store()
@@ -897,16 +903,16 @@ class FlexAttentionBwdSm100:
 
     @cute.jit
     def _probabilities(self, cx, rS: cute.Tensor, rL: cute.Tensor, rP: cute.Tensor, head: Int32,
-                       q_first: Int32, kind: cutlass.Constexpr):
-        """In place on one chunk (this thread's key, queries q_first + i): Sᵀ -> P ∘ dscore
+                       q0: Int32, col0: cutlass.Constexpr, kind: cutlass.Constexpr, bits):
+        """In place on one chunk (this thread's key, queries q0 + col0 + i): Sᵀ -> P ∘ dscore
         (fp32, for dS; P alone with captured gradients), and P (16-bit) into ``rP``.
-        kind: "partial" = mask_mod and bounds; "bounded" = bounds; "full" = neither. The sm90
-        backward's ``_probabilities``, element for element."""
-        use_mask = kind == "partial" and self.mask_mod is not None
+        kind: "partial" = mask_mod and bounds (from ``bits``, ``_mask_bits``); "bounded" =
+        bounds; "full" = neither. The sm90 backward's ``_probabilities``, element for element."""
         use_bound = kind != "full"
         sched = cx.sched
         kv_idx = sched.n_block * TILE_N + cx.tidx
         neg_inf = -Float32.inf
+        q_first = q0 + col0
         indices = FloatIndices(q_first, kv_idx)
         kv_in = kv_idx < sched.seqlen_k
         for i in cutlass.range_constexpr(CHUNK):
@@ -917,12 +923,11 @@ class FlexAttentionBwdSm100:
                 s, ds = self.score_mod(s * cx.softmax_scale, sched.batch, head, q_idx, kv_idx,
                                        cx.aux, *indices.args(self.score_mod, q_idx, kv_idx))
             ok = None
-            if const_expr(use_mask):
-                ok = self.mask_mod(sched.batch, head, q_idx, kv_idx, cx.aux,
-                                   *indices.args(self.mask_mod, q_idx, kv_idx))
-            if const_expr(use_bound):
-                inb = cutlass.and_(q_idx < sched.seqlen_q, kv_in)
-                ok = inb if const_expr(ok is None) else cutlass.and_(ok, inb)
+            if const_expr(bits is not None):
+                col = col0 + i
+                ok = ((bits[col // 32] >> (col % 32)) & cutlass.Uint32(1)) != cutlass.Uint32(0)
+            elif const_expr(use_bound):
+                ok = cutlass.and_(q_idx < sched.seqlen_q, kv_in)
             if const_expr(ok is not None):
                 s = s if ok else neg_inf
             p = cute.math.exp2(cute.fma(s, cx.c, -rL[i]), fastmath=True)
@@ -936,6 +941,33 @@ class FlexAttentionBwdSm100:
                 rS[i] = pd
             else:
                 rS[i] = p
+
+    @cute.jit
+    def _mask_bits(self, cx, head: Int32, q0: Int32):
+        """mask_mod and both bounds for this thread's key over the warpgroup's 64 queries, as
+        two 32-bit words (bit i of word w keeps query q0 + 32·w + i). A runtime loop over the
+        words, as the forward's ``_mask_bits``: unrolled, ptxas kept every query's index math
+        live at once."""
+        sched = cx.sched
+        kv_idx = sched.n_block * TILE_N + cx.tidx
+        w0 = w1 = cutlass.Uint32(0)
+        for w in cutlass.range(HALF // 32, unroll=1):
+            base = q0 + 32 * w
+            limit = sched.seqlen_q - base
+            indices = FloatIndices(base, kv_idx)
+            word = cutlass.Uint32(0)
+            for i in cutlass.range_constexpr(32):
+                q_idx = base + i
+                keep = self.mask_mod(sched.batch, head, q_idx, kv_idx, cx.aux,
+                                     *indices.args(self.mask_mod, q_idx, kv_idx))
+                bit = cutlass.Uint32(1 << i) if keep else cutlass.Uint32(0)
+                word = word | (bit if i < limit else cutlass.Uint32(0))
+            w0 = word if w == 0 else w0
+            w1 = word if w == 1 else w1
+        if kv_idx >= sched.seqlen_k:
+            w0 = cutlass.Uint32(0)
+            w1 = cutlass.Uint32(0)
+        return w0, w1
 
     @cute.jit
     def _captured_grads(self, cx, rP: cute.Tensor, rdP: cute.Tensor, rD: cute.Tensor,

@@ -212,6 +212,57 @@ def test_merged_q_lists_for_deterministic_mode_only():
         tpl._block_args(cfg, lists[:4], None)
 
 
+def test_launch_marshalling():
+    """The launch path with recording stand-ins for the three kernels (no GPU): workspace shapes
+    (whole mask blocks of rows; the semaphores the sm90 preprocess zeroes cover this kernel's one
+    per q tile), the dLSE flag, the GQA group, the lists (deterministic: ``dq_order``'s), and
+    the order preprocess -> main -> postprocess."""
+    from flexjit import mods as fmods
+    from flexjit.block_mask import create_block_mask, dq_order
+
+    calls = []
+
+    def recorder(name):
+        return lambda *args: calls.append((name, args))
+
+    cfg = tpl.BwdConfig(128, 128, cutlass.BFloat16, None, None, has_block_mask=True,
+                        deterministic=True)
+    fn = tpl.CompiledBwd(cfg, {n: tpl._Part(None, recorder(n)) for n in tpl.PARTS}, ())
+    B, Hq, Hkv, L, S, D = 2, 8, 2, 300, 500, 128
+    q, out = torch.randn(B, Hq, L, D).bfloat16(), torch.randn(B, Hq, L, D).bfloat16()
+    k, v = torch.randn(B, Hkv, S, D).bfloat16(), torch.randn(B, Hkv, S, D).bfloat16()
+    dout = torch.randn(1, 1, 1, 1).bfloat16().expand(B, Hq, L, D)  # stride 0, like out.sum()
+    lse, dlse = torch.randn(B, Hq, L), torch.randn(B, Hq, L)
+    bm = create_block_mask(fmods.causal(), None, None, L, S, device="cpu")
+    lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+             bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    with pytest.raises(ValueError, match="q_order"):
+        fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, 0.125, lists, (), ())
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        fn(q, k, v, out, dout, lse[:, :, 1:], dlse, dq, dk, dv, 0.125, lists, (), (),
+           q_order=dq_order(lists))
+    with pytest.raises(TypeError, match="aux scalar"):
+        fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, 0.125, lists, (), (True,),
+           q_order=dq_order(lists))
+    calls.clear()
+    order = dq_order(lists)
+    fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, 0.125, lists, (), (), q_order=order)
+    assert [n for n, _ in calls] == ["pre", "main", "post"]
+    o, do, lse_arg, dlse_arg, has_dlse, lse2, delta, dqacc, sem = calls[0][1]
+    assert has_dlse == 1 and torch.equal(dlse_arg, dlse) and lse_arg is lse
+    assert do.stride(-1) == 1 and torch.equal(do, dout)  # made contiguous for TMA
+    assert lse2.shape == delta.shape == (B, Hq, 384) and dqacc.shape == (B, Hq, 384, D)
+    assert sem.dtype == torch.int32 and sem.shape[-1] >= 384 // tpl.TILE_M
+    main = calls[1][1]
+    assert main[9] == 0.125 and main[10] == Hq // Hkv and main[13] is sem
+    assert all(a is b for a, b in zip(main[11], order[0]))  # deterministic: the merged lists
+    assert all(a is b for a, b in zip(main[12], order[1]))
+    assert len(main[11]) == 4 and len(main[12]) == 2
+    dqacc_post, dq_post, scale_post = calls[2][1]
+    assert dqacc_post is dqacc and dq_post is dq and scale_post == 0.125
+
+
 # --------------------------------------------------------------- on a Blackwell GPU (none yet)
 
 
