@@ -127,8 +127,10 @@ _MMA_WARP = 12
 _LOAD_WARP = 13
 _NUM_WARPS = 16
 # 128 · (reduce + 2 · compute + other) = 65536: setmaxnreg only moves registers between warpgroups.
-import os as _os
-_REDUCE_REGS, _COMPUTE_REGS, _OTHER_REGS = (int(x) for x in _os.environ.get("XREGS", "72,184,72").split(","))
+# Measured with ptxas (sm_100a): 56/200/56 is the split where every core mod compiles without
+# spills at D = 64 and 128 (72/184/72 spilled t5_bias; 88/184/56 and 80/192/48 spilled the MMA
+# warp before its k-block loops were rolled).
+_REDUCE_REGS, _COMPUTE_REGS, _OTHER_REGS = 56, 200, 56
 
 # Named barriers (0 is __syncthreads).
 _BAR_TMEM_ALLOC = 1  # reduce, compute ×2, MMA warp: wait for the TMEM address
@@ -977,7 +979,13 @@ class FlexAttentionBwdSm100:
         d load_j in fp64 (uniform loads summed per thread, flushed per warp at the tile's end);
         dS = g · d score / d score into ``rdP``."""
         sched = cx.sched
-        kv_idx = sched.n_block * TILE_N + cx.tidx
+        # The indices through opaque moves plus a data dependency on dPᵀ (0 unless it is NaN),
+        # as the sm90 backward's ``_captured_grads``: otherwise the compiler reuses the index
+        # math, float indices and load addresses of the score_mod's evaluation in
+        # ``_probabilities`` (the same expressions), keeping them live across the dPᵀ wait.
+        after_dp = Int32(cutlass.select_(rdP[0] != rdP[0], Int32(1), Int32(0)))
+        kv_idx = _opaque_i32(sched.n_block * TILE_N + cx.tidx) + after_dp
+        q_first = _opaque_i32(q_first) + after_dp
         indices = FloatIndices(q_first, kv_idx)
         uniform = self.grad_offsets.uniform
         acc_of = self.grad_offsets.acc
@@ -998,8 +1006,10 @@ class FlexAttentionBwdSm100:
                     sums[j] = sums[j] + contrib
                 else:
                     if contrib != zero:
-                        cute.arch.atomic_add(cx.accs[acc_of[j]].iterator + offsets[j],
-                                             contrib.to(cutlass.Float64))
+                        # red, not atom: an unused returned fp64 held 2 registers per add.
+                        cute.arch.red(cx.accs[acc_of[j]].iterator + offsets[j],
+                                      contrib.to(cutlass.Float64), op="add", dtype="f64",
+                                      sem="relaxed", scope="gpu")
             if const_expr(self.score_grads.unit_dscore):
                 rdP[i] = g
             else:
@@ -1023,8 +1033,9 @@ class FlexAttentionBwdSm100:
                     for sh in cutlass.range_constexpr(5):
                         total = total + cute.arch.shuffle_sync_bfly(total, offset=16 >> sh)
                     if cute.arch.lane_idx() == 0:
-                        cute.arch.atomic_add(cx.accs[acc_of[j]].iterator + offsets[j],
-                                             total.to(cutlass.Float64))
+                        cute.arch.red(cx.accs[acc_of[j]].iterator + offsets[j],
+                                      total.to(cutlass.Float64), op="add", dtype="f64",
+                                      sem="relaxed", scope="gpu")
 
     @cute.jit
     def epilogue(self, cx, t_ptr, mma_dv, mma_dk, pipes: _Pipes, wg: Int32, mdK, mdV, qblocks):
@@ -1266,14 +1277,12 @@ def _pre_config(cfg: BwdConfig) -> _Sm90BwdConfig:
     return _Sm90BwdConfig(cfg.head_dim, cfg.head_dim_v, cfg.dtype, deterministic=cfg.deterministic)
 
 
-def _sem_len(lpad: int) -> int:
-    """Semaphores per (b, h) that the sm90 preprocess zeroes (2 per 64 rows); this kernel uses
-    the first lpad / 128."""
-    return 2 * (lpad // _pre_config_tile_m())
-
-
-def _pre_config_tile_m() -> int:
-    return 64  # choose_bwd_tiling's tile_m for head dims 64 and 128
+def _sem_len(cfg: BwdConfig, lpad: int) -> int:
+    """Semaphores per (b, h) that the sm90 preprocess zeroes (2 per its 64-row q tile); this
+    kernel uses the first lpad / 128 (one per 128-row q tile)."""
+    n = 2 * (lpad // _pre_config(cfg).tiling.tile_m)
+    assert n >= lpad // TILE_M
+    return n
 
 
 def _placeholder_main_args(cfg: BwdConfig, aux_tensors, aux_scalars) -> tuple:
@@ -1368,7 +1377,7 @@ class CompiledBwd:
         dqacc = torch.empty(B, Hq, lpad, D, **f32)  # zeroed by the preprocess
         sem = None
         if cfg.deterministic:  # zeroed by the preprocess
-            sem = torch.empty(B, Hq, _sem_len(lpad), dtype=torch.int32, device=q.device)
+            sem = torch.empty(B, Hq, _sem_len(cfg, lpad), dtype=torch.int32, device=q.device)
         has_dlse = dlse is not None
         dlse = dlse.float().contiguous() if has_dlse else lse
         qblocks, qorder = _block_args(cfg, block_lists, q_order)
