@@ -230,6 +230,10 @@ class FlexAttentionBwdSm100:
         assert tmem_columns(cfg) <= TMEM_COLUMNS
         assert self.head_dim <= TILE_M  # dQ fits over dPᵀ
         assert smem_bytes(cfg) <= SMEM_CAPACITY, smem_bytes(cfg)
+        # One CTA per SM: each allocates all 512 TMEM columns, and a second resident CTA would
+        # wait in tcgen05.alloc for the first (in deterministic mode the first may be waiting
+        # for a later CTA's dQ adds: a deadlock). The smem use keeps it to one.
+        assert 2 * smem_bytes(cfg) > SMEM_CAPACITY, smem_bytes(cfg)
         assert TILE_M == MASK_BLOCK and TILE_N == MASK_BLOCK
 
     # -----------------------------------------------------------------------------------------
@@ -986,6 +990,7 @@ class FlexAttentionBwdSm100:
         after_dp = Int32(cutlass.select_(rdP[0] != rdP[0], Int32(1), Int32(0)))
         kv_idx = _opaque_i32(sched.n_block * TILE_N + cx.tidx) + after_dp
         q_first = _opaque_i32(q_first) + after_dp
+        head_o = _opaque_i32(head)
         indices = FloatIndices(q_first, kv_idx)
         uniform = self.grad_offsets.uniform
         acc_of = self.grad_offsets.acc
@@ -994,11 +999,11 @@ class FlexAttentionBwdSm100:
         for i in cutlass.range_constexpr(CHUNK):
             q_idx = q_first + i
             g = rP[i] * (rdP[i] - rD[i])
-            derivs = self.score_grads(sched.batch, head, q_idx, kv_idx, cx.aux,
+            derivs = self.score_grads(sched.batch, head_o, q_idx, kv_idx, cx.aux,
                                       *indices.args(self.score_grads, q_idx, kv_idx))
             offsets = None
             if const_expr(not all(uniform)):
-                offsets = self.grad_offsets(sched.batch, head, q_idx, kv_idx, cx.aux,
+                offsets = self.grad_offsets(sched.batch, head_o, q_idx, kv_idx, cx.aux,
                                             *indices.args(self.grad_offsets, q_idx, kv_idx))
             for j in cutlass.range_constexpr(len(uniform)):
                 contrib = Float32(cutlass.select_(g == zero, zero, g * derivs[1 + j]))
