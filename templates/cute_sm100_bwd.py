@@ -66,14 +66,14 @@ Warp roles (16 warps, ``setmaxnreg`` per warpgroup)
 * warp 12: MMA issue; warp 13: TMA loads (K and V once; Q, dO per tile); warps 14-15 idle so
   that ``setmaxnreg`` acts on whole warpgroups.
 
-Per tile, the MMA warp issues (pipelines in brackets)::
+Per tile j, the MMA warp issues (pipelines in brackets; Sᵀ(0) before the loop)::
 
-    [Q full] Sᵀ = K Qᵀ → [s full]      [dO full, dq empty] dPᵀ = V dOᵀ → [dp full]
-    [p full] dV += Pᵀ dO → [p empty, dO empty]
-    [ds full] dK += dSᵀ Q; dQ = dS K → [dq full, ds empty, Q empty]
+    [dO full, dq empty] dPᵀ(j) = V dOᵀ → [dp full]
+    [p full] dV += Pᵀ(j) dO → [p empty, dO empty]
+    [Q(j+1) full, s empty] Sᵀ(j+1) = K Qᵀ → [s full]        (not after the last tile)
+    [ds full] dK += dSᵀ(j) Q; dQ(j) = dS K → [dq full, ds empty, Q(j) empty]
 
-Not overlapped yet (first version): the next tile's Sᵀ waits for this tile's dQ; FA4 issues it
-earlier. Every hand-off is wrapped in tcgen05 fences (``tcgen05_fence``), as in the forward.
+so the next tile's Sᵀ runs while the compute warps form this tile's dS. Every hand-off is wrapped in tcgen05 fences (``tcgen05_fence``), as in the forward.
 
 Block lists: ``cute_sm90_bwd``'s contract (``QBlockLists``, ``QOrder``), unchanged: partial q
 blocks apply mask_mod, full ones skip it (bounds still checked on a tile crossing L or S);
@@ -690,29 +690,48 @@ class FlexAttentionBwdSm100:
             pipes.kv.consumer_wait(pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, 1))
             Cons, Prod = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
-            st = (pipeline.make_pipeline_state(Cons, self.q_stages),
-                  pipeline.make_pipeline_state(Cons, self.do_stages),
-                  pipeline.make_pipeline_state(Prod, 1), pipeline.make_pipeline_state(Prod, 1),
-                  pipeline.make_pipeline_state(Cons, 1), pipeline.make_pipeline_state(Cons, 1),
-                  pipeline.make_pipeline_state(Prod, 1))
-            for done in cutlass.range(total, unroll=1):
-                st = self._mma_tile(mma_s, mma_dv, mma_dk, mma_dq, acc, ops, pipes, st, done > 0)
+            # Sᵀ of the first tile, then per tile: its dPᵀ, dV, the NEXT tile's Sᵀ (so that
+            # the tensor core has it done while the compute warps form this tile's dS), dK, dQ.
+            # The last tile is peeled (no next Sᵀ): no pipeline state changes under a runtime
+            # branch.
+            q_next = pipeline.make_pipeline_state(Cons, self.q_stages)
+            s_state = pipeline.make_pipeline_state(Prod, 1)
+            s_state = self._issue_s(mma_s, tS, ops, pipes, q_next, s_state)
+            q_cur = q_next.clone()
+            q_next.advance()
+            st = (q_cur, q_next, pipeline.make_pipeline_state(Cons, self.do_stages), s_state,
+                  pipeline.make_pipeline_state(Prod, 1), pipeline.make_pipeline_state(Cons, 1),
+                  pipeline.make_pipeline_state(Cons, 1), pipeline.make_pipeline_state(Prod, 1))
+            for done in cutlass.range(total - 1, unroll=1):
+                st = self._mma_tile(mma_s, mma_dv, mma_dk, mma_dq, acc, ops, pipes, st,
+                                    done > 0, True)
+            st = self._mma_tile(mma_s, mma_dv, mma_dk, mma_dq, acc, ops, pipes, st, total > 1,
+                                False)
             pipes.dkv.producer_acquire(dkv_state)
             pipes.dkv.producer_commit(dkv_state)  # arrives when every MMA above has completed
 
     @cute.jit
-    def _mma_tile(self, mma_s, mma_dv, mma_dk, mma_dq, acc, ops: "_MmaOps", pipes: _Pipes, st,
-                  accumulate):
-        """One q tile in the order of the module docstring. The MMA warp does not need the
-        tile's index: the load warp put Q(m) and dO(m) into the stages in walk order."""
-        tS, tdP, tdV, tdK, tdQ, tP, tdS = acc
-        q_state, do_state, s_state, dp_state, p_state, ds_state, dq_state = st
+    def _issue_s(self, mma_s, tS, ops: "_MmaOps", pipes: _Pipes, q_state, s_state):
+        """Wait for a tile's Q, issue its Sᵀ = K Qᵀ, signal the compute warps."""
         pipes.q.consumer_wait(q_state)
-        pipes.s.producer_acquire(s_state)
+        pipes.s.producer_acquire(s_state)  # the compute warps are done with the last Sᵀ / Pᵀ
         tcgen05_fence(after=True)
         self._gemm(mma_s, tS, ops.tSrK, ops.tSrQ[None, None, None, q_state.index], False)
         pipes.s.producer_commit(s_state)
         s_state.advance()
+        return s_state
+
+    @cute.jit
+    def _mma_tile(self, mma_s, mma_dv, mma_dk, mma_dq, acc, ops: "_MmaOps", pipes: _Pipes, st,
+                  accumulate, next_s: cutlass.Constexpr):
+        """One q tile (its Sᵀ already issued) in the order of the module docstring; with
+        ``next_s``, the next tile's Sᵀ after this tile's dV. The MMA warp does not need the
+        tiles' indices: the load warp put Q(m) and dO(m) into the stages in walk order.
+        The next Sᵀ overwrites this tile's Pᵀ after dV (issued earlier: in order) and only once
+        the compute warps have released Sᵀ; Q has two stages, so the next tile's Q is loaded
+        while this tile's dK still reads its own."""
+        tS, tdP, tdV, tdK, tdQ, tP, tdS = acc
+        q_cur, q_next, do_state, s_state, dp_state, p_state, ds_state, dq_state = st
         pipes.do.consumer_wait(do_state)
         pipes.dq.producer_acquire(dq_state)  # the last dQ was read out: dPᵀ overwrites it
         pipes.dp.producer_acquire(dp_state)
@@ -728,18 +747,21 @@ class FlexAttentionBwdSm100:
         p_state.advance()
         pipes.do.consumer_release(do_state)
         do_state.advance()
+        if const_expr(next_s):
+            s_state = self._issue_s(mma_s, tS, ops, pipes, q_next, s_state)
+            q_next.advance()
         pipes.ds.consumer_wait(ds_state)
         tcgen05_fence(after=True)
-        self._gemm_split(mma_dk, tdK, tdS[0], tdS[1], ops.tKrQ[None, None, None, q_state.index],
+        self._gemm_split(mma_dk, tdK, tdS[0], tdS[1], ops.tKrQ[None, None, None, q_cur.index],
                          accumulate)
         self._gemm(mma_dq, tdQ, ops.tQrdS, ops.tQrK, False)
         pipes.dq.producer_commit(dq_state)
         dq_state.advance()
         pipes.ds.consumer_release(ds_state)
         ds_state.advance()
-        pipes.q.consumer_release(q_state)
-        q_state.advance()
-        return q_state, do_state, s_state, dp_state, p_state, ds_state, dq_state
+        pipes.q.consumer_release(q_cur)
+        q_cur.advance()
+        return q_cur, q_next, do_state, s_state, dp_state, p_state, ds_state, dq_state
 
     # -----------------------------------------------------------------------------------------
     # Compute warpgroups
