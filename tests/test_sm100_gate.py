@@ -440,14 +440,17 @@ def test_the_gate_holds_inside_torch_compile(blackwell, programs_run, wrong):
 
 
 def test_training_pairs_the_checked_forward_with_the_triton_backward(blackwell, monkeypatch):
-    # No sm100 backward exists: its saved LSE is the natural-log LSE the Triton backward reads
-    # (the check compares it), so training runs the sm100 forward + the Triton backward.
+    # Without an sm100 backward (the module absent, as before it existed; and the path every
+    # call the sm100 backward refuses takes): the forward's saved LSE is the natural-log LSE the
+    # Triton backward reads (the check compares it), so training runs the sm100 forward + the
+    # Triton backward.
+    monkeypatch.setattr(cute_sm100, "_backward_module", lambda: None)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v = inputs(grad=True, n=200)
     bm = block_mask(200)
     choice = explain(q, k, v, alibi, bm, enable_gqa=True)
     assert (choice.name, choice.backward) == ("cute_sm100", "triton"), str(choice)
-    assert "no sm100 backward exists yet" in choice.backward_reason
+    assert cute_sm100.NO_BACKWARD in choice.backward_reason
     out, lse = run(q, k, v, bm)
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
@@ -460,6 +463,17 @@ def test_training_pairs_the_checked_forward_with_the_triton_backward(blackwell, 
     for name, g, w, lw in zip(("dq", "dk", "dv"), got, want, lows):
         assert_close_to_oracle(name, g.double(), w, lw.double(), FLOOR[torch.bfloat16])
     assert_matches_oracle(out.detach(), lse.detach(), q.detach(), k.detach(), v.detach())
+
+
+def test_the_real_sm100_backward_is_offered_only_behind_its_own_check(blackwell):
+    # The real module (templates/cute_sm100_bwd.py, never run on Blackwell) serves this call's
+    # head dim and dtype; explain, which runs nothing, names it with its check not yet run.
+    q, k, v = inputs(grad=True, n=200)
+    bm = block_mask(200)
+    choice = explain(q, k, v, alibi, bm, enable_gqa=True)
+    assert (choice.name, choice.backward) == ("cute_sm100", "cute_sm100"), str(choice)
+    assert selfcheck.NOT_RUN in choice.backward_reason
+    assert blackwell.compiled == []  # a dry run compiles nothing
 
 
 class _FakeBackward:

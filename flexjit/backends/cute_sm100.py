@@ -18,10 +18,11 @@ rest of the process (``backend="auto"`` falls back to Triton, ``backend="cute"``
   memory under ``kernel_key`` (program, dtype, head dims, block-mask presence, captured-tensor
   kinds, options); no disk cache yet.
 * ``supports`` / ``forward``: the backend interface, both gated. ``backward_supports`` /
-  ``backward``: no sm100 backward exists yet, so training pairs this forward with the Triton
-  backward (its saved LSE is the natural-log, fp32 (B, Hq, L) LSE, -inf on an empty row, that
-  the Triton backward reads; the self-check compares it). ``backward_supports`` gates a future
-  ``cute_sm100_bwd`` module the same way (``_backward_module``).
+  ``backward``: the sm100 backward (``cute_sm100_bwd``, never run on Blackwell either), gated
+  the same way by its own first-use self-check of every gradient; where it refuses the call or
+  fails its check, training pairs this forward with the Triton backward (its saved LSE is the
+  natural-log, fp32 (B, Hq, L) LSE, -inf on an empty row, that the Triton backward reads; the
+  self-check compares it).
 * ``SEAM``: the capability query, the compile and the launch, replaced by the CPU tests
   (``tests/test_sm100_gate.py``) to simulate a Blackwell device with stand-in kernels.
 """
@@ -47,9 +48,9 @@ from .cute_sm90 import _aux_tensor, _cutlass_dtype, block_sparse_args, load_mods
 # repeated so that refusing needs no cutlass import).
 HEAD_DIMS = ((64, 64), (128, 128))
 ENV = "FLEXJIT_CUTE_SM100"
-NO_BACKWARD = ("no sm100 backward exists yet (the Triton backward trains the sm100 forward from "
+NO_BACKWARD = ("no sm100 backward module (the Triton backward trains the sm100 forward from "
                "its saved out and LSE)")
-# The backward module a later change adds, and what it must expose to be used (and gated).
+# The backward module, and what it must expose to be used (and gated).
 BACKWARD_MODULE = "flexjit.backends.cute_sm100_bwd"
 BACKWARD_API = ("backward_supports", "kernel_key", "backward")
 

@@ -1,0 +1,127 @@
+"""The CuTeDSL Blackwell backward (sm_100a): fill the sm100 backward's holes from a Program, compile.
+
+Status: compiled for sm_100a on the CPU, never run on a Blackwell GPU. It reaches a call only
+through ``cute_sm100.backward_supports``, which runs a first-use self-check of this module's
+``backward`` on a small case of the call (every gradient against float64 autograd,
+``selfcheck.check_backward``) before any answer is used, under ``kernel_key``. What is here is
+what that gate calls:
+
+* ``backward_supports``: refuses what the kernel cannot serve (``why_not``); the gate does the
+  rest.
+* ``kernel_key``: the compiled kernel's key (what ``compile_backward`` keeps it under, and what
+  its self-check result is kept under).
+* ``compile_backward``: the three kernels (the arch-neutral sm90 preprocess, the sm100 main
+  kernel, the sm100 postprocess) for a Program, its mods rendered by the shared CuTe renderer
+  (``cute_sm90.load_mods``: the module that fills the sm90 kernels), kept in memory per
+  (program, dtype, head dims, block-mask presence, determinism, captured-tensor kinds).
+* ``backward``: the sm90 backend's ``backward`` contract (dq, dk, dv and one gradient per
+  captured tensor).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .. import cache
+from ..passes import Program
+from .cute_render import captured_grads_in_kernel, grad_slots
+from .cute_sm90 import _aux_tensor, _cutlass_dtype, _dq_order, bwd_block_lists, load_mods
+
+# (head_dim, head_dim_v) pairs the sm100 backward has a tile for (``cute_sm100_bwd.HEAD_DIMS``,
+# repeated so that refusing needs no cutlass import).
+HEAD_DIMS = ((64, 64), (128, 128))
+
+log = logging.getLogger("flexjit")
+_COMPILED: dict[tuple, object] = {}
+
+
+def _template():
+    return cache.load_template("cute_sm100_bwd")
+
+
+def backward_supports(call) -> tuple[bool, str]:
+    """(False, why) for what the kernel cannot serve (``why_not``); else True: whether it may
+    run is the first-use self-check's to say (``cute_sm100.backward_supports``)."""
+    why = why_not(call)
+    if why is not None:
+        return False, why
+    return True, "the sm100 backward (compiled here, never run on Blackwell: self-checked on first use)"
+
+
+def _aux_sig(buffers) -> tuple:
+    return tuple((t.dtype, t.dim()) for t in buffers)
+
+
+def kernel_key(call) -> tuple:
+    """``compile_backward``'s key for this call: what shapes the kernel (lengths, batch, heads,
+    the scale and scalar values are runtime arguments)."""
+    prog = call.program
+    D, Dv = call.q.shape[-1], call.v.shape[-1]
+    return (prog.key, call.q.dtype, D, Dv, call.block_mask is not None,
+            torch.are_deterministic_algorithms_enabled(), _aux_sig(prog.buffers),
+            prog.scalar_dtypes, "")
+
+
+def why_not(call) -> str | None:
+    """What the kernel itself cannot serve (None: nothing), independent of the self-check:
+    head dims outside ``HEAD_DIMS``, dtypes other than fp16/bf16, and captured-tensor gradients
+    whose derivative depends on the score (the sm90 backward's limit, shared renderer)."""
+    D, Dv = call.q.shape[-1], call.v.shape[-1]
+    if (D, Dv) not in HEAD_DIMS:
+        return f"head dims ({D}, {Dv}); the sm100 backward takes {HEAD_DIMS}"
+    if call.q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {call.q.dtype}; the sm100 backward takes float16 and bfloat16"
+    if call.program.grad_loads:
+        ok, why = captured_grads_in_kernel(call.program)
+        if not ok:
+            return f"captured-tensor gradients: {why}"
+    return None
+
+
+def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
+                     deterministic: bool, aux_tensors, head_dim_v: int | None = None,
+                     options: str = ""):
+    """The sm100 backward's three kernels for this program (from memory or a fresh compile; no
+    disk cache: a kernel is worth keeping only once it has been verified). Works on the CPU:
+    the template always targets sm_100a."""
+    tpl = _template()
+    head_dim_v = head_dim_v or head_dim
+    key = (program.key, dtype, head_dim, head_dim_v, sparse, deterministic, _aux_sig(aux_tensors),
+           program.scalar_dtypes, options)
+
+    def build():
+        mods = load_mods(program)
+        cfg = tpl.BwdConfig(head_dim, head_dim_v, _cutlass_dtype(dtype), mods.score_mod_and_grad,
+                            mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
+                            score_grads=getattr(mods, "score_grads", None),
+                            grad_offsets=getattr(mods, "grad_offsets", None))
+        t0 = time.perf_counter()
+        fn = tpl.compile_bwd(cfg, aux_tensors, program.scalars, options=options)
+        log.info("flexjit: sm100 backward for %s/%s D=%d compiled in %.1f s", program.score_name,
+                 program.mask_name, head_dim, time.perf_counter() - t0)
+        return fn
+
+    return cache.cached(_COMPILED, key, build)
+
+
+def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
+    """(dq, dk, dv, *captured-tensor grads), as ``cute_sm90.backward``. Dispatch gets here only
+    through ``cute_sm100.backward`` (after the self-check passed)."""
+    prog = call.program
+    bm = call.block_mask
+    aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fn = compile_backward(prog, q.dtype, q.shape[-1], bm is not None, deterministic, aux,
+                          head_dim_v=v.shape[-1])
+    lists = bwd_block_lists(bm)
+    order = _dq_order(bm, lists) if deterministic and bm is not None else None
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    slots = grad_slots(prog) if prog.grad_loads else []
+    accs = {s: torch.zeros(aux[s].shape, dtype=torch.float64, device=q.device) for s in slots}
+    fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, call.scale, lists, aux, prog.scalars,
+       q_order=order, grad_accs=tuple(accs[s] for s in slots))
+    dbufs = [accs[s].reshape(b.shape).to(device=b.device, dtype=b.dtype) if s in accs else None
+             for s, b in enumerate(prog.buffers)]
+    return (dq, dk, dv, *dbufs)
