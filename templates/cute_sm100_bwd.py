@@ -100,13 +100,19 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from flexjit.templates.cute_common import (
-    LOG2_E, MASK_BLOCK, Aux, FloatIndices, as_scalar, aux_cutlass_dtype, ffi_function,
-    permute, placeholder, stream_context, tvm_ffi_enabled,
+    LOG2_E, MASK_BLOCK, Aux, FloatIndices, as_scalar, ffi_function, permute, stream_context,
+    tvm_ffi_enabled,
 )
 from flexjit.templates.cute_sm100_fwd import GPU_ARCH, SMEM_CAPACITY, TMEM_COLUMNS, tcgen05_fence
 from flexjit.templates.cute_sm90_bwd import (
     BwdConfig as _Sm90BwdConfig, FlexAttentionBwdPreSm90, QBlockLists, QOrder, _bcast,
     _opaque_i32,
+)
+# The host helpers the two archs' backwards share (placeholders for the three kernels'
+# arguments, the workspaces' padded length, the TMA-operand check).
+from flexjit.templates.cute_sm90_bwd_host import (  # noqa: F401 (num_grad_accs, padded_len: API)
+    _placeholder_main_args, _placeholder_post_args, _placeholder_pre_args, _tma_ready,
+    num_grad_accs, padded_len,
 )
 
 HEAD_DIMS = ((64, 64), (128, 128))
@@ -1287,17 +1293,6 @@ class FlexAttentionBwdPostSm100:
 PARTS = ("pre", "main", "post")
 
 
-def padded_len(seqlen_q: int) -> int:
-    """Rows of the lse2 / delta / dQ-accumulator workspaces: whole mask blocks."""
-    return max(1, -(-seqlen_q // MASK_BLOCK)) * MASK_BLOCK
-
-
-def num_grad_accs(cfg: BwdConfig) -> int:
-    if cfg.grad_offsets is None:
-        return 0
-    return max(cfg.grad_offsets.acc) + 1
-
-
 def _pre_config(cfg: BwdConfig) -> _Sm90BwdConfig:
     """The sm90 preprocess's configuration: it reads the dtype, head dims, its semaphore tile
     (2 semaphores per 64 rows, a superset of this kernel's one per 128) and determinism."""
@@ -1312,46 +1307,10 @@ def _sem_len(cfg: BwdConfig, lpad: int) -> int:
     return n
 
 
-def _placeholder_main_args(cfg: BwdConfig, aux_tensors, aux_scalars) -> tuple:
-    q, k, v, do, dk, dv = [placeholder(cfg.dtype, 4, 16, 8) for _ in range(6)]
-    lse2, delta = [placeholder(Float32, 3, 16, 4) for _ in range(2)]
-    dqacc = placeholder(Float32, 4, 16, 4)
-    qblocks = qorder = None
-    if cfg.has_block_mask:
-        qblocks = QBlockLists(*[placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
-        if cfg.deterministic:
-            qorder = QOrder(*[placeholder(Int32, 4, 4) for _ in range(2)])
-    sem = placeholder(Int32, 3, 4) if cfg.deterministic else None
-    tensors = tuple(placeholder(aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
-                    for t in aux_tensors)
-    scalars = tuple(as_scalar(x) for x in aux_scalars)
-    accs = tuple(placeholder(cutlass.Float64, 1, 8) for _ in range(num_grad_accs(cfg)))
-    return (q, k, v, do, lse2, delta, dqacc, dk, dv, Float32(1.0), Int32(1), qblocks, qorder, sem,
-            tensors or None, scalars or None, accs or None)
-
-
-def _placeholder_pre_args(cfg: BwdConfig) -> tuple:
-    o, do = [placeholder(cfg.dtype, 4, 16, 8) for _ in range(2)]
-    lse, dlse = [placeholder(Float32, 3, 4) for _ in range(2)]
-    lse2, delta = [placeholder(Float32, 3, 16, 4) for _ in range(2)]
-    dqacc = placeholder(Float32, 4, 16, 4)
-    sem = placeholder(Int32, 3, 4) if cfg.deterministic else None
-    return (o, do, lse, dlse, Int32(0), lse2, delta, dqacc, sem)
-
-
-def _placeholder_post_args(cfg: BwdConfig) -> tuple:
-    return (placeholder(Float32, 4, 16, 4), placeholder(cfg.dtype, 4, 16, 8), Float32(1.0))
-
-
 class _Part:
     def __init__(self, compiled, ffi_fn):
         self.compiled = compiled
         self.ffi_fn = ffi_fn
-
-
-def _tma_ready(t) -> bool:
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all((x * t.element_size()) % 16 == 0 for x in t.stride()[:-1]))
 
 
 class CompiledBwd:
