@@ -116,12 +116,10 @@ def test_deterministic(tmp_path, head_dim, sparse):
 
 
 # Every core mod compiles for sm_100a with a block mask where it has a mask_mod (the way a call
-# reaches the kernel). CI compiles the representative four (a mask that loads per key, a score_mod
-# with a per-head load, a transcendental, a bias table loading per element) at D = 128;
-# FLEXJIT_COMPILE_ALL=1 compiles every core mod at 128 and 64.
-_CI = ("document", "alibi", "softcap", "relative_bias")
+# reaches the kernel): in CI at D = 128 (issue #15 asks it of CI, ~4 s a compile);
+# FLEXJIT_COMPILE_ALL=1 adds every core mod at 64.
 _EVERY = os.environ.get("FLEXJIT_COMPILE_ALL") == "1"
-_CASES = [(n, d) for d in (128, 64) for n in CORE if _EVERY or (d == 128 and n in _CI)]
+_CASES = [(n, d) for d in (128, 64) for n in CORE if _EVERY or d == 128]
 
 
 @pytest.mark.parametrize("name,head_dim", _CASES, ids=[f"{n}-d{d}" for n, d in _CASES])
