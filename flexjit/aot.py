@@ -39,8 +39,8 @@ ARCHS = ("sm_90a", "sm_100a")
 PASSES = ("fwd", "bwd")
 
 
-def _table(n: int) -> torch.Tensor:
-    return torch.randn(n) * 0.1
+def _table(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape) * 0.1
 
 
 # name -> (seq_len, heads) -> (score_mod, mask_mod), as a model would build it
@@ -52,7 +52,7 @@ _VARIANTS = {
     "alibi": lambda S, H: (mods.alibi(H), mods.causal()),
     "softcap": lambda S, H: (mods.softcap(30.0), mods.causal()),
     "relative_bias": lambda S, H: (mods.relative_bias(_table(2 * S - 1)), None),
-    "t5_bias": lambda S, H: (mods.t5_bias(_table(32)), None),
+    "t5_bias": lambda S, H: (mods.t5_bias(_table(H, 32)), None),  # (heads, buckets), as T5
 }
 VARIANTS = tuple(_VARIANTS)
 
