@@ -167,7 +167,9 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
             keys: dict = {}
             # A compile that keeps files never loads from disk, and still exports its kernel
             # (its options are part of the in-memory key: a run's own kernels stay as they are).
-            backend.compile_program(program, q, k, v, sparse, aux, options=options or "--keep-cubin",
+            # Without a folder, the run's own path: loaded if cached, else compiled and exported
+            # (artifact flags without --dump-dir would write files into the working directory).
+            backend.compile_program(program, q, k, v, sparse, aux, options=options,
                                     persistent=backend._persistent_fwd(head_dim, sparse, seq_len,
                                                                        owner=bm), keys=keys)
             kernels.append(Kernel(arch, "fwd", "main", what, *(_files(folder, arch) if folder else
@@ -209,9 +211,9 @@ def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq
                                              seq_len, heads, kv_heads)
         if "fwd" in passes:
             folder = _folder(root, "fwd-main")
-            # Artifact flags: never loaded from disk, kept apart from a run's kernel in memory,
-            # still exported under the run's disk key.
-            options = "--keep-ptx --keep-cubin" + ("" if folder is None else f" --dump-dir {folder}")
+            # As the sm90 forward above: with a folder, always compiled (and exported under the
+            # run's disk key); without one, the run's own path.
+            options = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
             t0 = time.perf_counter()
             keys: dict = {}
             cute_sm100.compile_program(program, q, v, bm is not None, aux, options=options,

@@ -223,20 +223,37 @@ def test_cli_refuses_with_argparse_errors(tmp_path, args, message):
 
 def test_sm100_backward_recompiles_only_a_missing_part(tmp_path, monkeypatch):
     # The three parts are separate cache entries: with one object file gone, a run loads two
-    # and compiles (and exports again) only the third.
+    # and compiles (and exports again) only the third. ALiBi: a cheap compile (~10 s for both
+    # passes) that still captures a tensor (the slopes).
     from flexjit.backends import cute_sm100_bwd
 
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
-    kernels = aot.compile_variant("t5_bias", arch="sm_100a", head_dim=D, passes=("bwd",),
-                                  seq_len=256)
-    keys = {k.part: k.cache_key for k in kernels}
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # without out=, nothing may land in the working directory
+    kernels = aot.compile_variant("alibi", arch="sm_100a", head_dim=D, seq_len=256)
+    assert not list(work.iterdir()) and all(k.ptx is None and k.cubin is None for k in kernels)
+    keys = {k.part: k.cache_key for k in kernels if k.pass_ == "bwd"}
     cute_dir = tmp_path / "cache" / "cute"
     (cute_dir / f"{keys['post']}.o").unlink()
     monkeypatch.setattr(cute_sm100_bwd, "_COMPILED", {})
-    _, _, _, bm, program, aux = aot._example(*aot.builtin_variant("t5_bias", 256, 16), D, D,
+    _, _, _, bm, program, aux = aot._example(*aot.builtin_variant("alibi", 256, 16), D, D,
                                              torch.bfloat16, 256, 16, 16)
     fn = cute_sm100_bwd.compile_backward(program, torch.bfloat16, D, bm is not None, False, aux)
     assert {p: part.compiled is None for p, part in fn.parts.items()} == \
         {"pre": True, "main": True, "post": False}
     assert all(part.ffi_fn is not None for p, part in fn.parts.items() if p != "post")
-    assert sorted(p.stem for p in cute_dir.glob("*.o")) == sorted(keys.values())
+    assert sorted(p.stem for p in cute_dir.glob("*.o")) == sorted(k.cache_key for k in kernels)
+
+
+def test_every_builtin_variant_traces_with_its_captured_tensors():
+    # Tracing only (no compile): each variant's mods build the Program a run would; T5's table
+    # is (heads, buckets) and ALiBi's slopes one per head.
+    for name in aot.VARIANTS:
+        _, _, _, _, program, _ = aot._example(*aot.builtin_variant(name, 256, 4), D, D,
+                                              torch.bfloat16, 256, 4, 4)
+        shapes = [tuple(t.shape) for t in program.buffers]
+        if name == "t5_bias":
+            assert shapes == [(4, 32)], shapes
+        elif name == "alibi":
+            assert shapes == [(4,)], shapes
