@@ -37,7 +37,7 @@ from .cute_sm90 import (_ARTIFACT_FLAGS, _announce, _aux_tensor, _cutlass_dtype,
 # (head_dim, head_dim_v) pairs the sm100 backward has a tile for (``cute_sm100_bwd.HEAD_DIMS``,
 # repeated so that refusing needs no cutlass import).
 HEAD_DIMS = ((64, 64), (128, 128))
-PARTS = ("pre", "main", "post")  # the template's kernels (``cute_sm100_bwd.PARTS``), in launch order
+PARTS = ("pre", "main", "post")  # the template's kernels (its ``PARTS``), in launch order
 
 log = logging.getLogger("flexjit")
 _COMPILED: dict[tuple, object] = {}
@@ -138,7 +138,8 @@ def _build(program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool
                         mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
                         score_grads=getattr(mods, "score_grads", None),
                         grad_offsets=getattr(mods, "grad_offsets", None))
-    what = f"{program.score_name}/{program.mask_name} D={head_dim} {str(dtype).replace('torch.', '')}"
+    what = (f"{program.score_name}/{program.mask_name} D={head_dim} "
+            f"{str(dtype).replace('torch.', '')}")
     disk = tpl.tvm_ffi_enabled() and cute_cache.available()
     keys = _disk_keys(program, cfg, aux_tensors, options, tpl.PARTS) if disk else {}
     if keys_out is not None:
