@@ -14,11 +14,13 @@ used, the forward's tiling (persistent or not: from the mean number of kv tiles 
 ``seq_len``), deterministic mode for the backward, and the versions of flexjit's templates,
 CuTeDSL and tvm_ffi. Sizes, strides, batch, heads and scalar values are runtime arguments.
 
-sm_100a: the forward only (no sm100 backward is built), and its kernel is not put in the disk
-cache: it has never run on Blackwell, and a run uses it only after its first-use self-check has
-passed on that GPU (``flexjit.selfcheck``). CuTeDSL reads ``CUTE_DSL_ARCH`` once
-per process: compile for sm_90a in a process that has not compiled for another arch (the CLI
-sets it before importing cutlass); the sm100 template passes its arch explicitly.
+sm_100a: the forward and the backward's three kernels, exported to the disk cache the same way
+(``cute_sm100``, ``cute_sm100_bwd``). Caching does not make them trusted: a run uses an sm100
+kernel, loaded from disk or compiled, only after its first-use self-check has passed on that
+GPU in that process (``flexjit.selfcheck``). CuTeDSL reads ``CUTE_DSL_ARCH`` once per process:
+compile for sm_90a in a process that has not compiled for another arch (``compile_kernels``
+sets it for the sm90 kernels); the sm100 templates pass ``--gpu-arch sm_100a`` explicitly, so
+they compile (and export) in any process.
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ ARCHS = ("sm_90a", "sm_100a")
 PASSES = ("fwd", "bwd")
 
 
-def _table(n: int) -> torch.Tensor:
-    return torch.randn(n) * 0.1
+def _table(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape) * 0.1
 
 
 # name -> (seq_len, heads) -> (score_mod, mask_mod), as a model would build it
@@ -50,7 +52,7 @@ _VARIANTS = {
     "alibi": lambda S, H: (mods.alibi(H), mods.causal()),
     "softcap": lambda S, H: (mods.softcap(30.0), mods.causal()),
     "relative_bias": lambda S, H: (mods.relative_bias(_table(2 * S - 1)), None),
-    "t5_bias": lambda S, H: (mods.t5_bias(_table(32)), None),
+    "t5_bias": lambda S, H: (mods.t5_bias(_table(H, 32)), None),  # (heads, buckets), as T5
 }
 VARIANTS = tuple(_VARIANTS)
 
@@ -123,9 +125,6 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     kernel as it is done. Returns the kernels, forward first."""
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r}: flexjit's CuTe kernels target {', '.join(ARCHS)}")
-    if arch == "sm_100a" and "bwd" in passes:
-        raise ValueError("no sm_100a backward is built yet (issue #15); pass --pass fwd (the "
-                         "sm100 forward compiles, but never runs until a Blackwell self-check exists)")
     bad = [p for p in passes if p not in PASSES]
     if bad or not passes:
         raise ValueError(f"passes {tuple(passes)}: choose from {PASSES}")
@@ -146,8 +145,8 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     root = Path(out) / leaf if out is not None else None
 
     if arch == "sm_100a":
-        return _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads,
-                              kv_heads, name, what, root, log)
+        return _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq_len,
+                              heads, kv_heads, deterministic, what, root, log)
     with _arch(arch), torch.no_grad():
         from .backends import cute_sm90 as backend
 
@@ -168,7 +167,9 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
             keys: dict = {}
             # A compile that keeps files never loads from disk, and still exports its kernel
             # (its options are part of the in-memory key: a run's own kernels stay as they are).
-            backend.compile_program(program, q, k, v, sparse, aux, options=options or "--keep-cubin",
+            # Without a folder, the run's own path: loaded if cached, else compiled and exported
+            # (artifact flags without --dump-dir would write files into the working directory).
+            backend.compile_program(program, q, k, v, sparse, aux, options=options,
                                     persistent=backend._persistent_fwd(head_dim, sparse, seq_len,
                                                                        owner=bm), keys=keys)
             kernels.append(Kernel(arch, "fwd", "main", what, *(_files(folder, arch) if folder else
@@ -191,28 +192,51 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     return kernels
 
 
-def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads, kv_heads,
-                   name, what, root, log) -> list[Kernel]:
-    """The sm100 forward (``cute_sm100``; it targets sm_100a whatever CUTE_DSL_ARCH says). Not
-    exported to the disk cache: no run may use it before a Blackwell self-check exists."""
-    from .backends import cute_sm100
+def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq_len, heads,
+                   kv_heads, deterministic, what, root, log) -> list[Kernel]:
+    """The sm100 forward (``cute_sm100``) and backward (``cute_sm100_bwd``), both targeting
+    sm_100a whatever CUTE_DSL_ARCH says, exported to the disk cache as the sm90 kernels are. A
+    run still self-checks each kernel on its GPU before using it, loaded or not."""
+    from .backends import cute_sm100, cute_sm100_bwd
 
-    if (head_dim, head_dim_v) not in cute_sm100.HEAD_DIMS:
-        raise ValueError(f"head dims {(head_dim, head_dim_v)}: the sm100 forward takes "
-                         f"{cute_sm100.HEAD_DIMS}")
+    dims = (head_dim, head_dim_v)
+    if dims not in cute_sm100.HEAD_DIMS:
+        raise ValueError(f"head dims {dims}: the sm100 forward takes {cute_sm100.HEAD_DIMS}")
+    if "bwd" in passes and dims not in cute_sm100_bwd.HEAD_DIMS:
+        raise ValueError(f"head dims {dims}: the sm100 backward takes {cute_sm100_bwd.HEAD_DIMS}; "
+                         "pass passes=('fwd',)")
+    kernels = []
     with torch.no_grad():
         q, _, v, bm, program, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
                                              seq_len, heads, kv_heads)
-        folder = _folder(root, "fwd-main")
-        options = "--keep-ptx --keep-cubin" + ("" if folder is None else f" --dump-dir {folder}")
-        t0 = time.perf_counter()
-        cute_sm100.compile_program(program, q, v, bm is not None, aux, options=options)
-        kernel = Kernel("sm_100a", "fwd", "main", what,
-                        *(_files(folder, "sm_100a") if folder else (None, None)), None,
-                        time.perf_counter() - t0)
-    if log:
-        log(kernel.line() + " (sm100: never cached before a Blackwell self-check)")
-    return [kernel]
+        if "fwd" in passes:
+            folder = _folder(root, "fwd-main")
+            # As the sm90 forward above: with a folder, always compiled (and exported under the
+            # run's disk key); without one, the run's own path.
+            options = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
+            t0 = time.perf_counter()
+            keys: dict = {}
+            cute_sm100.compile_program(program, q, v, bm is not None, aux, options=options,
+                                       keys=keys)
+            kernels.append(Kernel("sm_100a", "fwd", "main", what,
+                                  *(_files(folder, "sm_100a") if folder else (None, None)),
+                                  keys.get("fwd"), time.perf_counter() - t0))
+            if log:
+                log(kernels[-1].line())
+        if "bwd" in passes:
+            parts = cute_sm100_bwd.PARTS
+            folders = {part: _folder(root, f"bwd-{part}") for part in parts}
+            t0 = time.perf_counter()
+            keys = cute_sm100_bwd.export_backward(program, dtype, head_dim, bm is not None,
+                                                  deterministic, aux, head_dim_v=head_dim_v,
+                                                  dump_dirs=folders)
+            spent = time.perf_counter() - t0  # the three parts together
+            for part in parts:
+                files = _files(folders[part], "sm_100a") if folders[part] else (None, None)
+                kernels.append(Kernel("sm_100a", "bwd", part, what, *files, keys.get(part), spent))
+                if log:
+                    log(kernels[-1].line())
+    return kernels
 
 
 def _example(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads, kv_heads):

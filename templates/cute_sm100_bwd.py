@@ -1437,3 +1437,9 @@ def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "
             fn = None
         built[name] = _Part(compiled, fn)
     return CompiledBwd(cfg, built, signature)
+
+
+def load_bwd(cfg: BwdConfig, ffi_fns: dict, signature=()) -> CompiledBwd:
+    """A ``CompiledBwd`` from functions loaded from the disk cache ({part: tvm_ffi.Function}):
+    nothing in it was compiled in this process (``_Part.compiled`` is None)."""
+    return CompiledBwd(cfg, {name: _Part(None, fn) for name, fn in ffi_fns.items()}, signature)

@@ -7,13 +7,16 @@
   size, finds all four kernels there with ``cute.compile`` patched to raise: the AOT keys are the
   run's keys.
 * The Python function does the same for a user's mod (a captured tensor, a Python float).
-* sm_100a: the forward compiles (tcgen05, no wgmma in its PTX) and is NOT put in the disk cache
-  (never run on Blackwell; no run may use it before a self-check exists).
-* Bad requests get argparse's error: the sm_100a backward (not built), an unknown variant, a
-  head dim the kernels lack, a bad --pass.
+* sm_100a the same way: the forward and the backward's three kernels (tcgen05 in the two main
+  kernels' PTX, no wgmma), all four in the disk cache, all four found by a second process with
+  ``cute.compile`` patched to raise (a run still self-checks each on its GPU before use); a
+  user's learnable bias through the Python function.
+* Bad requests get argparse's error: an unknown variant, a head dim the kernels lack, a bad
+  --pass.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -119,19 +122,92 @@ def test_python_api_compiles_a_user_mod(tmp_path, monkeypatch):
     assert lines == [k.line()] and "head_bias_causal D=64 bfloat16" in lines[0]
 
 
-def test_cli_compiles_the_sm100_forward_and_caches_nothing(tmp_path):
+_CHILD_SM100 = CHILD_NO_COMPILE + """
+    import torch
+    import flexjit
+    from flexjit.aot import builtin_variant
+    from flexjit.api import prepare_call
+    from flexjit.backends import cute_sm100, cute_sm100_bwd
+
+    S, D, B, H = SIZES, 2, 16  # another batch than the AOT compile's 1: a runtime value
+    score_mod, mask_mod = builtin_variant("causal", S, H)
+    q, k, v = (torch.empty(B, H, S, D, dtype=torch.bfloat16) for _ in range(3))
+    bm = flexjit.create_block_mask(mask_mod, None, None, S, S, device="cpu")
+    call = prepare_call(q, k, v, score_mod, bm, None, False, None)
+    fwd = cute_sm100._compile(call)  # the run's own compile (what SEAM.compile calls)
+    aux = tuple(cute_sm100._aux_tensor(t, q.device) for t in call.program.buffers)
+    bwd = cute_sm100_bwd.compile_backward(call.program, q.dtype, D, True,
+                                          torch.are_deterministic_algorithms_enabled(), aux,
+                                          head_dim_v=D)  # as cute_sm100_bwd.backward calls it
+    loaded = (fwd.compiled is None and fwd.ffi_fn is not None
+              and all(p.compiled is None and p.ffi_fn is not None for p in bwd.parts.values())
+              and sorted(bwd.parts) == sorted(cute_sm100_bwd.PARTS))
+    print(json.dumps({"messages": messages, "loaded": loaded}))
+"""
+
+
+def test_cli_compiles_the_sm100_kernels_and_a_training_process_finds_them(tmp_path):
+    # D=64 at 1k: the cheapest sm100 tiles (the whole CLI run takes ~10 s on 2 cores); one
+    # masked variant covers the block-list arguments of both passes.
     cache_dir, out = tmp_path / "cache", tmp_path / "out"
-    res = _cli(["compile", "--arch", "sm_100a", "--variant", "document", "--pass", "fwd",
-                "--seq-len", "1024", "--out", str(out)], cache_dir)
-    assert "never cached before a Blackwell self-check" in res.stdout, res.stdout
-    ptx = (out / "document-d128" / "fwd-main" / "fwd-main.sm_100a.ptx").read_text()
-    assert ".target sm_100a" in ptx and "tcgen05.mma" in ptx and "cp.async.bulk.tensor" in ptx
-    assert "wgmma" not in ptx
-    assert not list(cache_dir.rglob("*.o"))
+    res = _cli(["compile", "--arch", "sm_100a", "--variant", "causal", "--head-dim", str(D),
+                "--pass", "fwd,bwd", "--seq-len", "1024", "--out", str(out)], cache_dir)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("sm_100a ")]
+    assert [ln.split()[1:3] for ln in lines] == [["fwd", "main"], ["bwd", "pre"], ["bwd", "main"],
+                                                 ["bwd", "post"]], res.stdout
+    assert res.stdout.strip().endswith("4 kernels for sm_100a (causal)")
+    for folder in ("fwd-main", "bwd-pre", "bwd-main", "bwd-post"):
+        ptx = (out / f"causal-d{D}" / folder / f"{folder}.sm_100a.ptx").read_text()
+        assert ".target sm_100a" in ptx and "wgmma" not in ptx, folder
+        if folder.endswith("main"):  # the two attention kernels run on the Blackwell tensor cores
+            assert "tcgen05.mma" in ptx and "cp.async.bulk.tensor" in ptx, folder
+        cubin = (out / f"causal-d{D}" / folder / f"{folder}.sm_100a.cubin").read_bytes()
+        assert cubin[:4] == b"\x7fELF", folder
+    objects = sorted(p.stem for p in cache_dir.rglob("*.o"))
+    assert len(objects) == 4, objects
+    for line in lines:
+        assert any(f"cache {o}.o" in line for o in objects), line
+
+    env = dict(os.environ, FLEXJIT_CACHE_DIR=str(cache_dir))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    child = subprocess.run([sys.executable, "-c",
+                            textwrap.dedent(_CHILD_SM100.replace("SIZES", f"1024, {D}"))],
+                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    messages = result["messages"]
+    loaded = [m for m in messages if "loaded from disk" in m]
+    assert any("sm100 forward" in m for m in loaded), messages
+    assert any("sm100 backward" in m for m in loaded), messages
+    assert not any("compiled" in m and "loaded" not in m for m in messages), messages
+    assert result["loaded"], "the child's kernels must be the loaded TVM-FFI functions"
+    assert sorted(p.stem for p in cache_dir.rglob("*.o")) == objects  # nothing new was written
+
+
+def test_python_api_compiles_a_learnable_bias_for_sm100(tmp_path, monkeypatch):
+    # A captured tensor that requires grad: its gradient slots are part of the backward's key.
+    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
+    bias = torch.randn(16, requires_grad=True)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    lines = []
+    kernels = aot.compile_kernels(head_bias, None, arch="sm_100a", head_dim=D, seq_len=512,
+                                  out=tmp_path / "out", log=lines.append)
+    assert [(k.arch, k.pass_, k.part) for k in kernels] == [
+        ("sm_100a", "fwd", "main"), ("sm_100a", "bwd", "pre"), ("sm_100a", "bwd", "main"),
+        ("sm_100a", "bwd", "post")]
+    assert lines == [k.line() for k in kernels]
+    keys = [k.cache_key for k in kernels]
+    assert all(keys) and len(set(keys)) == 4
+    assert sorted(p.stem for p in (tmp_path / "cache").rglob("*.o")) == sorted(keys)
+    main = kernels[2].ptx.read_text()
+    assert kernels[2].ptx.name == "bwd-main.sm_100a.ptx" and "tcgen05.mma" in main
+    assert re.search(r"(red|atom)(\.\w+)*\.global(\.\w+)*\.add\.f64", main), \
+        "the bias gradient is not accumulated in fp64"
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--arch", "sm_100a", "--variant", "causal"], "no sm_100a backward is built yet"),
     (["--arch", "sm_100a", "--variant", "causal", "--pass", "fwd", "--head-dim", "96"],
      "the sm100 forward takes"),
     (["--arch", "sm_90a", "--variant", "nope"], "invalid choice: 'nope'"),
@@ -143,3 +219,41 @@ def test_cli_refuses_with_argparse_errors(tmp_path, args, message):
     res = _cli(["compile", *args, "--out", str(tmp_path / "out")], tmp_path / "cache", check=False)
     assert res.returncode == 2 and message in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr
+
+
+def test_sm100_backward_recompiles_only_a_missing_part(tmp_path, monkeypatch):
+    # The three parts are separate cache entries: with one object file gone, a run loads two
+    # and compiles (and exports again) only the third. ALiBi: a cheap compile (~10 s for both
+    # passes) that still captures a tensor (the slopes).
+    from flexjit.backends import cute_sm100_bwd
+
+    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # without out=, nothing may land in the working directory
+    kernels = aot.compile_variant("alibi", arch="sm_100a", head_dim=D, seq_len=256)
+    assert not list(work.iterdir()) and all(k.ptx is None and k.cubin is None for k in kernels)
+    keys = {k.part: k.cache_key for k in kernels if k.pass_ == "bwd"}
+    cute_dir = tmp_path / "cache" / "cute"
+    (cute_dir / f"{keys['post']}.o").unlink()
+    monkeypatch.setattr(cute_sm100_bwd, "_COMPILED", {})
+    _, _, _, bm, program, aux = aot._example(*aot.builtin_variant("alibi", 256, 16), D, D,
+                                             torch.bfloat16, 256, 16, 16)
+    fn = cute_sm100_bwd.compile_backward(program, torch.bfloat16, D, bm is not None, False, aux)
+    assert {p: part.compiled is None for p, part in fn.parts.items()} == \
+        {"pre": True, "main": True, "post": False}
+    assert all(part.ffi_fn is not None for p, part in fn.parts.items() if p != "post")
+    assert sorted(p.stem for p in cute_dir.glob("*.o")) == sorted(k.cache_key for k in kernels)
+
+
+def test_every_builtin_variant_traces_with_its_captured_tensors():
+    # Tracing only (no compile): each variant's mods build the Program a run would; T5's table
+    # is (heads, buckets) and ALiBi's slopes one per head.
+    for name in aot.VARIANTS:
+        _, _, _, _, program, _ = aot._example(*aot.builtin_variant(name, 256, 4), D, D,
+                                              torch.bfloat16, 256, 4, 4)
+        shapes = [tuple(t.shape) for t in program.buffers]
+        if name == "t5_bias":
+            assert shapes == [(4, 32)], shapes
+        elif name == "alibi":
+            assert shapes == [(4,)], shapes

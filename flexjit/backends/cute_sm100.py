@@ -16,7 +16,8 @@ rest of the process (``backend="auto"`` falls back to Triton, ``backend="cute"``
 * ``compile_program``: the forward for a Program, its mods rendered by the shared CuTe renderer
   (``cute_sm90.load_mods``: the same generated module fills the sm90 and sm100 kernels), kept in
   memory under ``kernel_key`` (program, dtype, head dims, block-mask presence, captured-tensor
-  kinds, options); no disk cache yet.
+  kinds, options) and on disk (``backends.cute_cache``, as the sm90 kernels; a loaded kernel
+  is self-checked like a fresh one).
 * ``supports`` / ``forward``: the backend interface, both gated. ``backward_supports`` /
   ``backward``: the sm100 backward (``cute_sm100_bwd``, never run on Blackwell either), gated
   the same way by its own first-use self-check of every gradient; where it refuses the call or
@@ -41,8 +42,9 @@ import torch
 from .. import cache, ir, selfcheck
 from ..ir import Op
 from ..passes import Program
-from . import capability
-from .cute_sm90 import _aux_tensor, _cutlass_dtype, block_sparse_args, load_mods
+from . import capability, cute_cache
+from .cute_sm90 import (_ARTIFACT_FLAGS, _announce, _aux_tensor, _cutlass_dtype, _key_options,
+                        _scalar_signature, block_sparse_args, load_mods)
 
 # (head_dim, head_dim_v) pairs the sm100 forward has a tile for (``cute_sm100_fwd.HEAD_DIMS``,
 # repeated so that refusing needs no cutlass import).
@@ -310,28 +312,80 @@ def kernel_key(call) -> tuple:
 
 
 def compile_program(program: Program, q, v, has_block_mask: bool, aux_tensors, options: str = "",
-                    write_max: bool = False, rescale_threshold: float = 0.0):
-    """Compile (or find in memory) the sm100 forward for this program and these input kinds.
-    Only dtypes, head dims, ranks and block-mask presence shape the kernel. Works on the CPU
-    (the template always targets sm_100a). No disk cache yet: it would need a kernel that has
-    been verified to be worth keeping."""
+                    write_max: bool = False, rescale_threshold: float = 0.0,
+                    keys: dict | None = None):
+    """Compile (or find in memory, or load from disk) the sm100 forward for this program and
+    these input kinds. Only dtypes, head dims, ranks and block-mask presence shape the kernel.
+    Works on the CPU (the template always targets sm_100a).
+
+    Disk cache as the sm90 forward's (``cute_sm90.compile_program``): the TVM-FFI kernel is
+    exported to ``cache_dir("cute")/<disk key>.o`` and a later process loads it. A cached
+    kernel is no more trusted than a fresh one: ``supports`` still self-checks it in each
+    process before a call uses it. A caller asking for ``--keep-ptx``/``--keep-cubin`` always
+    compiles (a loaded kernel has no PTX); its kernel is still exported. ``keys``: if given,
+    ``keys["fwd"]`` is set to the disk key (None with the disk cache off; ``flexjit.aot``)."""
     tpl = _template()
     D, Dv = q.shape[-1], v.shape[-1]
     key = _key(program, q.dtype, D, Dv, has_block_mask, aux_tensors, options, write_max,
                rescale_threshold)
+    hit = _COMPILED.get(key)
+    if hit is not None and keys is None:  # the per-call path: no config or disk key to build
+        return hit
+    mods = load_mods(program)
+    cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
+                        has_block_mask=has_block_mask, rescale_threshold=rescale_threshold,
+                        write_max=write_max, score_loads=score_loads(program))
+    what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
+    disk_key = None
+    if tpl.tvm_ffi_enabled() and cute_cache.available():
+        disk_key = cache.kernel_key(program.key, "cute_sm100_fwd",
+                                    _kernel_config(cfg, aux_tensors, program, options), "sm100")
+    if keys is not None:
+        keys["fwd"] = disk_key
+    wants_artifacts = any(f in options.split() for f in _ARTIFACT_FLAGS)
+
+    def load(disk_key):
+        t0 = time.perf_counter()
+        loaded = None if wants_artifacts else cute_cache.load(disk_key)
+        if loaded is None:
+            return None
+        _announce(f"sm100 forward for {what}: loaded from disk in "
+                  f"{time.perf_counter() - t0:.3f} s ({disk_key}.o)")
+        return tpl.CompiledFwd(cfg, None, _signature(program, aux_tensors), loaded)
 
     def build():
-        mods = load_mods(program)
-        cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
-                            has_block_mask=has_block_mask, rescale_threshold=rescale_threshold,
-                            write_max=write_max, score_loads=score_loads(program))
         t0 = time.perf_counter()
         fn = tpl.compile_fwd(cfg, q, aux_tensors, program.scalars, options=options)
-        log.info("flexjit: sm100 forward for %s/%s D=%d compiled in %.1f s", program.score_name,
-                 program.mask_name, D, time.perf_counter() - t0)
+        _announce(f"sm100 forward for {what}: compiled in {time.perf_counter() - t0:.1f} s")
         return fn
 
-    return cache.cached(_COMPILED, key, build)
+    return cache.cached(_COMPILED, key, build, disk_key=disk_key, load=load, store=_store)
+
+
+def _kernel_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
+    """The sm100 forward's disk-cache key material besides the program: every ``FwdConfig``
+    field but the mods (the program stands for them), the captured tensors' kinds, the scalar
+    dtypes, the code-changing compile options and the TVM-FFI version (the object file calls its
+    C ABI). Sizes, strides and scalar values are runtime arguments."""
+    import tvm_ffi
+
+    fields = tuple((f.name, cfg.dtype.__name__ if f.name == "dtype" else getattr(cfg, f.name))
+                   for f in dataclasses.fields(cfg) if f.name not in ("score_mod", "mask_mod"))
+    return (repr(fields), tuple((str(t.dtype), t.dim()) for t in aux_tensors),
+            tuple(d.value for d in program.scalar_dtypes), _key_options(options),
+            f"launch=tvm-ffi {tvm_ffi.__version__}")
+
+
+def _signature(program: Program, aux_tensors) -> tuple:
+    """A compiled kernel's argument kinds, as ``compile_fwd`` records them."""
+    return tuple((t.dtype, t.dim()) for t in aux_tensors) + _scalar_signature(program)
+
+
+def _store(disk_key: str, fn) -> None:
+    """Export a kernel compiled here (not one loaded from disk) into the disk cache."""
+    if fn.compiled is not None:
+        cute_cache.store(disk_key, lambda path, name: fn.compiled.export_to_c(
+            object_file_path=path, function_name=name))
 
 
 def _run(call, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -13,7 +13,10 @@ what that gate calls:
 * ``compile_backward``: the three kernels (the arch-neutral sm90 preprocess, the sm100 main
   kernel, the sm100 postprocess) for a Program, its mods rendered by the shared CuTe renderer
   (``cute_sm90.load_mods``: the module that fills the sm90 kernels), kept in memory per
-  (program, dtype, head dims, block-mask presence, determinism, captured-tensor kinds).
+  (program, dtype, head dims, block-mask presence, determinism, captured-tensor kinds) and on
+  disk, one object file per part (``backends.cute_cache``, as the sm90 backward's; a loaded
+  kernel is self-checked like a fresh one). ``export_backward``: the same, compiled afresh with
+  each part's PTX and cubin kept (``flexjit.aot``).
 * ``backward``: the sm90 backend's ``backward`` contract (dq, dk, dv and one gradient per
   captured tensor).
 """
@@ -26,12 +29,15 @@ import torch
 
 from .. import cache
 from ..passes import Program
+from . import cute_cache
 from .cute_render import captured_grads_in_kernel, grad_slots
-from .cute_sm90 import _aux_tensor, _cutlass_dtype, _dq_order, bwd_block_lists, load_mods
+from .cute_sm90 import (_ARTIFACT_FLAGS, _announce, _aux_tensor, _cutlass_dtype, _dq_order,
+                        _key_options, _scalar_signature, bwd_block_lists, load_mods)
 
 # (head_dim, head_dim_v) pairs the sm100 backward has a tile for (``cute_sm100_bwd.HEAD_DIMS``,
 # repeated so that refusing needs no cutlass import).
 HEAD_DIMS = ((64, 64), (128, 128))
+PARTS = ("pre", "main", "post")  # the template's kernels (its ``PARTS``), in launch order
 
 log = logging.getLogger("flexjit")
 _COMPILED: dict[tuple, object] = {}
@@ -83,27 +89,90 @@ def why_not(call) -> str | None:
 def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
                      deterministic: bool, aux_tensors, head_dim_v: int | None = None,
                      options: str = ""):
-    """The sm100 backward's three kernels for this program (from memory or a fresh compile; no
-    disk cache: a kernel is worth keeping only once it has been verified). Works on the CPU:
-    the template always targets sm_100a."""
-    tpl = _template()
+    """The sm100 backward's three kernels for this program, from memory, the disk cache (each
+    part its own object file, as the sm90 backward's) or a fresh compile. A kernel loaded from
+    disk is gated like a fresh one: ``cute_sm100.backward_supports`` self-checks it in each
+    process before a call uses it. Works on the CPU: the template always targets sm_100a."""
     head_dim_v = head_dim_v or head_dim
     key = (program.key, dtype, head_dim, head_dim_v, sparse, deterministic, _aux_sig(aux_tensors),
            program.scalar_dtypes, options)
+    return cache.cached(_COMPILED, key, lambda: _build(
+        program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors, options))
 
-    def build():
-        mods = load_mods(program)
-        cfg = tpl.BwdConfig(head_dim, head_dim_v, _cutlass_dtype(dtype), mods.score_mod_and_grad,
-                            mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
-                            score_grads=getattr(mods, "score_grads", None),
-                            grad_offsets=getattr(mods, "grad_offsets", None))
-        t0 = time.perf_counter()
-        fn = tpl.compile_bwd(cfg, aux_tensors, program.scalars, options=options)
-        log.info("flexjit: sm100 backward for %s/%s D=%d compiled in %.1f s", program.score_name,
-                 program.mask_name, head_dim, time.perf_counter() - t0)
-        return fn
 
-    return cache.cached(_COMPILED, key, build)
+def export_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
+                    deterministic: bool, aux_tensors, head_dim_v: int | None = None,
+                    dump_dirs: dict | None = None) -> dict:
+    """Compile the three kernels afresh (never from disk), export each into the disk cache under
+    the key ``compile_backward`` looks up, and with ``dump_dirs`` ({part: folder or None}) keep
+    each part's PTX and cubin there. {part: disk key or None}. For ``flexjit.aot``."""
+    keys: dict = {}
+    _build(program, dtype, head_dim, head_dim_v or head_dim, sparse, deterministic, aux_tensors,
+           "", dump_dirs=dump_dirs or {}, keys_out=keys)
+    return keys
+
+
+def _disk_keys(program: Program, cfg, aux_tensors, options: str, parts) -> dict:
+    """{part: disk-cache key} (``cache.kernel_key``: it adds the toolchain and flexjit's
+    sources). The pre/postprocess keys leave the Program out: every mod shares them."""
+    import tvm_ffi  # the object file calls into its C ABI: a new version must not reuse it
+
+    frozen = (cfg.dtype.__name__, cfg.head_dim, cfg.head_dim_v, cfg.has_block_mask,
+              f"deterministic={cfg.deterministic}", f"grad_slots={grad_slots(program)}",
+              tuple((str(t.dtype), t.dim()) for t in aux_tensors),
+              tuple(d.value for d in program.scalar_dtypes), _key_options(options),
+              f"launch=tvm-ffi {tvm_ffi.__version__}")
+    return {part: cache.kernel_key(program.key if part == "main" else "", f"cute_sm100_bwd_{part}",
+                                   frozen, "sm100") for part in parts}
+
+
+def _build(program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
+           deterministic: bool, aux_tensors, options: str, dump_dirs: dict | None = None,
+           keys_out: dict | None = None):
+    """The three kernels, each loaded from its object file where one exists, the missing ones
+    compiled (and exported). ``dump_dirs`` (ahead of time): compile every part, each dumping its
+    PTX and cubin into its own folder."""
+    tpl = _template()
+    mods = load_mods(program)
+    cfg = tpl.BwdConfig(head_dim, head_dim_v, _cutlass_dtype(dtype), mods.score_mod_and_grad,
+                        mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
+                        score_grads=getattr(mods, "score_grads", None),
+                        grad_offsets=getattr(mods, "grad_offsets", None))
+    what = (f"{program.score_name}/{program.mask_name} D={head_dim} "
+            f"{str(dtype).replace('torch.', '')}")
+    disk = tpl.tvm_ffi_enabled() and cute_cache.available()
+    keys = _disk_keys(program, cfg, aux_tensors, options, tpl.PARTS) if disk else {}
+    if keys_out is not None:
+        keys_out.update({part: keys.get(part) for part in tpl.PARTS})
+    fresh = dump_dirs is not None or any(f in options.split() for f in _ARTIFACT_FLAGS)
+    t0 = time.perf_counter()
+    loaded = {part: cute_cache.load(k) for part, k in keys.items()} if not fresh else {}
+    loaded = {part: fn for part, fn in loaded.items() if fn is not None}
+    missing = tuple(p for p in tpl.PARTS if p not in loaded)
+    if not missing:
+        _announce(f"sm100 backward for {what}: loaded from disk in "
+                  f"{time.perf_counter() - t0:.3f} s")
+        return tpl.load_bwd(cfg, loaded, _aux_sig(aux_tensors) + _scalar_signature(program))
+    if dump_dirs is not None:  # one compile per part, each dumping into its own folder
+        built = {}
+        for part in missing:
+            folder = dump_dirs.get(part)
+            opts = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
+            built.update(tpl.compile_bwd(cfg, aux_tensors, program.scalars, options=opts,
+                                         parts=(part,)).parts)
+        fn = tpl.CompiledBwd(cfg, built, _aux_sig(aux_tensors) + _scalar_signature(program))
+    else:
+        fn = tpl.compile_bwd(cfg, aux_tensors, program.scalars, options=options, parts=missing)
+    for part in missing:
+        if part in keys:
+            compiled = fn.parts[part].compiled
+            cute_cache.store(keys[part], lambda path, name, c=compiled: c.export_to_c(
+                object_file_path=path, function_name=name))
+    _announce(f"sm100 backward for {what}: compiled {', '.join(missing)} in "
+              f"{time.perf_counter() - t0:.1f} s")
+    if loaded:  # some parts came from disk: one backward of both kinds
+        fn.parts.update(tpl.load_bwd(cfg, loaded).parts)
+    return fn
 
 
 def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
