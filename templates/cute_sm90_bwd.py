@@ -998,18 +998,24 @@ class FlexAttentionBwdSm90:
             wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
         # lse2 into registers before the Sᵀ wait: the loads land under the GEMMs instead of
         # stalling the first exp2 right behind the wait (the wait is a memory fence to ptxas:
-        # it does not hoist shared loads above it).
-        rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
+        # it does not hoist shared loads above it). Not with kv_batch_broadcast: its 16 more
+        # live registers across the waits spill there (4 bytes), and on the H200 the early reads
+        # measured within 0-2.5% (gpu-s8 NOTES, stage 5); that kernel reads them after the waits.
+        if const_expr(not self.kv_batch_broadcast):
+            rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
         if const_expr(self.overlap_dp):
             warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under the elementwise work below
         else:
             warpgroup.wait_group(0)
         # Branch-free from here to the dPᵀ wait (a branch would make ptxas wait at its join).
+        if const_expr(self.kv_batch_broadcast):
+            rLSE = ctx.tSsLSE[None, None, None, idx]
         self._probabilities(ctx, acc_S, _as_acc_layout(ctx.tVrP, acc_S), rLSE, head, m, kind)
         if const_expr(not self.overlap_dp):
             pipe_do.consumer_wait(state)
         # delta likewise before the dPᵀ wait (and before the dV GEMM, whose issue covers them).
-        rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
+        if const_expr(not self.kv_batch_broadcast):
+            rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
         # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
         wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
         if const_expr(self.overlap_dp):
@@ -1020,6 +1026,8 @@ class FlexAttentionBwdSm90:
             # the register peak comes back: 44 bytes of spills for softcap at D = 128).
             wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
             warpgroup.wait_group(0)
+        if const_expr(self.kv_batch_broadcast):
+            rDelta = ctx.tSsDelta[None, None, None, idx]
         sums = None
         if const_expr(self.score_grads is not None):
             sums = self._captured_grads(ctx, acc_S, acc_dP, rDelta, head, m)
