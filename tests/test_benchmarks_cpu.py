@@ -131,9 +131,10 @@ def test_profiling_tools_run_what_the_benchmark_runs(capsys):
                       "--D", "64", "--iters", "1", "--pass", "fwdbwd"])
     assert capsys.readouterr().out.strip().endswith("ran alibi S=128 on reference")
     host_profile.main(["--device", "cpu", "--backend", "reference", "--variant", "causal",
-                       "--pass", "fwdbwd", "--calls", "3", "--top", "3"])
+                       "--pass", "fwdbwd", "--calls", "3", "--top", "40"])
     out = capsys.readouterr().out
-    assert out.startswith("causal fwdbwd on reference: ") and "flexjit" in out  # the profiled frames
+    # the profiled frames (with the call cache, torch's autograd fills the first few)
+    assert out.startswith("causal fwdbwd on reference: ") and "flexjit" in out
 
 
 def test_ncu_summary_reads_profile_kernels_output():
