@@ -29,16 +29,14 @@ run_as() {  # run_as NAME LIMIT_S pytest-args...   (NAME: the log's name; may ru
 case $batch in
   new)
     # The newest code's GPU tests, side by side; point it at the next change before its first
-    # GPU run. Now (for the eighth session): what the seventh session changed after its last
-    # GPU call or could not finish: paged KV after its device fix (#16), decode's paged cases
-    # after the test-oracle fix, the Triton TMA / warp-specialised kernels (their compiles ran
-    # past 200 s), an H200 training on kernels `flexjit compile` built without a GPU (#15), and
-    # the rest of the backward through its new host module.
-    run_as new-1 300 tests/test_paged_gpu.py &
-    run_as new-2 300 tests/test_decode_gpu.py -k paged &
+    # GPU run. Now (for the ninth session): what the eighth session changed after its last GPU
+    # call or could not run: the call cache's GPU tests (skipped by their fixture), the sm100
+    # gate with the real sm100 backward wired behind it (capability faked), the Triton USE_TMA
+    # cases (one ran), and the AOT tests (sm_100a entries now cached too).
+    run_as new-1 200 tests/test_call_cache.py &
+    run_as new-2 200 tests/test_sm100_gate.py &
     run_as new-3 420 tests/test_triton_gpu.py -k tma_option &
     run_as new-4 300 tests/test_aot_gpu.py &
-    run_as new-5 420 tests/test_cute_sm90_bwd_gpu.py -k "not (mods_ragged or rest_of_the_core or 192)" &
     wait
     ;;
   cute|cute-fwd|cute-bwd)
