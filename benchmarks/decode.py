@@ -71,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--flexjit-modes", default="",
                    help="extra flexjit rows, ';'-separated, each comma-separated key=value: "
-                        "splits=N (FLEXJIT_DECODE_SPLITS) or a kernel_options key (BLOCK_N, "
+                        "splits=N (FLEXJIT_DECODE_SPLITS), direct=0|1 (FLEXJIT_TRITON_DIRECT) or a "
+                        "kernel_options key (BLOCK_N, "
                         "num_warps, num_stages), e.g. 'splits=8;BLOCK_N=128,num_stages=4'")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--paged", default="0,1", help="0 (contiguous), 1 (paged) or both")
@@ -232,23 +233,47 @@ def paged_lists(case: Case, variant: str, lib):
 # ---- implementations --------------------------------------------------------------------------
 
 
-def parse_mode(mode: str) -> tuple[int | None, dict]:
-    """(splits or None, kernel_options) of a --flexjit-modes entry."""
-    splits, opts = None, {}
+MODE_ENV = {"splits": "FLEXJIT_DECODE_SPLITS", "direct": "FLEXJIT_TRITON_DIRECT"}
+"""--flexjit-modes keys that set an environment variable for the row's calls (the rest are
+kernel_options)."""
+
+
+def parse_mode(mode: str) -> tuple[dict, dict]:
+    """(environment, kernel_options) of a --flexjit-modes entry."""
+    env, opts = {}, {}
     for item in mode.split(","):
         key, _, value = item.partition("=")
         if not value:
             raise SystemExit(f"--flexjit-modes entry {item!r} is not key=value")
-        if key == "splits":
-            splits = int(value)
+        if key in MODE_ENV:
+            env[MODE_ENV[key]] = str(int(value))
         else:
             opts[key] = int(value)
-    return splits, opts
+    return env, opts
+
+
+class _Env:
+    """Sets a row's environment variables for the span of a call, restoring them after."""
+
+    def __init__(self, env: dict):
+        self.env, self.saved = env, {}
+
+    def __enter__(self):
+        for name, value in self.env.items():
+            self.saved[name] = os.environ.get(name)
+            os.environ[name] = value
+
+    def __exit__(self, *exc):
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = ""):
     import flexjit
-    splits, opts = parse_mode(mode) if mode else (None, None)
+    env, opts = parse_mode(mode) if mode else ({}, None)
     k, v = case.flex_kv(paged)
     if paged and case.pa is not None:  # the user's path: flexjit.PagedAttention's conversion
         logical = flexjit.create_block_mask(base_mask(variant, case.S, case.args.window), None, None,
@@ -264,26 +289,12 @@ def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = ""):
     q = case.q
 
     def call():
-        saved = os.environ.get("FLEXJIT_DECODE_SPLITS")
-        if splits is not None:
-            os.environ["FLEXJIT_DECODE_SPLITS"] = str(splits)
-        try:
+        with _Env(env):
             return flexjit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
                                           kernel_options=opts)
-        finally:
-            if splits is not None:
-                if saved is None:
-                    os.environ.pop("FLEXJIT_DECODE_SPLITS")
-                else:
-                    os.environ["FLEXJIT_DECODE_SPLITS"] = saved
-    if splits is not None:
-        os.environ["FLEXJIT_DECODE_SPLITS"] = str(splits)
-    try:
+    with _Env(env):
         note = str(flexjit.explain(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
                                    kernel_options=opts)).splitlines()[0]
-    finally:
-        if splits is not None:
-            os.environ.pop("FLEXJIT_DECODE_SPLITS", None)
     return call, note
 
 

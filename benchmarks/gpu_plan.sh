@@ -12,6 +12,10 @@
 #    by side (12 processes, compile-bound, 16 cores); then alone on the GPU the decode split
 #    sweep at batch 1 (issue #16: 811 GB/s with 128 splits at 32k against torch's 2.2 TB/s) and
 #    the FLEXJIT_TRITON_DIRECT=1 rows (the eager host cost on short kernels).
+# 2: the decode split sweep at batch 8 and 64 and the direct-launch A/B in one process (issue
+#    #16: pick the split rule and FLEXJIT_TRITON_DIRECT's default); then Nsight Compute over the
+#    sm90 backward (D=128 and 192) and the D=64 causal forward beside FA4's (issue #13: where the
+#    time goes), their kernels compiled first side by side into the disk cache.
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
 stage=${1:?usage: gpu_plan.sh STAGE OUT_DIR}
@@ -23,6 +27,11 @@ pt() {  # pt LIMIT_S LOG pytest-args...
   local limit=$1 log=$2; shift 2
   timeout "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu -W ignore "$@" >"$work/$log" 2>&1
   echo "[$log rc=$?] $(tail -1 "$work/$log")"
+}
+dec() {  # dec NAME LIMIT_S benchmarks.decode-args...
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m benchmarks.decode --out "$work/$name" "$@" >"$work/$name.txt" 2>&1
+  echo "[$name rc=$?]"; grep -E "^(flexjit|fa4|torch)" "$work/$name.txt" | cut -c1-150 | tail -40
 }
 bench() {  # bench NAME LIMIT_S benchmarks.run-args...
   local name=$1 limit=$2; shift 2
@@ -37,15 +46,27 @@ case $stage in
     pt 380 training.txt tests/test_training_gpu.py &
     wait
     grep -h "passed\|failed\|error" "$work"/tests/*.txt | grep -v "^E " | tail -12
-    dec() {  # dec NAME LIMIT_S benchmarks.decode-args...
-      local name=$1 limit=$2; shift 2
-      timeout "$limit" python3 -m benchmarks.decode --out "$work/$name" "$@" >"$work/$name.txt" 2>&1
-      echo "[$name rc=$?]"; grep -E "^(flexjit|fa4|torch)" "$work/$name.txt" | cut -c1-150 | tail -40
-    }
     dec sweep 110 --batch 1 --kv 4k,32k,128k --variants causal --paged 0 --impls flexjit,torch-flex \
       --flexjit-modes 'splits=8;splits=16;splits=32;splits=64;BLOCK_N=128;num_warps=2;num_stages=4' --budget-s 95
     FLEXJIT_TRITON_DIRECT=1 dec direct 60 --batch 1,8 --kv 4k,32k --variants causal --paged 0 \
       --impls flexjit,fa4 --budget-s 45
+    ;;
+  2)
+    # Warm the disk cache (one compile process per kernel set, side by side, off the timed GPU).
+    for c in full:8192:fwdbwd:128 causal:8192:fwd:64 full:8192:fwdbwd:192; do
+      IFS=: read -r variant S pass D <<<"$c"
+      timeout 240 python3 -m benchmarks.profile_one --backend cute --variant $variant --S $S --D $D \
+        --pass $pass >"$work/warm-$variant-$D.txt" 2>&1 &
+    done
+    wait
+    tail -n1 "$work"/warm-*.txt
+    dec sweep8 140 --batch 8,64 --kv 4k,32k,128k --variants causal --paged 0 --impls flexjit --no-graph \
+      --flexjit-modes 'splits=1;splits=2;splits=4;splits=8;splits=17;splits=32;direct=0;direct=1' --budget-s 120
+    dec direct1 50 --batch 1 --kv 4k,32k --variants causal --paged 0 --impls flexjit \
+      --flexjit-modes 'direct=0;direct=1;BLOCK_N=128;splits=32;splits=32,direct=1' --budget-s 40
+    timeout 300 bash benchmarks/profile_kernels.sh "$work/ncu.txt" cute:full:8192:fwdbwd \
+      fa4-bhsd:full:8192:fwdbwd cute:causal:8192:fwd:64 fa4-bhsd:causal:8192:fwd:64 cute:full:8192:fwdbwd:192
+    python3 -m benchmarks.ncu_summary "$work/ncu.txt" 2>&1 | tail -60
     ;;
   *)
     echo "unknown stage $stage" >&2

@@ -5,7 +5,8 @@
 #   source .devbundle/env.sh && export PYTHONPATH=$PWD:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc &&
 #   bash benchmarks/profile_kernels.sh $OUT/ncu.txt [case ...]
 #
-# A case is backend:variant:S:pass (e.g. cute:causal:8192:fwd; backend fa4-bhsd profiles FA4's own
+# A case is backend:variant:S:pass[:D] (e.g. cute:causal:8192:fwd, or cute:full:8192:fwdbwd:192 at
+# head dim 192; D defaults to 128; backend fa4-bhsd profiles FA4's own
 # kernels on the same memory layout: its forward, or its backward's three kernels). Per kernel: Speed Of Light,
 # warp stall reasons, and every pipe's utilisation (tensor = wgmma/mma, xu = MUFU: exp2, tanh,
 # int<->float conversions; fma/alu = FP32/integer), issue-slot use, and every stall reason per
@@ -25,7 +26,8 @@ metrics+=",sm__instruction_throughput.avg.pct_of_peak_sustained_active"
 # issued instruction): what a latency-bound loop waits on.
 metrics+=",regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
 for c in "${cases[@]}"; do
-  IFS=: read -r backend variant S pass <<<"$c"
+  IFS=: read -r backend variant S pass D <<<"$c"
+  D=${D:-128}
   if [ "$pass" = fwd ]; then
     # Three forward calls: profile the third (compiled, caches warm).
     sel=(-k "regex:flex_fwd|FlexAttentionFwd|FlashAttentionForward" -s 2 -c 1)
@@ -41,5 +43,5 @@ for c in "${cases[@]}"; do
   timeout 150 ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
     --section LaunchStats --section Occupancy --metrics "$metrics" "${sel[@]}" \
     python3 -m benchmarks.profile_one --backend "$backend" --variant "$variant" --S "$S" \
-    --pass "$pass" >>"$out" 2>&1 || echo "(ncu exited $?)" >>"$out"
+    --D "$D" --pass "$pass" >>"$out" 2>&1 || echo "(ncu exited $?)" >>"$out"
 done
