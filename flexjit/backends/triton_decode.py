@@ -37,6 +37,12 @@ CTAS_PER_SM = 2  # programs resident per SM the split count plans for (3 stages 
 WAVES = 4  # programs per resident slot the split count aims at: equal-length programs leave a
            # partly idle last wave; with 4 waves it is at most a quarter of the time, whatever the
            # true residency, and the partial results cost < 1% of the K/V bytes at KV >= 4k
+FEW_PROGRAMS = 16  # grids of at most this many programs per split (batch 1-2 at 8 KV heads) aim
+           # at ONE wave instead: measured on the H200 at batch 1 (8 programs per split, causal,
+           # Hq 32 / Hkv 8, D 128; benchmarks/results/2026-12-01-gpu-s9-stage1), 32 splits read
+           # 2.25 TB/s at 32k and 3.46 TB/s at 128k where four waves (128-132 splits) read 0.82 and
+           # 2.09, and two waves 1.46 and 2.46. Batch 8 (64 programs per split) keeps four
+           # waves, measured at 3.9 TB/s at 32k; between 16 and 64 is unmeasured.
 MIN_TILES_PER_SPLIT = 4  # a shorter split pays more in pipeline fill than it saves
 MAX_SPLITS = 256
 DEFAULT_SMS = 132  # the SM count assumed off the GPU (interpreter, explain on the CPU): an H100/H200
@@ -115,11 +121,17 @@ def _sm_count(index: int) -> int:
     return _SMS[index]
 
 
+def waves_for(programs: int) -> int:
+    """The waves of programs ``choose_splits`` aims at for ``programs`` programs per split."""
+    return 1 if programs <= FEW_PROGRAMS else WAVES
+
+
 def choose_splits(programs: int, kv_tiles: int, sms: int) -> int:
     """Splits per row for ``programs`` programs per split walking ``kv_tiles`` tiles each: the
-    fewest that give ``WAVES × sms × CTAS_PER_SM`` programs, no split shorter than
+    fewest that give ``waves × sms × CTAS_PER_SM`` programs (``waves``: 1 for grids of at most
+    ``FEW_PROGRAMS`` programs per split, else ``WAVES``), no split shorter than
     ``MIN_TILES_PER_SPLIT`` tiles, at most ``MAX_SPLITS``."""
-    target = WAVES * sms * CTAS_PER_SM
+    target = waves_for(programs) * sms * CTAS_PER_SM
     want = -(-target // max(1, programs))
     return max(1, min(want, kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
