@@ -250,11 +250,12 @@ def _ws_refused(e: Exception) -> bool:
     return isinstance(e, RuntimeError) and "PassManager" in str(e)
 
 
-# FLEXJIT_TRITON_DIRECT's default: "1" once tests/test_call_cache.py's GPU tests and the eager
-# decode benchmark have run on the GPU with it. The launcher convention it relies on (every
+# FLEXJIT_TRITON_DIRECT's default: on since tests/test_call_cache.py's GPU test (values, and the
+# direct path used) and the eager decode benchmark (every row checked) ran with it on the H200
+# (benchmarks/results/2026-12-01-gpu-s9-stage1). The launcher convention it relies on (every
 # parameter's value in order, constexprs included; CompiledKernel[grid](*values)) is the same in
 # Triton 3.6's and 3.9's JITFunction.run.
-DIRECT_DEFAULT = "0"
+DIRECT_DEFAULT = "1"
 
 
 class Ready:
@@ -265,7 +266,7 @@ class Ready:
 
     Only for arguments of the same specialisation as the first (a call_cache hit: the same
     ints, captured tensors and list tensors, q/k/v of the same 16-byte alignment, fresh
-    outputs). Under ``FLEXJIT_TRITON_DIRECT=1`` (opt-in until measured on the GPU) it then
+    outputs). Under ``FLEXJIT_TRITON_DIRECT=1`` (the default; =0 turns it off) it then
     skips Triton's own launch path too (binding ~50 arguments, specialising each, the cache
     key): Triton's compiled kernel is fetched once and its launcher called directly."""
     __slots__ = ("fn", "kwargs", "jit", "grid", "direct")
