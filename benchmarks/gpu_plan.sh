@@ -12,8 +12,10 @@
 #    by side (12 processes, compile-bound, 16 cores); then alone on the GPU the decode split
 #    sweep at batch 1 (issue #16: 811 GB/s with 128 splits at 32k against torch's 2.2 TB/s) and
 #    the FLEXJIT_TRITON_DIRECT=1 rows (the eager host cost on short kernels).
-# 2: the decode split sweep at batch 8 and 64 and the direct-launch A/B in one process (issue
-#    #16: pick the split rule and FLEXJIT_TRITON_DIRECT's default); then Nsight Compute over the
+# 2: the decode split sweep at batch 1, 8 and 64 with the per-row merge (issue #16: check the
+#    split rule; expected: batch 1 / 32k well under stage 1's 59.6 µs at 32 splits, since about
+#    1 µs per split was the old merge's) and the direct-launch A/B in one process (is
+#    FLEXJIT_TRITON_DIRECT=1, now the default, faster eager?); then Nsight Compute over the
 #    sm90 backward (D=128 and 192) and the D=64 causal forward beside FA4's (issue #13: where the
 #    time goes), their kernels compiled first side by side into the disk cache.
 # Issue the next stage at once: the machine is released 30 s after a call.
@@ -60,8 +62,8 @@ case $stage in
     done
     wait
     tail -n1 "$work"/warm-*.txt
-    dec sweep8 140 --batch 8,64 --kv 4k,32k,128k --variants causal --paged 0 --impls flexjit --no-graph \
-      --flexjit-modes 'splits=1;splits=2;splits=4;splits=8;splits=17;splits=32;direct=0;direct=1' --budget-s 120
+    dec sweep 150 --batch 1,8,64 --kv 4k,32k,128k --variants causal --paged 0 --impls flexjit,torch-flex \
+      --flexjit-modes 'splits=2;splits=4;splits=8;splits=17;splits=32;splits=64;splits=128;direct=0' --budget-s 135
     dec direct1 50 --batch 1 --kv 4k,32k --variants causal --paged 0 --impls flexjit \
       --flexjit-modes 'direct=0;direct=1;BLOCK_N=128;splits=32;splits=32,direct=1' --budget-s 40
     timeout 300 bash benchmarks/profile_kernels.sh "$work/ncu.txt" cute:full:8192:fwdbwd \

@@ -206,33 +206,35 @@ def flex_decode(
 def flex_decode_merge(
     OP, LP, MP, O, LSE, MAXS,  # partials as flex_decode writes them; O (B·Hq·L, EV) contiguous
     R, n_splits,  # R = B·Hq·L rows
-    EV: tl.constexpr, EV_PAD: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    EV: tl.constexpr, EV_PAD: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS_PAD: tl.constexpr,
     OUTPUT_MAX: tl.constexpr,
 ):
-    """Combine each row's split results (FlashDecoding's log-sum-exp reduction)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
-    r64 = rows.to(tl.int64)
+    """Combine one row's split results (FlashDecoding's log-sum-exp reduction): one program per
+    row, BLOCK_S splits' outputs per step. (A program per 16 rows looping over the splits one at
+    a time was a chain of dependent loads: at batch 1, 2 programs walked 128 splits.)"""
+    row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
-    s_mask = row_ok[:, None] & (offs_s[None, :] < n_splits)
-    lp = tl.load(LP + r64[:, None] * n_splits + offs_s[None, :], mask=s_mask, other=float("-inf"))
-    mx = _max(lp, 1)
+    s_ok = offs_s < n_splits
+    lp = tl.load(LP + row * n_splits + offs_s, mask=s_ok, other=float("-inf"))
+    mx = _max(lp, 0)
     mx_base = tl.where(mx == float("-inf"), 0.0, mx)
-    total = _sum(tl.math.exp2(lp - mx_base[:, None]), 1, False)
+    total = _sum(tl.math.exp2(lp - mx_base), 0, False)
     empty = total == 0.0
     lse2 = tl.where(empty, float("-inf"), mx_base + tl.math.log2(tl.where(empty, 1.0, total)))
     lse_base = tl.where(empty, 0.0, lse2)
     offs_dv = tl.arange(0, EV_PAD)
-    o_mask = row_ok[:, None] & (offs_dv[None, :] < EV)
-    acc = tl.full([BLOCK_R, EV_PAD], 0.0, tl.float32)
-    for s in range(0, n_splits):
-        w = tl.math.exp2(tl.load(LP + r64 * n_splits + s, mask=row_ok, other=float("-inf")) - lse_base)
-        o_s = tl.load(OP + (r64 * n_splits + s)[:, None] * EV + offs_dv[None, :], mask=o_mask,
-                      other=0.0)
-        acc += w[:, None] * o_s
-    tl.store(O + r64[:, None] * EV + offs_dv[None, :], acc.to(O.dtype.element_ty), mask=o_mask)
-    tl.store(LSE + r64, lse2 * LN2, mask=row_ok)
+    dv_ok = offs_dv < EV
+    offs_b = tl.arange(0, BLOCK_S)
+    acc = tl.full([EV_PAD], 0.0, tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        ss = s0 + offs_b
+        ok = ss < n_splits
+        w = tl.math.exp2(tl.load(LP + row * n_splits + ss, mask=ok, other=float("-inf")) - lse_base)
+        o_s = tl.load(OP + (row * n_splits + ss)[:, None] * EV + offs_dv[None, :],
+                      mask=ok[:, None] & dv_ok[None, :], other=0.0)
+        acc += _sum(w[:, None] * o_s, 0, False)
+    tl.store(O + row * EV + offs_dv, acc.to(O.dtype.element_ty), mask=dv_ok)
+    tl.store(LSE + row, lse2 * LN2)
     if OUTPUT_MAX:
-        mp = tl.load(MP + r64[:, None] * n_splits + offs_s[None, :], mask=s_mask,
-                     other=float("-inf"))
-        tl.store(MAXS + r64, _max(mp, 1) * LN2, mask=row_ok)
+        mp = tl.load(MP + row * n_splits + offs_s, mask=s_ok, other=float("-inf"))
+        tl.store(MAXS + row, _max(mp, 0) * LN2)

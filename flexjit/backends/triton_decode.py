@@ -46,7 +46,7 @@ FEW_PROGRAMS = 16  # grids of at most this many programs per split (batch 1-2 at
 MIN_TILES_PER_SPLIT = 4  # a shorter split pays more in pipeline fill than it saves
 MAX_SPLITS = 256
 DEFAULT_SMS = 132  # the SM count assumed off the GPU (interpreter, explain on the CPU): an H100/H200
-_MERGE_ROWS = 16
+_MERGE_SPLITS = 32  # splits a merge program combines per step: a (32, 128) fp32 tile, 32 values a thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,10 +230,10 @@ def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, b
 def merge_launch(dp: DecodePlan, parts, out, lse, maxs, EV: int) -> tb.Launch:
     R = lse.numel()
     args = [*parts, out, lse, maxs if maxs is not None else lse, R, dp.splits]
-    consts = dict(EV=EV, EV_PAD=head_pad(EV), BLOCK_R=_MERGE_ROWS,
-                  SPLITS_PAD=max(2, _next_pow2(dp.splits)), OUTPUT_MAX=maxs is not None)
-    return tb.Launch("decode", "flex_decode_merge", (tb.triton_cdiv(R, _MERGE_ROWS),), args, consts,
-                     tb._options(4, 1))
+    splits_pad = max(2, _next_pow2(dp.splits))
+    consts = dict(EV=EV, EV_PAD=head_pad(EV), BLOCK_S=min(splits_pad, _MERGE_SPLITS),
+                  SPLITS_PAD=splits_pad, OUTPUT_MAX=maxs is not None)
+    return tb.Launch("decode", "flex_decode_merge", (R,), args, consts, tb._options(4, 1))
 
 
 def forward(call, splits: int | None = None):
