@@ -24,9 +24,9 @@ are replayed in the run's order, so document ids are the run's; without one the 
 ids, so variants whose build draws (document) are probed under DRAWS seeds and every distinct
 kernel compiled (only the forward's tiling can change: it follows the mask's density).
 
-No GPU is used: the GPU is hidden (``CUDA_VISIBLE_DEVICES=""``) and CuTeDSL compiles for
-``CUTE_DSL_ARCH=sm_90a``, in this process and the workers, as ``tests/test_aot_gpu.py`` does (an
-H200 run loads such entries). The run afterwards prints "cute disk cache: H hits, M misses";
+No GPU is used: every tensor is a CPU one, the workers start with the GPU hidden
+(``CUDA_VISIBLE_DEVICES=""``) and CuTeDSL compiling for ``CUTE_DSL_ARCH=sm_90a``, as
+``tests/test_aot_gpu.py`` does (an H200 run loads such entries). The run afterwards prints "cute disk cache: H hits, M misses";
 after a complete prewarm M is 0. Cost: each worker imports CuTeDSL (seconds) and compiles its
 kernels; kernels a run needs but does not own (Triton, torch.compile, FA4) are not touched.
 """
@@ -38,15 +38,11 @@ import os
 import sys
 import time
 
-# Before torch or CuTeDSL look: CPU tensors only, kernels for Hopper.
-os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+import torch
 
-import torch  # noqa: E402
-
-from . import impls as impl_mod  # noqa: E402
-from . import run as run_mod  # noqa: E402
-from .variants import Case, build  # noqa: E402
+from . import impls as impl_mod
+from . import run as run_mod
+from .variants import Case, build
 
 ARCH = "sm_90a"
 DRAWS = 4  # generator seeds probed without --seed, for variants whose build draws random data
@@ -277,10 +273,28 @@ def make_parser():
     return p
 
 
+@contextlib.contextmanager
+def _workers_env():
+    """What the workers are started with: no GPU (CPU tensors; nothing touches the GPU the run
+    is about to use) and CuTeDSL compiling for sm_90a. Restored afterwards."""
+    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUTE_DSL_ARCH")}
+    os.environ.update(CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH=ARCH)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def main(argv=None) -> int:
     import concurrent.futures as cf
     import multiprocessing
 
+    # CuTeDSL reads the arch once, at its first compile; this process only traces and keys.
+    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     from flexjit.backends import cute_cache
 
     args = run_mod.parse_args(argv, make_parser())
@@ -315,7 +329,8 @@ def main(argv=None) -> int:
     done: set = set()
     if jobs:
         ctx = multiprocessing.get_context("spawn")
-        with cf.ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs)), mp_context=ctx) as pool:
+        with _workers_env(), cf.ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs)),
+                                                    mp_context=ctx) as pool:
             futures = {pool.submit(compile_job, job): job for job in jobs}
             for fut in cf.as_completed(futures):
                 job = futures[fut]
