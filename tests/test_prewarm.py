@@ -218,3 +218,18 @@ def test_after_a_prewarm_the_runs_calls_all_hit_the_disk_cache(tmp_path):
     assert again.stdout.splitlines()[-1].startswith("prewarm: 0 compiled, 4 already cached"), \
         again.stdout
     assert sum(ln.startswith("cached ") for ln in again.stdout.splitlines()) == 4
+
+
+def test_the_disk_cache_counts_its_lookups(cache_dir, monkeypatch):
+    # benchmarks.run's closing line comes from cute_cache.STATS: a lookup that finds nothing or
+    # a file it cannot load is a miss; with the disk cache off nothing is looked up or counted.
+    from flexjit.backends import cute_cache
+
+    monkeypatch.setattr(cute_cache, "STATS", {"hits": 0, "misses": 0})
+    assert cute_cache.load("0" * 32) is None
+    cute_cache.object_path("1" * 32).write_bytes(b"not an object file")
+    assert cute_cache.load("1" * 32) is None and not cute_cache.object_path("1" * 32).exists()
+    monkeypatch.setenv("FLEXJIT_CACHE", "0")
+    assert cute_cache.load("0" * 32) is None
+    assert cute_cache.STATS == {"hits": 0, "misses": 2}
+    assert run_mod.cute_disk_cache_line() == "cute disk cache: 0 hits, 2 misses"
