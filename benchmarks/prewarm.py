@@ -26,9 +26,10 @@ kernel compiled (only the forward's tiling can change: it follows the mask's den
 
 No GPU is used: every tensor is a CPU one, the workers start with the GPU hidden
 (``CUDA_VISIBLE_DEVICES=""``) and CuTeDSL compiling for ``CUTE_DSL_ARCH=sm_90a``, as
-``tests/test_aot_gpu.py`` does (an H200 run loads such entries). The run afterwards prints "cute disk cache: H hits, M misses";
-after a complete prewarm M is 0. Cost: each worker imports CuTeDSL (seconds) and compiles its
-kernels; kernels a run needs but does not own (Triton, torch.compile, FA4) are not touched.
+``tests/test_aot_gpu.py`` does (an H200 run loads such entries). The run afterwards prints
+"cute disk cache: H hits, M misses"; after a complete prewarm M is 0. Cost: each worker imports
+CuTeDSL (seconds) and compiles its kernels; kernels the run needs from others (Triton,
+torch.compile, FA4) are not touched. Only sm_90a: an sm100 run self-checks its own kernels.
 """
 from __future__ import annotations
 
@@ -206,16 +207,22 @@ def run_keys(spec: Spec) -> dict:
     return out
 
 
-def plan(all_specs: list[Spec]) -> tuple[list[Job], dict]:
-    """(jobs, on_disk): one job per forward key and per backward key triple that is not all on
-    disk yet, the backward first (the longest compiles start first); on_disk: {key: (spec,
-    pass, part)} of the needed kernels already in the cache."""
+def plan(all_specs: list[Spec]) -> tuple[list[Job], dict, list[str]]:
+    """(jobs, on_disk, errors): one job per forward key and per backward key triple that is not
+    all on disk yet, the backward first (the longest compiles start first); on_disk: {key:
+    (spec, pass, part)} of the needed kernels already in the cache; errors: the calls whose
+    keys could not be found (the run's own call would fail the same way, or this is a bug)."""
     from flexjit.backends import cute_cache
 
     jobs: dict = {}
     on_disk: dict = {}
+    errors: list = []
     for spec in all_specs:
-        keys = run_keys(spec)
+        try:
+            keys = run_keys(spec)
+        except Exception as e:
+            errors.append(f"{spec.what()} {spec.pass_}: {type(e).__name__}: {e}")
+            continue
         for pass_ in ("bwd", "fwd"):
             mine = {part: key for (p, part), key in keys.items() if p == pass_}
             if not mine:
@@ -231,7 +238,7 @@ def plan(all_specs: list[Spec]) -> tuple[list[Job], dict]:
             if len(present) < len(mine):
                 jobs[ident] = Job(spec, pass_, mine)
     order = sorted(jobs.values(), key=lambda j: j.pass_ != "bwd")
-    return order, on_disk
+    return order, on_disk, errors
 
 
 def compile_job(job: Job) -> dict:
@@ -289,12 +296,42 @@ def _workers_env():
                 os.environ[k] = v
 
 
-def main(argv=None) -> int:
+def compile_all(jobs: list[Job], workers: int, on_disk: set) -> set:
+    """Run the jobs in ``workers`` spawned processes, printing each kernel as its job ends;
+    the keys compiled (those not already on disk)."""
     import concurrent.futures as cf
     import multiprocessing
 
+    done: set = set()
+    if not jobs:
+        return done
+    ctx = multiprocessing.get_context("spawn")
+    with _workers_env(), cf.ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
+                                                mp_context=ctx) as pool:
+        futures = {pool.submit(compile_job, job): job for job in jobs}
+        for fut in cf.as_completed(futures):
+            job = futures[fut]
+            try:
+                res = fut.result()
+            except Exception as e:  # a worker that died (killed, out of memory)
+                res = {"kernels": [], "error": f"worker: {type(e).__name__}: {e}"}
+            shared = f" (and {job.users - 1} more calls)" if job.users > 1 else ""
+            for part, key, seconds in res["kernels"]:
+                took = f"{seconds:.1f} s" + (" (the 3 parts)" if job.pass_ == "bwd" else "")
+                print(f"compiled {job.pass_} {part:4} {job.spec.what()} {job.spec.pass_}{shared}: "
+                      f"{took}; {key}.o", flush=True)
+            if res["error"]:
+                print(f"FAILED   {job.pass_} {job.spec.what()} {job.spec.pass_}: {res['error']}",
+                      flush=True)
+            else:
+                done |= set(job.keys.values()) - on_disk
+    return done
+
+
+def main(argv=None) -> int:
     # CuTeDSL reads the arch once, at its first compile; this process only traces and keys.
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+    from flexjit import cache
     from flexjit.backends import cute_cache
 
     args = run_mod.parse_args(argv, make_parser())
@@ -309,13 +346,15 @@ def main(argv=None) -> int:
         # The run will draw its own seed: where a build draws (document ids), probe several
         # draws and compile every distinct kernel.
         all_specs += [s for seed in range(1, DRAWS) for s in specs(args, seed) if draws_data(s)]
-    jobs, on_disk = plan(all_specs)
+    jobs, on_disk, errors = plan(all_specs)
+    for err in errors:
+        print(f"FAILED   to find the keys of {err}", flush=True)
     todo = {key for job in jobs for key in job.keys.values()} - set(on_disk)
     print(f"prewarm: {len(all_specs)} CuTe calls of the run "
           f"({', '.join(cute_impls(args)) or 'no CuTe impl'}) need {len(todo) + len(on_disk)} "
           f"kernels: {len(on_disk)} already cached, {len(todo)} to compile in {len(jobs)} jobs "
           f"on {min(args.jobs, max(len(jobs), 1))} workers; cache "
-          f"{cute_cache.object_path('x').parent}; planned in {time.perf_counter() - t0:.1f} s",
+          f"{cache.cache_dir('cute')}; planned in {time.perf_counter() - t0:.1f} s",
           flush=True)
     for key, (spec, pass_, part) in on_disk.items():
         print(f"cached   {pass_} {part:4} {spec.what()} {spec.pass_}: {key}.o", flush=True)
@@ -325,33 +364,13 @@ def main(argv=None) -> int:
                 if key not in on_disk:
                     print(f"needed   {job.pass_} {part:4} {job.spec.what()} {job.spec.pass_}: "
                           f"{key}.o", flush=True)
-        return 0
-    done: set = set()
-    if jobs:
-        ctx = multiprocessing.get_context("spawn")
-        with _workers_env(), cf.ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs)),
-                                                    mp_context=ctx) as pool:
-            futures = {pool.submit(compile_job, job): job for job in jobs}
-            for fut in cf.as_completed(futures):
-                job = futures[fut]
-                try:
-                    res = fut.result()
-                except Exception as e:  # a worker that died (killed, out of memory)
-                    res = {"kernels": [], "error": f"worker: {type(e).__name__}: {e}"}
-                shared = f" (and {job.users - 1} more calls)" if job.users > 1 else ""
-                for part, key, seconds in res["kernels"]:
-                    took = f"{seconds:.1f} s" + (" (the 3 parts)" if job.pass_ == "bwd" else "")
-                    print(f"compiled {job.pass_} {part:4} {job.spec.what()} {job.spec.pass_}{shared}: "
-                          f"{took}; {key}.o", flush=True)
-                if res["error"]:
-                    print(f"FAILED   {job.pass_} {job.spec.what()} {job.spec.pass_}: {res['error']}",
-                          flush=True)
-                else:
-                    done |= set(job.keys.values()) - set(on_disk)
+        return 1 if errors else 0
+    done = compile_all(jobs, args.jobs, set(on_disk))
     missing = todo - done
-    print(f"prewarm: {len(done)} compiled, {len(on_disk)} already cached, {len(missing)} failed, "
-          f"in {time.perf_counter() - t0:.1f} s", flush=True)
-    return 1 if missing else 0
+    print(f"prewarm: {len(done)} compiled, {len(on_disk)} already cached, {len(missing)} failed"
+          + (f", {len(errors)} calls not probed" if errors else "")
+          + f", in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 1 if missing or errors else 0
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ RUN_ORDER = ("cudnn", "fa4", "fa4-bhsd", "torch-flex-triton", "torch-flex-flash"
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
               "misaligned address", "illegal instruction", "CUDA error: an illegal")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KNOWN_IMPLS = impl_mod.DEFAULT_IMPLS + impl_mod.EXTRA_IMPLS
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -93,7 +94,6 @@ def make_parser() -> argparse.ArgumentParser:
                    help="B*S per case (default 16384); a longer S runs one sequence (B=1)")
     p.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default both)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="default: all seven")
-    known_impls = impl_mod.DEFAULT_IMPLS + impl_mod.EXTRA_IMPLS
     p.add_argument("--impls", default=",".join(impl_mod.DEFAULT_IMPLS),
                    help=f"default: {','.join(impl_mod.DEFAULT_IMPLS)}")
     p.add_argument("--all", action="store_true",
@@ -126,7 +126,7 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
     args.d = parse_head_dims(args.d) if args.d else ([(64, 64), (128, 128)] if args.all else [(128, 128)])
     args.passes = parse_list(args.passes, ("fwd", "fwdbwd"))
     args.variants = parse_list(args.variants, VARIANTS)
-    args.impls = parse_list(args.impls, impl_mod.DEFAULT_IMPLS + impl_mod.EXTRA_IMPLS)
+    args.impls = parse_list(args.impls, KNOWN_IMPLS)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(2**31)

@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -233,3 +232,25 @@ def test_the_disk_cache_counts_its_lookups(cache_dir, monkeypatch):
     assert cute_cache.load("0" * 32) is None
     assert cute_cache.STATS == {"hits": 0, "misses": 2}
     assert run_mod.cute_disk_cache_line() == "cute disk cache: 0 hits, 2 misses"
+
+
+def test_plan_compiles_each_key_once_and_skips_what_is_on_disk(cache_dir):
+    from flexjit.backends import cute_cache
+
+    # causal at 512 and 1k, both passes: one forward key (both persistent) and one backward
+    # triple, each needed by several calls; the backward planned first.
+    args = _args(*SMALL, "--S", "512,1k", "--variants", "causal", "--passes", "fwd,fwdbwd",
+                 "--seed", "0")
+    specs = prewarm.specs(args, 0)
+    jobs, on_disk, errors = prewarm.plan(specs)
+    assert not errors and not on_disk
+    assert [(j.pass_, sorted(j.keys), j.users) for j in jobs] == [
+        ("bwd", ["main", "post", "pre"], 2), ("fwd", ["main"], 4)]
+    # A forward already on disk is reported, not compiled; a backward with one part missing
+    # is compiled again (export_backward builds its three parts together).
+    fwd, bwd = jobs[1].keys["main"], jobs[0].keys
+    for key in (fwd, bwd["pre"], bwd["main"]):
+        cute_cache.object_path(key).write_bytes(b"stand-in")
+    jobs2, on_disk2, _ = prewarm.plan(specs)
+    assert [(j.pass_, j.keys) for j in jobs2] == [("bwd", bwd)]
+    assert set(on_disk2) == {fwd, bwd["pre"], bwd["main"]}
