@@ -52,6 +52,7 @@ RUN_ORDER = ("cudnn", "fa4", "fa4-bhsd", "torch-flex-triton", "torch-flex-flash"
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
               "misaligned address", "illegal instruction", "CUDA error: an illegal")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KNOWN_IMPLS = impl_mod.DEFAULT_IMPLS + impl_mod.EXTRA_IMPLS
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -80,7 +81,8 @@ def parse_list(text: str, known) -> list[str]:
     return items
 
 
-def parse_args(argv=None):
+def make_parser() -> argparse.ArgumentParser:
+    """The run's flags (``benchmarks.prewarm`` takes the same ones, through this parser)."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for results.json/.md/.png and log.txt")
     p.add_argument("--S", default=None, help="sequence lengths, e.g. 2k,8k (default 2k,8k)")
@@ -92,7 +94,6 @@ def parse_args(argv=None):
                    help="B*S per case (default 16384); a longer S runs one sequence (B=1)")
     p.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default both)")
     p.add_argument("--variants", default=",".join(VARIANTS), help="default: all seven")
-    known_impls = impl_mod.DEFAULT_IMPLS + impl_mod.EXTRA_IMPLS
     p.add_argument("--impls", default=",".join(impl_mod.DEFAULT_IMPLS),
                    help=f"default: {','.join(impl_mod.DEFAULT_IMPLS)}")
     p.add_argument("--all", action="store_true",
@@ -113,13 +114,19 @@ def parse_args(argv=None):
                         "backward then orders its dQ adds); compare with a run without it")
     p.add_argument("--resume", default=None, metavar="RESULTS_JSON",
                    help="keep that run's rows and measure only what it left out (budget, errors in a row, lost context)")
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
+    """The run's arguments, normalised (sizes, lists, device, seed); ``parser``: ``make_parser()``
+    with flags added (``benchmarks.prewarm``)."""
+    args = (parser or make_parser()).parse_args(argv)
     args.S = parse_sizes(args.S) if args.S else list(ALL_S if args.all else DEFAULT_S)
     args.hkv = parse_sizes(args.hkv) if args.hkv else ([16, 4] if args.all else [16])
     args.d = parse_head_dims(args.d) if args.d else ([(64, 64), (128, 128)] if args.all else [(128, 128)])
     args.passes = parse_list(args.passes, ("fwd", "fwdbwd"))
     args.variants = parse_list(args.variants, VARIANTS)
-    args.impls = parse_list(args.impls, known_impls)
+    args.impls = parse_list(args.impls, KNOWN_IMPLS)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(2**31)
@@ -488,6 +495,26 @@ class Runner:
         (self.out / "results.json").write_text(json.dumps(self.rows, indent=1))
 
 
+def cases(args) -> list[Case]:
+    """Every shape of the run, in its order."""
+    return [Case(max(1, args.tokens // S), S, args.hq, hkv, d, DTYPES[args.dtype], None if dv == d else dv)
+            for S, hkv, (d, dv) in itertools.product(args.S, args.hkv, args.d)]
+
+
+def grid(args):
+    """(pass, case, variant name) in the order the run measures them (``benchmarks.prewarm``
+    walks the same grid)."""
+    return itertools.product(args.passes, cases(args), args.variants)
+
+
+def cute_disk_cache_line() -> str:
+    """How many CuTe kernels this process loaded from the disk cache and how many it looked up
+    there and did not find (then compiled): after ``benchmarks.prewarm``, misses should be 0."""
+    from flexjit.backends import cute_cache
+
+    return f"cute disk cache: {cute_cache.STATS['hits']} hits, {cute_cache.STATS['misses']} misses"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
@@ -502,13 +529,12 @@ def main(argv=None) -> int:
     (out / "meta.json").write_text(json.dumps(env, indent=1))
     print("benchmarks.run:", json.dumps(env))
     runner = Runner(args, env, out)
-    cases = [Case(max(1, args.tokens // S), S, args.hq, hkv, d, DTYPES[args.dtype], None if dv == d else dv)
-             for S, hkv, (d, dv) in itertools.product(args.S, args.hkv, args.d)]
-    for pass_, case, vname in itertools.product(args.passes, cases, args.variants):
+    for pass_, case, vname in grid(args):
         runner.run_case(pass_, case, vname)
     rows = runner.rows
     report.write(rows, env, out, png=not args.no_png)
     print(f"\nbenchmarks.run: {len(rows)} rows in {time.monotonic() - runner.start:.0f} s -> {out}")
+    print(cute_disk_cache_line())
     print(report.notes(rows))
     print(report.table(rows))
     return 0

@@ -116,11 +116,16 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
                     dtype: torch.dtype = torch.bfloat16, passes=PASSES, seq_len: int = 8192,
                     heads: int = 16, kv_heads: int | None = None, deterministic: bool = False,
                     out: str | os.PathLike | None = None, name: str | None = None,
-                    log: Callable[[str], None] | None = None) -> list[Kernel]:
+                    log: Callable[[str], None] | None = None, batch: int = 1,
+                    block_mask=None) -> list[Kernel]:
     """Compile the CuTe kernels a call with these mods would run, for ``arch``, on this machine.
 
     ``seq_len`` (query and key length) picks the forward's tiling as a run at that length does;
-    ``heads`` / ``kv_heads`` matter only to mods that use them. ``out``: where each kernel's PTX
+    ``heads`` / ``kv_heads`` matter only to mods that use them. ``batch`` and ``block_mask`` (a
+    CPU BlockMask over ``seq_len``, e.g. one per batch entry for a mask that reads ``b``): the
+    run's own, where they differ from the default batch of 1 and a mask built from ``mask_mod``
+    broadcast over batch and heads (the mask's density picks the forward's tiling; the lengths
+    can widen index math). ``out``: where each kernel's PTX
     and cubin go (``out/<name>/<pass>-<part>/``); None keeps no files. ``log`` gets one line per
     kernel as it is done. Returns the kernels, forward first."""
     if arch not in ARCHS:
@@ -136,6 +141,8 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
         raise ValueError(f"heads {heads} is not a multiple of kv_heads {kv_heads}")
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if batch < 1:
+        raise ValueError(f"batch must be positive, got {batch}")
     name = name or "_".join(n for n in (getattr(score_mod, "__name__", None) if score_mod else None,
                                           getattr(mask_mod, "__name__", None) if mask_mod else None)
                             if n) or "no_mods"
@@ -146,7 +153,7 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
 
     if arch == "sm_100a":
         return _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq_len,
-                              heads, kv_heads, deterministic, what, root, log)
+                              heads, kv_heads, deterministic, what, root, log, batch, block_mask)
     with _arch(arch), torch.no_grad():
         from .backends import cute_sm90 as backend
 
@@ -157,7 +164,7 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
             raise ValueError(f"head dims {dims}: the sm90 backward takes {backend._BWD_HEAD_DIMS} "
                              "(others train on the Triton backward); pass passes=('fwd',)")
         q, k, v, bm, program, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
-                                             seq_len, heads, kv_heads)
+                                             seq_len, heads, kv_heads, batch, block_mask)
         kernels = []
         if "fwd" in passes:
             folder = _folder(root, "fwd-main")
@@ -193,7 +200,7 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
 
 
 def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq_len, heads,
-                   kv_heads, deterministic, what, root, log) -> list[Kernel]:
+                   kv_heads, deterministic, what, root, log, batch=1, block_mask=None) -> list[Kernel]:
     """The sm100 forward (``cute_sm100``) and backward (``cute_sm100_bwd``), both targeting
     sm_100a whatever CUTE_DSL_ARCH says, exported to the disk cache as the sm90 kernels are. A
     run still self-checks each kernel on its GPU before using it, loaded or not."""
@@ -208,7 +215,7 @@ def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq
     kernels = []
     with torch.no_grad():
         q, _, v, bm, program, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
-                                             seq_len, heads, kv_heads)
+                                             seq_len, heads, kv_heads, batch, block_mask)
         if "fwd" in passes:
             folder = _folder(root, "fwd-main")
             # As the sm90 forward above: with a folder, always compiled (and exported under the
@@ -239,18 +246,22 @@ def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq
     return kernels
 
 
-def _example(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads, kv_heads):
+def _example(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads, kv_heads,
+             batch=1, block_mask=None):
     """(q, k, v, block mask or None, Program, aux tensors): the call a run at ``seq_len`` makes,
     on CPU tensors without data (only kinds and the mask's lists shape the kernels)."""
     from . import create_block_mask, noop_mask
     from .api import prepare_call
     from .backends.cute_sm90 import _aux_tensor
 
-    q = torch.empty(1, heads, seq_len, head_dim, dtype=dtype)
-    k = torch.empty(1, kv_heads, seq_len, head_dim, dtype=dtype)
-    v = torch.empty(1, kv_heads, seq_len, head_dim_v, dtype=dtype)
-    bm = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu") \
-        if mask_mod is not None and mask_mod is not noop_mask else None
+    q = torch.empty(batch, heads, seq_len, head_dim, dtype=dtype)
+    k = torch.empty(batch, kv_heads, seq_len, head_dim, dtype=dtype)
+    v = torch.empty(batch, kv_heads, seq_len, head_dim_v, dtype=dtype)
+    if block_mask is not None:
+        bm = block_mask
+    else:
+        bm = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu") \
+            if mask_mod is not None and mask_mod is not noop_mask else None
     program = prepare_call(q, k, v, score_mod, bm, None, kv_heads != heads, None).program
     return q, k, v, bm, program, tuple(_aux_tensor(t, q.device) for t in program.buffers)
 

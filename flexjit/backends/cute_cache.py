@@ -9,6 +9,8 @@ What this module holds
   compiled function; ``store`` gives it its place in the folder.
 * ``available()``: whether the disk cache is on (``FLEXJIT_CACHE`` is not ``0``) and this
   install can load what it would store (TVM-FFI is importable).
+* ``STATS``: this process's disk lookups, ``hits`` (loaded) and ``misses`` (absent or unreadable,
+  so compiled); ``benchmarks.run`` prints them, ``benchmarks.prewarm`` aims for no misses.
 
 Only TVM-FFI functions are cached on disk: ``export_to_c`` writes one object file holding the
 host launcher, the argument checks and the cubin, and ``cute.runtime.load_module(path,
@@ -46,6 +48,7 @@ log = logging.getLogger("flexjit")
 
 FUNCTION_NAME = "flexjit_kernel"  # the exported symbol (``__tvm_ffi_flexjit_kernel``)
 LOCK_TIMEOUT_S = 120.0  # an export takes ~0.5 s; a lock held longer belongs to a stuck process
+STATS = {"hits": 0, "misses": 0}  # lookups by load() with the disk cache on (module doc)
 
 
 def _debug(msg: str) -> None:
@@ -112,6 +115,12 @@ def load(key: str):
     but cannot be loaded is logged and removed, so the caller's compile replaces it."""
     if not available():
         return None
+    fn = _load(key)
+    STATS["hits" if fn is not None else "misses"] += 1
+    return fn
+
+
+def _load(key: str):
     path = object_path(key)
     if not path.exists():
         return None
