@@ -18,6 +18,22 @@
 #    FLEXJIT_TRITON_DIRECT=1, now the default, faster eager?); then Nsight Compute over the
 #    sm90 backward (D=128 and 192) and the D=64 causal forward beside FA4's (issue #13: where the
 #    time goes), their kernels compiled first side by side into the disk cache.
+# 3: issue #13's and #16's missing numbers on the current kernels (the ledger,
+#    benchmarks/results/2026-12-01-ledger-13-16.md, section 5): every #13 target cell whose last
+#    number predates the forward's rescale default (fb5e328) or the backward's early reads
+#    (c7e36ab), or was never measured, at 2k/8k: all 7 variants at D=128 Hkv 16 forward and
+#    fwd+bwd beside FA4 and torch Flex-FLASH (A); D=64 at 8k, Hkv 16 and 4 (G1, Hkv 16 never
+#    measured); D=128 Hkv 4 fwd+bwd at 2k/8k for the four plain variants (G2); then #16's whole
+#    decode grid (batch 1/8/64 x KV 4k/32k/128k x contiguous/paged x causal/sliding window) with
+#    FA4 and torch's compiled decode in the same run, after the merge rewrite (d90144d) and the
+#    one-wave split rule (58af014). The compiles run first, 14 processes side by side (CuTe,
+#    Triton and inductor disk caches), off the timed path. Limits add up to 550 s; the tarball is
+#    rewritten after every step, so a cut call still returns what ran.
+#    Expected: forward 2-5% below s6's at 2k (the threshold), fwd+bwd within +-3% of s6/s8,
+#    first D=64 Hkv 16 numbers; decode batch 1 at 32k/128k near the 32-split rows of
+#    gpu-s9-stage1 (~60 / ~155 us in a graph), every decode row correct.
+#    Not in it (a fourth call, ledger section 5): 32k/128k with Hkv 4, the Triton fallback, the
+#    new head dims' forward, profiles of the forward and the decode kernel.
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
 stage=${1:?usage: gpu_plan.sh STAGE OUT_DIR}
@@ -69,6 +85,50 @@ case $stage in
     timeout 300 bash benchmarks/profile_kernels.sh "$work/ncu.txt" cute:full:8192:fwdbwd \
       fa4-bhsd:full:8192:fwdbwd cute:causal:8192:fwd:64 fa4-bhsd:causal:8192:fwd:64 cute:full:8192:fwdbwd:192
     python3 -m benchmarks.ncu_summary "$work/ncu.txt" 2>&1 | tail -60
+    ;;
+  3)
+    pack() { tar czf "$out/stage3.tgz" -C "$work" . ; }
+    mkdir -p "$work/warm"
+    warm() {  # warm NAME benchmarks-module-args...: compile only (timings thrown away)
+      local name=$1; shift
+      TORCHINDUCTOR_COMPILE_THREADS=1 timeout 100 python3 -m "$@" --out "$work/warm/$name" \
+        --warmup-ms 1 --rep-ms 1 --budget-s 85 >"$work/warm/$name.txt" 2>&1
+    }
+    for v in full causal alibi sliding_window document softcap prefix_lm; do
+      warm a-$v benchmarks.run --no-png --S 2k,8k --passes fwd,fwdbwd --variants $v \
+        --impls flexjit-cute,torch-flex-flash &
+    done
+    for v in full causal document; do
+      warm g1-$v benchmarks.run --no-png --S 8k --hkv 16,4 --d 64 --passes fwd,fwdbwd --variants $v \
+        --impls flexjit-cute,torch-flex-flash &
+    done
+    for vs in full,causal sliding_window,prefix_lm; do
+      warm g2-${vs%%,*} benchmarks.run --no-png --S 2k,8k --hkv 4 --passes fwdbwd --variants $vs \
+        --impls flexjit-cute,torch-flex-flash &
+    done
+    for v in causal sliding_window; do
+      warm d-$v benchmarks.decode --batch 1,8 --kv 4k,32k,128k --variants $v --paged 0,1 \
+        --impls flexjit,torch-flex --no-graph &
+    done
+    wait
+    grep -h "first call" "$work"/warm/*.txt | wc -l | sed 's/^/warm rows: /'
+    pack
+    bench fwd_bwd_2k_8k 140 --S 2k,8k --passes fwd,fwdbwd --impls flexjit-cute,fa4,torch-flex-flash \
+      --budget-s 120
+    pack
+    bench d64 65 --S 8k --hkv 16,4 --d 64 --variants full,causal,document --passes fwd,fwdbwd \
+      --impls flexjit-cute,fa4,torch-flex-flash --budget-s 50
+    pack
+    bench gqa4 50 --S 2k,8k --hkv 4 --variants full,causal,sliding_window,prefix_lm --passes fwdbwd \
+      --impls flexjit-cute,fa4,torch-flex-flash --budget-s 38
+    pack
+    dec decode_b1_b8 120 --batch 1,8 --kv 4k,32k,128k --variants causal,sliding_window --paged 0,1 \
+      --budget-s 105
+    pack
+    dec decode_b64_4k 30 --batch 64 --kv 4k --variants causal,sliding_window --paged 0,1 --budget-s 22
+    # torch's compiled decode fails to compile at batch 64 / 32k and 128k (2026-12-01-decode, gpu-s8-stage5)
+    dec decode_b64 45 --batch 64 --kv 32k,128k --variants causal,sliding_window --paged 0,1 \
+      --impls flexjit,fa4 --budget-s 35
     ;;
   *)
     echo "unknown stage $stage" >&2
