@@ -17,7 +17,8 @@
 #    1 µs per split was the old merge's) and the direct-launch A/B in one process (is
 #    FLEXJIT_TRITON_DIRECT=1, now the default, faster eager?); then Nsight Compute over the
 #    sm90 backward (D=128 and 192) and the D=64 causal forward beside FA4's (issue #13: where the
-#    time goes), their kernels compiled first side by side into the disk cache.
+#    time goes), their kernels compiled first side by side into the disk cache. Limits add up
+#    to 540 s; the tarball is rewritten after each step.
 # 3: issue #13's and #16's missing numbers on the current kernels (the ledger,
 #    benchmarks/results/2026-12-01-ledger-13-16.md, section 5): every #13 target cell whose last
 #    number predates the forward's rescale default (fb5e328) or the backward's early reads
@@ -73,16 +74,19 @@ case $stage in
     # Warm the disk cache (one compile process per kernel set, side by side, off the timed GPU).
     for c in full:8192:fwdbwd:128 causal:8192:fwd:64 full:8192:fwdbwd:192; do
       IFS=: read -r variant S pass D <<<"$c"
-      timeout 240 python3 -m benchmarks.profile_one --backend cute --variant $variant --S $S --D $D \
+      timeout 120 python3 -m benchmarks.profile_one --backend cute --variant $variant --S $S --D $D \
         --pass $pass >"$work/warm-$variant-$D.txt" 2>&1 &
     done
     wait
     tail -n1 "$work"/warm-*.txt
+    pack() { tar czf "$out/stage2.tgz" -C "$work" . ; }
     dec sweep 150 --batch 1,8,64 --kv 4k,32k,128k --variants causal --paged 0 --impls flexjit,torch-flex \
       --flexjit-modes 'splits=2;splits=4;splits=8;splits=17;splits=32;splits=64;splits=128;direct=0' --budget-s 135
+    pack
     dec direct1 50 --batch 1 --kv 4k,32k --variants causal --paged 0 --impls flexjit \
       --flexjit-modes 'direct=0;direct=1;BLOCK_N=128;splits=32;splits=32,direct=1' --budget-s 40
-    timeout 300 bash benchmarks/profile_kernels.sh "$work/ncu.txt" cute:full:8192:fwdbwd \
+    pack
+    timeout 220 bash benchmarks/profile_kernels.sh "$work/ncu.txt" cute:full:8192:fwdbwd \
       fa4-bhsd:full:8192:fwdbwd cute:causal:8192:fwd:64 fa4-bhsd:causal:8192:fwd:64 cute:full:8192:fwdbwd:192
     python3 -m benchmarks.ncu_summary "$work/ncu.txt" 2>&1 | tail -60
     ;;
