@@ -124,7 +124,10 @@ def test_dim_split_no_mods(tmp_path, dims):
     assert "m64n64k16" in ptx["main"]  # Sᵀ/dPᵀ: 64 keys × 64 queries per warpgroup
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("deterministic", [
+    pytest.param(False, marks=pytest.mark.compile_all(
+        reason="the same kernel as test_every_core_mod_fits[causal-192_*] (192 always overlaps dP)")),
+    True])
 @pytest.mark.parametrize("dims", DIM_SPLIT)
 def test_dim_split_causal_block_lists(tmp_path, dims, deterministic):
     # Two kv tiles per mask block: the block lists are read at column n // 2, and in
@@ -158,8 +161,23 @@ def test_no_mods(tmp_path, head_dim):
         _assert_clean_registers(tmp_path, ptx[part])
 
 
-@pytest.mark.parametrize("overlap_dp", [None, True])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def _causal_lists_cases():
+    # At D <= 96 the tile table forms P under dP whatever overlap_dp says, so None builds the
+    # same kernel as True; True at 128 and 96 is test_every_core_mod_fits[causal-128/96]'s kernel
+    # (the same program, mask and config). Those run under FLEXJIT_COMPILE_ALL=1 only.
+    for head_dim in HEAD_DIMS:
+        for overlap_dp in (None, True):
+            if overlap_dp is None and head_dim <= 96:
+                marks = [pytest.mark.compile_all(reason="the same kernel as overlap_dp=True here")]
+            elif overlap_dp and head_dim in (128, 96):
+                marks = [pytest.mark.compile_all(
+                    reason=f"the same kernel as test_every_core_mod_fits[causal-{head_dim}]")]
+            else:
+                marks = []
+            yield pytest.param(head_dim, overlap_dp, id=f"{head_dim}-{overlap_dp}", marks=marks)
+
+
+@pytest.mark.parametrize("head_dim,overlap_dp", list(_causal_lists_cases()))
 def test_causal_block_lists(tmp_path, head_dim, overlap_dp):
     # overlap_dp=True is what the backend asks for light mods (comparisons only): it must fit.
     ptx = _compile(tmp_path, head_dim, mask_mod=fmods.causal(), sparse=True, parts=("main",),
@@ -168,6 +186,8 @@ def test_causal_block_lists(tmp_path, head_dim, overlap_dp):
     _assert_clean_registers(tmp_path, ptx["main"])
 
 
+@pytest.mark.compile_all(reason="the same kernel as test_every_core_mod_fits[sliding_window-128] "
+                                "(the window is a runtime Int32: same program key and source)")
 def test_sliding_window_overlapped(tmp_path):
     # A light mask with a captured runtime window (an Int32 scalar), P formed under dP.
     ptx = _compile(tmp_path, 128, mask_mod=fmods.sliding_window(200), sparse=True,
@@ -259,17 +279,28 @@ def _clean_main_ptx(tmp_path, cfg, program) -> str:
     return ptx
 
 
-# CI compiles every core mod at 128 and 96, and at 192 / (192, 128) the mods with the most live
-# state beside the 64-key tile's dK + dV (a per-head slope, a tanh, document ids, a mask); every
-# core mod at those two passed on the CPU (2026-12-01-cpu-bwd192-NOTES.md) and their GPU tests on
-# the H200. FLEXJIT_COMPILE_ALL=1 compiles every pair (about 7 more minutes on 2 cores).
+# CI compiles every core mod at 128 (the register-tight head dim; "full" is test_no_mods[128]'s
+# main kernel), and at 96, 192 and (192, 128) the mods with the most live state beside dK + dV
+# (a per-head slope, a tanh, document ids, a mask); every core mod at 192 / (192, 128) passed on
+# the CPU (2026-12-01-cpu-bwd192-NOTES.md) and their GPU tests on the H200, and at 96 in every
+# CI run up to 2026-12-01. FLEXJIT_COMPILE_ALL=1 compiles every pair (about 7 more minutes on 2
+# cores: 2026-12-01-cpu-citrim-NOTES.md).
 _WIDE = {"causal", "alibi", "softcap", "document"}
-_EVERY = os.environ.get("FLEXJIT_COMPILE_ALL") == "1"
 
 
-@pytest.mark.parametrize("name,head_dim", [
-    (n, d) for d in (128, 96, (192, 192), (192, 128)) for n in CORE
-    if _EVERY or isinstance(d, int) or n in _WIDE])
+def _every_core_mod_cases():
+    for d in (128, 96, (192, 192), (192, 128)):
+        for n in CORE:
+            tag = f"{d[0]}_{d[1]}" if isinstance(d, tuple) else str(d)
+            marks = []
+            if d == 128 and n == "full":
+                marks = [pytest.mark.compile_all(reason="the same main kernel as test_no_mods[128]")]
+            elif d != 128 and n not in _WIDE:
+                marks = [pytest.mark.compile_all(reason="the _WIDE mods represent this head dim")]
+            yield pytest.param(n, d, id=f"{n}-{tag}", marks=marks)
+
+
+@pytest.mark.parametrize("name,head_dim", list(_every_core_mod_cases()))
 def test_every_core_mod_fits(tmp_path, name, head_dim):
     # D = 128 is the register-tight case (dV + dK = 128 registers), D = 96 the next (96); 192
     # and (192, 128) hold dK + dV = 96 (80) per thread in the 64-key tile, beside a full
@@ -285,8 +316,18 @@ def test_every_core_mod_fits(tmp_path, name, head_dim):
     _clean_main_ptx(tmp_path, cfg, program)
 
 
-@pytest.mark.parametrize("head_dim", [128, 64, 96, 192])
-@pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
+def _captured_grads_cases():
+    # 32-128 share one 64 x 128 tile (test_backward_tile_table), 192 has the 64-key one: CI keeps
+    # both mods at 128 and 192 and the per-element table (the heavier) at 96.
+    for name in ("learnable_bias", "learnable_alibi"):
+        for head_dim in (128, 64, 96, 192):
+            extra = head_dim == 64 or (head_dim == 96 and name == "learnable_alibi")
+            marks = [pytest.mark.compile_all(reason="the 64 x 128 tile is covered at 128 and 96")
+                     ] if extra else []
+            yield pytest.param(name, head_dim, id=f"{name}-{head_dim}", marks=marks)
+
+
+@pytest.mark.parametrize("name,head_dim", list(_captured_grads_cases()))
 def test_captured_tensor_grads(tmp_path, name, head_dim):
     # Issue #6: a learnable captured tensor's gradient from the sm90 backward itself. The
     # relative-bias table's index varies per element (one predicated fp64 atomic per element),
