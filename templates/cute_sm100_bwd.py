@@ -100,10 +100,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from flexjit.templates.cute_common import LOG2_E, MASK_BLOCK, Aux, FloatIndices, permute
-from flexjit.templates.cute_sm100_common import (
-    BAR_TMEM_FREE, GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, compile_options,
-    free_tmem, kernel_aux, launch, launcher, require_tvm_ffi, tcgen05_fence, thread_group,
-    tmem_allocator, tvm_ffi_enabled,
+from flexjit.templates.cute_sm100_common import (  # noqa: F401 (tvm_ffi_enabled: the API)
+    BAR_TMEM_FREE, GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, check_head_dims,
+    compile_options, free_tmem, kernel_aux, launch, launcher, require_tvm_ffi, tcgen05_fence,
+    thread_group, tmem_address, tmem_allocator, tvm_ffi_enabled,
 )
 from flexjit.templates.cute_sm90_bwd import (
     BwdConfig as _Sm90BwdConfig, FlexAttentionBwdPreSm90, QBlockLists, QOrder, _bcast,
@@ -113,8 +113,8 @@ from flexjit.templates.cute_sm90_bwd import (
 # three kernels' calls), the compile loop, the placeholders of the kernels' arguments.
 from flexjit.templates import cute_sm90_bwd_host as _host
 from flexjit.templates.cute_sm90_bwd_host import (  # noqa: F401 (the host's API, re-exported)
-    _block_args, _Part, _placeholder_main_args, _placeholder_post_args, _placeholder_pre_args, _tma_ready,
-    aux_signature, compile_parts, num_grad_accs, padded_len,
+    _block_args, _Part, _placeholder_main_args, _placeholder_post_args, _placeholder_pre_args,
+    _tma_ready, aux_signature, compile_parts, num_grad_accs, padded_len,
 )
 
 HEAD_DIMS = ((64, 64), (128, 128))
@@ -159,9 +159,7 @@ class BwdConfig:
     grad_offsets: Optional[Callable] = None
 
     def __post_init__(self):
-        if (self.head_dim, self.head_dim_v) not in HEAD_DIMS:
-            raise NotImplementedError(
-                f"cute_sm100_bwd: head dims ({self.head_dim}, {self.head_dim_v}) not in {HEAD_DIMS}")
+        check_head_dims("cute_sm100_bwd", self.head_dim, self.head_dim_v, HEAD_DIMS)
         if (self.score_grads is None) != (self.grad_offsets is None):
             raise ValueError("score_grads and grad_offsets come together")
         if self.score_grads is not None and self.score_mod_and_grad is None:
@@ -422,16 +420,14 @@ class FlexAttentionBwdSm100:
         if warp_idx < _COMPUTE_WARP0:
             cute.arch.setmaxregister_decrease(_REDUCE_REGS)
             tmem.allocate(TMEM_COLUMNS)
-            tmem.wait_for_alloc()
-            t_ptr = tmem.retrieve_ptr(Float32)
+            t_ptr = tmem_address(tmem)
             sched = self._schedule(mQ, mK, q_per_kv)
             self.reduce(mma_dq, t_ptr, pipes, sched, mdQacc, qblocks, qorder, mSem)
             # The compute warps' epilogue reads of dK/dV are the other last TMEM users.
             free_tmem(tmem, t_ptr, 32 * 12)
         elif warp_idx < MMA_WARP:
             cute.arch.setmaxregister_increase(_COMPUTE_REGS)
-            tmem.wait_for_alloc()
-            t_ptr = tmem.retrieve_ptr(Float32)
+            t_ptr = tmem_address(tmem)
             sched = self._schedule(mQ, mK, q_per_kv)
             self.compute(mma_s, mma_dv, mma_dk, t_ptr, pipes, sched, sdS, mLSE2, mDelta, mdK,
                          mdV, softmax_scale, qblocks, qorder, aux, accs)
@@ -440,8 +436,7 @@ class FlexAttentionBwdSm100:
         else:
             cute.arch.setmaxregister_decrease(_OTHER_REGS)
             if warp_idx == MMA_WARP:
-                tmem.wait_for_alloc()
-                t_ptr = tmem.retrieve_ptr(Float32)
+                t_ptr = tmem_address(tmem)
                 sched = self._schedule(mQ, mK, q_per_kv)
                 smem = _Smem(*[(t, layout.inner) for t, layout in (
                     (sK, sK_layout), (sKt, sKt_layout), (sV, sV_layout), (sQ, sQ_layout),

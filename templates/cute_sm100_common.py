@@ -9,10 +9,11 @@ What this module holds
   (``BAR_TMEM_ALLOC``, ``BAR_TMEM_FREE``), and ``launch`` (one CTA per SM: each allocates all
   512 TMEM columns).
 * Device helpers: ``tcgen05_fence``, ``thread_group`` (a pipeline's cooperative group),
-  ``tmem_allocator`` and ``free_tmem`` (the allocating warp's release after every reader),
-  ``kernel_aux`` (the captured tensors and scalars as the mods take them).
-* Host helpers: ``compile_options``, ``require_tvm_ffi``, ``launcher`` (the TVM-FFI function
-  of a compile, or None where this process cannot launch sm_100a code).
+  ``tmem_allocator``, ``tmem_address`` and ``free_tmem`` (the allocating warp's release after
+  every reader), ``kernel_aux`` (the captured tensors and scalars as the mods take them).
+* Host helpers: ``check_head_dims`` (the configs'), ``compile_options``, ``require_tvm_ffi``,
+  ``launcher`` (the TVM-FFI function of a compile, or None where this process cannot launch
+  sm_100a code).
 
 Only trace-time Python lives here: each helper emits, at its call site, the operations the
 kernel body wrote out before, so moving code here leaves the generated kernels unchanged (the
@@ -22,10 +23,11 @@ kernel classes stay in their templates: their qualified names are the PTX entry 
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
-from cutlass import const_expr, dsl_user_op
+from cutlass import Float32, const_expr, dsl_user_op
 from cutlass._mlir.dialects import nvvm
 
-from flexjit.templates.cute_common import Aux, ffi_function, tvm_ffi_enabled  # noqa: F401 (re-exported)
+# tvm_ffi_enabled: re-exported, the templates' API.
+from flexjit.templates.cute_common import Aux, ffi_function, tvm_ffi_enabled  # noqa: F401
 
 GPU_ARCH = "sm_100a"  # passed to every compile, whatever CUTE_DSL_ARCH says (B200/GB200)
 TMEM_COLUMNS = 512
@@ -77,6 +79,13 @@ def tmem_allocator(storage, allocator_warp: int, num_threads: int):
     )
 
 
+def tmem_address(tmem):
+    """This thread's view of the CTA's TMEM base (fp32 columns), once the allocating warp has
+    written it."""
+    tmem.wait_for_alloc()
+    return tmem.retrieve_ptr(Float32)
+
+
 def free_tmem(tmem, t_ptr, num_threads: int) -> None:
     """The allocating warpgroup's release: wait on ``BAR_TMEM_FREE`` until all ``num_threads``
     threads (its own and those that arrive there after their last TMEM read) are done, then
@@ -98,6 +107,13 @@ def kernel_aux(aux_tensors, aux_scalars) -> Aux:
 # ---------------------------------------------------------------------------------------------
 # Host
 # ---------------------------------------------------------------------------------------------
+def check_head_dims(template: str, head_dim: int, head_dim_v: int, head_dims) -> None:
+    """A config's head dims must be a pair the template has a tile for."""
+    if (head_dim, head_dim_v) not in head_dims:
+        raise NotImplementedError(
+            f"{template}: head dims ({head_dim}, {head_dim_v}) not in {head_dims}")
+
+
 def compile_options(options: str) -> str:
     """The caller's options, the target arch and the TVM-FFI launch path."""
     return f"{options} --gpu-arch {GPU_ARCH} --enable-tvm-ffi".strip()

@@ -102,10 +102,10 @@ from flexjit.templates.cute_common import (
     LN_2, LOG2_E, Aux, FloatIndices, as_scalar, aux_cutlass_dtype, fadd,
     permute, placeholder, tree,
 )
-from flexjit.templates.cute_sm100_common import (
-    GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, compile_options,
-    free_tmem, kernel_aux, launch, launcher, require_tvm_ffi, tcgen05_fence, thread_group,
-    tmem_allocator, tvm_ffi_enabled,
+from flexjit.templates.cute_sm100_common import (  # noqa: F401 (tvm_ffi_enabled: the API)
+    GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, check_head_dims,
+    compile_options, free_tmem, kernel_aux, launch, launcher, require_tvm_ffi, tcgen05_fence,
+    thread_group, tmem_address, tmem_allocator, tvm_ffi_enabled,
 )
 
 HEAD_DIMS = ((64, 64), (128, 128))
@@ -169,9 +169,7 @@ class FwdConfig:
     score_loads: bool = False
 
     def __post_init__(self):
-        if (self.head_dim, self.head_dim_v) not in HEAD_DIMS:
-            raise NotImplementedError(
-                f"cute_sm100_fwd: head dims ({self.head_dim}, {self.head_dim_v}) not in {HEAD_DIMS}")
+        check_head_dims("cute_sm100_fwd", self.head_dim, self.head_dim_v, HEAD_DIMS)
 
 
 class _Sched(NamedTuple):
@@ -331,8 +329,7 @@ class FlexAttentionFwdSm100:
 
         if warp_idx < _CORRECTION_WARP0:
             cute.arch.setmaxregister_increase(_SOFTMAX_REGS)
-            tmem.wait_for_alloc()
-            t_ptr = tmem.retrieve_ptr(Float32)
+            t_ptr = tmem_address(tmem)
             # Each role computes the schedule itself: values live across setmaxnreg spill.
             sched = self._schedule(mO, mK, blocks)
             # One copy of the softmax code for both sub-tiles (t is a runtime value).
@@ -342,8 +339,7 @@ class FlexAttentionFwdSm100:
         elif warp_idx < MMA_WARP:
             cute.arch.setmaxregister_decrease(_CORRECTION_REGS)
             tmem.allocate(TMEM_COLUMNS)
-            tmem.wait_for_alloc()
-            t_ptr = tmem.retrieve_ptr(Float32)
+            t_ptr = tmem_address(tmem)
             sched = self._schedule(mO, mK, blocks)
             self.correction(mma_pv, t_ptr, pipes, sVec, sched, mO, mLSE, mMax, softmax_scale)
             # The correction warpgroup is the last user of TMEM (the softmax's last P store and
@@ -353,8 +349,7 @@ class FlexAttentionFwdSm100:
         else:
             cute.arch.setmaxregister_decrease(_OTHER_REGS)
             if warp_idx == MMA_WARP:
-                tmem.wait_for_alloc()
-                t_ptr = tmem.retrieve_ptr(Float32)
+                t_ptr = tmem_address(tmem)
                 sched = self._schedule(mO, mK, blocks)
                 self.mma(mma_qk, mma_pv, t_ptr, tP_layout, sQ, sK, sV, pipes, sched)
             elif warp_idx == LOAD_WARP:

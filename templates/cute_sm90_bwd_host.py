@@ -15,6 +15,10 @@ What this module holds
   postprocess on torch's current stream (or ``stream``).
 * ``padded_len`` (the workspaces' rows) and ``num_grad_accs`` (how many fp64 accumulators the
   main kernel takes).
+* The parts the sm100 backward's host (``cute_sm100_bwd``) shares, its kernels taking the same
+  arguments: ``CompiledBwd`` (subclassed there for its semaphore count and operand checks),
+  ``compile_parts`` (the compile loop), ``aux_signature``, ``_block_args`` and the
+  placeholders.
 
 The kernels, their configuration (``BwdConfig``, ``choose_bwd_tiling``, ``HEAD_DIMS``) and the
 argument contracts (layouts, block lists, deterministic order) are ``cute_sm90_bwd``'s; this

@@ -34,6 +34,6 @@ def spill_bytes(tmp_path, ptx: str, stack_frame: bool = True) -> int:
     """ptxas's largest of spill stores, spill loads and (``stack_frame``) the stack frame, for
     sm_100a."""
     out = ptxas_report(tmp_path, ptx, arch="sm_100a")
-    sizes = [int(re.search(rf"(\d+) bytes {what}", out).group(1))
-             for what in ("spill stores", "spill loads") + (("stack frame",) if stack_frame else ())]
+    kinds = ("spill stores", "spill loads") + (("stack frame",) if stack_frame else ())
+    sizes = [int(re.search(rf"(\d+) bytes {what}", out).group(1)) for what in kinds]
     return max(sizes)
