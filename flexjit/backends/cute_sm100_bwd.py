@@ -151,7 +151,7 @@ def _build(program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool
     missing = tuple(p for p in tpl.PARTS if p not in loaded)
     if not missing:
         cute_cache.announce(f"sm100 backward for {what}: loaded from disk in "
-                  f"{time.perf_counter() - t0:.3f} s")
+                            f"{time.perf_counter() - t0:.3f} s")
         return tpl.load_bwd(cfg, loaded, _aux_sig(aux_tensors) + _scalar_signature(program))
     if dump_dirs is not None:  # one compile per part, each dumping into its own folder
         built = {}
@@ -167,7 +167,7 @@ def _build(program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool
         if part in keys:
             cute_cache.store(keys[part], fn.parts[part].export)
     cute_cache.announce(f"sm100 backward for {what}: compiled {', '.join(missing)} in "
-              f"{time.perf_counter() - t0:.1f} s")
+                        f"{time.perf_counter() - t0:.1f} s")
     if loaded:  # some parts came from disk: one backward of both kinds
         fn.parts.update(tpl.load_bwd(cfg, loaded).parts)
     return fn
