@@ -99,20 +99,22 @@ import cutlass.utils.blackwell_helpers as sm100_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
-from flexjit.templates.cute_common import (
-    LOG2_E, MASK_BLOCK, Aux, FloatIndices, as_scalar, ffi_function, permute, stream_context,
-    tvm_ffi_enabled,
+from flexjit.templates.cute_common import LOG2_E, MASK_BLOCK, Aux, FloatIndices, permute
+from flexjit.templates.cute_sm100_common import (  # noqa: F401 (tvm_ffi_enabled: the API)
+    BAR_TMEM_FREE, GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, check_head_dims,
+    compile_options, free_tmem, kernel_aux, launch, launcher, require_tvm_ffi, tcgen05_fence,
+    thread_group, tmem_address, tmem_allocator, tvm_ffi_enabled,
 )
-from flexjit.templates.cute_sm100_fwd import GPU_ARCH, SMEM_CAPACITY, TMEM_COLUMNS, tcgen05_fence
 from flexjit.templates.cute_sm90_bwd import (
     BwdConfig as _Sm90BwdConfig, FlexAttentionBwdPreSm90, QBlockLists, QOrder, _bcast,
     _opaque_i32,
 )
-# The host helpers the two archs' backwards share (placeholders for the three kernels'
-# arguments, the workspaces' padded length, the TMA-operand check).
-from flexjit.templates.cute_sm90_bwd_host import (  # noqa: F401 (num_grad_accs, padded_len: API)
-    _placeholder_main_args, _placeholder_post_args, _placeholder_pre_args, _tma_ready,
-    num_grad_accs, padded_len,
+# The host half the two archs' backwards share: the launch (argument checks, workspaces, the
+# three kernels' calls), the compile loop, the placeholders of the kernels' arguments.
+from flexjit.templates import cute_sm90_bwd_host as _host
+from flexjit.templates.cute_sm90_bwd_host import (  # noqa: F401 (the host's API, re-exported)
+    _block_args, _Part, _placeholder_main_args, _placeholder_post_args, _placeholder_pre_args,
+    _tma_ready, aux_signature, compile_parts, num_grad_accs, padded_len,
 )
 
 HEAD_DIMS = ((64, 64), (128, 128))
@@ -128,19 +130,16 @@ _TMEM_DP = TILE_M
 
 # Warp roles.
 _REDUCE_WARP0 = 0
-_COMPUTE_WARP0 = 4
-_MMA_WARP = 12
-_LOAD_WARP = 13
-_NUM_WARPS = 16
+_COMPUTE_WARP0 = 4  # and MMA_WARP, LOAD_WARP of cute_sm100_common
 # 128 · (reduce + 2 · compute + other) = 65536: setmaxnreg only moves registers between warpgroups.
 # Measured with ptxas (sm_100a): 56/200/56 is the split where every core mod compiles without
 # spills at D = 64 and 128 (72/184/72 spilled t5_bias; 88/184/56 and 80/192/48 spilled the MMA
 # warp before its k-block loops were rolled).
 _REDUCE_REGS, _COMPUTE_REGS, _OTHER_REGS = 56, 200, 56
 
-# Named barriers (0 is __syncthreads).
-_BAR_TMEM_ALLOC = 1  # reduce, compute ×2, MMA warp: wait for the TMEM address
-_BAR_TMEM_FREE = 2  # reduce + compute: every TMEM read done before warp 0 frees it
+# Named barriers (0 is __syncthreads; 1 and 2 are cute_sm100_common's: BAR_TMEM_ALLOC, reduce,
+# compute ×2 and the MMA warp wait for the TMEM address; BAR_TMEM_FREE, reduce + compute: every
+# TMEM read done before warp 0 frees it).
 _BAR_REDUCE = 3  # the reduce warpgroup: semaphore acquired / adds issued (deterministic)
 
 
@@ -160,9 +159,7 @@ class BwdConfig:
     grad_offsets: Optional[Callable] = None
 
     def __post_init__(self):
-        if (self.head_dim, self.head_dim_v) not in HEAD_DIMS:
-            raise NotImplementedError(
-                f"cute_sm100_bwd: head dims ({self.head_dim}, {self.head_dim_v}) not in {HEAD_DIMS}")
+        check_head_dims("cute_sm100_bwd", self.head_dim, self.head_dim_v, HEAD_DIMS)
         if (self.score_grads is None) != (self.grad_offsets is None):
             raise ValueError("score_grads and grad_offsets come together")
         if self.score_grads is not None and self.score_mod_and_grad is None:
@@ -349,18 +346,14 @@ class FlexAttentionBwdSm100:
         self.shared_storage = SharedStorage
 
         num_n = cute.ceil_div(k.shape[0], TILE_N)
-        self.kernel(
+        kernel = self.kernel(
             mma_s, mma_dv, mma_dk, mma_dq, tma_k, tK, tma_v, tV, tma_q, tQ, tma_do, tdO,
             lse2, delta, dqacc, dk, dv, softmax_scale, q_per_kv, qblocks, qorder, mSem,
             aux_tensors, aux_scalars, grad_accs,
             sK_layout, sKt_layout, sV_layout, sQ_layout, sQt_layout, sdO_layout, sdOt_layout,
             sdS_layout, tP_layout, tdS_layout,
-        ).launch(
-            grid=[num_n, mK.shape[1], mK.shape[0]],
-            block=[32 * _NUM_WARPS, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
         )
+        launch(kernel, [num_n, mK.shape[1], mK.shape[0]], stream)
 
     # -----------------------------------------------------------------------------------------
     @cute.kernel
@@ -403,19 +396,13 @@ class FlexAttentionBwdSm100:
         tdS_layout: cute.ComposedLayout,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == _LOAD_WARP:
+        if warp_idx == LOAD_WARP:
             for atom in (tma_k, tma_v, tma_q, tma_do):
                 cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         pipes = self._make_pipelines(storage)
-        tmem = utils.TmemAllocator(
-            storage.tmem_addr.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=_BAR_TMEM_ALLOC, num_threads=32 * (4 + 8 + 1)),
-            allocator_warp_id=_REDUCE_WARP0,
-            arch="sm_100",
-        )
+        tmem = tmem_allocator(storage, _REDUCE_WARP0, 32 * (4 + 8 + 1))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -427,37 +414,29 @@ class FlexAttentionBwdSm100:
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sdOt = storage.sdO.get_tensor(sdOt_layout.outer, swizzle=sdOt_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        aux = Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
-                  tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
+        aux = kernel_aux(aux_tensors, aux_scalars)
         accs = tuple(grad_accs) if const_expr(grad_accs is not None) else ()
 
         if warp_idx < _COMPUTE_WARP0:
             cute.arch.setmaxregister_decrease(_REDUCE_REGS)
             tmem.allocate(TMEM_COLUMNS)
-            tmem.wait_for_alloc()
-            t_ptr = tmem.retrieve_ptr(Float32)
+            t_ptr = tmem_address(tmem)
             sched = self._schedule(mQ, mK, q_per_kv)
             self.reduce(mma_dq, t_ptr, pipes, sched, mdQacc, qblocks, qorder, mSem)
             # The compute warps' epilogue reads of dK/dV are the other last TMEM users.
-            tcgen05_fence(after=False)
-            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=32 * 12)
-            tcgen05_fence(after=True)
-            tmem.relinquish_alloc_permit()
-            tmem.free(t_ptr)
-        elif warp_idx < _MMA_WARP:
+            free_tmem(tmem, t_ptr, 32 * 12)
+        elif warp_idx < MMA_WARP:
             cute.arch.setmaxregister_increase(_COMPUTE_REGS)
-            tmem.wait_for_alloc()
-            t_ptr = tmem.retrieve_ptr(Float32)
+            t_ptr = tmem_address(tmem)
             sched = self._schedule(mQ, mK, q_per_kv)
             self.compute(mma_s, mma_dv, mma_dk, t_ptr, pipes, sched, sdS, mLSE2, mDelta, mdK,
                          mdV, softmax_scale, qblocks, qorder, aux, accs)
             tcgen05_fence(after=False)
-            cute.arch.barrier_arrive(barrier_id=_BAR_TMEM_FREE, number_of_threads=32 * 12)
+            cute.arch.barrier_arrive(barrier_id=BAR_TMEM_FREE, number_of_threads=32 * 12)
         else:
             cute.arch.setmaxregister_decrease(_OTHER_REGS)
-            if warp_idx == _MMA_WARP:
-                tmem.wait_for_alloc()
-                t_ptr = tmem.retrieve_ptr(Float32)
+            if warp_idx == MMA_WARP:
+                t_ptr = tmem_address(tmem)
                 sched = self._schedule(mQ, mK, q_per_kv)
                 smem = _Smem(*[(t, layout.inner) for t, layout in (
                     (sK, sK_layout), (sKt, sKt_layout), (sV, sV_layout), (sQ, sQ_layout),
@@ -465,16 +444,13 @@ class FlexAttentionBwdSm100:
                     (sdS, sdS_layout))])
                 self.mma(mma_s, mma_dv, mma_dk, mma_dq, t_ptr, tP_layout, tdS_layout, smem,
                          pipes, sched, qblocks)
-            elif warp_idx == _LOAD_WARP:
+            elif warp_idx == LOAD_WARP:
                 sched = self._schedule(mQ, mK, q_per_kv)
                 self.load(mma_s, tma_k, tma_v, tma_q, tma_do, mK, mV, mQ, mdO, sK, sV, sQ, sdO,
                           pipes, sched, qblocks)
 
     def _make_pipelines(self, storage) -> _Pipes:
-        def group(threads):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
-
-        warp, compute, reduce_wg = group(1), group(256), group(128)
+        warp, compute, reduce_wg = thread_group(1), thread_group(256), thread_group(128)
         tma = pipeline.PipelineTmaUmma.create
         kv = tma(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=warp,
                  consumer_group=warp, tx_count=self.tx_kv, defer_sync=True)
@@ -1307,104 +1283,30 @@ def _sem_len(cfg: BwdConfig, lpad: int) -> int:
     return n
 
 
-class _Part:
-    def __init__(self, compiled, ffi_fn):
-        self.compiled = compiled
-        self.ffi_fn = ffi_fn
-
-
-class CompiledBwd:
+class CompiledBwd(_host.CompiledBwd):
     """The three compiled kernels of one sm100 backward (never launched: no Blackwell GPU has
-    run them). ``__call__`` has the sm90 backward's contract (``cute_sm90_bwd_host``)."""
+    run them), launched as the sm90 backward's (``cute_sm90_bwd_host.CompiledBwd``: the same
+    arguments, checks and workspaces) with this kernel's semaphore count and operand checks."""
 
-    def __init__(self, cfg: BwdConfig, parts: dict, signature):
-        self.cfg = cfg
-        self.parts = parts
-        self.signature = signature
+    NAME = "cute_sm100_bwd"
 
-    def __call__(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale: float,
-                 block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_order=None,
-                 grad_accs=()):
-        if any(p.ffi_fn is None for p in self.parts.values()):
-            raise RuntimeError(f"this sm100 backward was compiled for {GPU_ARCH} in a process "
-                               "that cannot launch it: compile-only")
-        if stream is None:
-            return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
-                                block_lists, aux_tensors, aux_scalars, q_order, grad_accs)
-        with stream_context(stream):
-            return self._launch(q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale,
-                                block_lists, aux_tensors, aux_scalars, q_order, grad_accs)
+    def sem_len(self, lpad: int) -> int:
+        return _sem_len(self.cfg, lpad)
 
-    def _launch(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale, block_lists,
-                aux_tensors, aux_scalars, q_order, grad_accs):
-        import torch
-
-        cfg = self.cfg
-        B, Hq, L, D = q.shape
-        Hkv = k.shape[1]
-        if dout is None:
-            dout = torch.zeros_like(out)
-        elif not _tma_ready(dout):
-            dout = dout.contiguous()
-        o_shape = (B, Hq, L, v.shape[-1])
-        if (tuple(out.shape) != o_shape or tuple(dout.shape) != o_shape or dq.shape != q.shape
-                or dk.shape != k.shape or dv.shape != v.shape or v.shape[:-1] != k.shape[:-1]
-                or (D, v.shape[-1]) != (cfg.head_dim, cfg.head_dim_v)
-                or tuple(lse.shape) != (B, Hq, L) or k.shape[0] != B or Hq % Hkv):
-            raise ValueError("cute_sm100_bwd: inconsistent shapes")
+    def check_operands(self, q, k, v, dq, dk, dv) -> None:
+        """No K/V batch broadcast (its dK/dV are shaped like k/v), and TMA-ready operands."""
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"{self.NAME}: inconsistent shapes")
         for name, t in (("q", q), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
             if not _tma_ready(t):
                 raise ValueError(f"cute_sm100_bwd: {name} needs a contiguous last dim, a 16-byte "
                                  "aligned base and 16-byte multiple strides")
-        lpad = padded_len(L)
-        f32 = dict(dtype=torch.float32, device=q.device)
-        lse2 = torch.empty(B, Hq, lpad, **f32)
-        delta = torch.empty(B, Hq, lpad, **f32)
-        dqacc = torch.empty(B, Hq, lpad, D, **f32)  # zeroed by the preprocess
-        sem = None
-        if cfg.deterministic:  # zeroed by the preprocess
-            sem = torch.empty(B, Hq, _sem_len(cfg, lpad), dtype=torch.int32, device=q.device)
-        has_dlse = dlse is not None
-        dlse = dlse.float().contiguous() if has_dlse else lse
-        qblocks, qorder = _block_args(cfg, block_lists, q_order)
-        tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in aux_tensors) or None
-        for x in aux_scalars:
-            if isinstance(x, bool) or not isinstance(x, (int, float)):
-                raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
-        if len(grad_accs) != num_grad_accs(cfg):
-            raise ValueError(f"expected {num_grad_accs(cfg)} captured-gradient accumulators, "
-                             f"got {len(grad_accs)}")
-        for a in grad_accs:
-            if a.dtype != torch.float64 or not a.is_contiguous():
-                raise ValueError("captured-gradient accumulators must be contiguous float64")
-        accs = tuple(a.view(-1) for a in grad_accs) or None
-        self.parts["pre"].ffi_fn(out, dout, lse, dlse, int(has_dlse), lse2, delta, dqacc, sem)
-        self.parts["main"].ffi_fn(q, k, v, dout, lse2, delta, dqacc, dk, dv, float(softmax_scale),
-                                  Hq // Hkv, qblocks, qorder, sem, tensors,
-                                  tuple(aux_scalars) or None, accs)
-        self.parts["post"].ffi_fn(dqacc, dq, float(softmax_scale))
-        return dq, dk, dv
 
-
-def _block_args(cfg: BwdConfig, block_lists, q_order):
-    """The sm90 host's contract: the 8 BlockMask tensors (kv lists, then q lists); in
-    deterministic mode ``dq_order``'s merged q lists and order instead."""
-    import torch
-
-    if (block_lists is not None) != cfg.has_block_mask:
-        raise ValueError("block_lists presence must match BwdConfig.has_block_mask")
-    if block_lists is None:
-        return None, None
-    if len(block_lists) != 8 or any(t is None for t in block_lists):
-        raise ValueError("block_lists: kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, "
-                         "full_q_num, full_q_idx (zeros for absent full lists)")
-    if cfg.deterministic:
-        if q_order is None:
-            raise ValueError("a deterministic launch needs q_order = "
-                             "flexjit.block_mask.dq_order(block_lists)")
-        qlists, order = q_order
-        return tuple(qlists), tuple(order)
-    return tuple(t.to(torch.int32).contiguous() for t in block_lists[4:]), None
+    def __call__(self, *args, **kwargs):
+        if any(p.ffi_fn is None for p in self.parts.values()):
+            raise RuntimeError(f"this sm100 backward was compiled for {GPU_ARCH} in a process "
+                               "that cannot launch it: compile-only")
+        return super().__call__(*args, **kwargs)
 
 
 def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "",
@@ -1412,31 +1314,16 @@ def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "
     """Compile the backward's kernels for sm_100a (whatever CUTE_DSL_ARCH says); sizes, strides,
     batch and heads stay runtime values. With ``options='--keep-ptx --dump-dir X'`` each part's
     ``compiled.__ptx__`` names its PTX."""
-    if not tvm_ffi_enabled():
-        raise RuntimeError("cute_sm100_bwd compiles through TVM-FFI only (tvm_ffi not importable "
-                           "or FLEXJIT_TVM_FFI=0)")
-    signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
-        type(as_scalar(x)).__name__ for x in aux_scalars)
-    opts = f"{options} --gpu-arch {GPU_ARCH} --enable-tvm-ffi".strip()
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    built = {}
-    for name in parts:
-        if name == "pre":
-            kernel, args = FlexAttentionBwdPreSm90(_pre_config(cfg)), _placeholder_pre_args(cfg)
-        elif name == "main":
-            kernel = FlexAttentionBwdSm100(cfg)
-            args = _placeholder_main_args(cfg, aux_tensors, aux_scalars)
-        elif name == "post":
-            kernel, args = FlexAttentionBwdPostSm100(cfg), _placeholder_post_args(cfg)
-        else:
-            raise ValueError(f"unknown part {name!r}")
-        compiled = cute.compile(kernel, *args, stream, options=opts)
-        try:
-            fn = ffi_function(compiled)
-        except RuntimeError:  # compiled for an arch this process cannot launch
-            fn = None
-        built[name] = _Part(compiled, fn)
-    return CompiledBwd(cfg, built, signature)
+    require_tvm_ffi("cute_sm100_bwd")
+    signature = aux_signature(aux_tensors, aux_scalars)
+    kernels = {
+        "pre": lambda: (FlexAttentionBwdPreSm90(_pre_config(cfg)), _placeholder_pre_args(cfg)),
+        "main": lambda: (FlexAttentionBwdSm100(cfg),
+                         _placeholder_main_args(cfg, aux_tensors, aux_scalars)),
+        "post": lambda: (FlexAttentionBwdPostSm100(cfg), _placeholder_post_args(cfg)),
+    }
+    return CompiledBwd(cfg, compile_parts(kernels, compile_options(options), parts, launcher),
+                       signature)
 
 
 def load_bwd(cfg: BwdConfig, ffi_fns: dict, signature=()) -> CompiledBwd:

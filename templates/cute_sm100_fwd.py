@@ -95,13 +95,17 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_helpers
-from cutlass import Float32, Int32, const_expr, dsl_user_op
-from cutlass._mlir.dialects import nvvm
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from flexjit.templates.cute_common import (
     LN_2, LOG2_E, Aux, FloatIndices, as_scalar, aux_cutlass_dtype, fadd,
-    ffi_function, permute, placeholder, tree, tvm_ffi_enabled,
+    permute, placeholder, tree,
+)
+from flexjit.templates.cute_sm100_common import (  # noqa: F401 (tvm_ffi_enabled: the API)
+    GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, check_head_dims,
+    compile_options, free_tmem, kernel_aux, launch, launcher, require_tvm_ffi, tcgen05_fence,
+    thread_group, tmem_address, tmem_allocator, tvm_ffi_enabled,
 )
 
 HEAD_DIMS = ((64, 64), (128, 128))
@@ -109,37 +113,19 @@ SUB_M = 128  # rows of one sub-tile (the tcgen05 M, one TMEM lane per row)
 CTA_M = 2 * SUB_M  # query rows per CTA
 TILE_N = 128  # keys per kv tile (= the mask block; _mask_bits assumes 4 words of 32)
 S_CHUNK = 16  # S columns the softmax reads from TMEM (and mods) at a time
-TMEM_COLUMNS = 512
-SMEM_CAPACITY = 227 * 1024  # sm100 opt-in maximum per CTA
-GPU_ARCH = "sm_100a"  # passed to every compile, whatever CUTE_DSL_ARCH says (B200/GB200)
 
-# Warp roles.
+# Warp roles (and MMA_WARP, LOAD_WARP of cute_sm100_common).
 _SOFTMAX_WARPS = ((0, 1, 2, 3), (4, 5, 6, 7))
 _CORRECTION_WARP0 = 8
-_MMA_WARP = 12
-_LOAD_WARP = 13
-_NUM_WARPS = 16
 _SOFTMAX_REGS, _CORRECTION_REGS, _OTHER_REGS = 208, 56, 40
 
-# Named barriers (0 is __syncthreads).
-_BAR_TMEM_ALLOC = 1  # softmax ×2, correction, MMA warp: wait for the TMEM address
-_BAR_TMEM_FREE = 2  # the correction warpgroup, before warp 8 frees TMEM
+# Named barriers (cute_sm100_common's): BAR_TMEM_ALLOC, softmax ×2, correction and the MMA warp
+# wait for the TMEM address; BAR_TMEM_FREE, the correction warpgroup, before warp 8 frees TMEM.
 
 # Kinds of a kv block for one sub-tile (block-sparse lists).
 KIND_SKIP, KIND_PARTIAL, KIND_FULL = 0, 1, 2
 
 _VEC_SLOTS = 4  # per row in sVec: rescale factor, running sum, running max, true max
-
-
-@dsl_user_op
-def tcgen05_fence(after: bool, *, loc=None, ip=None) -> None:
-    """``tcgen05.fence::after_thread_sync`` (after a wait, before this thread's tcgen05 ops) or
-    ``::before_thread_sync`` (after its tcgen05 ops, before the arrive that publishes them):
-    the PTX memory model orders tcgen05 operations of different threads only through these
-    fences around the mbarrier synchronisation."""
-    kind = (nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC if after
-            else nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC)
-    nvvm.tcgen05_fence(kind, loc=loc, ip=ip)
 
 
 class BlockSparse256(NamedTuple):
@@ -183,9 +169,7 @@ class FwdConfig:
     score_loads: bool = False
 
     def __post_init__(self):
-        if (self.head_dim, self.head_dim_v) not in HEAD_DIMS:
-            raise NotImplementedError(
-                f"cute_sm100_fwd: head dims ({self.head_dim}, {self.head_dim_v}) not in {HEAD_DIMS}")
+        check_head_dims("cute_sm100_fwd", self.head_dim, self.head_dim_v, HEAD_DIMS)
 
 
 class _Sched(NamedTuple):
@@ -296,15 +280,11 @@ class FlexAttentionFwdSm100:
         self.shared_storage = SharedStorage
 
         num_m = cute.ceil_div(q.shape[0], CTA_M)
-        self.kernel(
+        kernel = self.kernel(
             mma_qk, mma_pv, tma_q, tQ, tma_k, tK, tma_v, tV, o, lse, row_max, softmax_scale,
             blocks, aux_tensors, aux_scalars, sQ_layout, sK_layout, sV_layout, tP_layout,
-        ).launch(
-            grid=[num_m, mQ.shape[1], mQ.shape[0]],
-            block=[32 * _NUM_WARPS, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
         )
+        launch(kernel, [num_m, mQ.shape[1], mQ.shape[0]], stream)
 
     # -----------------------------------------------------------------------------------------
     @cute.kernel
@@ -331,19 +311,13 @@ class FlexAttentionFwdSm100:
         tP_layout: cute.ComposedLayout,  # P as the PV A operand, in TMEM
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == _LOAD_WARP:
+        if warp_idx == LOAD_WARP:
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         pipes = self._make_pipelines(storage)
-        tmem = utils.TmemAllocator(
-            storage.tmem_addr.ptr,
-            barrier_for_retrieve=pipeline.NamedBarrier(
-                barrier_id=_BAR_TMEM_ALLOC, num_threads=32 * (3 * 4 + 1)),
-            allocator_warp_id=_CORRECTION_WARP0,
-            arch="sm_100",
-        )
+        tmem = tmem_allocator(storage, _CORRECTION_WARP0, 32 * (3 * 4 + 1))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -351,52 +325,41 @@ class FlexAttentionFwdSm100:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sVec = storage.sVec.get_tensor(cute.make_layout((SUB_M, _VEC_SLOTS, 2)))
-        aux = Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
-                  tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
+        aux = kernel_aux(aux_tensors, aux_scalars)
 
         if warp_idx < _CORRECTION_WARP0:
             cute.arch.setmaxregister_increase(_SOFTMAX_REGS)
-            tmem.wait_for_alloc()
-            t_ptr = tmem.retrieve_ptr(Float32)
+            t_ptr = tmem_address(tmem)
             # Each role computes the schedule itself: values live across setmaxnreg spill.
             sched = self._schedule(mO, mK, blocks)
             # One copy of the softmax code for both sub-tiles (t is a runtime value).
             t = cute.arch.make_warp_uniform(warp_idx // 4)
             self.softmax(t, mma_qk, mma_pv, t_ptr, tP_layout, pipes, sVec, sched, softmax_scale,
                          aux)
-        elif warp_idx < _MMA_WARP:
+        elif warp_idx < MMA_WARP:
             cute.arch.setmaxregister_decrease(_CORRECTION_REGS)
             tmem.allocate(TMEM_COLUMNS)
-            tmem.wait_for_alloc()
-            t_ptr = tmem.retrieve_ptr(Float32)
+            t_ptr = tmem_address(tmem)
             sched = self._schedule(mO, mK, blocks)
             self.correction(mma_pv, t_ptr, pipes, sVec, sched, mO, mLSE, mMax, softmax_scale)
             # The correction warpgroup is the last user of TMEM (the softmax's last P store and
             # the MMA warp's last PV completed before its final waits); all four of its warps
             # must be done reading O before warp 8 frees it.
-            tcgen05_fence(after=False)
-            cute.arch.barrier(barrier_id=_BAR_TMEM_FREE, number_of_threads=128)
-            tcgen05_fence(after=True)
-            tmem.relinquish_alloc_permit()
-            tmem.free(t_ptr)
+            free_tmem(tmem, t_ptr, 128)
         else:
             cute.arch.setmaxregister_decrease(_OTHER_REGS)
-            if warp_idx == _MMA_WARP:
-                tmem.wait_for_alloc()
-                t_ptr = tmem.retrieve_ptr(Float32)
+            if warp_idx == MMA_WARP:
+                t_ptr = tmem_address(tmem)
                 sched = self._schedule(mO, mK, blocks)
                 self.mma(mma_qk, mma_pv, t_ptr, tP_layout, sQ, sK, sV, pipes, sched)
-            elif warp_idx == _LOAD_WARP:
+            elif warp_idx == LOAD_WARP:
                 sched = self._schedule(mO, mK, blocks)
                 self.load(mma_qk, mma_pv, tma_q, tma_k, tma_v, mQ, mK, mV, sQ, sK, sV, pipes,
                           sched)
 
     def _make_pipelines(self, storage):
         """See the module docstring for what each pipeline's phases mean."""
-        def group(threads):
-            return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
-
-        warp, wg = group(1), group(128)
+        warp, wg = thread_group(1), thread_group(128)
         tma = pipeline.PipelineTmaUmma.create
         pipe_q = tma(barrier_storage=storage.mbar_q.data_ptr(), num_stages=2, producer_group=warp,
                      consumer_group=warp, tx_count=self.tx_q, defer_sync=True)
@@ -1058,9 +1021,7 @@ def compile_fwd(cfg: FwdConfig, q, aux_tensors=(), aux_scalars=(),
     Always targets ``GPU_ARCH`` (a CPU-only machine needs no CUTE_DSL_ARCH); read
     ``result.compiled.__ptx__`` with ``options='--keep-ptx'`` (a path to the dumped file when
     ``--dump-dir`` is given)."""
-    if not tvm_ffi_enabled():
-        raise RuntimeError("cute_sm100_fwd compiles through TVM-FFI only (tvm_ffi not importable "
-                           "or FLEXJIT_TVM_FFI=0)")
+    require_tvm_ffi("cute_sm100_fwd")
     if _cutlass_dtype(q.dtype) is not cfg.dtype:
         raise TypeError("q dtype does not match the config")
     signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
@@ -1068,9 +1029,5 @@ def compile_fwd(cfg: FwdConfig, q, aux_tensors=(), aux_scalars=(),
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     compiled = cute.compile(FlexAttentionFwdSm100(cfg),
                             *_placeholder_args(cfg, aux_tensors, aux_scalars), stream,
-                            options=f"{options} --gpu-arch {GPU_ARCH} --enable-tvm-ffi".strip())
-    try:
-        ffi_fn = ffi_function(compiled)
-    except RuntimeError:  # compiled for an arch this process cannot launch (CUTE_DSL_ARCH differs)
-        ffi_fn = None
-    return CompiledFwd(cfg, compiled, signature, ffi_fn)
+                            options=compile_options(options))
+    return CompiledFwd(cfg, compiled, signature, launcher(compiled))

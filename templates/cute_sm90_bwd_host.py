@@ -15,6 +15,10 @@ What this module holds
   postprocess on torch's current stream (or ``stream``).
 * ``padded_len`` (the workspaces' rows) and ``num_grad_accs`` (how many fp64 accumulators the
   main kernel takes).
+* The parts the sm100 backward's host (``cute_sm100_bwd``) shares, its kernels taking the same
+  arguments: ``CompiledBwd`` (subclassed there for its semaphore count and operand checks),
+  ``compile_parts`` (the compile loop), ``aux_signature``, ``_block_args`` and the
+  placeholders.
 
 The kernels, their configuration (``BwdConfig``, ``choose_bwd_tiling``, ``HEAD_DIMS``) and the
 argument contracts (layouts, block lists, deterministic order) are ``cute_sm90_bwd``'s; this
@@ -129,12 +133,26 @@ class CompiledBwd:
 
     ``__call__`` allocates the fp32 workspaces (lse2, delta, dQ accumulator, semaphores) from
     torch's caching allocator and runs preprocess → main → postprocess on the current stream
-    (or ``stream``)."""
+    (or ``stream``). The sm100 backward's host (``cute_sm100_bwd.CompiledBwd``) is this class
+    with its own ``NAME``, ``sem_len`` and ``check_operands``: its kernels take the same
+    arguments."""
+
+    NAME = "cute_sm90_bwd"  # the prefix of the shape error
 
     def __init__(self, cfg: BwdConfig, parts: dict, signature):
         self.cfg = cfg
         self.parts = parts  # "pre" / "main" / "post" -> _Part
         self.signature = signature
+
+    def sem_len(self, lpad: int) -> int:
+        """Semaphores per (batch, query head) in deterministic mode: two per q tile (one per
+        tile for each of the two dQ boxes), zeroed by the preprocess."""
+        return 2 * (lpad // self.cfg.tiling.tile_m)
+
+    def check_operands(self, q, k, v, dq, dk, dv) -> None:
+        """What the kernels need of the operands beyond consistent shapes: here K/V's batch
+        against the query's (``check_kv_batch``)."""
+        check_kv_batch(self.cfg.kv_batch_broadcast, q, k, v)
 
     def __call__(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale: float,
                  block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_order=None,
@@ -177,8 +195,8 @@ class CompiledBwd:
                 or v.shape[:-1] != k.shape[:-1]
                 or (D, v.shape[-1]) != (cfg.head_dim, cfg.head_dim_v)
                 or tuple(lse.shape) != (B, Hq, L) or Hq % Hkv):
-            raise ValueError("cute_sm90_bwd: inconsistent shapes")
-        check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
+            raise ValueError(f"{self.NAME}: inconsistent shapes")
+        self.check_operands(q, k, v, dq, dk, dv)
         lpad = padded_len(L)
         f32 = dict(dtype=torch.float32, device=q.device)
         lse2 = torch.empty(B, Hq, lpad, **f32)
@@ -186,8 +204,7 @@ class CompiledBwd:
         dqacc = torch.empty(B, Hq, lpad, D, **f32)  # zeroed by the preprocess
         sem = None
         if cfg.deterministic:  # zeroed by the preprocess
-            sem = torch.empty(B, Hq, 2 * (lpad // cfg.tiling.tile_m), dtype=torch.int32,
-                              device=q.device)
+            sem = torch.empty(B, Hq, self.sem_len(lpad), dtype=torch.int32, device=q.device)
         has_dlse = dlse is not None
         dlse = dlse.float().contiguous() if has_dlse else lse  # autograd may hand a stride-0 grad
         qblocks, qorder = _block_args(cfg, block_lists, q_order)
@@ -220,23 +237,38 @@ def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "
     if not tvm_ffi_enabled():
         raise RuntimeError("cute_sm90_bwd launches through TVM-FFI only (import tvm_ffi failed "
                            "or FLEXJIT_TVM_FFI=0)")
-    signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
+    signature = aux_signature(aux_tensors, aux_scalars)
+    kernels = {
+        "pre": lambda: (FlexAttentionBwdPreSm90(cfg), _placeholder_pre_args(cfg)),
+        "main": lambda: (FlexAttentionBwdSm90(cfg),
+                         _placeholder_main_args(cfg, aux_tensors, aux_scalars)),
+        "post": lambda: (FlexAttentionBwdPostSm90(cfg), _placeholder_post_args(cfg)),
+    }
+    built = compile_parts(kernels, f"{options} --enable-tvm-ffi".strip(), parts, ffi_function)
+    return CompiledBwd(cfg, built, signature)
+
+
+def aux_signature(aux_tensors, aux_scalars) -> tuple:
+    """A compiled kernel's argument kinds: (dtype, rank) per captured tensor, then the DSL type
+    name of each scalar (``as_scalar``: a TypeError for anything but a Python int or float)."""
+    return tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
         type(as_scalar(x)).__name__ for x in aux_scalars)
-    opts = f"{options} --enable-tvm-ffi".strip()
+
+
+def compile_parts(kernels: dict, options: str, parts, launcher) -> dict:
+    """{part: _Part} for each name in ``parts``, in order: ``kernels[name]()`` gives the kernel
+    object and its placeholder arguments, compiled with ``options`` against TVM-FFI's
+    environment stream; ``launcher(compiled)`` gives the function that is called (the sm100
+    host's gives None for a kernel this process cannot launch). Shared by both archs' hosts."""
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     built = {}
     for name in parts:
-        if name == "pre":
-            kernel, args = FlexAttentionBwdPreSm90(cfg), _placeholder_pre_args(cfg)
-        elif name == "main":
-            kernel, args = FlexAttentionBwdSm90(cfg), _placeholder_main_args(cfg, aux_tensors, aux_scalars)
-        elif name == "post":
-            kernel, args = FlexAttentionBwdPostSm90(cfg), _placeholder_post_args(cfg)
-        else:
+        if name not in kernels:
             raise ValueError(f"unknown part {name!r}")
-        compiled = cute.compile(kernel, *args, stream, options=opts)
-        built[name] = _Part(compiled, ffi_function(compiled))
-    return CompiledBwd(cfg, built, signature)
+        kernel, args = kernels[name]()
+        compiled = cute.compile(kernel, *args, stream, options=options)
+        built[name] = _Part(compiled, launcher(compiled))
+    return built
 
 
 def load_bwd(cfg: BwdConfig, ffi_fns: dict, signature=()) -> CompiledBwd:

@@ -46,18 +46,60 @@ def _cli(args, cache_dir, check=True):
     return res
 
 
-_CHILD = CHILD_NO_COMPILE + """
+# A second process's set-up, as a training script's: the causal variant's call at (S, D) with
+# batch B (another than the AOT compile's 1: a runtime value); each test's script goes on from
+# ``call`` and prints its json last.
+_CHILD_CALL = CHILD_NO_COMPILE + """
     import torch
     import flexjit
     from flexjit.aot import builtin_variant
     from flexjit.api import prepare_call
-    from flexjit.backends import cute_sm90 as backend
 
-    S, D, B, H = SIZES, 3, 16  # another batch than the AOT compile's 1: a runtime value
+    S, D, B, H = SIZES, 16
     score_mod, mask_mod = builtin_variant("causal", S, H)
     q, k, v = (torch.empty(B, H, S, D, dtype=torch.bfloat16) for _ in range(3))
     bm = flexjit.create_block_mask(mask_mod, None, None, S, S, device="cpu")
     call = prepare_call(q, k, v, score_mod, bm, None, False, None)
+"""
+
+
+def _child(script: str, cache_dir, S: int, B: int) -> dict:
+    """Run ``script`` (``_CHILD_CALL`` + its own lines) at sequence length ``S``, head dim ``D``
+    and batch ``B`` in a fresh process on ``cache_dir``; its last line's json."""
+    env = dict(os.environ, FLEXJIT_CACHE_DIR=str(cache_dir))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    child = subprocess.run([sys.executable, "-c",
+                            textwrap.dedent(script.replace("SIZES", f"{S}, {D}, {B}"))],
+                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def _cli_kernels(res, arch: str, cache_dir) -> list[str]:
+    """The CLI's four kernel lines for ``arch`` (forward, then the backward's three parts), each
+    naming its disk-cache object; returns the four objects' keys."""
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(f"{arch} ")]
+    assert [ln.split()[1:3] for ln in lines] == [["fwd", "main"], ["bwd", "pre"], ["bwd", "main"],
+                                                 ["bwd", "post"]], res.stdout
+    assert res.stdout.strip().endswith(f"4 kernels for {arch} (causal)")
+    objects = sorted(p.stem for p in cache_dir.rglob("*.o"))
+    assert len(objects) == 4, objects
+    for line in lines:
+        assert any(f"cache {o}.o" in line for o in objects), line
+    return objects
+
+
+def _assert_loaded_only(messages, arch: str) -> None:
+    """The child loaded the forward and the backward from disk and compiled nothing."""
+    loaded = [m for m in messages if "loaded from disk" in m]
+    assert any(f"{arch} forward" in m for m in loaded), messages
+    assert any(f"{arch} backward" in m for m in loaded), messages
+    assert not any("compiled" in m and "loaded" not in m for m in messages), messages
+
+
+_CHILD = _CHILD_CALL + """
+    from flexjit.backends import cute_sm90 as backend
+
     sparse = backend.block_sparse_args(bm)
     aux = tuple(backend._aux_tensor(t, q.device) for t in call.program.buffers)
     backend.compile_program(call.program, q, k, v, sparse, aux,
@@ -71,10 +113,7 @@ def test_cli_compiles_a_variant_and_a_training_process_finds_it(tmp_path):
     cache_dir, out = tmp_path / "cache", tmp_path / "out"
     res = _cli(["compile", "--arch", "sm_90a", "--variant", "causal", "--head-dim", str(D),
                 "--pass", "fwd,bwd", "--seq-len", str(S), "--out", str(out)], cache_dir)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("sm_90a ")]
-    assert [ln.split()[1:3] for ln in lines] == [["fwd", "main"], ["bwd", "pre"], ["bwd", "main"],
-                                                 ["bwd", "post"]], res.stdout
-    assert res.stdout.strip().endswith("4 kernels for sm_90a (causal)")
+    objects = _cli_kernels(res, "sm_90a", cache_dir)
     for folder, ops in (("fwd-main", ("wgmma.mma_async", "cp.async.bulk.tensor")),
                         ("bwd-main", ("wgmma.mma_async", "cp.async.bulk.tensor")),
                         ("bwd-pre", ()), ("bwd-post", ())):
@@ -84,21 +123,8 @@ def test_cli_compiles_a_variant_and_a_training_process_finds_it(tmp_path):
             assert op in ptx, f"{folder}: no {op} in its PTX"
         cubin = (out / f"causal-d{D}" / folder / f"{folder}.sm_90a.cubin").read_bytes()
         assert cubin[:4] == b"\x7fELF", folder
-    objects = sorted(p.stem for p in cache_dir.rglob("*.o"))
-    assert len(objects) == 4, objects
-    for line in lines:
-        assert any(f"cache {o}.o" in line for o in objects), line
 
-    env = dict(os.environ, FLEXJIT_CACHE_DIR=str(cache_dir))
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    child = subprocess.run([sys.executable, "-c", textwrap.dedent(_CHILD.replace("SIZES", f"{S}, {D}"))],
-                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stderr[-4000:]
-    messages = json.loads(child.stdout.strip().splitlines()[-1])["messages"]
-    loaded = [m for m in messages if "loaded from disk" in m]
-    assert any("sm90 forward" in m for m in loaded) and any("sm90 backward" in m for m in loaded), \
-        messages
-    assert not any("compiled" in m and "loaded" not in m for m in messages), messages
+    _assert_loaded_only(_child(_CHILD, cache_dir, S, B=3)["messages"], "sm90")
     assert sorted(p.stem for p in cache_dir.rglob("*.o")) == objects  # nothing new was written
 
 
@@ -122,18 +148,9 @@ def test_python_api_compiles_a_user_mod(tmp_path, monkeypatch):
     assert lines == [k.line()] and "head_bias_causal D=64 bfloat16" in lines[0]
 
 
-_CHILD_SM100 = CHILD_NO_COMPILE + """
-    import torch
-    import flexjit
-    from flexjit.aot import builtin_variant
-    from flexjit.api import prepare_call
+_CHILD_SM100 = _CHILD_CALL + """
     from flexjit.backends import cute_sm100, cute_sm100_bwd
 
-    S, D, B, H = SIZES, 2, 16  # another batch than the AOT compile's 1: a runtime value
-    score_mod, mask_mod = builtin_variant("causal", S, H)
-    q, k, v = (torch.empty(B, H, S, D, dtype=torch.bfloat16) for _ in range(3))
-    bm = flexjit.create_block_mask(mask_mod, None, None, S, S, device="cpu")
-    call = prepare_call(q, k, v, score_mod, bm, None, False, None)
     fwd = cute_sm100._compile(call)  # the run's own compile (what SEAM.compile calls)
     aux = tuple(cute_sm100._aux_tensor(t, q.device) for t in call.program.buffers)
     bwd = cute_sm100_bwd.compile_backward(call.program, q.dtype, D, True,
@@ -152,10 +169,7 @@ def test_cli_compiles_the_sm100_kernels_and_a_training_process_finds_them(tmp_pa
     cache_dir, out = tmp_path / "cache", tmp_path / "out"
     res = _cli(["compile", "--arch", "sm_100a", "--variant", "causal", "--head-dim", str(D),
                 "--pass", "fwd,bwd", "--seq-len", "1024", "--out", str(out)], cache_dir)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("sm_100a ")]
-    assert [ln.split()[1:3] for ln in lines] == [["fwd", "main"], ["bwd", "pre"], ["bwd", "main"],
-                                                 ["bwd", "post"]], res.stdout
-    assert res.stdout.strip().endswith("4 kernels for sm_100a (causal)")
+    objects = _cli_kernels(res, "sm_100a", cache_dir)
     for folder in ("fwd-main", "bwd-pre", "bwd-main", "bwd-post"):
         ptx = (out / f"causal-d{D}" / folder / f"{folder}.sm_100a.ptx").read_text()
         assert ".target sm_100a" in ptx and "wgmma" not in ptx, folder
@@ -163,23 +177,9 @@ def test_cli_compiles_the_sm100_kernels_and_a_training_process_finds_them(tmp_pa
             assert "tcgen05.mma" in ptx and "cp.async.bulk.tensor" in ptx, folder
         cubin = (out / f"causal-d{D}" / folder / f"{folder}.sm_100a.cubin").read_bytes()
         assert cubin[:4] == b"\x7fELF", folder
-    objects = sorted(p.stem for p in cache_dir.rglob("*.o"))
-    assert len(objects) == 4, objects
-    for line in lines:
-        assert any(f"cache {o}.o" in line for o in objects), line
 
-    env = dict(os.environ, FLEXJIT_CACHE_DIR=str(cache_dir))
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    child = subprocess.run([sys.executable, "-c",
-                            textwrap.dedent(_CHILD_SM100.replace("SIZES", f"1024, {D}"))],
-                           env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stderr[-4000:]
-    result = json.loads(child.stdout.strip().splitlines()[-1])
-    messages = result["messages"]
-    loaded = [m for m in messages if "loaded from disk" in m]
-    assert any("sm100 forward" in m for m in loaded), messages
-    assert any("sm100 backward" in m for m in loaded), messages
-    assert not any("compiled" in m and "loaded" not in m for m in messages), messages
+    result = _child(_CHILD_SM100, cache_dir, 1024, B=2)
+    _assert_loaded_only(result["messages"], "sm100")
     assert result["loaded"], "the child's kernels must be the loaded TVM-FFI functions"
     assert sorted(p.stem for p in cache_dir.rglob("*.o")) == objects  # nothing new was written
 

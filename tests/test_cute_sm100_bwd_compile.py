@@ -31,22 +31,12 @@ from flexjit.backends import cute_sm100_bwd  # noqa: E402
 from flexjit.backends.cute_sm90 import _aux_tensor, load_mods  # noqa: E402
 from flexjit.cache import load_template  # noqa: E402
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
-from ptx_checks import ptxas_report  # noqa: E402
+from sm100_ptx import assert_blackwell_path, ptx_text as _ptx_text, spill_bytes  # noqa: E402
 
 tpl = load_template("cute_sm100_bwd")
 
 if not tpl.tvm_ffi_enabled():
     pytest.skip("the sm100 backward compiles through TVM-FFI only", allow_module_level=True)
-
-
-def _ptx_text(compiled) -> str:
-    ptx = compiled.__ptx__
-    assert ptx, "no PTX produced"
-    if len(ptx) < 4096 and os.path.exists(ptx):  # a path to the dumped file
-        with open(ptx) as f:
-            ptx = f.read()
-    assert ".entry" in ptx
-    return ptx
 
 
 def _compile(tmp_path, head_dim, program=None, sparse=False, deterministic=False,
@@ -66,23 +56,9 @@ def _compile(tmp_path, head_dim, program=None, sparse=False, deterministic=False
 
 
 def _assert_blackwell_main(ptx: str) -> None:
-    assert "tcgen05.mma" in ptx, "no tcgen05.mma: the kernel fell off the Blackwell tensor cores"
-    assert "wgmma" not in ptx, "wgmma found: a Hopper MMA in the sm100 kernel"
-    assert "mma.sync" not in ptx, "mma.sync found: Ampere-style MMA instead of tcgen05"
-    for insn in ("tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcgen05.st",
-                 "tcgen05.commit", "tcgen05.fence", "cp.async.bulk.tensor", "setmaxnreg.inc",
-                 "setmaxnreg.dec", "ex2.approx"):
-        assert insn in ptx, f"{insn} missing from the PTX"
+    assert_blackwell_path(ptx)
     assert re.search(r"red(\.relaxed)?(\.gpu)?\.global\.add\.f32", ptx), "dQ is not added in fp32"
     assert "st.shared.v4" in ptx, "dS does not reach smem as 16-byte vectors"
-
-
-def _spill_bytes(tmp_path, ptx: str) -> int:
-    out = ptxas_report(tmp_path, ptx, arch="sm_100a")
-    stores = int(re.search(r"(\d+) bytes spill stores", out).group(1))
-    loads = int(re.search(r"(\d+) bytes spill loads", out).group(1))
-    frame = int(re.search(r"(\d+) bytes stack frame", out).group(1))
-    return max(stores, loads, frame)
 
 
 # tcgen05.mma instructions in the PTX: the MMA warp issues each GEMM from a rolled k-block loop
@@ -98,7 +74,7 @@ def test_no_mods_all_parts(tmp_path, head_dim):
     _assert_blackwell_main(ptx["main"])
     assert ptx["main"].count("tcgen05.mma") == _MMA_INSNS
     for part in tpl.PARTS:
-        assert _spill_bytes(tmp_path, ptx[part]) == 0, part
+        assert spill_bytes(tmp_path, ptx[part]) == 0, part
     assert "tcgen05" not in ptx["pre"] and "tcgen05" not in ptx["post"]
 
 
@@ -112,7 +88,7 @@ def test_deterministic(tmp_path, head_dim, sparse):
     _assert_blackwell_main(main)
     assert "ld.acquire.gpu" in main or "ld.global.acquire.gpu" in main, "no acquire spin"
     assert re.search(r"(atom|red)(\.global)?\.release", main), "no release increment"
-    assert _spill_bytes(tmp_path, main) == 0
+    assert spill_bytes(tmp_path, main) == 0
 
 
 # Every core mod compiles for sm_100a with a block mask where it has a mask_mod (the way a call
@@ -133,7 +109,7 @@ def test_core_mod_compiles_for_sm100a(tmp_path, name, head_dim):
         if isinstance(value, float) and value not in (0.0, 1.0):
             bits = torch.tensor(value, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
             assert f"0f{bits:08X}" not in main, f"runtime scalar {value} was baked into the PTX"
-    assert _spill_bytes(tmp_path, main) == 0
+    assert spill_bytes(tmp_path, main) == 0
 
 
 @pytest.mark.parametrize("name,head_dim", [("learnable_bias", 128), ("learnable_alibi", 128),
@@ -154,7 +130,7 @@ def test_captured_tensor_grads(tmp_path, name, head_dim):
     assert re.search(r"(red|atom)(\.\w+)*\.global(\.\w+)*\.add\.f64", main), "no fp64 atomic add"
     if name == "learnable_alibi":
         assert "shfl.sync.bfly" in main, "uniform-index gradient not warp-reduced"
-    assert _spill_bytes(tmp_path, main) == 0
+    assert spill_bytes(tmp_path, main) == 0
 
 
 # --------------------------------------------------------------- configuration

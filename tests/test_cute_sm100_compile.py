@@ -15,7 +15,6 @@ on a Blackwell GPU; nothing here checks its numbers.
 """
 
 import os
-import re
 
 import pytest
 
@@ -33,7 +32,8 @@ from flexjit.backends import cute_sm100  # noqa: E402
 from flexjit.backends.cute_sm90 import _aux_tensor  # noqa: E402
 from flexjit.cache import load_template  # noqa: E402
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
-from ptx_checks import ptxas_report  # noqa: E402
+from sm100_ptx import assert_blackwell_path as _assert_blackwell_path  # noqa: E402
+from sm100_ptx import ptx_text as _ptx_text, spill_bytes  # noqa: E402
 
 _tpl = load_template("cute_sm100_fwd")
 
@@ -44,32 +44,6 @@ if not _tpl.tvm_ffi_enabled():
 @cute.jit
 def causal_mask(b, h, q_idx, kv_idx, aux):
     return q_idx >= kv_idx
-
-
-def _ptx_text(compiled) -> str:
-    ptx = compiled.__ptx__
-    assert ptx, "no PTX produced"
-    if len(ptx) < 4096 and os.path.exists(ptx):  # a path to the dumped file
-        with open(ptx) as f:
-            ptx = f.read()
-    return ptx
-
-
-def _assert_blackwell_path(ptx: str) -> None:
-    assert "tcgen05.mma" in ptx, "no tcgen05.mma: the kernel fell off the Blackwell tensor cores"
-    assert "wgmma" not in ptx, "wgmma found: a Hopper MMA in the sm100 kernel"
-    assert "mma.sync" not in ptx, "mma.sync found: Ampere-style MMA instead of tcgen05"
-    for insn in ("tcgen05.alloc", "tcgen05.dealloc", "tcgen05.ld", "tcgen05.st",
-                 "tcgen05.commit", "tcgen05.fence", "cp.async.bulk.tensor", "setmaxnreg.inc",
-                 "setmaxnreg.dec", "ex2.approx"):
-        assert insn in ptx, f"{insn} missing from the PTX"
-
-
-def _spill_bytes(tmp_path, ptx: str) -> int:
-    out = ptxas_report(tmp_path, ptx, arch="sm_100a")
-    stores = int(re.search(r"(\d+) bytes spill stores", out).group(1))
-    loads = int(re.search(r"(\d+) bytes spill loads", out).group(1))
-    return max(stores, loads)
 
 
 def _compile_template(tmp_path, head_dim, mask_mod=None, sparse=False, write_max=False):
@@ -87,7 +61,7 @@ def test_no_mods(tmp_path, head_dim):
     # QK: 2 sub-tiles x D/16 k-steps per kv tile, issued in three places (first tile, loop,
     # none in the tail); PV: 2 x 128/16 in two places (loop, tail).
     assert ptx.count("tcgen05.mma") == 2 * 2 * (head_dim // 16) + 2 * 2 * (128 // 16)
-    assert _spill_bytes(tmp_path, ptx) == 0
+    assert spill_bytes(tmp_path, ptx) == 0
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -95,7 +69,7 @@ def test_block_sparse_without_mask_mod(tmp_path, head_dim):
     # A block mask whose mask_mod is elided (e.g. a document mask planned into full blocks):
     # the skip / bounded / full step variants, no mask.
     _assert_blackwell_path(ptx := _compile_template(tmp_path, head_dim, sparse=True))
-    assert _spill_bytes(tmp_path, ptx) == 0
+    assert spill_bytes(tmp_path, ptx) == 0
 
 
 @pytest.mark.parametrize("head_dim,write_max", [(64, True), (128, False)])
@@ -105,7 +79,7 @@ def test_causal_block_sparse(tmp_path, head_dim, write_max):
                             write_max=write_max)
     _assert_blackwell_path(ptx)
     assert ptx.count("st.global.b32") == (4 if write_max else 2)  # LSE (+ max) per sub-tile
-    assert _spill_bytes(tmp_path, ptx) == 0
+    assert spill_bytes(tmp_path, ptx) == 0
 
 
 # --------------------------------------------------------------- every core mod, rendered
@@ -136,7 +110,7 @@ def test_core_mod_compiles_for_sm100a(name, D, tmp_path):
         if isinstance(value, float) and value not in (0.0, 1.0):
             bits = torch.tensor(value, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
             assert f"0f{bits:08X}" not in ptx, f"runtime scalar {value} was baked into the PTX"
-    assert _spill_bytes(tmp_path, ptx) == 0
+    assert spill_bytes(tmp_path, ptx) == 0
 
 
 def test_two_pass_softmax_for_per_element_score_loads():

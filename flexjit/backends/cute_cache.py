@@ -11,6 +11,10 @@ What this module holds
   install can load what it would store (TVM-FFI is importable).
 * ``STATS``: this process's disk lookups, ``hits`` (loaded) and ``misses`` (absent or unreadable,
   so compiled); ``benchmarks.run`` prints them, ``benchmarks.prewarm`` aims for no misses.
+* ``cached_kernel``: one compiled forward kernel through ``cache.cached`` with this folder
+  behind memory (load, else compile and export), as the sm90 and sm100 backends use it;
+  ``key_options`` / ``wants_artifacts``: what of the compile options enters a disk key, and
+  whether the caller asked for PTX/cubin files (then it always compiles).
 
 Only TVM-FFI functions are cached on disk: ``export_to_c`` writes one object file holding the
 host launcher, the argument checks and the cubin, and ``cute.runtime.load_module(path,
@@ -51,10 +55,34 @@ LOCK_TIMEOUT_S = 120.0  # an export takes ~0.5 s; a lock held longer belongs to 
 STATS = {"hits": 0, "misses": 0}  # lookups by load() with the disk cache on (module doc)
 
 
-def _debug(msg: str) -> None:
+def announce(msg: str) -> None:
+    """Log ``msg`` (and print it under ``FLEXJIT_DEBUG``): what a compile or a load took."""
     log.info("flexjit: %s", msg)
     if os.environ.get("FLEXJIT_DEBUG"):
         print(f"[flexjit] {msg}")
+
+
+ARTIFACT_FLAGS = ("--keep-ptx", "--keep-cubin")
+
+
+def key_options(options: str) -> str:
+    """The compile options that can change the code: all but asking for PTX/cubin files and
+    where to dump them."""
+    words, kept = options.split(), []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w == "--dump-dir":
+            skip = True
+        elif w not in ARTIFACT_FLAGS and not w.startswith("--dump-dir="):
+            kept.append(w)
+    return " ".join(kept)
+
+
+def wants_artifacts(options: str) -> bool:
+    """Whether ``options`` ask for PTX or cubin files: a loaded kernel has none to show."""
+    return any(f in options.split() for f in ARTIFACT_FLAGS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,7 +195,7 @@ def store(key: str, export: Callable[[str, str], None]) -> Optional[Path]:
             t0 = time.perf_counter()
             export(str(tmp), FUNCTION_NAME)
             os.replace(tmp, path)
-            _debug(f"exported {path.name} ({path.stat().st_size >> 10} KiB) in "
+            announce(f"exported {path.name} ({path.stat().st_size >> 10} KiB) in "
                    f"{time.perf_counter() - t0:.2f} s")
         return path
     except Exception as e:
@@ -177,3 +205,39 @@ def store(key: str, export: Callable[[str, str], None]) -> Optional[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def cached_kernel(memory: dict, key, *, label: str, disk_key: str | None, options: str,
+                  compile: Callable, from_disk: Callable, export: Callable):
+    """``memory[key]``, else the kernel loaded from ``disk_key``'s object file, else compiled
+    and exported there (``cache.cached``); one forward kernel, for any arch's backend.
+
+    ``label`` names it in the log ("sm90 forward for causal/none D=128 bfloat16");
+    ``disk_key`` None: no disk (TVM-FFI or the cache off); ``options`` asking for PTX/cubin
+    files (``wants_artifacts``): always compiled, still exported. ``compile()`` gives a fresh
+    kernel, ``from_disk(fn)`` the kernel around a loaded ``tvm_ffi.Function``, ``export(kernel)``
+    the ``export(path, function_name)`` writer of a kernel compiled here, or None where it has
+    none (not a TVM-FFI compile)."""
+    fresh = wants_artifacts(options)
+
+    def from_file(disk_key):
+        t0 = time.perf_counter()
+        loaded = None if fresh else load(disk_key)
+        if loaded is None:
+            return None
+        announce(f"{label}: loaded from disk in {time.perf_counter() - t0:.3f} s ({disk_key}.o)")
+        return from_disk(loaded)
+
+    def build():
+        log.info("flexjit: compiling the %s ...", label)
+        t0 = time.perf_counter()
+        fn = compile()
+        announce(f"{label}: compiled in {time.perf_counter() - t0:.1f} s")
+        return fn
+
+    def to_file(disk_key, fn):
+        writer = export(fn)
+        if writer is not None:
+            store(disk_key, writer)
+
+    return cache.cached(memory, key, build, disk_key=disk_key, load=from_file, store=to_file)

@@ -34,7 +34,6 @@ import functools
 import importlib
 import logging
 import os
-import time
 from typing import Callable
 
 import torch
@@ -43,8 +42,8 @@ from .. import cache, ir, selfcheck
 from ..ir import Op
 from ..passes import Program
 from . import capability, cute_cache
-from .cute_sm90 import (_ARTIFACT_FLAGS, _announce, _aux_tensor, _cutlass_dtype, _key_options,
-                        _scalar_signature, block_sparse_args, load_mods)
+from .cute_sm90 import (_aux_tensor, _cutlass_dtype, _key_options, _scalar_signature,
+                        block_sparse_args, load_mods)
 
 # (head_dim, head_dim_v) pairs the sm100 forward has a tile for (``cute_sm100_fwd.HEAD_DIMS``,
 # repeated so that refusing needs no cutlass import).
@@ -342,24 +341,11 @@ def compile_program(program: Program, q, v, has_block_mask: bool, aux_tensors, o
                                     _kernel_config(cfg, aux_tensors, program, options), "sm100")
     if keys is not None:
         keys["fwd"] = disk_key
-    wants_artifacts = any(f in options.split() for f in _ARTIFACT_FLAGS)
-
-    def load(disk_key):
-        t0 = time.perf_counter()
-        loaded = None if wants_artifacts else cute_cache.load(disk_key)
-        if loaded is None:
-            return None
-        _announce(f"sm100 forward for {what}: loaded from disk in "
-                  f"{time.perf_counter() - t0:.3f} s ({disk_key}.o)")
-        return tpl.CompiledFwd(cfg, None, _signature(program, aux_tensors), loaded)
-
-    def build():
-        t0 = time.perf_counter()
-        fn = tpl.compile_fwd(cfg, q, aux_tensors, program.scalars, options=options)
-        _announce(f"sm100 forward for {what}: compiled in {time.perf_counter() - t0:.1f} s")
-        return fn
-
-    return cache.cached(_COMPILED, key, build, disk_key=disk_key, load=load, store=_store)
+    return cute_cache.cached_kernel(
+        _COMPILED, key, label=f"sm100 forward for {what}", disk_key=disk_key, options=options,
+        compile=lambda: tpl.compile_fwd(cfg, q, aux_tensors, program.scalars, options=options),
+        from_disk=lambda fn: tpl.CompiledFwd(cfg, None, _signature(program, aux_tensors), fn),
+        export=_export)
 
 
 def _kernel_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
@@ -381,11 +367,11 @@ def _signature(program: Program, aux_tensors) -> tuple:
     return tuple((t.dtype, t.dim()) for t in aux_tensors) + _scalar_signature(program)
 
 
-def _store(disk_key: str, fn) -> None:
-    """Export a kernel compiled here (not one loaded from disk) into the disk cache."""
-    if fn.compiled is not None:
-        cute_cache.store(disk_key, lambda path, name: fn.compiled.export_to_c(
-            object_file_path=path, function_name=name))
+def _export(fn):
+    """The object-file writer of a kernel compiled here (None for one loaded from disk)."""
+    if fn.compiled is None:
+        return None
+    return lambda path, name: fn.compiled.export_to_c(object_file_path=path, function_name=name)
 
 
 def _run(call, poison: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

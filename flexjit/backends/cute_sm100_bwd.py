@@ -31,8 +31,8 @@ from .. import cache
 from ..passes import Program
 from . import cute_cache
 from .cute_render import captured_grads_in_kernel, grad_slots
-from .cute_sm90 import (_ARTIFACT_FLAGS, _announce, _aux_tensor, _cutlass_dtype, _dq_order,
-                        _key_options, _scalar_signature, bwd_block_lists, load_mods)
+from .cute_sm90 import (_aux_tensor, _cutlass_dtype, _scalar_signature, load_mods,
+                        run_backward)
 
 # (head_dim, head_dim_v) pairs the sm100 backward has a tile for (``cute_sm100_bwd.HEAD_DIMS``,
 # repeated so that refusing needs no cutlass import).
@@ -120,7 +120,7 @@ def _disk_keys(program: Program, cfg, aux_tensors, options: str, parts) -> dict:
     frozen = (cfg.dtype.__name__, cfg.head_dim, cfg.head_dim_v, cfg.has_block_mask,
               f"deterministic={cfg.deterministic}", f"grad_slots={grad_slots(program)}",
               tuple((str(t.dtype), t.dim()) for t in aux_tensors),
-              tuple(d.value for d in program.scalar_dtypes), _key_options(options),
+              tuple(d.value for d in program.scalar_dtypes), cute_cache.key_options(options),
               f"launch=tvm-ffi {tvm_ffi.__version__}")
     return {part: cache.kernel_key(program.key if part == "main" else "", f"cute_sm100_bwd_{part}",
                                    frozen, "sm100") for part in parts}
@@ -144,14 +144,14 @@ def _build(program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool
     keys = _disk_keys(program, cfg, aux_tensors, options, tpl.PARTS) if disk else {}
     if keys_out is not None:
         keys_out.update({part: keys.get(part) for part in tpl.PARTS})
-    fresh = dump_dirs is not None or any(f in options.split() for f in _ARTIFACT_FLAGS)
+    fresh = dump_dirs is not None or cute_cache.wants_artifacts(options)
     t0 = time.perf_counter()
     loaded = {part: cute_cache.load(k) for part, k in keys.items()} if not fresh else {}
     loaded = {part: fn for part, fn in loaded.items() if fn is not None}
     missing = tuple(p for p in tpl.PARTS if p not in loaded)
     if not missing:
-        _announce(f"sm100 backward for {what}: loaded from disk in "
-                  f"{time.perf_counter() - t0:.3f} s")
+        cute_cache.announce(f"sm100 backward for {what}: loaded from disk in "
+                            f"{time.perf_counter() - t0:.3f} s")
         return tpl.load_bwd(cfg, loaded, _aux_sig(aux_tensors) + _scalar_signature(program))
     if dump_dirs is not None:  # one compile per part, each dumping into its own folder
         built = {}
@@ -165,32 +165,21 @@ def _build(program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool
         fn = tpl.compile_bwd(cfg, aux_tensors, program.scalars, options=options, parts=missing)
     for part in missing:
         if part in keys:
-            compiled = fn.parts[part].compiled
-            cute_cache.store(keys[part], lambda path, name, c=compiled: c.export_to_c(
-                object_file_path=path, function_name=name))
-    _announce(f"sm100 backward for {what}: compiled {', '.join(missing)} in "
-              f"{time.perf_counter() - t0:.1f} s")
+            cute_cache.store(keys[part], fn.parts[part].export)
+    cute_cache.announce(f"sm100 backward for {what}: compiled {', '.join(missing)} in "
+                        f"{time.perf_counter() - t0:.1f} s")
     if loaded:  # some parts came from disk: one backward of both kinds
         fn.parts.update(tpl.load_bwd(cfg, loaded).parts)
     return fn
 
 
 def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
-    """(dq, dk, dv, *captured-tensor grads), as ``cute_sm90.backward``. Dispatch gets here only
-    through ``cute_sm100.backward`` (after the self-check passed)."""
+    """(dq, dk, dv, *captured-tensor grads), as ``cute_sm90.backward`` (``run_backward``: the
+    same launch; no K/V batch broadcast here). Dispatch gets here only through
+    ``cute_sm100.backward`` (after the self-check passed)."""
     prog = call.program
-    bm = call.block_mask
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    fn = compile_backward(prog, q.dtype, q.shape[-1], bm is not None, deterministic, aux,
-                          head_dim_v=v.shape[-1])
-    lists = bwd_block_lists(bm)
-    order = _dq_order(bm, lists) if deterministic and bm is not None else None
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    slots = grad_slots(prog) if prog.grad_loads else []
-    accs = {s: torch.zeros(aux[s].shape, dtype=torch.float64, device=q.device) for s in slots}
-    fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, call.scale, lists, aux, prog.scalars,
-       q_order=order, grad_accs=tuple(accs[s] for s in slots))
-    dbufs = [accs[s].reshape(b.shape).to(device=b.device, dtype=b.dtype) if s in accs else None
-             for s, b in enumerate(prog.buffers)]
-    return (dq, dk, dv, *dbufs)
+    fn = compile_backward(prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic,
+                          aux, head_dim_v=v.shape[-1])
+    return run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic)

@@ -143,22 +143,10 @@ def _aux_tensor(t: torch.Tensor, device) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t
 
 
-_ARTIFACT_FLAGS = ("--keep-ptx", "--keep-cubin")
-
-
-def _key_options(options: str) -> str:
-    """The compile options that can change the code: all but asking for PTX/cubin files and
-    where to dump them."""
-    words, kept = options.split(), []
-    skip = False
-    for w in words:
-        if skip:
-            skip = False
-        elif w == "--dump-dir":
-            skip = True
-        elif w not in _ARTIFACT_FLAGS and not w.startswith("--dump-dir="):
-            kept.append(w)
-    return " ".join(kept)
+# The compile options that can change the code (the disk key's) and the artifact flags that
+# make a compile keep PTX/cubin files (``cute_cache``: the sm100 backends share them).
+_ARTIFACT_FLAGS = cute_cache.ARTIFACT_FLAGS
+_key_options = cute_cache.key_options
 
 
 def _kernel_config(cfg, aux_tensors, program: Program, *extra) -> tuple:
@@ -218,10 +206,7 @@ def _persistent_fwd(head_dim: int, lists, S: int, owner=None) -> bool:
     return _mean_kv_tiles(lists, S, owner) <= PERSISTENT_MAX_KV_TILES
 
 
-def _announce(msg: str) -> None:
-    log.info("flexjit: %s", msg)
-    if os.environ.get("FLEXJIT_DEBUG"):
-        print(f"[flexjit] {msg}")
+_announce = cute_cache.announce  # log (and print under FLEXJIT_DEBUG) a compile's or load's time
 
 
 def _rescale_threshold() -> float:
@@ -281,32 +266,18 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
                                     _frozen_config(cfg, aux_tensors, program, options), "sm90")
     if keys is not None:
         keys["fwd"] = disk_key
-    wants_artifacts = any(f in options.split() for f in _ARTIFACT_FLAGS)
-
-    def load(disk_key):
-        t0 = time.perf_counter()
-        loaded = None if wants_artifacts else cute_cache.load(disk_key)
-        if loaded is None:
-            return None
-        _announce(f"sm90 forward for {what}: loaded from disk in "
-                  f"{time.perf_counter() - t0:.3f} s ({disk_key}.o)")
-        return tpl.CompiledFwd(cfg, None, sig + _scalar_signature(program), ffi_fn=loaded)
 
     def build():
         o = torch.empty(*q.shape[:-1], Dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        log.info("flexjit: compiling the sm90 forward for %s ...", what)
-        t0 = time.perf_counter()
-        fn = tpl.compile_fwd(cfg, q, k, v, o, lse, block_mask, aux_tensors, program.scalars,
-                             options=options)
-        _announce(f"sm90 forward for {what}: compiled in {time.perf_counter() - t0:.1f} s")
-        return fn
+        return tpl.compile_fwd(cfg, q, k, v, o, lse, block_mask, aux_tensors, program.scalars,
+                               options=options)
 
-    def store(disk_key, fn):
-        if fn.tvm_ffi:
-            cute_cache.store(disk_key, fn.export)
-
-    return cache.cached(_COMPILED, key, build, disk_key=disk_key, load=load, store=store)
+    return cute_cache.cached_kernel(
+        _COMPILED, key, label=f"sm90 forward for {what}", disk_key=disk_key, options=options,
+        compile=build, from_disk=lambda fn: tpl.CompiledFwd(
+            cfg, None, sig + _scalar_signature(program), ffi_fn=fn),
+        export=lambda fn: fn.export if fn.tvm_ffi else None)
 
 
 def block_sparse_args(bm):
@@ -511,12 +482,23 @@ def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
     atomics in any order (as the Triton backward's), so they are reproducible to fp64 rounding,
     not bit for bit."""
     prog = call.program
-    bm = call.block_mask
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
     deterministic = torch.are_deterministic_algorithms_enabled()
     broadcast = kv_broadcast(call)
-    fn = compile_backward(prog, q.dtype, q.shape[-1], bm is not None, deterministic, aux,
-                          head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast)
+    fn = compile_backward(prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic,
+                          aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast)
+    return run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic, broadcast)
+
+
+def run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic: bool,
+                 broadcast: bool = False) -> tuple:
+    """Launch a compiled backward ``fn`` (either arch's ``CompiledBwd``) on the call: its block
+    lists (and deterministic mode's dQ order), dq/dk/dv, one fp64 accumulator per learnable
+    captured tensor; returns (dq, dk, dv, *captured-tensor grads in the buffers' dtypes).
+    ``broadcast``: K/V are one batch entry for every query batch (``kv_broadcast``; the sm90
+    kernels only): dk/dv come back per query batch, for autograd's expand backward to sum."""
+    prog = call.program
+    bm = call.block_mask
     lists = bwd_block_lists(bm)
     order = _dq_order(bm, lists) if deterministic and bm is not None else None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
