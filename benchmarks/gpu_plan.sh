@@ -12,6 +12,9 @@
 #    by side (12 processes, compile-bound, 16 cores); then alone on the GPU the decode split
 #    sweep at batch 1 (issue #16: 811 GB/s with 128 splits at 32k against torch's 2.2 TB/s) and
 #    the FLEXJIT_TRITON_DIRECT=1 rows (the eager host cost on short kernels).
+# 0: (run first) `bash tests/gpu.sh new`: the GPU tests of what the ninth session merged after
+#    its last GPU call (decode merge and split rule, direct relaunch default, the shared sm90/
+#    sm100 host path), 11 processes side by side, ~350 s. Stages 2 and 3 time that code.
 # 2: the decode split sweep at batch 1, 8 and 64 with the per-row merge (issue #16: check the
 #    split rule; expected: batch 1 / 32k well under stage 1's 59.6 µs at 32 splits, since about
 #    1 µs per split was the old merge's) and the direct-launch A/B in one process (is
@@ -58,6 +61,9 @@ bench() {  # bench NAME LIMIT_S benchmarks.run-args...
   echo "[$name rc=$?]"; grep -A40 "^| variant" "$work/$name.txt" | grep -E "^\||^\*\*" | tail -40
 }
 case $stage in
+  0)
+    bash tests/gpu.sh new "$work/tests"
+    ;;
   1)
     bash tests/gpu.sh new "$work/tests" &
     bash tests/gpu.sh cute "$work/tests" &

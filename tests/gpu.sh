@@ -29,14 +29,23 @@ run_as() {  # run_as NAME LIMIT_S pytest-args...   (NAME: the log's name; may ru
 case $batch in
   new)
     # The newest code's GPU tests, side by side; point it at the next change before its first
-    # GPU run. Now (for the ninth session): what the eighth session changed after its last GPU
-    # call or could not run: the call cache's GPU tests (skipped by their fixture), the sm100
-    # gate with the real sm100 backward wired behind it (capability faked), the Triton USE_TMA
-    # cases (one ran), and the AOT tests (sm_100a entries now cached too).
+    # GPU run. Now (for the tenth session): what the ninth session merged after its last GPU
+    # call (no device was lent after it): the decode merge rewrite (one program per row) and
+    # the one-wave split rule (every decode GPU test), FLEXJIT_TRITON_DIRECT on by default (the
+    # call cache's GPU tests), the shared sm90/sm100 host path (branch dedup: CompiledBwd's
+    # hooks, run_backward, cute_cache.cached_kernel: every sm90 backward test, the forward's
+    # disk-cache tests, AOT, the sm100 gate) and the training suite (it runs both backwards).
     run_as new-1 200 tests/test_call_cache.py &
     run_as new-2 200 tests/test_sm100_gate.py &
-    run_as new-3 420 tests/test_triton_gpu.py -k tma_option &
-    run_as new-4 300 tests/test_aot_gpu.py &
+    run_as new-3 300 tests/test_aot_gpu.py &
+    run_as new-4 280 tests/test_decode_gpu.py -k "core_mods and not L16" &
+    run_as new-5 280 tests/test_decode_gpu.py -k "core_mods and L16" &
+    run_as new-6 280 tests/test_decode_gpu.py -k "not core_mods" &
+    run_as new-7 300 tests/test_cute_sm90_bwd_gpu.py -k "mods_ragged or rest_of_the_core" &
+    run_as new-8 300 tests/test_cute_sm90_bwd_gpu.py -k "not (mods_ragged or rest_of_the_core or 192)" &
+    run_as new-9 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
+    run_as new-10 300 tests/test_cute_cache.py &
+    run_as new-11 380 tests/test_training_gpu.py &
     wait
     ;;
   cute|cute-fwd|cute-bwd)
