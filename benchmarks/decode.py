@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from .envvars import overlay
+
 PAGE = 128
 IMPLS = ("flexjit", "fa4", "torch-flex")
 VARIANTS = ("causal", "sliding_window")
@@ -252,25 +254,6 @@ def parse_mode(mode: str) -> tuple[dict, dict]:
     return env, opts
 
 
-class _Env:
-    """Sets a row's environment variables for the span of a call, restoring them after."""
-
-    def __init__(self, env: dict):
-        self.env, self.saved = env, {}
-
-    def __enter__(self):
-        for name, value in self.env.items():
-            self.saved[name] = os.environ.get(name)
-            os.environ[name] = value
-
-    def __exit__(self, *exc):
-        for name, value in self.saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = ""):
     import flexjit
     env, opts = parse_mode(mode) if mode else ({}, None)
@@ -289,10 +272,10 @@ def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = ""):
     q = case.q
 
     def call():
-        with _Env(env):
+        with overlay(env):
             return flexjit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
                                           kernel_options=opts)
-    with _Env(env):
+    with overlay(env):
         note = str(flexjit.explain(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
                                    kernel_options=opts)).splitlines()[0]
     return call, note

@@ -25,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import os
 from typing import Callable
 
 import torch
 
+from .envvars import overlay
 from .variants import Case, Variant
 
 FLEXJIT_IMPLS = ("flexjit-cute", "flexjit-triton", "flexjit-reference")
@@ -106,20 +106,14 @@ class FlexjitImpl:
     def context(self):
         """This mode's environment variables and deterministic flag, for the checked call and
         the whole timing loop (forward and backward), restored afterwards."""
-        saved = {k: os.environ.get(k) for k in self.env}
         was_deterministic = torch.are_deterministic_algorithms_enabled()
-        os.environ.update(self.env)
-        if self.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            torch.use_deterministic_algorithms(was_deterministic, warn_only=True)
+        with overlay(self.env):
+            if self.deterministic:
+                torch.use_deterministic_algorithms(True, warn_only=True)
+            try:
+                yield
+            finally:
+                torch.use_deterministic_algorithms(was_deterministic, warn_only=True)
 
     def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
         fj = _import("flexjit")

@@ -43,6 +43,7 @@ import torch
 
 from . import impls as impl_mod
 from . import run as run_mod
+from .envvars import overlay
 from .variants import Case, build
 
 ARCH = "sm_90a"
@@ -296,16 +297,8 @@ def make_parser():
 def _workers_env():
     """What the workers are started with: no GPU (CPU tensors; nothing touches the GPU the run
     is about to use) and CuTeDSL compiling for sm_90a. Restored afterwards."""
-    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUTE_DSL_ARCH")}
-    os.environ.update(CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH=ARCH)
-    try:
+    with overlay({"CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_ARCH": ARCH}):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def compile_all(jobs: list[Job], workers: int, on_disk: set) -> set:
