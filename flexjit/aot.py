@@ -157,12 +157,8 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     with _arch(arch), torch.no_grad():
         from .backends import cute_sm90 as backend
 
-        dims = (head_dim, head_dim_v)
-        if dims not in backend._HEAD_DIMS:
-            raise ValueError(f"head dims {dims}: the sm90 forward takes {backend._HEAD_DIMS}")
-        if "bwd" in passes and dims not in backend._BWD_HEAD_DIMS:
-            raise ValueError(f"head dims {dims}: the sm90 backward takes {backend._BWD_HEAD_DIMS} "
-                             "(others train on the Triton backward); pass passes=('fwd',)")
+        _check_dims("sm90", (head_dim, head_dim_v), passes, backend._HEAD_DIMS,
+                    backend._BWD_HEAD_DIMS, " (others train on the Triton backward)")
         q, k, v, bm, program, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
                                              seq_len, heads, kv_heads, batch, block_mask)
         kernels = []
@@ -199,6 +195,15 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     return kernels
 
 
+def _check_dims(arch: str, dims: tuple, passes, fwd_dims, bwd_dims, bwd_note: str = "") -> None:
+    """A ValueError unless the ``arch`` kernels of ``passes`` take head dims ``dims``."""
+    if dims not in fwd_dims:
+        raise ValueError(f"head dims {dims}: the {arch} forward takes {fwd_dims}")
+    if "bwd" in passes and dims not in bwd_dims:
+        raise ValueError(f"head dims {dims}: the {arch} backward takes {bwd_dims}{bwd_note}; "
+                         "pass passes=('fwd',)")
+
+
 def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq_len, heads,
                    kv_heads, deterministic, what, root, log, batch=1, block_mask=None) -> list[Kernel]:
     """The sm100 forward (``cute_sm100``) and backward (``cute_sm100_bwd``), both targeting
@@ -206,12 +211,8 @@ def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq
     run still self-checks each kernel on its GPU before using it, loaded or not."""
     from .backends import cute_sm100, cute_sm100_bwd
 
-    dims = (head_dim, head_dim_v)
-    if dims not in cute_sm100.HEAD_DIMS:
-        raise ValueError(f"head dims {dims}: the sm100 forward takes {cute_sm100.HEAD_DIMS}")
-    if "bwd" in passes and dims not in cute_sm100_bwd.HEAD_DIMS:
-        raise ValueError(f"head dims {dims}: the sm100 backward takes {cute_sm100_bwd.HEAD_DIMS}; "
-                         "pass passes=('fwd',)")
+    _check_dims("sm100", (head_dim, head_dim_v), passes, cute_sm100.HEAD_DIMS,
+                cute_sm100_bwd.HEAD_DIMS)
     kernels = []
     with torch.no_grad():
         q, _, v, bm, program, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,

@@ -3,6 +3,7 @@ needed: the templates always target sm_100a, and Triton's wheel ships ptxas)."""
 import os
 import re
 
+import torch
 from ptx_checks import ptxas_report
 
 
@@ -37,3 +38,12 @@ def spill_bytes(tmp_path, ptx: str, stack_frame: bool = True) -> int:
     kinds = ("spill stores", "spill loads") + (("stack frame",) if stack_frame else ())
     sizes = [int(re.search(rf"(\d+) bytes {what}", out).group(1)) for what in kinds]
     return max(sizes)
+
+
+def assert_scalars_not_baked(program, ptx: str) -> None:
+    """Captured Python numbers stay runtime kernel arguments: no float scalar of ``program``
+    (but 0 and 1, which any kernel holds) appears in ``ptx`` as an immediate."""
+    for value in program.scalars:
+        if isinstance(value, float) and value not in (0.0, 1.0):
+            bits = torch.tensor(value, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
+            assert f"0f{bits:08X}" not in ptx, f"runtime scalar {value} was baked into the PTX"

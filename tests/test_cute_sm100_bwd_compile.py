@@ -31,7 +31,8 @@ from flexjit.backends import cute_sm100_bwd  # noqa: E402
 from flexjit.backends.cute_sm90 import _aux_tensor, load_mods  # noqa: E402
 from flexjit.cache import load_template  # noqa: E402
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
-from sm100_ptx import assert_blackwell_path, ptx_text as _ptx_text, spill_bytes  # noqa: E402
+from sm100_ptx import (assert_blackwell_path, assert_scalars_not_baked, ptx_text as _ptx_text,  # noqa: E402
+                       spill_bytes)
 
 tpl = load_template("cute_sm100_bwd")
 
@@ -105,10 +106,7 @@ def test_core_mod_compiles_for_sm100a(tmp_path, name, head_dim):
     _, ptx = _compile(tmp_path, head_dim, program, sparse=case.mask_mod is not None)
     main = ptx["main"]
     _assert_blackwell_main(main)
-    for value in program.scalars:  # captured Python numbers stay runtime kernel arguments
-        if isinstance(value, float) and value not in (0.0, 1.0):
-            bits = torch.tensor(value, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
-            assert f"0f{bits:08X}" not in main, f"runtime scalar {value} was baked into the PTX"
+    assert_scalars_not_baked(program, main)
     assert spill_bytes(tmp_path, main) == 0
 
 

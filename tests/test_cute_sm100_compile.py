@@ -33,7 +33,7 @@ from flexjit.backends.cute_sm90 import _aux_tensor  # noqa: E402
 from flexjit.cache import load_template  # noqa: E402
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
 from sm100_ptx import assert_blackwell_path as _assert_blackwell_path  # noqa: E402
-from sm100_ptx import ptx_text as _ptx_text, spill_bytes  # noqa: E402
+from sm100_ptx import assert_scalars_not_baked, ptx_text as _ptx_text, spill_bytes  # noqa: E402
 
 _tpl = load_template("cute_sm100_fwd")
 
@@ -106,10 +106,7 @@ def test_core_mod_compiles_for_sm100a(name, D, tmp_path):
                                     options=f"--keep-ptx --dump-dir {tmp_path}")
     ptx = _ptx_text(fn.compiled)
     _assert_blackwell_path(ptx)
-    for value in program.scalars:  # captured Python numbers stay runtime kernel arguments
-        if isinstance(value, float) and value not in (0.0, 1.0):
-            bits = torch.tensor(value, dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF
-            assert f"0f{bits:08X}" not in ptx, f"runtime scalar {value} was baked into the PTX"
+    assert_scalars_not_baked(program, ptx)
     assert spill_bytes(tmp_path, ptx) == 0
 
 
