@@ -205,7 +205,7 @@ def flex_decode(
 @_jit
 def flex_decode_merge(
     OP, LP, MP, O, LSE, MAXS,  # partials as flex_decode writes them; O (B·Hq·L, EV) contiguous
-    R, n_splits,  # R = B·Hq·L rows
+    n_splits,  # the grid is one program per row: B·Hq·L
     EV: tl.constexpr, EV_PAD: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS_PAD: tl.constexpr,
     OUTPUT_MAX: tl.constexpr,
 ):

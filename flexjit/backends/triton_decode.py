@@ -228,12 +228,11 @@ def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, b
 
 
 def merge_launch(dp: DecodePlan, parts, out, lse, maxs, EV: int) -> tb.Launch:
-    R = lse.numel()
-    args = [*parts, out, lse, maxs if maxs is not None else lse, R, dp.splits]
+    args = [*parts, out, lse, maxs if maxs is not None else lse, dp.splits]
     splits_pad = max(2, _next_pow2(dp.splits))
     consts = dict(EV=EV, EV_PAD=head_pad(EV), BLOCK_S=min(splits_pad, _MERGE_SPLITS),
                   SPLITS_PAD=splits_pad, OUTPUT_MAX=maxs is not None)
-    return tb.Launch("decode", "flex_decode_merge", (R,), args, consts, tb._options(4, 1))
+    return tb.Launch("decode", "flex_decode_merge", (lse.numel(),), args, consts, tb._options(4, 1))
 
 
 def forward(call, splits: int | None = None):
