@@ -86,8 +86,8 @@ case $stage in
     wait
     tail -n1 "$work"/warm-*.txt
     pack() { tar czf "$out/stage2.tgz" -C "$work" . ; }
-    dec sweep 150 --batch 1,8,64 --kv 4k,32k,128k --variants causal --paged 0 --impls flexjit,torch-flex \
-      --flexjit-modes 'splits=2;splits=4;splits=8;splits=17;splits=32;splits=64;splits=128;direct=0' --budget-s 135
+    dec sweep 140 --batch 1,8,64 --kv 4k,32k,128k --variants causal --paged 0 --impls flexjit,torch-flex \
+      --flexjit-modes 'splits=2;splits=4;splits=8;splits=17;splits=32;splits=64;splits=128;direct=0' --budget-s 125
     pack
     dec direct1 50 --batch 1 --kv 4k,32k --variants causal --paged 0 --impls flexjit \
       --flexjit-modes 'direct=0;direct=1;BLOCK_N=128;splits=32;splits=32,direct=1' --budget-s 40
@@ -95,6 +95,14 @@ case $stage in
     timeout 220 bash benchmarks/profile_kernels.sh "$work/ncu.txt" cute:full:8192:fwdbwd \
       fa4-bhsd:full:8192:fwdbwd cute:causal:8192:fwd:64 fa4-bhsd:causal:8192:fwd:64 cute:full:8192:fwdbwd:192
     python3 -m benchmarks.ncu_summary "$work/ncu.txt" 2>&1 | tail -60
+    pack
+    # The decode kernel and its merge at batch 1 / 32k (issue #16: never profiled): the 11th and
+    # 12th launches of the eager timing loop.
+    timeout 45 ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+      --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis -k regex:flex_decode -s 10 -c 2 \
+      python3 -m benchmarks.decode --out "$work/ncu_dec" --batch 1 --kv 32k --variants causal --paged 0 \
+      --impls flexjit --no-graph --rep-ms 5 --warmup-ms 1 >"$work/ncu_decode.txt" 2>&1
+    echo "[ncu decode rc=$?]"; grep -E "flex_decode|Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occ" "$work/ncu_decode.txt" | head -20
     ;;
   3)
     pack() { tar czf "$out/stage3.tgz" -C "$work" . ; }
