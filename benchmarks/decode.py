@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from .envvars import overlay
+from .impls import raise_dynamo_limits
 
 PAGE = 128
 IMPLS = ("flexjit", "fa4", "torch-flex")
@@ -471,6 +472,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
+    # torch-flex compiles once per (batch, KV, layout, variant): 12 cases per batch pass dynamo's
+    # default limit of 8 (every torch-flex row after the 8th failed, 2026-12-02 gpu-s10-stage3).
+    raise_dynamo_limits()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").write_text(json.dumps(environment(args), indent=1))

@@ -148,6 +148,30 @@ case $stage in
     dec decode_b64 45 --batch 64 --kv 32k,128k --variants causal,sliding_window --paged 0,1 \
       --impls flexjit,fa4 --budget-s 35
     ;;
+  4)
+    # What stage 3 (tenth session) did not reach: a cold machine lost its disk caches, stage 3's
+    # 120 s budget ended before the fwd+bwd 8k rows, and torch-flex decode hit dynamo's
+    # recompile limit after its 8th case (fixed in benchmarks/decode.py). CuTe kernels are
+    # compiled first by benchmarks.prewarm, 3 runs x 5 workers side by side.
+    pack() { tar czf "$out/stage4.tgz" -C "$work" . ; }
+    A=(--S 8k --passes fwdbwd)
+    G1=(--S 8k --hkv 16,4 --d 64 --variants full,causal,document --passes fwdbwd)
+    G2=(--S 8k --hkv 4 --variants full,causal,sliding_window,prefix_lm --passes fwdbwd)
+    imp=(--impls flexjit-cute,fa4,torch-flex-flash)
+    timeout 70 python3 -m benchmarks.prewarm "${A[@]}" "${imp[@]}" --jobs 5 >"$work/prewarm-a.txt" 2>&1 &
+    timeout 70 python3 -m benchmarks.prewarm "${G1[@]}" "${imp[@]}" --jobs 5 >"$work/prewarm-g1.txt" 2>&1 &
+    timeout 70 python3 -m benchmarks.prewarm "${G2[@]}" "${imp[@]}" --jobs 5 >"$work/prewarm-g2.txt" 2>&1 &
+    wait
+    tail -n2 "$work"/prewarm-*.txt
+    bench fwdbwd_8k 150 "${A[@]}" "${imp[@]}" --budget-s 135
+    pack
+    dec decode_b1 75 --batch 1 --kv 4k,32k,128k --variants causal,sliding_window --paged 0,1 \
+      --impls flexjit,torch-flex --budget-s 62
+    pack
+    bench d64_fwdbwd 80 "${G1[@]}" "${imp[@]}" --budget-s 68
+    pack
+    bench gqa4_8k 70 "${G2[@]}" "${imp[@]}" --budget-s 58
+    ;;
   *)
     echo "unknown stage $stage" >&2
     exit 2
