@@ -319,31 +319,41 @@ def test_explain_shows_splits(interp):
 
 
 @pytest.mark.parametrize("programs,tiles", [(8, 64), (8, 512), (8, 2048), (16, 2048), (17, 2048),
-                                            (64, 512), (512, 512), (8, 4), (100, 1000),
-                                            (1, 100000), (4096, 2048)])
+                                            (64, 64), (64, 65), (65, 64), (64, 512), (512, 512),
+                                            (8, 4), (100, 1000), (1, 100000), (4096, 2048)])
 def test_choose_splits(programs, tiles):
-    """The fewest splits that give the rule's waves of programs per assumed slot (one wave for
-    grids of at most FEW_PROGRAMS programs per split, WAVES above), unless the splits would get
-    shorter than MIN_TILES_PER_SPLIT tiles (or exceed MAX_SPLITS); at least 1."""
+    """One wave (grids of at most FEW_PROGRAMS programs per split, or within SHORT_GRID): the
+    most splits whose programs fit the slots. WAVES waves otherwise: the fewest that fill them.
+    Either way no split shorter than MIN_TILES_PER_SPLIT tiles, at most MAX_SPLITS, at least 1."""
     sms = 132
-    target = (1 if programs <= td.FEW_PROGRAMS else td.WAVES) * sms * td.CTAS_PER_SM
+    slots = sms * td.CTAS_PER_SM
+    one = programs <= td.FEW_PROGRAMS or (programs <= td.SHORT_GRID[0] and tiles <= td.SHORT_GRID[1])
     s = td.choose_splits(programs, tiles, sms)
+    capped = tiles // (s + 1) < td.MIN_TILES_PER_SPLIT or s == td.MAX_SPLITS
     assert 1 <= s <= td.MAX_SPLITS
     assert s == 1 or tiles // s >= td.MIN_TILES_PER_SPLIT
-    assert s == 1 or programs * (s - 1) < target  # no more than needed
-    assert (programs * s >= target or tiles // (s + 1) < td.MIN_TILES_PER_SPLIT
-            or s == td.MAX_SPLITS)  # no fewer than allowed
+    if one:
+        assert s == 1 or programs * s <= slots  # the wave holds every program
+        assert programs * (s + 1) > slots or capped  # and one more split would not fit
+    else:
+        assert s == 1 or programs * (s - 1) < td.WAVES * slots  # no more than needed
+        assert programs * s >= td.WAVES * slots or capped  # no fewer than allowed
 
 
 def test_choose_splits_measured_points():
     """The split counts the H200 measurements stand behind (Hq 32 / Hkv 8, D 128, 64-key tiles:
-    8 programs per split at batch 1, 64 at batch 8): one wave at batch 1 (33 splits at 32k and
-    128k, where 32 measured best; 16 at 4k, capped by the tile count), four waves at batch 8."""
+    8 programs per split at batch 1, 64 at batch 8, 512 at batch 64): one wave at batch 1 (33
+    splits at 32k and 128k; 16 at 4k, capped by the tile count) and at batch 8 / 4k (4 splits,
+    the sweep's best), four waves at batch 8 / 32k and 128k and at batch 64."""
     assert td.choose_splits(8, 512, 132) == 33
     assert td.choose_splits(8, 2048, 132) == 33
     assert td.choose_splits(8, 64, 132) == 16
+    assert td.choose_splits(64, 64, 132) == 4
     assert td.choose_splits(64, 512, 132) == 17
+    assert td.choose_splits(64, 2048, 132) == 17
+    assert td.choose_splits(512, 64, 132) == 3
     assert td.choose_splits(512, 512, 132) == 3
+
 
 def test_benchmark_smoke(interp, tmp_path):
     """benchmarks/decode.py end to end at CPU sizes: every flexjit and torch row is checked

@@ -41,8 +41,13 @@ FEW_PROGRAMS = 16  # grids of at most this many programs per split (batch 1-2 at
            # at ONE wave instead: measured on the H200 at batch 1 (8 programs per split, causal,
            # Hq 32 / Hkv 8, D 128; benchmarks/results/2026-12-01-gpu-s9-stage1), 32 splits read
            # 2.25 TB/s at 32k and 3.46 TB/s at 128k where four waves (128-132 splits) read 0.82 and
-           # 2.09, and two waves 1.46 and 2.46. Batch 8 (64 programs per split) keeps four
-           # waves, measured at 3.9 TB/s at 32k; between 16 and 64 is unmeasured.
+           # 2.09, and two waves 1.46 and 2.46; 33 splits (one wave) were best again after the
+           # merge rewrite (2026-12-02-gpu-s10-stage2/sweep: 52.8 / 147.6 us in a CUDA graph).
+SHORT_GRID = 64, 64  # (programs per split, kv tiles): a grid no larger over a KV this short
+           # (batch 8 at 4k) aims at one wave too: 4 splits took 50.3 us in a CUDA graph where
+           # four waves (16 splits) took 54.8 and 8 splits 56.4 (gpu-s10-stage2/sweep; FA4 53.6
+           # in stage 3). At 32k one and four waves tie (272.5 / 269.2 us) and at 128k four win
+           # (982 / 1031), so longer KV keeps four; 512 programs (batch 64) is unmeasured at 1 split.
 MIN_TILES_PER_SPLIT = 4  # a shorter split pays more in pipeline fill than it saves
 MAX_SPLITS = 256
 DEFAULT_SMS = 132  # the SM count assumed off the GPU (interpreter, explain on the CPU): an H100/H200
@@ -121,18 +126,23 @@ def _sm_count(index: int) -> int:
     return _SMS[index]
 
 
-def waves_for(programs: int) -> int:
-    """The waves of programs ``choose_splits`` aims at for ``programs`` programs per split."""
-    return 1 if programs <= FEW_PROGRAMS else WAVES
+def waves_for(programs: int, kv_tiles: int) -> int:
+    """The waves of programs ``choose_splits`` aims at for ``programs`` programs per split
+    walking ``kv_tiles`` tiles: one for few programs or a small grid over a short KV, else
+    ``WAVES``."""
+    short = programs <= SHORT_GRID[0] and kv_tiles <= SHORT_GRID[1]
+    return 1 if programs <= FEW_PROGRAMS or short else WAVES
 
 
 def choose_splits(programs: int, kv_tiles: int, sms: int) -> int:
-    """Splits per row for ``programs`` programs per split walking ``kv_tiles`` tiles each: the
-    fewest that give ``waves × sms × CTAS_PER_SM`` programs (``waves``: 1 for grids of at most
-    ``FEW_PROGRAMS`` programs per split, else ``WAVES``), no split shorter than
-    ``MIN_TILES_PER_SPLIT`` tiles, at most ``MAX_SPLITS``."""
-    target = waves_for(programs) * sms * CTAS_PER_SM
-    want = -(-target // max(1, programs))
+    """Splits per row for ``programs`` programs per split walking ``kv_tiles`` tiles each, over
+    ``sms × CTAS_PER_SM`` resident slots: for one wave, the most that fit it; for ``WAVES``
+    waves, the fewest that fill them; never a split shorter than ``MIN_TILES_PER_SPLIT``
+    tiles, at most ``MAX_SPLITS``, at least 1."""
+    slots = sms * CTAS_PER_SM
+    waves = waves_for(programs, kv_tiles)
+    programs = max(1, programs)
+    want = slots // programs if waves == 1 else -(-waves * slots // programs)
     return max(1, min(want, kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
