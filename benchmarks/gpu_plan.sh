@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A GPU session's measurements in device calls of < 10 minutes each, written so that each call
-# returns ONE file ($OUT/stageN.tgz: the device returns at most 8 files). This is the ninth
-# session's plan; earlier sessions' plans are in git history.
+# returns ONE file ($OUT/stageN.tgz: the device returns at most 8 files). Stages 0, 2, 3 and 4
+# ran in the tenth session (benchmarks/results/2026-12-02-gpu-s10-NOTES.md); stage 5 is the
+# next session's first call. Earlier sessions' plans are in git history.
 #
 #   source .devbundle/env.sh && export PYTHONPATH=$PWD:$PWD/tests:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc &&
 #   python -m compileall -q /tmp/devsite; FLEXJIT_GIT_SHA=<commit> bash benchmarks/gpu_plan.sh 1 $OUT
@@ -38,6 +39,13 @@
 #    gpu-s9-stage1 (~60 / ~155 us in a graph), every decode row correct.
 #    Not in it (a fourth call, ledger section 5): 32k/128k with Hkv 4, the Triton fallback, the
 #    new head dims' forward, profiles of the forward and the decode kernel.
+# 5: (next session, run first) tests/gpu.sh new (the decode tests after SHORT_GRID), then the
+#    decode small cases beside FA4 and torch in one process: batch 8 and 64 at 4k keys, splits
+#    1-5 (is 1 split better at batch 64, as FA4's single split suggests?), sliding window
+#    included; then fwd+bwd at 32k / 128k (the ledger's stale long-context cells).
+#    Expected: batch 8 / 4k near 50 us in a graph (s10 sweep, 4 splits); batch 64 / 4k unknown.
+# A cold machine has no disk caches: run benchmarks.prewarm before any CuTe benchmark, and give
+# each benchmarks.run a budget of ~10 s per torch-flex row (its first call recompiles).
 # Issue the next stage at once: the machine is released 30 s after a call.
 set -u
 stage=${1:?usage: gpu_plan.sh STAGE OUT_DIR}
@@ -171,6 +179,19 @@ case $stage in
     bench d64_fwdbwd 80 "${G1[@]}" "${imp[@]}" --budget-s 68
     pack
     bench gqa4_8k 70 "${G2[@]}" "${imp[@]}" --budget-s 58
+    ;;
+  5)
+    pack() { tar czf "$out/stage5.tgz" -C "$work" . ; }
+    L=(--S 32k,128k --hkv 16 --variants full,causal --passes fwdbwd --impls flexjit-cute,fa4)
+    timeout 90 python3 -m benchmarks.prewarm "${L[@]}" --jobs 4 >"$work/prewarm-l.txt" 2>&1 &
+    bash tests/gpu.sh new "$work/tests"
+    wait
+    grep -h "passed\|failed\|error" "$work"/tests/*.txt | grep -v "^E " | tail -12
+    pack
+    dec small 110 --batch 8,64 --kv 4k --variants causal,sliding_window --paged 0 --impls flexjit,fa4,torch-flex \
+      --flexjit-modes 'splits=1;splits=2;splits=3;splits=4;splits=5' --budget-s 95
+    pack
+    bench long 150 "${L[@]}" --budget-s 135
     ;;
   *)
     echo "unknown stage $stage" >&2

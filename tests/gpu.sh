@@ -28,13 +28,11 @@ run_as() {  # run_as NAME LIMIT_S pytest-args...   (NAME: the log's name; may ru
 }
 case $batch in
   new)
-    # The newest code's GPU tests, side by side; point it at the next change before its first
-    # GPU run. Now (for the tenth session): what the ninth session merged after its last GPU
-    # call (no device was lent after it): the decode merge rewrite (one program per row) and
-    # the one-wave split rule (every decode GPU test), FLEXJIT_TRITON_DIRECT on by default (the
-    # call cache's GPU tests), the shared sm90/sm100 host path (branch dedup: CompiledBwd's
-    # hooks, run_backward, cute_cache.cached_kernel: every sm90 backward test, the forward's
-    # disk-cache tests, AOT, the sm100 gate) and the training suite (it runs both backwards).
+    # The newest code's GPU tests, side by side. Point this at the next change before its first
+    # GPU run. For the eleventh session: the decode split rule's SHORT_GRID (batch 8 at 4k keys
+    # gets 4 splits), which changed after the tenth session's last call. The decode tests run it;
+    # the rest passed at a7e2446 (gpu-s10-stage0) and are kept here because they are cheap beside
+    # the decode tests.
     run_as new-1 200 tests/test_call_cache.py &
     run_as new-2 200 tests/test_sm100_gate.py &
     run_as new-3 300 tests/test_aot_gpu.py &
