@@ -30,20 +30,11 @@ case $batch in
   new)
     # The newest code's GPU tests, side by side. Point this at the next change before its first
     # GPU run. For the eleventh session: the decode split rule's SHORT_GRID (batch 8 at 4k keys
-    # gets 4 splits), which changed after the tenth session's last call. The decode tests run it;
-    # the rest passed at a7e2446 (gpu-s10-stage0) and are kept here because they are cheap beside
-    # the decode tests.
-    run_as new-1 200 tests/test_call_cache.py &
-    run_as new-2 200 tests/test_sm100_gate.py &
-    run_as new-3 300 tests/test_aot_gpu.py &
-    run_as new-4 280 tests/test_decode_gpu.py -k "core_mods and not L16" &
-    run_as new-5 280 tests/test_decode_gpu.py -k "core_mods and L16" &
-    run_as new-6 280 tests/test_decode_gpu.py -k "not core_mods" &
-    run_as new-7 300 tests/test_cute_sm90_bwd_gpu.py -k "mods_ragged or rest_of_the_core" &
-    run_as new-8 300 tests/test_cute_sm90_bwd_gpu.py -k "not (mods_ragged or rest_of_the_core or 192)" &
-    run_as new-9 300 tests/test_cute_sm90_bwd_gpu.py -k "192" &
-    run_as new-10 300 tests/test_cute_cache.py &
-    run_as new-11 380 tests/test_training_gpu.py &
+    # gets 4 splits), which changed after the tenth session's last call. Everything else passed
+    # at a7e2446 (gpu-s10-stage0: the ninth session's merges).
+    run_as new-1 280 tests/test_decode_gpu.py -k "core_mods and not L16" &
+    run_as new-2 280 tests/test_decode_gpu.py -k "core_mods and L16" &
+    run_as new-3 280 tests/test_decode_gpu.py -k "not core_mods" &
     wait
     ;;
   cute|cute-fwd|cute-bwd)
