@@ -91,7 +91,8 @@ def _doc_lengths(S: int, mean: int) -> list[int]:
 
 
 def _mask(variant: str, S: int, args, dev):
-    from flexjit import create_block_mask, mods
+    from flexjit import create_block_mask
+    from flexjit import mods
     if variant == "causal":
         mod = mods.causal()
     elif variant == "document":
@@ -150,7 +151,7 @@ def _passes(attend, q, k, v, dout):
 
 
 def _gather_stats(world: int) -> list[dict]:
-    import flexjit.distributed as cp
+    import flexjit.integrations.distributed as cp
     mine = {k: vars(v) for k, v in cp.last_stats().items()}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rank, world, dev = _init(args.device)
     import flexjit
-    import flexjit.distributed as cp
+    import flexjit.integrations.distributed as cp
 
     dtype = _DTYPES[args.dtype]
     B, H, D, S = args.batch, args.heads, args.dim, args.S

@@ -193,7 +193,7 @@ def _page_pool(B: int, n: int, spare: int, device):
     """A flexjit.PagedAttention whose entries got their n pages in 16 round-robin rounds (so
     they interleave in the pool, as a server's do), or None where flexjit has none."""
     try:
-        from flexjit import PagedAttention
+        from flexjit.api.paged import PagedAttention
     except ImportError:
         return None
     pa = PagedAttention(B * n + spare, PAGE, B, device=device)

@@ -75,8 +75,8 @@ def _impl(name: str, device):
         # "flexjit-FWD+BWD": one backend's forward feeding another's backward (which kernel an
         # error comes from), through the same autograd function as flex_attention.
         import flexjit
-        from flexjit import dispatch
-        from flexjit.api import prepare_call
+        from flexjit.runtime import dispatch
+        from flexjit.api.attention import prepare_call
 
         fwd, _, bwd = name.removeprefix("flexjit-").partition("+")
 

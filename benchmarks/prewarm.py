@@ -141,7 +141,7 @@ def run_call(spec: Spec, memo: dict | None = None):
     variant and block mask (as the run's passes do) and consecutive specs (the impls of one
     grid entry) their call."""
     import flexjit
-    from flexjit.api import prepare_call
+    from flexjit.api.attention import prepare_call
 
     memo = {} if memo is None else memo
     c = spec.case
@@ -167,7 +167,7 @@ def _recording(keys: list):
     ``cute.compile`` raises ``_Probed`` (so nothing is compiled, stored or launched)."""
     import cutlass.cute as cute
 
-    from flexjit.backends import cute_cache
+    from flexjit.backends.cute import objects as cute_cache
 
     def load(key):
         keys.append(key)
@@ -189,7 +189,7 @@ def run_keys(spec: Spec, memo: dict | None = None) -> dict:
     up, found by sending that call through ``cute_sm90.forward`` / ``backward`` with the lookups
     recorded (``_recording``). Empty where the run would not use them: head dims the sm90
     forward lacks (the impl skips the case), a backward it leaves to Triton."""
-    from flexjit.backends import cute_sm90 as backend
+    from flexjit.backends.cute import sm90 as backend
 
     c = spec.case
     if (c.D, c.dv) not in backend._HEAD_DIMS or c.dtype not in (torch.float16, torch.bfloat16):
@@ -224,7 +224,7 @@ def plan(all_specs: list[Spec]) -> tuple[list[Job], dict, list[str]]:
     all on disk yet, the backward first (the longest compiles start first); on_disk: {key:
     (spec, pass, part)} of the needed kernels already in the cache; errors: the calls whose
     keys could not be found (the run's own call would fail the same way, or this is a bug)."""
-    from flexjit.backends import cute_cache
+    from flexjit.backends.cute import objects as cute_cache
 
     jobs: dict = {}
     on_disk: dict = {}
@@ -257,7 +257,7 @@ def plan(all_specs: list[Spec]) -> tuple[list[Job], dict, list[str]]:
 def compile_job(job: Job) -> dict:
     """In a worker: ``aot.compile_kernels`` for the job's spec, with the run's mods, block mask,
     batch and switches; {"kernels": [(part, key, seconds)], "error": None or text}."""
-    from flexjit import aot
+    from flexjit.integrations import aot
 
     spec, c = job.spec, job.spec.case
     try:
@@ -336,8 +336,8 @@ def compile_all(jobs: list[Job], workers: int, on_disk: set) -> set:
 def main(argv=None) -> int:
     # CuTeDSL reads the arch once, at its first compile; this process only traces and keys.
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
-    from flexjit import cache
-    from flexjit.backends import cute_cache
+    from flexjit.backends import kernel_cache as cache
+    from flexjit.backends.cute import objects as cute_cache
 
     args = run_mod.parse_args(argv, make_parser())
     if args.jobs < 1:

@@ -510,7 +510,7 @@ def grid(args):
 def cute_disk_cache_line() -> str:
     """How many CuTe kernels this process loaded from the disk cache and how many it looked up
     there and did not find (then compiled): after ``benchmarks.prewarm``, misses should be 0."""
-    from flexjit.backends import cute_cache
+    from flexjit.backends.cute import objects as cute_cache
 
     return f"cute disk cache: {cute_cache.STATS['hits']} hits, {cute_cache.STATS['misses']} misses"
 

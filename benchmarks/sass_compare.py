@@ -17,6 +17,7 @@ unbounded tiles: the path with the most HGMMAs between two branches is counted),
 per 64 query rows per thread. The first use (2026-11-30) found the forwards' loops equal and our
 backward's 29% longer (benchmarks/results/2026-11-30-gpu-s3-NOTES.md).
 """
+import importlib
 from __future__ import annotations
 
 import argparse
@@ -93,10 +94,9 @@ def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128, head_dim_v: i
     import torch
 
     from flexjit import mods as fmods
-    from flexjit.backends.cute_sm90 import load_mods
-    from flexjit.cache import load_template
-    from flexjit.passes import lower
-    from flexjit.trace import MASK_MOD, trace_mod
+    from flexjit.backends.cute.sm90 import load_mods
+    from flexjit.ir.passes import lower
+    from flexjit.frontend.trace import MASK_MOD, trace_mod
 
     os.makedirs(out, exist_ok=True)  # the DSL writes nowhere (or into the cwd) otherwise
     head_dim_v = head_dim_v or head_dim
@@ -105,7 +105,7 @@ def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128, head_dim_v: i
     mods = load_mods(program)
     options = f"--keep-cubin --dump-dir {out}"
     if pass_ == "fwd":
-        tpl = load_template("cute_sm90_fwd")
+        tpl = importlib.import_module("flexjit.templates.cute.sm90.fwd")
         cfg = tpl.FwdConfig(head_dim, head_dim_v, cutlass.BFloat16, mods.score_mod, mods.mask_mod,
                             has_block_mask=causal)
         q = torch.randn(2, 4, 300, head_dim, dtype=torch.bfloat16)
@@ -119,10 +119,10 @@ def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128, head_dim_v: i
                         torch.empty(2, 4, 300), lists,
                         (), (), options=options)
     else:
-        tpl = load_template("cute_sm90_bwd")
+        tpl = importlib.import_module("flexjit.templates.cute.sm90.bwd")
         cfg = tpl.BwdConfig(head_dim, head_dim_v, cutlass.BFloat16, mods.score_mod_and_grad,
                             mods.mask_mod, has_block_mask=causal)
-        host = load_template("cute_sm90_bwd_host")
+        host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")
         host.compile_bwd(cfg, (), (), options=options, parts=("main",))
     return _largest_cubin(out)
 

@@ -25,6 +25,7 @@ head dims 32 to 256 and (192, 128), the one-tile-per-CTA and the persistent (dyn
 D = 64's three-consumer dense tile, ``write_max``, and the heavy mods. ``--no-forward-matrix``
 leaves it out (about a minute per tree).
 """
+import importlib
 from __future__ import annotations
 
 import argparse
@@ -104,9 +105,9 @@ _CHILD = textwrap.dedent('''
         from flexjit.cache import load_template
         os.environ["FLEXJIT_CACHE"] = "0"  # compile every part here, load none
         try:  # the module holding compile_bwd (the backward's kernel module before the split)
-            host = load_template("cute_sm90_bwd_host")
+            host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")
         except ModuleNotFoundError:
-            host = load_template("cute_sm90_bwd")
+            host = importlib.import_module("flexjit.templates.cute.sm90.bwd")
         compile_bwd, built = host.compile_bwd, {}
 
         def keeping(*args, **kwargs):  # the backend keeps only the FFI functions; keep the parts

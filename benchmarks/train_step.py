@@ -74,7 +74,7 @@ def train(model_name: str, impl: str, seq: int, args, batches) -> dict:
     import transformers
 
     if impl == "flexjit":
-        import flexjit.transformers  # noqa: F401  (registers the implementation)
+        import flexjit.integrations.transformers  # noqa: F401  (registers the implementation)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config(model_name, args.tiny)),
                                                           attn_implementation=impl).to(args.device)

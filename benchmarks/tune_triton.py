@@ -53,8 +53,9 @@ from pathlib import Path
 import torch
 
 import flexjit
-from flexjit.api import prepare_call
-from flexjit.backends import triton as fj_triton
+from flexjit.api.attention import prepare_call
+from flexjit.backends import triton as fj_triton_entry
+from flexjit.backends.triton import prefill as fj_triton
 
 from .impls import make as make_impl
 from .impls import plan_mask

@@ -4,6 +4,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
+import flexjit
+from flexjit.demo import run_demo
+from flexjit.integrations.aot import VARIANTS, compile_variant
+
 
 def _seq_len(text: str) -> int:
     try:
@@ -15,11 +21,6 @@ def _seq_len(text: str) -> int:
     return value
 
 
-def _variants() -> tuple:
-    from .aot import VARIANTS
-    return VARIANTS
-
-
 def _passes(text: str) -> tuple:
     passes = tuple(p.strip() for p in text.split(",") if p.strip())
     if not passes or any(p not in ("fwd", "bwd") for p in passes):
@@ -28,9 +29,6 @@ def _passes(text: str) -> tuple:
 
 
 def _compile(parser, args) -> int:
-    import torch
-
-    from .aot import compile_variant
     try:
         kernels = compile_variant(
             args.variant, arch=args.arch, head_dim=args.head_dim, head_dim_v=args.head_dim_v,
@@ -44,10 +42,8 @@ def _compile(parser, args) -> int:
 
 
 def main(argv=None) -> int:
-    from . import __version__
-
     parser = argparse.ArgumentParser(prog="flexjit", description="flexjit: custom attention, compiled")
-    parser.add_argument("--version", action="version", version=f"flexjit {__version__}")
+    parser.add_argument("--version", action="version", version=f"flexjit {flexjit.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="compile ALiBi, sliding window, document and softcap here and check them")
     demo.add_argument("--seq-len", type=_seq_len, default=None,
@@ -55,7 +51,7 @@ def main(argv=None) -> int:
     aot = sub.add_parser("compile", help="compile a built-in variant's CuTe kernels ahead of time, "
                          "without a GPU: PTX and cubin to --out, kernels into the disk cache")
     aot.add_argument("--arch", required=True, choices=("sm_90a", "sm_100a"))
-    aot.add_argument("--variant", required=True, choices=_variants())
+    aot.add_argument("--variant", required=True, choices=VARIANTS)
     aot.add_argument("--head-dim", type=int, default=128)
     aot.add_argument("--head-dim-v", type=int, default=None, help="default: --head-dim")
     aot.add_argument("--pass", dest="passes", type=_passes, default=("fwd", "bwd"),
@@ -72,7 +68,6 @@ def main(argv=None) -> int:
     if args.command == "compile":
         return _compile(parser, args)
     if args.command == "demo":
-        from .demo import run_demo
         rows = run_demo(args.seq_len)
         return 0 if all(r["max_err"] < 5e-2 for r in rows) else 1
     return 2

@@ -12,7 +12,9 @@ import time
 
 import torch
 
-from . import create_block_mask, explain, flex_attention, mods
+from flexjit.api.masks import create_block_mask
+from flexjit.api.attention import explain, flex_attention
+from flexjit import mods
 
 
 def _variants(B, H, S, device):

@@ -8,6 +8,30 @@ import os
 
 import pytest
 
+from flexjit import config
+
+
+def _reloading(method):
+    """A MonkeyPatch method that has flexjit read its settings again after changing a FLEXJIT_*
+    variable (flexjit reads the environment once, at import, as a user's process would)."""
+    def patched(self, name, *args, **kwargs):
+        method(self, name, *args, **kwargs)
+        if str(name).startswith("FLEXJIT_"):
+            config.reload()
+    return patched
+
+
+def _undo_reloading(method):
+    def patched(self):
+        method(self)
+        config.reload()
+    return patched
+
+
+pytest.MonkeyPatch.setenv = _reloading(pytest.MonkeyPatch.setenv)
+pytest.MonkeyPatch.delenv = _reloading(pytest.MonkeyPatch.delenv)
+pytest.MonkeyPatch.undo = _undo_reloading(pytest.MonkeyPatch.undo)
+
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("FLEXJIT_COMPILE_ALL") == "1":
@@ -24,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 def programs_run(monkeypatch):
     """The (backend, Program.key) of every forward flexjit runs from here on, eager or inside a
     compiled graph's custom op: both go through ``dispatch.forward``."""
-    from flexjit import dispatch
+    from flexjit.runtime import dispatch
 
     seen = []
     real = dispatch.forward
@@ -40,7 +64,7 @@ def programs_run(monkeypatch):
 def passes_run(monkeypatch):
     """(pass, backend, call) of every forward ("fwd") and backward ("bwd") flexjit dispatches
     from here on: which kernels actually ran, not only which ``explain`` would pick."""
-    from flexjit import dispatch
+    from flexjit.runtime import dispatch
 
     seen = []
     fwd, bwd = dispatch.forward, dispatch.backward

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from flexjit import and_masks, or_masks
+from flexjit.planner.block_mask import and_masks, or_masks
 from flexjit import mods
 
 
@@ -131,8 +131,8 @@ def lowered(score_mod, mask_mod):
     """The Program of these mods as ``flex_attention`` builds it for lengths below
     ``FLOAT_INDEX_LIMIT`` (lowered, then float indices), for tests that drive a backend or a
     template directly."""
-    from flexjit.passes import lower
-    from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
+    from flexjit.ir.passes import lower
+    from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_mod
     return lower(trace_mod(score_mod, SCORE_MOD) if score_mod else None,
                  trace_mod(mask_mod, MASK_MOD) if mask_mod else None, float_index=True)
 

@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
-from flexjit import aot  # noqa: E402
+from flexjit.integrations import aot  # noqa: E402
 from test_cute_cache import CHILD_NO_COMPILE  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,8 +52,8 @@ def _cli(args, cache_dir, check=True):
 _CHILD_CALL = CHILD_NO_COMPILE + """
     import torch
     import flexjit
-    from flexjit.aot import builtin_variant
-    from flexjit.api import prepare_call
+    from flexjit.integrations.aot import builtin_variant
+    from flexjit.api.attention import prepare_call
 
     S, D, B, H = SIZES, 16
     score_mod, mask_mod = builtin_variant("causal", S, H)
@@ -225,7 +225,7 @@ def test_sm100_backward_recompiles_only_a_missing_part(tmp_path, monkeypatch):
     # The three parts are separate cache entries: with one object file gone, a run loads two
     # and compiles (and exports again) only the third. ALiBi: a cheap compile (~10 s for both
     # passes) that still captures a tensor (the slopes).
-    from flexjit.backends import cute_sm100_bwd
+    from flexjit.backends.cute import sm100_bwd as cute_sm100_bwd
 
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
     work = tmp_path / "work"

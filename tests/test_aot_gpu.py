@@ -42,8 +42,8 @@ def test_a_cpu_built_entry_trains_on_the_gpu(tmp_path, monkeypatch):
     import cutlass.cute as cute
 
     import flexjit
-    from flexjit.aot import builtin_variant
-    from flexjit.backends import cute_sm90
+    from flexjit.integrations.aot import builtin_variant
+    from flexjit.backends.cute import sm90 as cute_sm90
 
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(cache_dir))
     monkeypatch.setattr(cute_sm90, "_COMPILED", {})

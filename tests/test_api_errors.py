@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from flexjit import AuxOutput, AuxRequest, create_block_mask, explain, flex_attention, mods
+from flexjit.api.attention import AuxOutput, AuxRequest, explain, flex_attention
+from flexjit import create_block_mask
+from flexjit import mods
 
 
 def qkv(B=1, Hq=2, Hkv=2, L=64, S=64, E=16, dtype=torch.float32):
@@ -107,8 +109,8 @@ def test_explain_names_the_backward_when_training():
 def test_backward_is_chosen_as_a_pair_with_the_forward(monkeypatch):
     # The sm90 forward trains on the Triton backward when its own backward refuses the call, and
     # a forward whose every backward refuses is passed over (on a GPU: to Triton).
-    from flexjit import dispatch
-    from flexjit.api import prepare_call
+    from flexjit.runtime import dispatch
+    from flexjit.api.attention import prepare_call
 
     q, k, v = qkv()
     call = prepare_call(q.requires_grad_(True), k, v, None, None, None, False, None)

@@ -8,7 +8,9 @@ the original tensors in their own dtypes. Outside autocast, mixed dtypes raise V
 import pytest
 import torch
 
-from flexjit import create_block_mask, flex_attention, mods
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
+from flexjit import mods
 from oracle import FLOOR, assert_close_to_oracle, dense_attention
 
 B, HQ, HKV, L, S, E = 2, 4, 2, 200, 200, 32

@@ -6,7 +6,11 @@ import sys
 import pytest
 import torch
 
-from flexjit import BlockMask, and_masks, create_block_mask, create_mask, flex_attention, mods, noop_mask, or_masks
+from flexjit.planner.block_mask import BlockMask, and_masks, create_mask, noop_mask, or_masks
+
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
+from flexjit import mods
 from mods_catalog import CORE, make_case
 from oracle import dense_attention
 

@@ -18,10 +18,14 @@ import pytest
 import torch
 
 import flexjit
-from flexjit import call_cache, create_block_mask, flex_attention
-from flexjit.backends import triton as tb
-from flexjit.backends import triton_decode as td
-from flexjit.block_mask import BlockMask
+from flexjit import config
+from flexjit.runtime import call_cache
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
+from flexjit.backends import triton as tb_entry
+from flexjit.backends.triton import prefill as tb
+from flexjit.backends.triton import decode as td
+from flexjit.planner.block_mask import BlockMask
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, dense_scores
 
 B, HQ, HKV, L, S, E = 2, 4, 2, 1, 128, 32
@@ -40,7 +44,6 @@ def _setup(request, monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("FLEXJIT_POISON", "1")
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("FLEXJIT_DECODE_SPLITS", raising=False)
     call_cache.clear()
     yield
     call_cache.clear()
@@ -107,13 +110,13 @@ def test_repeated_call_hits_and_reads_the_new_inputs():
     mask = _causal_at_end()
     bm = create_block_mask(mask, None, None, L, S, device="cpu", BLOCK_SIZE=BLOCK)
     traced = []
-    real = flexjit.api.prepare_call
+    real = flexjit.api.attention.prepare_call
 
     def spy(*a, **k):
         traced.append(1)
         return real(*a, **k)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flexjit.api, "prepare_call", spy)
+        mp.setattr(flexjit.api.attention, "prepare_call", spy)
         outs = [check(*_qkv(seed), bm=bm) for seed in (1, 2, 3)]
     assert len(traced) == 1 and call_cache.STATS["hit"] >= 2
     assert not torch.equal(outs[0], outs[1])
@@ -227,7 +230,7 @@ def test_different_block_mask_same_mask_mod():
     created where a freed one lived (CPython may reuse its id)."""
     q, k, v = _qkv(9)
     for blocks in (4, 1, 3, 2):
-        bm = _partial_lists(flexjit.block_mask.noop_mask, blocks)
+        bm = _partial_lists(flexjit.noop_mask, blocks)
         check(q, k, v, bm=bm, mask_for_oracle=_keep_blocks(blocks))
         del bm
 
@@ -236,7 +239,7 @@ def test_block_mask_lists_edited_in_place():
     """int64 lists (a hand-built mask) are copied to int32 for the kernel: after an in-place
     edit of kv_num_blocks a stale copy (in the entry or in BlockMask.derived) would walk the
     old blocks."""
-    bm = _partial_lists(flexjit.block_mask.noop_mask, 4, dtype=torch.int64)
+    bm = _partial_lists(flexjit.noop_mask, 4, dtype=torch.int64)
     q, k, v = _qkv(10)
     check(q, k, v, bm=bm, mask_for_oracle=_keep_blocks(4))
     bm.kv_num_blocks.fill_(2)
@@ -274,13 +277,13 @@ def test_scale_and_kernel_options():
     check(q, k, v, scale=-0.2)
     opts = {"FORCE_USE_FLEX_ATTENTION": False}
     prefill = []
-    real = tb._forward
+    real = tb.run_forward
 
     def spy(*a, **kw):
         prefill.append(1)
         return real(*a, **kw)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tb, "_forward", spy)
+        mp.setattr(tb, "run_forward", spy)
         check(q, k, v, kernel_options=opts)
         assert not prefill
         opts["FORCE_USE_FLEX_ATTENTION"] = True
@@ -307,19 +310,27 @@ def test_grad_mode():
         assert_close_to_oracle(name, got.grad, ref.grad, low.grad, FLOOR[torch.float32])
 
 
-def test_env_split_count(monkeypatch):
-    """FLEXJIT_DECODE_SPLITS is read by the plan: a new value must re-plan (1 split: no merge
-    launch; 3: a merge)."""
+def test_split_count_option_replans(monkeypatch):
+    """kernel_options["DECODE_SPLITS"] is read by the plan: a new value must re-plan (1 split: no
+    merge launch; 3: a merge)."""
     q, k, v = _qkv(15)
     merges = []
     real = td.merge_launch
     monkeypatch.setattr(td, "merge_launch", lambda *a, **kw: merges.append(1) or real(*a, **kw))
-    monkeypatch.setenv("FLEXJIT_DECODE_SPLITS", "1")
-    check(q, k, v)
+    check(q, k, v, kernel_options={"DECODE_SPLITS": 1})
     assert not merges
-    monkeypatch.setenv("FLEXJIT_DECODE_SPLITS", "3")
-    check(q, k, v)
+    check(q, k, v, kernel_options={"DECODE_SPLITS": 3})
     assert merges
+
+
+def test_changed_settings_are_not_served_from_the_cache(monkeypatch):
+    """A cached choice is made again once flexjit's settings change (``config.reload``): with
+    the Triton backends disabled the interpreter call is refused instead of served."""
+    q, k, v = _qkv(15)
+    check(q, k, v)
+    monkeypatch.setenv("FLEXJIT_DISABLE", "triton,triton_decode")
+    with pytest.raises(NotImplementedError, match="FLEXJIT_DISABLE lists triton"):
+        attend(q, k, v)
 
 
 def test_env_interpreter_switched_off(monkeypatch):
@@ -336,14 +347,14 @@ def test_float32_matmul_precision():
     """The Triton plan's dot precision follows torch's float32 matmul precision at call time."""
     q, k, v = _qkv(17)
     seen = []
-    real = flexjit.dispatch.forward
+    real = flexjit.runtime.dispatch.forward
 
     def spy(name, call):
         seen.append(call)
         return real(name, call)
     previous = torch.get_float32_matmul_precision()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(flexjit.dispatch, "forward", spy)
+        mp.setattr(flexjit.runtime.dispatch, "forward", spy)
         try:
             check(q, k, v)
             torch.set_float32_matmul_precision("high")
@@ -372,22 +383,16 @@ def test_uncacheable_mod_is_traced_every_call():
 # --------------------------------------------------------------------------- completeness
 
 
-def test_every_env_var_read_is_guarded_or_explained():
-    """Every FLEXJIT_*/TRITON_*/CUTE_DSL_* variable read in flexjit/ and templates/ is either in
-    the signature (ENV_GUARDED) or listed with the reason it needs no guard (ENV_UNGUARDED);
-    a new switch read while choosing or planning must join the guard."""
-    names = set()
+def test_only_config_reads_flexjit_variables():
+    """flexjit's environment variables are read in ``flexjit/config.py`` alone (the call cache
+    then guards on its generation), and it reads exactly the ones it lists."""
+    pattern = re.compile(r"""["'](FLEXJIT_[A-Z0-9_]+)["']""")
+    readers = {}
     for path in list((ROOT / "flexjit").rglob("*.py")) + list((ROOT / "templates").rglob("*.py")):
-        if path.name == "distributed.py":  # its ranks' rendezvous variables, never a kernel's
-            continue
-        text = path.read_text()
-        names |= set(re.findall(r"""environ(?:\.get)?[\[(]\s*["']((?:FLEXJIT|TRITON|CUTE_DSL)_\w+)""", text))
-        names |= set(re.findall(r"""\benv\(\s*["']((?:FLEXJIT|TRITON|CUTE_DSL)_\w+)""", text))
-        for const, value in re.findall(r"""^([A-Za-z_]\w*)\s*=\s*["']((?:FLEXJIT|TRITON|CUTE_DSL)_\w+)["']""", text, re.M):
-            names.add(value)
-    assert names, "the scan found nothing: its patterns are out of date"
-    missing = names - set(call_cache.ENV_GUARDED) - set(call_cache.ENV_UNGUARDED)
-    assert not missing, f"environment variables neither guarded nor explained: {sorted(missing)}"
+        if "environ" in path.read_text() and pattern.search(path.read_text()):
+            readers[path.relative_to(ROOT).as_posix()] = set(pattern.findall(path.read_text()))
+    assert set(readers) == {"flexjit/config.py"}, readers
+    assert readers["flexjit/config.py"] == set(config.VARIABLES)
 
 
 # --------------------------------------------------------------------------- GPU
@@ -425,13 +430,11 @@ def test_gpu_cpu_captured_tensor_copied_per_version(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("direct", ["0", "1"])
-def test_gpu_decode_hits_relaunch(monkeypatch, direct):
+def test_gpu_decode_hits_relaunch(monkeypatch):
     """Repeated eager decode calls on the GPU (auto: the split-KV kernel, 2 launches) with new
-    q/k/v values each call, relaunched from the entry's templates, with Triton's launch path
-    (FLEXJIT_TRITON_DIRECT=0) and with its compiled kernel called directly (1)."""
+    q/k/v values each call, relaunched from the entry's templates with Triton's compiled kernel
+    called directly."""
     monkeypatch.delenv("TRITON_INTERPRET")
-    monkeypatch.setenv("FLEXJIT_TRITON_DIRECT", direct)
     dev = torch.device("cuda")
     S = 8192
     bm = create_block_mask(_causal_at_end(S), None, None, 1, S, device=dev)
@@ -446,7 +449,6 @@ def test_gpu_decode_hits_relaunch(monkeypatch, direct):
         assert_close_to_oracle(f"out step {step}", out, ref, low, FLOOR[torch.bfloat16])
         assert_close_to_oracle(f"lse step {step}", lse, ref_lse, low_lse, FLOOR[torch.bfloat16])
     assert call_cache.STATS["hit"] == 3
-    if direct == "1":
-        readies = [r for e in call_cache._ENTRIES.values() for key, run in e.memo.items()
-                   if key[0] == "decode_run" for r, _, _ in run.launches]
-        assert readies and all(r.direct for r in readies), "the direct launch was not used"
+    readies = [r for e in call_cache._ENTRIES.values() for key, run in e.memo.items()
+               if key[0] == "decode_run" for r, _, _ in run.launches]
+    assert readies and all(r.direct for r in readies), "the direct launch was not used"

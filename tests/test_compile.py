@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import flexjit
-from flexjit import create_block_mask, flex_attention, mods
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
+from flexjit import mods
 
 B, H, L, E = 2, 4, 200, 32
 BLOCK = 64
@@ -229,7 +231,7 @@ def test_a_mod_flexjit_cannot_trace_fails_the_compile_with_its_reason():
 def test_max_scores_inside_the_graph(backend):
     # AuxRequest(max_scores=True) through the custom op, with mods and without: the same row max
     # and lse as eager mode, and gradients through out as before (the max has none).
-    from flexjit import AuxRequest
+    from flexjit.api.attention import AuxRequest
     bm = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=BLOCK)
 
     def with_mods(q, k, v):

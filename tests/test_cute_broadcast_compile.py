@@ -14,6 +14,7 @@
 
 Shapes are tiny: sizes and strides are runtime values. Compiles take 3-6 s each on the dev CPU.
 """
+import importlib
 import hashlib
 import io
 import os
@@ -30,13 +31,12 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 torch = pytest.importorskip("torch")
 cutlass = pytest.importorskip("cutlass")
 
-from flexjit.backends import cute_sm90  # noqa: E402
-from flexjit.cache import load_template  # noqa: E402
-from flexjit.passes import lower  # noqa: E402
-from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
+from flexjit.backends.cute import sm90 as cute_sm90  # noqa: E402
+from flexjit.ir.passes import lower  # noqa: E402
+from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
 from ptx_checks import assert_no_spills  # noqa: E402
 
-host = load_template("cute_sm90_bwd_host")
+host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 B, HQ, HKV, L, S, D = 3, 4, 2, 300, 500, 128
 
@@ -115,7 +115,7 @@ def forwards(tmp_path_factory):
 def _bwd_cfg(flag: bool):
     program, aux = _program()
     mods = cute_sm90.load_mods(program)
-    tpl = load_template("cute_sm90_bwd")
+    tpl = importlib.import_module("flexjit.templates.cute.sm90.bwd")
     return tpl.BwdConfig(D, D, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
                          has_block_mask=True, kv_batch_broadcast=flag), program, aux
 

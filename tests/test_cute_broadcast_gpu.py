@@ -29,10 +29,11 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs a Hopper GPU", allow_module_level=True)
 
-from flexjit import create_block_mask, flex_attention  # noqa: E402
-from flexjit.backends import cute_sm90  # noqa: E402
-from flexjit.ir import Op, uses  # noqa: E402
-from flexjit.trace import MASK_MOD, trace_mod  # noqa: E402
+from flexjit import create_block_mask  # noqa: E402
+from flexjit.api.attention import flex_attention
+from flexjit.backends.cute import sm90 as cute_sm90  # noqa: E402
+from flexjit.ir.nodes import Op, uses  # noqa: E402
+from flexjit.frontend.trace import MASK_MOD, trace_mod  # noqa: E402
 from mods_catalog import case_and_oracle  # noqa: E402
 from oracle import FLOOR, assert_close_to_oracle, dense_attention  # noqa: E402
 
@@ -142,7 +143,10 @@ def test_broadcast_learnable_table(passes_run):
 
 def test_broadcast_persistent_short_loops(passes_run, monkeypatch):
     # The persistent forward (one CTA per SM looping over tiles of every batch) with K/V at 0.
-    monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "1")
+    from flexjit.backends.cute import sm90
+    real = sm90._persistent_fwd
+    monkeypatch.setattr(sm90, "_persistent_fwd",
+                        lambda D, lists, S, owner=None, pinned=None: real(D, lists, S, owner, True))
     check("causal", B=5, L=512, S=512, seed=4)
     assert_sm90_broadcast_ran(passes_run)
 

@@ -38,11 +38,13 @@ pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 import cutlass.cute as cute  # noqa: E402
 
-from flexjit import cache, create_block_mask, mods  # noqa: E402
-from flexjit.backends import cute_cache  # noqa: E402
-from flexjit.backends import cute_sm90 as backend  # noqa: E402
-from flexjit.passes import lower  # noqa: E402
-from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
+from flexjit.backends import kernel_cache as cache  # noqa: E402
+from flexjit import create_block_mask
+from flexjit import mods
+from flexjit.backends.cute import objects as cute_cache  # noqa: E402
+from flexjit.backends.cute import sm90 as backend  # noqa: E402
+from flexjit.ir.passes import lower  # noqa: E402
+from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 B, HQ, HKV, L, S, D = 2, 4, 2, 300, 500, 128
@@ -79,7 +81,6 @@ def cache_dir(tmp_path, monkeypatch):
     """A private cache folder, the disk cache on, and an empty in-memory kernel table."""
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("FLEXJIT_CACHE", raising=False)
-    monkeypatch.delenv("FLEXJIT_TVM_FFI", raising=False)
     monkeypatch.setattr(backend, "_COMPILED", {})
     return tmp_path / "cache" / "cute"
 
@@ -216,7 +217,7 @@ CHILD_NO_COMPILE = """
 _CHILD_LOAD = CHILD_NO_COMPILE + """
     import torch
     from test_cute_cache import build
-    from flexjit.backends.cute_sm90 import compile_program
+    from flexjit.backends.cute.sm90 import compile_program
     program, q, k, v, blocks, aux, _, _ = build("softcap_causal")
     fn = compile_program(program, q, k, v, blocks, aux)
     o = torch.empty_like(q)
@@ -366,14 +367,6 @@ def test_call_abi_up_to_the_launch(cache_dir, monkeypatch):
     for what, kwargs in bad.items():
         with pytest.raises((ValueError, TypeError), match=re.escape(what)):
             call(**kwargs)
-
-
-def test_dlpack_fallback_when_tvm_ffi_is_off(cache_dir, monkeypatch):
-    monkeypatch.setenv("FLEXJIT_TVM_FFI", "0")
-    program, q, k, v, blocks, aux, _, _ = build("softcap_causal")
-    fn = backend.compile_program(program, q, k, v, blocks, aux)
-    assert not fn.tvm_ffi and fn.compiled is not None
-    assert _objects(cache_dir) == []  # only TVM-FFI functions go to disk
 
 
 # ------------------------------------------------------------------ GPU: compile in A, load in B

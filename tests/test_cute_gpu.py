@@ -6,26 +6,28 @@ Shapes: S=1000 (ragged against 128), S=4096, GQA 16/4, head dims 128 and 64, bf1
 case at S=16384; head dims 32, 96, 192 and (192, 128) at S=1000 (``test_more_head_dims``). Each new mod compiles once (~3 s on the H200 host).
 
 Every test runs twice: with the one-tile-per-CTA kernel and with the persistent one
-(``FLEXJIT_CUTE_PERSISTENT=1``: min(tiles, SMs) CTAs looping over the tiles). The persistent
+(min(tiles, SMs) CTAs looping over the tiles; ``kernel_options={"PERSISTENT": True}`` pins it). The persistent
 kernel also gets grids far smaller than the tile count (``num_sms`` = 1, 3, 7), so each CTA
 carries its pipeline states, ping-pong token and O buffer across many tiles, empty ones
 included. A hang here is a pipeline/barrier bug: run with ``timeout`` (e.g. ``timeout 600
 pytest ...``) and ``-x``; the test id names the variant.
 
-The persistent-only tests also run with the dynamic tile scheduler (``static``/``dynamic`` in
-the test id; ``FLEXJIT_CUTE_DYNAMIC_SCHEDULE=1``: tiles after the first come from a global
-atomic counter, published to the consumers with each tile's Q); those check as well that every
-launch leaves its counter at zero (the next launch on the stream depends on it) and that
-launches on two streams at once do not share a counter.
+The persistent kernel's tiles after the first come from a global atomic counter, published to
+the consumers with each tile's Q; the persistent-only tests check as well that every launch
+leaves its counter at zero (the next launch on the stream depends on it) and that launches on
+two streams at once do not share a counter.
 """
+import importlib
 import math
 
 import pytest
 import torch
 
-from flexjit import cache, create_block_mask, explain, flex_attention
-from flexjit.backends import cute_sm90 as backend
-from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_program
+from flexjit.backends import kernel_cache as cache
+from flexjit import create_block_mask
+from flexjit.api.attention import explain, flex_attention
+from flexjit.backends.cute import sm90 as backend
+from flexjit.backends.cute.sm90 import _aux_tensor, block_sparse_args, compile_program
 from mods_catalog import CORE, lowered, make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention
 
@@ -35,25 +37,13 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
     pytest.skip("needs a Hopper GPU", allow_module_level=True)
 
 
-@pytest.fixture(autouse=True, params=["0", "1"], ids=["per_tile", "persistent"])
+@pytest.fixture(autouse=True, params=[False, True], ids=["per_tile", "persistent"])
 def persistent(request, monkeypatch):
-    """Both forward variants for every test (the backend's caches key on the flag)."""
-    monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", request.param)
-    return request.param == "1"
-
-
-# The backend's in-memory kernel key does not include the scheduler choice (the template reads
-# FLEXJIT_CUTE_DYNAMIC_SCHEDULE when it builds the tiling), so dynamic-scheduler kernels live in
-# a dict of their own (the disk-cache key includes the tiling, hence the scheduler).
-_DYNAMIC_COMPILED = {}
-
-
-@pytest.fixture(params=[False, True], ids=["static", "dynamic"])
-def dynamic(request, monkeypatch):
-    """The persistent kernel's two tile schedulers (static grid stride; atomic counter)."""
-    monkeypatch.setenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "1" if request.param else "0")
-    if request.param:
-        monkeypatch.setattr(backend, "_COMPILED", _DYNAMIC_COMPILED)
+    """Both forward variants for every test, whatever the schedule rule would pick (the
+    backend's caches key on the choice)."""
+    real = backend._persistent_fwd
+    monkeypatch.setattr(backend, "_persistent_fwd",
+                        lambda D, lists, S, owner=None, pinned=None: real(D, lists, S, owner, request.param))
     return request.param
 
 
@@ -61,7 +51,7 @@ def assert_counter_reset(fn, device, stream=None):
     """After a dynamic launch has finished, its (device, stream) counter is back at [0, 0]."""
     with torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(
             torch.cuda.current_stream()):
-        counter = cache.load_template("cute_common").scheduler_counter(device)
+        counter = importlib.import_module("flexjit.templates.cute.common").scheduler_counter(device)
     assert counter.tolist() == [0, 0], f"tile counter not reset: {counter.tolist()}"
 
 
@@ -131,7 +121,7 @@ def test_max_scores(name):
     # against float64 math (-inf on rows that keep nothing). "full" has no score_mod (the kernel
     # folds the scale: the max is rescaled on the way out), softcap and alibi have one; all
     # three run under _empty_rows_mask so that rows 600.. keep nothing.
-    from flexjit import AuxRequest
+    from flexjit.api.attention import AuxRequest
     from oracle import dense_scores
 
     torch.manual_seed(3)
@@ -176,10 +166,10 @@ def test_negative_scale_without_a_score_mod_is_routed_off_the_sm90_forward():
 @pytest.mark.parametrize("num_sms", [1, 3, 7])
 @pytest.mark.parametrize("name", ["causal", "document", "sliding_window", "softcap", "full",
                                   "empty_rows"])
-def test_persistent_many_tiles_per_cta(persistent, dynamic, name, num_sms):
-    """The persistent kernel on a grid much smaller than the tile count (2·8·8 = 128 tiles).
-    Dynamic scheduler: three launches in a row on fresh NaN outputs (each relies on the previous
-    one having reset the tile counter)."""
+def test_persistent_many_tiles_per_cta(persistent, name, num_sms):
+    """The persistent kernel on a grid much smaller than the tile count (2·8·8 = 128 tiles):
+    three launches in a row on fresh NaN outputs (each relies on the previous one having reset
+    the tile counter)."""
     if not persistent:
         pytest.skip("persistent kernel only")
     B, Hq, Hkv, L, S, D = 2, 8, 2, 1000, 1000, 128
@@ -197,17 +187,16 @@ def test_persistent_many_tiles_per_cta(persistent, dynamic, name, num_sms):
     lists = block_sparse_args(bm)
     fn = compile_program(program, q, k, v, lists, aux)
     assert fn.cfg.tiling.persistent
-    assert fn.cfg.tiling.dynamic_schedule == dynamic
+    assert fn.cfg.tiling.dynamic_schedule
     with torch.no_grad():
         ref, ref_lse = dense_attention(q, k, v, score_mod, mask_mod, dtype=torch.float64)
         low, low_lse = dense_attention(q, k, v, score_mod, mask_mod, dtype=q.dtype)
-    for launch in range(3 if dynamic else 1):
+    for launch in range(3):
         o = torch.full((B, Hq, L, D), float("nan"), device="cuda", dtype=q.dtype)
         lse = torch.full((B, Hq, L), float("nan"), device="cuda")
         fn(q, k, v, o, lse, 1.0 / math.sqrt(D), lists, aux, program.scalars, num_sms=num_sms)
         torch.cuda.synchronize()
-        if dynamic:
-            assert_counter_reset(fn, q.device)
+        assert_counter_reset(fn, q.device)
         assert_close_to_oracle(f"{name} out (launch {launch})", o, ref, low, FLOOR[q.dtype])
         assert_close_to_oracle(f"{name} lse (launch {launch})", lse, ref_lse, low_lse,
                                FLOOR[q.dtype])
@@ -215,7 +204,7 @@ def test_persistent_many_tiles_per_cta(persistent, dynamic, name, num_sms):
             assert (o[:, :, 600:] == 0).all() and (lse[:, :, 600:] == -math.inf).all()
 
 
-def test_persistent_matches_per_tile_kernel(persistent, dynamic, monkeypatch):
+def test_persistent_matches_per_tile_kernel(persistent, monkeypatch):
     """Same tiles, same arithmetic: the two variants agree (causal block-sparse, D=64 and the
     dense 192-row D=64 tiling with 3 consumer warpgroups). ``dynamic``: the persistent one
     takes its tiles from the atomic counter (a different tile-to-CTA assignment, the same
@@ -232,10 +221,9 @@ def test_persistent_matches_per_tile_kernel(persistent, dynamic, monkeypatch):
         lists = block_sparse_args(bm)
         outs = []
         for flag in ("0", "1"):
-            monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", flag)
-            fn = compile_program(program, q, k, v, lists, ())
+            fn = compile_program(program, q, k, v, lists, (), persistent=flag == "1")
             assert fn.cfg.tiling.persistent == (flag == "1")
-            assert fn.cfg.tiling.dynamic_schedule == (dynamic and flag == "1")
+            assert fn.cfg.tiling.dynamic_schedule == (flag == "1")
             o = torch.full((B, H, L, D), float("nan"), device="cuda", dtype=q.dtype)
             lse = torch.full((B, H, L), float("nan"), device="cuda")
             fn(q, k, v, o, lse, 1.0 / math.sqrt(D), lists, (), program.scalars,
@@ -256,8 +244,6 @@ def test_dynamic_schedule_two_streams(persistent, monkeypatch, num_sms):
     results match the per-tile kernel, and both counters are back at zero afterwards."""
     if not persistent:
         pytest.skip("runs both variants itself")
-    monkeypatch.setenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "1")
-    monkeypatch.setattr(backend, "_COMPILED", _DYNAMIC_COMPILED)
     torch.manual_seed(2)
     B, H, L, D = 2, 8, 2000, 128
     q, k, v = [torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -265,13 +251,11 @@ def test_dynamic_schedule_two_streams(persistent, monkeypatch, num_sms):
     bm = create_block_mask(mask_mod, B, H, L, L, device="cuda")
     program = lowered(None, mask_mod)
     lists = block_sparse_args(bm)
-    monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "0")
-    ref_fn = compile_program(program, q, k, v, lists, ())
+    ref_fn = compile_program(program, q, k, v, lists, (), persistent=False)
     o_ref = torch.full((B, H, L, D), float("nan"), device="cuda", dtype=q.dtype)
     l_ref = torch.full((B, H, L), float("nan"), device="cuda")
     ref_fn(q, k, v, o_ref, l_ref, 1.0 / math.sqrt(D), lists, (), program.scalars)
-    monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "1")
-    fn = compile_program(program, q, k, v, lists, ())
+    fn = compile_program(program, q, k, v, lists, (), persistent=True)
     assert fn.cfg.tiling.persistent and fn.cfg.tiling.dynamic_schedule
     torch.cuda.synchronize()
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]

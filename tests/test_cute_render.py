@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexjit.backends.cute_sm90 import render
+from flexjit.backends.cute.sm90 import render
 from mods_catalog import CORE, lowered, make_case
 
 GOLDEN = Path(__file__).parent / "golden" / "cute_sm90"

@@ -17,6 +17,7 @@ The kernels have never run on a Blackwell GPU; nothing here checks their numbers
 does, on a Blackwell GPU, against float64 autograd).
 """
 
+import importlib
 import os
 import re
 
@@ -27,14 +28,13 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # the other CuTe tests' defaul
 torch = pytest.importorskip("torch")
 cutlass = pytest.importorskip("cutlass")
 
-from flexjit.backends import cute_sm100_bwd  # noqa: E402
-from flexjit.backends.cute_sm90 import _aux_tensor, load_mods  # noqa: E402
-from flexjit.cache import load_template  # noqa: E402
+from flexjit.backends.cute import sm100_bwd as cute_sm100_bwd  # noqa: E402
+from flexjit.backends.cute.sm90 import _aux_tensor, load_mods  # noqa: E402
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
 from sm100_ptx import (assert_blackwell_path, assert_scalars_not_baked, ptx_text as _ptx_text,  # noqa: E402
                        spill_bytes)
 
-tpl = load_template("cute_sm100_bwd")
+tpl = importlib.import_module("flexjit.templates.cute.sm100.bwd")
 
 if not tpl.tvm_ffi_enabled():
     pytest.skip("the sm100 backward compiles through TVM-FFI only", allow_module_level=True)
@@ -166,14 +166,15 @@ def test_backend_offers_only_what_it_serves_and_only_through_the_gate():
     ok, why = cute_sm100_bwd.backward_supports(_Call(torch.randn(1, 1, 8, 128, dtype=torch.bfloat16),
                                                      program=prog))
     assert ok is True and "self-checked" in why
+    # dispatch admits it only through the sm100 forward module's first-use self-check
     ok, why = cute_sm100_bwd.backward_supports(_Call(torch.randn(1, 1, 8, 96, dtype=torch.bfloat16),
                                                      program=prog))
     assert ok is False and "head dims" in why
-    from flexjit import dispatch
-    from flexjit.backends import cute_sm100
-    assert "flexjit.backends.cute_sm100_bwd" not in dispatch._MODULES.values()
-    assert cute_sm100.BACKWARD_MODULE == "flexjit.backends.cute_sm100_bwd"
-    assert all(hasattr(cute_sm100_bwd, a) for a in cute_sm100.BACKWARD_API)
+    from flexjit.runtime import dispatch
+    from flexjit.backends.cute import sm100 as cute_sm100
+    assert cute_sm100_bwd not in dispatch._MODULES.values() and cute_sm100.SELF_CHECKED
+    assert cute_sm100.self_check(_Call(torch.randn(1, 1, 8, 128, dtype=torch.bfloat16), program=prog),
+                                 "backward").run is cute_sm100_bwd.backward
 
 
 def test_kernel_key_separates_what_the_compile_separates():
@@ -227,7 +228,8 @@ def test_launch_marshalling():
     per q tile), the dLSE flag, the GQA group, the lists (deterministic: ``dq_order``'s), and
     the order preprocess -> main -> postprocess."""
     from flexjit import mods as fmods
-    from flexjit.block_mask import create_block_mask, dq_order
+    from flexjit.planner.block_mask import dq_order
+    from flexjit import create_block_mask
 
     calls = []
 
@@ -292,8 +294,9 @@ def test_backward_matches_float64_on_blackwell(name, D, deterministic):
     by the gradient's magnitude (the sm90 GPU test's rule)."""
     import math
 
-    from flexjit import create_block_mask, flex_attention
-    from flexjit.api import Call
+    from flexjit import create_block_mask
+    from flexjit.api.attention import flex_attention
+    from flexjit.runtime.call import Call
     from mods_catalog import case_and_oracle
     from oracle import FLOOR, assert_close_to_oracle, dense_attention
 

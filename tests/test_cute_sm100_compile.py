@@ -14,6 +14,7 @@ batch, heads and strides are runtime values and do not change the code. The kern
 on a Blackwell GPU; nothing here checks its numbers.
 """
 
+import importlib
 import os
 
 import pytest
@@ -28,14 +29,13 @@ cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 
 from flexjit import create_block_mask  # noqa: E402
-from flexjit.backends import cute_sm100  # noqa: E402
-from flexjit.backends.cute_sm90 import _aux_tensor  # noqa: E402
-from flexjit.cache import load_template  # noqa: E402
+from flexjit.backends.cute import sm100 as cute_sm100  # noqa: E402
+from flexjit.backends.cute.sm90 import _aux_tensor  # noqa: E402
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
 from sm100_ptx import assert_blackwell_path as _assert_blackwell_path  # noqa: E402
 from sm100_ptx import assert_scalars_not_baked, ptx_text as _ptx_text, spill_bytes  # noqa: E402
 
-_tpl = load_template("cute_sm100_fwd")
+_tpl = importlib.import_module("flexjit.templates.cute.sm100.fwd")
 
 if not _tpl.tvm_ffi_enabled():
     pytest.skip("the sm100 template compiles through TVM-FFI only", allow_module_level=True)
@@ -157,8 +157,8 @@ def test_backend_refuses_off_blackwell():
     q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16)
     ok, why = cute_sm100.supports(_Call(q))
     assert ok is False and why == "needs a CUDA tensor, got cpu"
-    from flexjit import dispatch
-    assert dispatch._MODULES["cute_sm100"] == "flexjit.backends.cute_sm100"
+    from flexjit.runtime import dispatch
+    assert dispatch._MODULES["cute_sm100"] is cute_sm100
 
 
 def _expand(num, idx, kinds, nQB, nKVB):
@@ -243,7 +243,7 @@ def test_forward_matches_float64_on_blackwell(name, D):
     block rows), S = 1000, GQA 4:2."""
     import math
 
-    from flexjit.api import Call
+    from flexjit.runtime.call import Call
     from oracle import FLOOR, assert_close_to_oracle, dense_attention, dense_scores
 
     B, Hq, Hkv, L, S = 2, 4, 2, 700, 1000

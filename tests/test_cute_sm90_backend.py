@@ -4,6 +4,7 @@ CPU only (CUTE_DSL_ARCH=sm_90a). The PTX must hold the Hopper machinery: wgmma, 
 TMA (cp.async.bulk.tensor); a kernel that silently fell back to mma.sync or SIMT fails.
 Each compile takes ~2-5 s on the dev CPU; lengths are tiny because they are runtime values.
 """
+import importlib
 import os
 import re
 
@@ -13,8 +14,9 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 torch = pytest.importorskip("torch")
 pytest.importorskip("cutlass")
 
-from flexjit import create_block_mask, mods  # noqa: E402
-from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_program  # noqa: E402
+from flexjit import create_block_mask  # noqa: E402
+from flexjit import mods
+from flexjit.backends.cute.sm90 import _aux_tensor, block_sparse_args, compile_program  # noqa: E402
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
 
 
@@ -82,9 +84,9 @@ def test_core_mod_fits_at_new_head_dims(name, dims, tmp_path):
 
 def test_persistent_forward_is_chosen_for_short_kv_loops(monkeypatch):
     # Persistent up to PERSISTENT_MAX_KV_TILES kv tiles per q tile on average (short loops:
-    # windows, S <= 2k); one CTA per tile for long ones (8k causal / full). The env var forces.
-    from flexjit.backends.cute_sm90 import PERSISTENT_MAX_KV_TILES, _persistent_fwd
-    monkeypatch.delenv("FLEXJIT_CUTE_PERSISTENT", raising=False)
+    # windows, S <= 2k); one CTA per tile for long ones (8k causal / full). kernel_options'
+    # PERSISTENT pins it.
+    from flexjit.backends.cute.sm90 import PERSISTENT_MAX_KV_TILES, _persistent_fwd
     window = create_block_mask(mods.sliding_window(1024), None, None, 8192, 8192, device="cpu")
     causal = create_block_mask(mods.causal(), None, None, 8192, 8192, device="cpu")
     assert _persistent_fwd(128, block_sparse_args(window), 8192, owner=window)
@@ -94,26 +96,20 @@ def test_persistent_forward_is_chosen_for_short_kv_loops(monkeypatch):
     assert not _persistent_fwd(256, None, 1024)  # no smem for a separate O buffer
     assert not _persistent_fwd(192, None, 1024)  # 192/192 and (192, 128): not either
     assert _persistent_fwd(32, None, 1024) and _persistent_fwd(96, None, 1024)
-    monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "1")
-    assert _persistent_fwd(64, block_sparse_args(causal), 8192)
-    monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", "0")
-    assert not _persistent_fwd(128, None, 1024)
+    assert _persistent_fwd(64, block_sparse_args(causal), 8192, pinned=True)
+    assert not _persistent_fwd(128, None, 1024, pinned=False)
+    assert not _persistent_fwd(256, None, 1024, pinned=True)  # pinning cannot make room for O
 
 
-def test_captured_tensor_grads_run_on_the_sm90_backward_unless_switched_off(monkeypatch):
-    from flexjit.api import prepare_call
-    from flexjit.backends.cute_sm90 import backward_supports
+def test_captured_tensor_grads_run_on_the_sm90_backward():
+    from flexjit.api.attention import prepare_call
+    from flexjit.backends.cute.sm90 import backward_supports
     table = torch.randn(4, 33).requires_grad_(True)
     q = torch.randn(1, 4, 64, 128, dtype=torch.bfloat16)
     call = prepare_call(q, q, q, mods.relative_bias(table), None, None, False, None)
-    monkeypatch.setenv("FLEXJIT_CUTE_BWD_GRADS", "0")
-    ok, why = backward_supports(call)
-    assert not ok and "FLEXJIT_CUTE_BWD_GRADS=0" in why
-    monkeypatch.delenv("FLEXJIT_CUTE_BWD_GRADS")
     assert backward_supports(call)[0]
     # Without captured tensors needing grad, the sm90 backward serves as before.
     plain = prepare_call(q, q, q, mods.relative_bias(table.detach()), None, None, False, None)
-    monkeypatch.setenv("FLEXJIT_CUTE_BWD_GRADS", "0")
     assert backward_supports(plain)[0]
 
 
@@ -149,8 +145,8 @@ class _OnHopper:
 def _hopper_call(monkeypatch, D, Dv, block_mask=None):
     import dataclasses
 
-    from flexjit.api import prepare_call
-    from flexjit.backends import cute_sm90
+    from flexjit.api.attention import prepare_call
+    from flexjit.backends.cute import sm90 as cute_sm90
     monkeypatch.setattr(cute_sm90, "capability", lambda device: (9, 0))
     q, k = (torch.randn(1, 2, 256, D, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(1, 2, 256, Dv, dtype=torch.bfloat16)
@@ -161,7 +157,7 @@ def _hopper_call(monkeypatch, D, Dv, block_mask=None):
 @pytest.mark.parametrize("dims", [(32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128),
                                   (256, 256)], ids=lambda d: f"d{d[0]}_v{d[1]}")
 def test_forward_supports_head_dims(monkeypatch, dims):
-    from flexjit.backends.cute_sm90 import supports
+    from flexjit.backends.cute.sm90 import supports
     ok, why = supports(_hopper_call(monkeypatch, *dims))
     assert ok, why
     # A causal block mask (128x128 blocks) as well: every tile maps onto the mask blocks.
@@ -172,7 +168,7 @@ def test_forward_supports_head_dims(monkeypatch, dims):
 @pytest.mark.parametrize("dims", [(80, 80), (16, 16), (512, 512), (128, 96), (96, 128), (192, 64),
                                   (128, 192), (256, 128)], ids=lambda d: f"d{d[0]}_v{d[1]}")
 def test_forward_refuses_other_head_dims(monkeypatch, dims):
-    from flexjit.backends.cute_sm90 import supports
+    from flexjit.backends.cute.sm90 import supports
     ok, why = supports(_hopper_call(monkeypatch, *dims))
     assert not ok and f"head dims {dims}" in why, why
 
@@ -181,7 +177,7 @@ def test_forward_refuses_other_head_dims(monkeypatch, dims):
                          ids=lambda d: f"d{d[0]}_v{d[1]}")
 def test_backward_supports_head_dims(monkeypatch, dims):
     # 192 and (192, 128): the 64-key "dim split" tile (cute_sm90_bwd.choose_bwd_tiling).
-    from flexjit.backends.cute_sm90 import backward_supports, supports
+    from flexjit.backends.cute.sm90 import backward_supports, supports
     call = _hopper_call(monkeypatch, *dims)
     assert supports(call)[0]
     ok, why = backward_supports(call)
@@ -192,14 +188,13 @@ def test_backward_supports_head_dims(monkeypatch, dims):
 
 @pytest.mark.parametrize("dims", [(256, 256), (80, 80), (128, 96), (192, 96), (192, 64)], ids=lambda d: f"d{d[0]}_v{d[1]}")
 def test_backward_refuses_other_head_dims(monkeypatch, dims):
-    from flexjit.backends.cute_sm90 import backward_supports
+    from flexjit.backends.cute.sm90 import backward_supports
     ok, why = backward_supports(_hopper_call(monkeypatch, *dims))
     assert not ok and f"head dims {dims}" in why, why
 
 
 def test_backend_head_dims_match_the_templates():
     """The backend's tables (kept free of cutlass imports) list exactly the templates' rows."""
-    from flexjit.backends import cute_sm90
-    from flexjit.cache import load_template
-    assert set(cute_sm90._HEAD_DIMS) == set(load_template("cute_sm90_fwd").HEAD_DIMS)
-    assert set(cute_sm90._BWD_HEAD_DIMS) == set(load_template("cute_sm90_bwd").HEAD_DIMS)
+    from flexjit.backends.cute import sm90 as cute_sm90
+    assert set(cute_sm90._HEAD_DIMS) == set(importlib.import_module("flexjit.templates.cute.sm90.fwd").HEAD_DIMS)
+    assert set(cute_sm90._BWD_HEAD_DIMS) == set(importlib.import_module("flexjit.templates.cute.sm90.bwd").HEAD_DIMS)

@@ -20,6 +20,7 @@ order table) against a brute-force count, and the launch path's marshalling with
 stand-ins for the kernels.
 """
 
+import importlib
 import os
 import re
 
@@ -30,17 +31,17 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 torch = pytest.importorskip("torch")
 cutlass = pytest.importorskip("cutlass")
 
-from flexjit import ir  # noqa: E402
+from flexjit.ir import nodes as ir  # noqa: E402
 from flexjit import mods as fmods  # noqa: E402
-from flexjit.backends.cute_sm90 import _aux_tensor, load_mods  # noqa: E402
-from flexjit.block_mask import create_block_mask, dq_order  # noqa: E402
-from flexjit.cache import load_template  # noqa: E402
-from flexjit.ir import Op  # noqa: E402
+from flexjit.backends.cute.sm90 import _aux_tensor, load_mods  # noqa: E402
+from flexjit.planner.block_mask import dq_order  # noqa: E402
+from flexjit import create_block_mask
+from flexjit.ir.nodes import Op  # noqa: E402
 from mods_catalog import CORE, lowered, make_case  # noqa: E402
 from ptx_checks import assert_no_spills  # noqa: E402
 
-tpl = load_template("cute_sm90_bwd")
-host = load_template("cute_sm90_bwd_host")
+tpl = importlib.import_module("flexjit.templates.cute.sm90.bwd")
+host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")
 
 
 def _program(score_mod, mask_mod):
@@ -353,7 +354,7 @@ def test_captured_tensor_grads(tmp_path, name, head_dim):
 def test_score_dependent_captured_grads_stay_on_triton():
     # d(score · scale[h]) / d scale[h] = score: the kernel cannot re-evaluate it after the dP
     # GEMM, so the renderer leaves the holes None and backward_supports sends it to Triton.
-    from flexjit.backends.cute_sm90 import captured_grads_in_kernel, render
+    from flexjit.backends.cute.sm90 import captured_grads_in_kernel, render
     scale = torch.rand(4).requires_grad_(True)
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -529,7 +530,7 @@ def test_pointwise_ops_compile_forward_and_backward(tmp_path):
             Op.ROUND, Op.TRUNC, Op.FMOD, Op.SHL, Op.SHR} <= ops
     ptx = _compile(tmp_path, 128, every_op, parts=("main",))
     assert "wgmma.mma_async" in ptx["main"]
-    fwd_tpl = load_template("cute_sm90_fwd")
+    fwd_tpl = importlib.import_module("flexjit.templates.cute.sm90.fwd")
     mods = load_mods(program)
     cfg = fwd_tpl.FwdConfig(128, 128, cutlass.BFloat16, mods.score_mod, None)
     q = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16)
@@ -543,8 +544,8 @@ def test_int64_index_math_compiles_forward_and_backward(tmp_path):
     # Issue #14: index arithmetic that leaves int32 at the call's lengths is int64 in the program
     # (passes.widen); both sm90 kernels render and compile it (the values: the Triton and
     # reference tests against torch's eager mods).
-    from flexjit.passes import lower
-    from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
+    from flexjit.ir.passes import lower
+    from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_mod
     from mods_catalog import past_int32
     bias, mask = past_int32()
     program = lower(trace_mod(bias, SCORE_MOD), trace_mod(mask, MASK_MOD), float_index=True,
@@ -554,7 +555,7 @@ def test_int64_index_math_compiles_forward_and_backward(tmp_path):
     assert muls == {ir.DType.INT64}
     ptx = _compile(tmp_path, 128, program=program, parts=("main",))
     assert "wgmma.mma_async" in ptx["main"] and "mul.lo.s64" in ptx["main"]
-    fwd_tpl = load_template("cute_sm90_fwd")
+    fwd_tpl = importlib.import_module("flexjit.templates.cute.sm90.fwd")
     mods = load_mods(program)
     cfg = fwd_tpl.FwdConfig(128, 128, cutlass.BFloat16, mods.score_mod, mods.mask_mod)
     q = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16)

@@ -17,6 +17,7 @@ template (``compile_bwd``) on the out/LSE of the sm90 forward; the last ones go 
   determinism checks (16 kv blocks add into every causal dQ tile's last rows).
 Compiles: ~2-6 s per new (mods, head dim, mode) on the H200 host.
 """
+import importlib
 import math
 
 import pytest
@@ -29,18 +30,17 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 
 import cutlass  # noqa: E402
 
-from flexjit import create_block_mask, explain, flex_attention  # noqa: E402
-from flexjit.block_mask import dq_order  # noqa: E402
-from flexjit.backends.cute_sm90 import (  # noqa: E402
-    _aux_tensor, bwd_block_lists, light_mods, load_mods)
-from flexjit.cache import load_template  # noqa: E402
-from flexjit.ir import Op, uses  # noqa: E402
-from flexjit.trace import MASK_MOD, trace_mod  # noqa: E402
+from flexjit import create_block_mask  # noqa: E402
+from flexjit.api.attention import explain, flex_attention
+from flexjit.planner.block_mask import dq_order  # noqa: E402
+from flexjit.backends.cute.sm90 import _aux_tensor, bwd_block_lists, light_mods, load_mods
+from flexjit.ir.nodes import Op, uses  # noqa: E402
+from flexjit.frontend.trace import MASK_MOD, trace_mod  # noqa: E402
 from mods_catalog import CORE, case_and_oracle, lowered, make_case  # noqa: E402
 from oracle import FLOOR, assert_close_to_oracle, dense_attention  # noqa: E402
 
-tpl = load_template("cute_sm90_bwd")
-host = load_template("cute_sm90_bwd_host")
+tpl = importlib.import_module("flexjit.templates.cute.sm90.bwd")
+host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")
 DEV = "cuda"
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 _COMPILED = {}
@@ -285,8 +285,8 @@ def test_head_dim_192_deterministic_bit_identical(D, Dv, name, sparse):
 def test_head_dim_192_through_the_api_on_cute(D, Dv, name, monkeypatch):
     # flex_attention + autograd at 192 and (192, 128): the sm90 forward and, since the 64-key
     # tile, the sm90 backward (no hand-off to Triton). dq, dk, dv against the float64 oracle.
-    from flexjit.api import prepare_call
-    from flexjit.backends import cute_sm90
+    from flexjit.api.attention import prepare_call
+    from flexjit.backends.cute import sm90 as cute_sm90
 
     _no_triton_backward(monkeypatch)
     B, Hq, Hkv, L, S = 2, 8, 2, 1000, 1000
@@ -309,9 +309,9 @@ def test_head_dim_192_through_the_api_on_cute(D, Dv, name, monkeypatch):
 
 def _no_triton_backward(monkeypatch):
     """Make any hand-off to the Triton backward fail the test (issue #6: the sm90 backward must
-    produce the captured tensors' gradients itself; FLEXJIT_CUTE_BWD_GRADS=0 would hand them off)."""
-    monkeypatch.delenv("FLEXJIT_CUTE_BWD_GRADS", raising=False)
-    from flexjit.backends import triton as triton_backend
+    produce the captured tensors' gradients itself)."""
+    from flexjit.backends import triton as triton_backend_entry
+    from flexjit.backends.triton import prefill as triton_backend
 
     def refuse(*args, **kwargs):
         raise AssertionError("the Triton backward ran; the sm90 backward should have")
@@ -344,8 +344,8 @@ def _captured_grads_check(name, B, Hq, Hkv, L, S, D, seed, run_kernel):
 def test_captured_tensor_grads_through_the_api(name, monkeypatch, capsys):
     # Issue #6: a captured tensor that requires grad; the cute backend's backward computes its
     # gradient on the sm90 backward (no Triton hand-off), D = 128, GQA 8/2, ragged L = S = 1000.
-    from flexjit.api import prepare_call
-    from flexjit.backends import cute_sm90
+    from flexjit.api.attention import prepare_call
+    from flexjit.backends.cute import sm90 as cute_sm90
 
     _no_triton_backward(monkeypatch)
     monkeypatch.setenv("FLEXJIT_DEBUG", "1")
@@ -370,7 +370,7 @@ def test_captured_tensor_grads_through_the_api(name, monkeypatch, capsys):
 def test_captured_tensor_grads_through_the_template(name, D):
     # 192: both MMA warpgroups hold the same elements there; only warpgroup 0 adds them.
     # The template directly: compile_bwd with score_grads/grad_offsets and fp64 accumulators.
-    from flexjit.backends.cute_sm90 import grad_slots
+    from flexjit.backends.cute.sm90 import grad_slots
 
     B, Hq, Hkv, L, S = 2, 8, 2, 1000, 1000
 

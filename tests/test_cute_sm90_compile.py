@@ -11,6 +11,7 @@ adds ~0.3 s each). The whole file takes 35-60 s, so nothing is marked slow. Shap
 values, so they do not change the generated code.
 """
 
+import importlib
 import os
 import re
 
@@ -23,10 +24,9 @@ cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32  # noqa: E402
 
-from flexjit.cache import load_template  # noqa: E402
 from ptx_checks import assert_no_spills  # noqa: E402
 
-_tpl = load_template("cute_sm90_fwd")
+_tpl = importlib.import_module("flexjit.templates.cute.sm90.fwd")
 FwdConfig, compile_fwd = _tpl.FwdConfig, _tpl.compile_fwd
 
 
@@ -225,12 +225,12 @@ def test_persistent_smem_budget():
 
 
 def test_persistent_flag_reaches_the_kernel_and_the_cache_keys(tmp_path, monkeypatch):
-    """FLEXJIT_CUTE_PERSISTENT=1 compiles the persistent kernel through the backend, under its
-    own in-memory key and its own disk-cache key (the tiling is in ``_frozen_config``)."""
+    """persistent=True compiles the persistent kernel through the backend, under its own
+    in-memory key and its own disk-cache key (the tiling is in ``_frozen_config``)."""
     import dataclasses
 
-    from flexjit import cache
-    from flexjit.backends import cute_sm90 as backend
+    from flexjit.backends import kernel_cache as cache
+    from flexjit.backends.cute import sm90 as backend
     from mods_catalog import lowered
 
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
@@ -240,8 +240,7 @@ def test_persistent_flag_reaches_the_kernel_and_the_cache_keys(tmp_path, monkeyp
     k = v = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
     fns = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("FLEXJIT_CUTE_PERSISTENT", flag)
-        fns[flag] = backend.compile_program(program, q, k, v, None, (),
+        fns[flag] = backend.compile_program(program, q, k, v, None, (), persistent=flag == "1",
                                             options=f"--keep-ptx --dump-dir {tmp_path}")
     assert fns["0"].cfg.tiling.persistent is False and fns["1"].cfg.tiling.persistent is True
     assert "%nctaid.x" in fns["1"].compiled.__ptx__ and "%nctaid.x" not in fns["0"].compiled.__ptx__
@@ -270,17 +269,13 @@ def _assert_dynamic(ptx):
     assert "bar.warp.sync" in ptx
 
 
-def test_dynamic_schedule_is_the_persistent_default(monkeypatch):
-    monkeypatch.delenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", raising=False)
+def test_dynamic_schedule_is_the_persistent_default():
     assert _tpl.choose_tiling(128, 128, True, persistent=True).dynamic_schedule is True
     assert FwdConfig(128, 128, cutlass.BFloat16).tiling.dynamic_schedule is False
     # Only meaningful with the persistent kernel.
     assert _tpl.choose_tiling(128, 128, True, dynamic_schedule=True).dynamic_schedule is False
     assert _tpl.choose_tiling(128, 128, True, persistent=True,
                               dynamic_schedule=True).dynamic_schedule is True
-    monkeypatch.setenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "0")
-    assert _tpl.choose_tiling(64, 64, False, persistent=True).dynamic_schedule is False
-    monkeypatch.setenv("FLEXJIT_CUTE_DYNAMIC_SCHEDULE", "1")
     assert _tpl.choose_tiling(64, 64, False, persistent=True).dynamic_schedule is True
     assert _tpl.choose_tiling(64, 64, False).dynamic_schedule is False
     assert _tpl.choose_tiling(128, 128, True, persistent=True,

@@ -21,11 +21,14 @@ import pytest
 import torch
 
 import flexjit
-from flexjit import create_block_mask, flex_attention, mods
-from flexjit.api import prepare_call
-from flexjit.backends import triton as tb
-from flexjit.backends import triton_decode as td
-from flexjit.block_mask import BlockMask
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
+from flexjit import mods
+from flexjit.api.attention import prepare_call
+from flexjit.backends import triton as tb_entry
+from flexjit.backends.triton import prefill as tb
+from flexjit.backends.triton import decode as td
+from flexjit.planner.block_mask import BlockMask
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, dense_scores, max_err
 
 
@@ -34,7 +37,6 @@ def _private_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FLEXJIT_POISON", "1")
         mp.setenv("FLEXJIT_CACHE_DIR", str(tmp_path_factory.mktemp("flexjit-cache")))
-        mp.delenv("FLEXJIT_DECODE_SPLITS", raising=False)
         yield
 
 
@@ -263,10 +265,10 @@ def test_full_blocks_in_any_order(interp):
 
 def _count(monkeypatch):
     seen = []
-    real_decode, real_fwd = td.forward, tb._forward
+    real_decode, real_fwd = td.forward, tb.run_forward
     monkeypatch.setattr(td, "forward", lambda call, splits=None: seen.append("decode") or
                         real_decode(call, splits))
-    monkeypatch.setattr(tb, "_forward", lambda *a, **kw: seen.append("prefill") or real_fwd(*a, **kw))
+    monkeypatch.setattr(tb, "run_forward", lambda *a, **kw: seen.append("prefill") or real_fwd(*a, **kw))
     return seen
 
 
@@ -300,7 +302,7 @@ def test_routing(interp, monkeypatch):
 def test_auto_puts_triton_first_for_decode(interp, monkeypatch):
     """On a GPU the auto order is cute, triton, reference; a decode call moves triton first
     (the order is faked here: on the CPU auto only runs the reference)."""
-    from flexjit import dispatch
+    from flexjit.runtime import dispatch
     monkeypatch.setattr(dispatch, "_preference", lambda device: ("cute", "triton", "reference"))
     q, k, v = _qkv(1, 4, 2, 1, 200, 32, torch.float32, seed=11)
     choice = dispatch.select("auto", prepare_call(q, k, v, None, None, None, True, None))

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import flexjit
-from flexjit import create_block_mask, flex_attention
-from flexjit.api import prepare_call
-from flexjit.backends import triton_decode as td
-from flexjit.ir import Op, uses
-from flexjit.trace import MASK_MOD, trace_mod
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
+from flexjit.api.attention import prepare_call
+from flexjit.backends.triton import decode as td
+from flexjit.ir.nodes import Op, uses
+from flexjit.frontend.trace import MASK_MOD, trace_mod
 from mods_catalog import CORE, make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, dense_scores
 from test_decode import _decode_mods

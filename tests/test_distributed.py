@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import flexjit
-import flexjit.distributed as cp
+import flexjit.integrations.distributed as cp
 from flexjit import mods
 from oracle import FLOOR, dense_attention, max_err
 

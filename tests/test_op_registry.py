@@ -10,11 +10,12 @@ table. Where a table declares that an op has no rule (``passes.NO_GRADIENT``,
 import pytest
 import torch
 
-from flexjit import intervals, ir, passes
-from flexjit.backends import cute_render, triton_render
-from flexjit.interp import Env, evaluate
-from flexjit.ir import Op
-from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
+from flexjit.ir import intervals, nodes as ir, passes
+from flexjit.backends.cute import render as cute_render
+from flexjit.backends.triton import render as triton_render
+from flexjit.ir.interp import Env, evaluate
+from flexjit.ir.nodes import Op
+from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_mod
 
 TABLE = torch.arange(8, dtype=torch.float32) - 3.0  # a captured tensor (BUFFER, LOAD)
 WINDOW = 5  # a captured Python number (SCALAR)

@@ -1,4 +1,5 @@
 """An installed, non-editable flexjit must still find its kernel templates."""
+import importlib
 import subprocess
 import sys
 import zipfile
@@ -34,12 +35,12 @@ try:
 except ModuleNotFoundError:
     pass
 from flexjit.cache import load_template
-bwd = load_template("cute_sm90_bwd")
-fwd = load_template("cute_sm90_fwd")
+bwd = importlib.import_module("flexjit.templates.cute.sm90.bwd")
+fwd = importlib.import_module("flexjit.templates.cute.sm90.fwd")
 assert bwd.__file__.startswith(sys.argv[1]) and fwd.Aux is bwd.Aux
 import flexjit.templates.cute_common as common
 assert common.Aux is fwd.Aux
-host = load_template("cute_sm90_bwd_host")  # a template importing another template's classes
+host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")  # a template importing another template's classes
 assert host.FlexAttentionBwdSm90 is bwd.FlexAttentionBwdSm90 and host.BwdConfig is bwd.BwdConfig
 print("ok")
 """

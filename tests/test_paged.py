@@ -13,8 +13,11 @@ import pytest
 import torch
 
 import flexjit
-from flexjit import PagedAttention, create_block_mask, flex_attention, mods
-from flexjit.paged import OutOfPagesError
+from flexjit.api.paged import PagedAttention
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
+from flexjit import mods
+from flexjit.api.paged import OutOfPagesError
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err
 
 DEV = "cpu"
@@ -445,8 +448,8 @@ def test_sm90_forward_compiles_the_paged_mods(monkeypatch, tmp_path):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
     pytest.importorskip("cutlass")
-    from flexjit.api import _broadcast_batch, prepare_call
-    from flexjit.backends.cute_sm90 import _aux_tensor, block_sparse_args, compile_program
+    from flexjit.api.attention import _broadcast_batch, prepare_call
+    from flexjit.backends.cute.sm90 import _aux_tensor, block_sparse_args, compile_program
     sc = Scenario([300, 129, 400], page_size=128, n_pages=12, D=128, dtype=torch.bfloat16)
     q = torch.randn(sc.B, 4, 16, 128, dtype=torch.bfloat16)
     q_off = torch.tensor([n - 16 for n in sc.lens])

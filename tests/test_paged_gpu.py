@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flexjit
-from flexjit.backends import cute_sm90
+from flexjit.backends.cute import sm90 as cute_sm90
 from oracle import FLOOR, assert_close_to_oracle, dense_attention
 from test_paged import MODS, Scenario, _logical_mods, _run
 

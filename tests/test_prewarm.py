@@ -90,7 +90,7 @@ def test_rebuilt_variants_capture_the_runs_data(tmp_path):
 def test_keys_follow_the_kernels(cache_dir):
     import cutlass.cute as cute
 
-    from flexjit.backends import cute_cache
+    from flexjit.backends.cute import objects as cute_cache
 
     real = (cute_cache.load, cute.compile)
     args = _args(*SMALL, "--S", "512,1k,4k", "--variants", "full,alibi", "--passes", "fwdbwd",
@@ -222,7 +222,7 @@ def test_after_a_prewarm_the_runs_calls_all_hit_the_disk_cache(tmp_path):
 def test_the_disk_cache_counts_its_lookups(cache_dir, monkeypatch):
     # benchmarks.run's closing line comes from cute_cache.STATS: a lookup that finds nothing or
     # a file it cannot load is a miss; with the disk cache off nothing is looked up or counted.
-    from flexjit.backends import cute_cache
+    from flexjit.backends.cute import objects as cute_cache
 
     monkeypatch.setattr(cute_cache, "STATS", {"hits": 0, "misses": 0})
     assert cute_cache.load("0" * 32) is None
@@ -235,7 +235,7 @@ def test_the_disk_cache_counts_its_lookups(cache_dir, monkeypatch):
 
 
 def test_plan_compiles_each_key_once_and_skips_what_is_on_disk(cache_dir):
-    from flexjit.backends import cute_cache
+    from flexjit.backends.cute import objects as cute_cache
 
     # causal at 512 and 1k, both passes: one forward key (both persistent) and one backward
     # triple, each needed by several calls; the backward planned first.

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from flexjit import create_block_mask, flex_attention
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, random_qkv
 from mods_catalog import CORE, POINTWISE, make_case
 

@@ -24,10 +24,15 @@ import pytest
 import torch
 
 import flexjit
-from flexjit import SelfCheckWarning, create_block_mask, explain, flex_attention, mods, selfcheck
-from flexjit import dispatch
-from flexjit.api import prepare_call
-from flexjit.backends import cute_sm100, reference
+from flexjit.runtime.selfcheck import SelfCheckWarning
+from flexjit import create_block_mask
+from flexjit.api.attention import explain, flex_attention
+from flexjit import mods
+from flexjit.runtime import selfcheck
+from flexjit.runtime import dispatch
+from flexjit.api.attention import prepare_call
+from flexjit.backends.cute import sm100 as cute_sm100
+from flexjit.backends import reference
 from mods_catalog import make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, dense_scores
 
@@ -110,7 +115,7 @@ class Blackwell:
 def blackwell(monkeypatch):
     """Make the CPU look like one sm_100 GPU with correct stand-in kernels; results reset."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv(cute_sm100.ENV, raising=False)
+    monkeypatch.delenv("FLEXJIT_DISABLE", raising=False)
     sim = Blackwell()
     monkeypatch.setattr(cute_sm100, "SEAM", cute_sm100.Seam(sim.capability, sim.compile, sim.launch))
     selfcheck.forget()
@@ -295,14 +300,15 @@ def test_the_bound_admits_the_triton_kernel(monkeypatch, name):
     # A real kernel, not a stand-in: Triton's forward (interpreted) on each mod's small case
     # passes the check (its errors were about half of each bound), so the gate does not turn a
     # correct kernel away for rounding. With max_scores, GQA and the call's mask.
-    from flexjit.backends import triton as tb
+    from flexjit.backends import triton as tb_entry
+    from flexjit.backends.triton import prefill as tb
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     case = make_case(name, B, HQ, L, S)
     q, k, v = inputs()
     bm = create_block_mask(case.mask_mod, B, HQ, L, S, device="cpu") if case.mask_mod else None
     call = prepare_call(q, k, v, case.score_mod, bm, None, True, None, max_scores=True)
-    res = selfcheck.check_forward(call, tb.forward)
+    res = selfcheck.check_forward(call, tb_entry.forward)
     assert res.passed, res.summary
 
 
@@ -310,14 +316,15 @@ def test_the_bound_admits_the_triton_kernel(monkeypatch, name):
 def test_the_backward_bound_admits_the_triton_backward(monkeypatch, name):
     # The backward hook's bound, the same way: the Triton backward (interpreted) passes,
     # gradients of a learnable bias table included.
-    from flexjit.backends import triton as tb
+    from flexjit.backends import triton as tb_entry
+    from flexjit.backends.triton import prefill as tb
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     case = make_case(name, B, HQ, L, S)
     q, k, v = inputs(grad=True)
     bm = create_block_mask(case.mask_mod, B, HQ, L, S, device="cpu") if case.mask_mod else None
     call = prepare_call(q, k, v, case.score_mod, bm, None, True, None)
-    res = selfcheck.check_backward(call, tb.backward)
+    res = selfcheck.check_backward(call, tb_entry.backward)
     assert res.passed, res.summary
     assert ("grad of captured tensor" in res.summary) == (name == "learnable_bias")
 
@@ -339,17 +346,17 @@ def test_a_failing_kernel_falls_back_to_triton(blackwell, monkeypatch):
 # --------------------------------------------------------------------------- the switch
 
 
-def test_flexjit_cute_sm100_0_passes_over_the_sm100_kernels(blackwell, monkeypatch):
-    monkeypatch.setenv(cute_sm100.ENV, "0")
+def test_disabling_cute_sm100_passes_over_the_sm100_kernels(blackwell, monkeypatch):
+    monkeypatch.setenv("FLEXJIT_DISABLE", "cute_sm100")
     q, k, v = inputs()
     bm = block_mask()
     choice = explain(q, k, v, alibi, bm, enable_gqa=True)
     assert choice.name == "reference"
-    assert dict(choice.passed_over)["cute_sm100"] == "FLEXJIT_CUTE_SM100=0 turns the sm100 kernels off"
+    assert dict(choice.passed_over)["cute_sm100"] == "FLEXJIT_DISABLE lists cute_sm100"
     out, lse = run(q, k, v, bm)
     assert blackwell.compiled == [] and blackwell.launched == []
     assert_matches_oracle(out, lse, q, k, v)
-    with pytest.raises(NotImplementedError, match="FLEXJIT_CUTE_SM100=0"):
+    with pytest.raises(NotImplementedError, match="FLEXJIT_DISABLE lists cute_sm100"):
         run(q, k, v, bm, backend="cute")
 
 
@@ -440,17 +447,17 @@ def test_the_gate_holds_inside_torch_compile(blackwell, programs_run, wrong):
 
 
 def test_training_pairs_the_checked_forward_with_the_triton_backward(blackwell, monkeypatch):
-    # Without an sm100 backward (the module absent, as before it existed; and the path every
-    # call the sm100 backward refuses takes): the forward's saved LSE is the natural-log LSE the
+    # Where the sm100 backward refuses a call: the forward's saved LSE is the natural-log LSE the
     # Triton backward reads (the check compares it), so training runs the sm100 forward + the
     # Triton backward.
-    monkeypatch.setattr(cute_sm100, "_backward_module", lambda: None)
+    refusal = "the sm100 backward does not serve this call (stand-in refusal)"
+    monkeypatch.setattr(cute_sm100.sm100_bwd, "backward_supports", lambda call: (False, refusal))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v = inputs(grad=True, n=200)
     bm = block_mask(200)
     choice = explain(q, k, v, alibi, bm, enable_gqa=True)
     assert (choice.name, choice.backward) == ("cute_sm100", "triton"), str(choice)
-    assert cute_sm100.NO_BACKWARD in choice.backward_reason
+    assert refusal in choice.backward_reason
     out, lse = run(q, k, v, bm)
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
@@ -499,46 +506,40 @@ class _FakeBackward:
 
 @pytest.mark.parametrize("wrong", [False, True])
 def test_a_future_sm100_backward_is_gated_too(blackwell, monkeypatch, wrong):
-    import sys
-
     fake = _FakeBackward(wrong)
-    monkeypatch.setitem(sys.modules, cute_sm100.BACKWARD_MODULE, fake)
-    cute_sm100._backward_module.cache_clear()
-    try:
-        q, k, v = inputs(grad=True, n=200)  # 200: the check's case is the call's size
-        bm = block_mask(200)
-        choice = explain(q, k, v, alibi, bm, enable_gqa=True)
-        assert (choice.name, choice.backward) == ("cute_sm100", "cute_sm100")
-        assert "self-check not yet run" in choice.backward_reason and fake.ran == 0
-        if wrong:
-            expect = r"sm100 backward.*dk: max abs error 1\d(\.\d+)? at \(b=0, h=0, kv=3, d=0\)"
-            with pytest.warns(SelfCheckWarning, match=expect):
-                out, lse = run(q, k, v, bm)
-        else:
+    monkeypatch.setattr(cute_sm100, "sm100_bwd", fake)
+    q, k, v = inputs(grad=True, n=200)  # 200: the check's case is the call's size
+    bm = block_mask(200)
+    choice = explain(q, k, v, alibi, bm, enable_gqa=True)
+    assert (choice.name, choice.backward) == ("cute_sm100", "cute_sm100")
+    assert "self-check not yet run" in choice.backward_reason and fake.ran == 0
+    if wrong:
+        expect = r"sm100 backward.*dk: max abs error 1\d(\.\d+)? at \(b=0, h=0, kv=3, d=0\)"
+        with pytest.warns(SelfCheckWarning, match=expect):
             out, lse = run(q, k, v, bm)
-        choice = explain(q, k, v, alibi, bm, enable_gqa=True)
-        if wrong:
-            # The failed backward is passed over; no other backward runs a CPU call here (no
-            # TRITON_INTERPRET), so the whole call moved to the reference. Its checked
-            # forward stays enabled.
-            assert choice.name == "reference"
-            assert "self-check failed" in dict(choice.passed_over)["cute_sm100"]
-            fwd = prepare_call(q, k, v, alibi, bm, None, True, None)
-            assert selfcheck.outcome(("sm100 forward", cute_sm100.kernel_key(fwd)),
-                                     cute_sm100.variant(fwd)).passed
-        else:
-            assert (choice.name, choice.backward) == ("cute_sm100", "cute_sm100")
-            assert "self-checked on this GPU (passed: dq" in choice.backward_reason
-        dout = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v), dout)
-        assert fake.ran == (1 if wrong else 2)  # the check (and, when it passed, the call)
-        q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-        ref, _ = dense_attention(q64, k64, v64, alibi, causal, dtype=torch.float64)
-        want = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
-        for name, g, w in zip(("dq", "dk", "dv"), got, want):
-            assert (g.double() - w).abs().max() < 0.05, name
-    finally:
-        cute_sm100._backward_module.cache_clear()
+    else:
+        out, lse = run(q, k, v, bm)
+    choice = explain(q, k, v, alibi, bm, enable_gqa=True)
+    if wrong:
+        # The failed backward is passed over; no other backward runs a CPU call here (no
+        # TRITON_INTERPRET), so the whole call moved to the reference. Its checked
+        # forward stays enabled.
+        assert choice.name == "reference"
+        assert "self-check failed" in dict(choice.passed_over)["cute_sm100"]
+        fwd = prepare_call(q, k, v, alibi, bm, None, True, None)
+        assert selfcheck.outcome(("sm100 forward", cute_sm100.kernel_key(fwd)),
+                                 cute_sm100.variant(fwd)).passed
+    else:
+        assert (choice.name, choice.backward) == ("cute_sm100", "cute_sm100")
+        assert "self-checked on this GPU (passed: dq" in choice.backward_reason
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    assert fake.ran == (1 if wrong else 2)  # the check (and, when it passed, the call)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref, _ = dense_attention(q64, k64, v64, alibi, causal, dtype=torch.float64)
+    want = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert (g.double() - w).abs().max() < 0.05, name
 
 
 def test_the_check_cannot_run_during_graph_capture(blackwell, monkeypatch):

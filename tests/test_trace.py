@@ -7,11 +7,12 @@ import pytest
 import sympy as sp
 import torch
 
-from flexjit import ir, mods
-from flexjit.interp import Env, evaluate
-from flexjit.ir import Op
-from flexjit.passes import derivative, lower, simplify, to_sympy
-from flexjit.trace import MASK_MOD, SCORE_MOD, TraceError, trace_mod
+from flexjit.ir import nodes as ir
+from flexjit import mods
+from flexjit.ir.interp import Env, evaluate
+from flexjit.ir.nodes import Op
+from flexjit.ir.passes import derivative, lower, simplify, to_sympy
+from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, TraceError, trace_mod
 
 
 def _idx(L=7, S=9, B=2, H=3):
@@ -118,7 +119,7 @@ def test_interning_and_stable_digest_across_processes():
     t2 = trace_mod(mods.sliding_window(64), MASK_MOD)
     assert t.out is t2.out
     here = ir.digest([t.out])
-    code = ("from flexjit import ir, mods; from flexjit.trace import trace_mod; "
+    code = ("from flexjit import mods; from flexjit.ir import nodes as ir; from flexjit.frontend.trace import trace_mod; "
             "print(ir.digest([trace_mod(mods.sliding_window(7), 'mask_mod').out]))")
     env = dict(os.environ, PYTHONHASHSEED="12345")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -335,7 +336,7 @@ def _casts_of_sums(p):
 
 
 def test_float_indices_moves_casts_onto_the_leaves():
-    from flexjit.passes import lower
+    from flexjit.ir.passes import lower
     slopes = torch.rand(4)
 
     def alibi(score, b, h, q_idx, kv_idx):
@@ -355,7 +356,7 @@ def test_float_indices_moves_casts_onto_the_leaves():
 
 
 def test_float_indices_leaves_other_integer_math_alone():
-    from flexjit.passes import lower
+    from flexjit.ir.passes import lower
 
     def products(score, b, h, q_idx, kv_idx):  # a product, a floor division: not index sums
         return score + (q_idx * kv_idx) * 1e-6 + (q_idx // 7) * 0.5
@@ -370,8 +371,8 @@ def test_float_indices_leaves_other_integer_math_alone():
 
 
 def test_long_sequences_keep_integer_index_math():
-    from flexjit.api import prepare_call
-    from flexjit.passes import FLOAT_INDEX_LIMIT
+    from flexjit.api.attention import prepare_call
+    from flexjit.ir.passes import FLOAT_INDEX_LIMIT
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + 0.5 * (kv_idx - q_idx)

@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import flexjit
-from flexjit import create_block_mask, flex_attention, mods
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
+from flexjit import mods
 from oracle import FLOOR, assert_close_to_oracle, dense_attention
 
 pytestmark = pytest.mark.gpu
@@ -184,7 +186,7 @@ def test_a_compile_logs_one_line(caplog):
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_transformers_training_step_under_autocast(family):
     transformers = pytest.importorskip("transformers")
-    import flexjit.transformers  # noqa: F401
+    import flexjit.integrations.transformers  # noqa: F401
 
     common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=D, attention_dropout=0.0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-import flexjit.transformers as fjt  # noqa: E402  (registers "flexjit")
+import flexjit.integrations.transformers as fjt  # noqa: E402  (registers "flexjit")
 from oracle import max_err  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 

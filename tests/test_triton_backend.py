@@ -20,12 +20,15 @@ import pytest
 import torch
 
 import flexjit
-from flexjit import create_block_mask, flex_attention, mods
-from flexjit.api import prepare_call
-from flexjit.backends import triton as tb
-from flexjit.backends.triton_config import _fwd_config as _fresh_fwd_config
-from flexjit.ir import Op, uses
-from flexjit.trace import MASK_MOD, trace_mod
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
+from flexjit import mods
+from flexjit.api.attention import prepare_call
+from flexjit.backends import triton as tb_entry
+from flexjit.backends.triton import prefill as tb
+from flexjit.backends.triton.config import _fwd_config as _fresh_fwd_config
+from flexjit.ir.nodes import Op, uses
+from flexjit.frontend.trace import MASK_MOD, trace_mod
 from mods_catalog import CORE, POINTWISE, Case, case_and_oracle, lowered, make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err, random_qkv
 
@@ -552,22 +555,22 @@ def test_one_atomic_per_row_column_or_tile_for_learnable_tensors():
 
 def test_supports_and_explain(interp):
     call = _call()
-    ok, why = tb.supports(call)
+    ok, why = tb_entry.supports(call)
     assert ok and "interpreter" in why
     assert flexjit.explain(call.q, call.k, call.v, backend="triton").name == "triton"
-    ok, why = tb.supports(_call(dtype=torch.float64))
+    ok, why = tb_entry.supports(_call(dtype=torch.float64))
     assert not ok and "float64" in why
     with pytest.raises(NotImplementedError, match="float64"):
         flexjit.explain(*(torch.randn(1, 1, 16, 16, dtype=torch.float64) for _ in range(3)),
                         backend="triton")
     q = torch.randn(1, 1, 16, 512)
-    ok, why = tb.supports(prepare_call(q, q, q, None, None, None, False, None))
+    ok, why = tb_entry.supports(prepare_call(q, q, q, None, None, None, False, None))
     assert not ok and "512" in why
 
 
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    ok, why = tb.supports(_call())
+    ok, why = tb_entry.supports(_call())
     assert not ok and "TRITON_INTERPRET" in why
 
 
@@ -743,7 +746,7 @@ def test_fwd_config_is_remembered_and_equal_to_a_fresh_one():
 
 
 def test_bwd_config_is_remembered_and_equal_to_a_fresh_one():
-    from flexjit.backends.triton_config import _bwd_config
+    from flexjit.backends.triton.config import _bwd_config
     args = (90, torch.bfloat16, 128, 128, 2048, 2048, (128, 128))
     a = tb.bwd_config(*args, {}, captured_grads=True)
     assert tb.bwd_config(*args, {}, captured_grads=True) is a
@@ -824,7 +827,7 @@ def test_max_scores(interp, name, L, S, block_size):
     # AuxRequest(max_scores=True) on the Triton forward: the row max of the modded scores, -inf
     # on a fully masked row (the oracle: the float64 scores' max), ragged rows included.
     from oracle import dense_scores
-    from flexjit import AuxRequest
+    from flexjit.api.attention import AuxRequest
     case = make_case(name, 1, 2, L, S)
     mask = case.mask_mod
 

@@ -18,10 +18,12 @@ import pytest
 import torch
 
 import flexjit
-from flexjit import create_block_mask, flex_attention
-from flexjit.backends import triton as tb
-from flexjit.ir import Op, uses
-from flexjit.trace import MASK_MOD, trace_mod
+from flexjit import create_block_mask
+from flexjit.api.attention import flex_attention
+from flexjit.backends import triton as tb_entry
+from flexjit.backends.triton import prefill as tb
+from flexjit.ir.nodes import Op, uses
+from flexjit.frontend.trace import MASK_MOD, trace_mod
 from mods_catalog import CORE, case_and_oracle, make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err
 
@@ -241,7 +243,7 @@ def test_max_scores_and_int64_index_math():
     # Issue #14's newest paths compiled for the GPU: AuxRequest(max_scores=True) on the Triton
     # forward and index math that leaves int32 at these lengths (computed in int64): both against
     # the float64 oracle.
-    from flexjit import AuxRequest
+    from flexjit.api.attention import AuxRequest
     from oracle import dense_scores
 
     def big(b, h, q_idx, kv_idx):

@@ -20,8 +20,8 @@ import dataclasses
 
 import torch
 
-from ..interp import Env, evaluate
-from ..passes import Program
+from flexjit.ir.interp import Env, evaluate
+from flexjit.ir.program import Program
 
 # Bytes of live float intermediates allowed per chunk (about six (B, H, rows, S) tensors).
 _CHUNK_BYTES = 512 << 20

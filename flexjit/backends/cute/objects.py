@@ -1,0 +1,244 @@
+"""The disk cache of compiled CuTeDSL kernels: a second process loads instead of compiling.
+
+What this module holds
+----------------------
+* ``load(key)``: the ``tvm_ffi.Function`` exported under ``key``, or ``None`` (absent,
+  unreadable, disk cache off). Loading an object file takes milliseconds; compiling the sm90
+  forward takes seconds.
+* ``store(key, export)``: ``export(path, function_name)`` writes the object file of a
+  compiled function; ``store`` gives it its place in the folder.
+* ``available()``: whether the disk cache is on (``FLEXJIT_CACHE`` is not ``0``) and this
+  install can load what it would store (TVM-FFI is importable).
+* ``STATS``: this process's disk lookups, ``hits`` (loaded) and ``misses`` (absent or unreadable,
+  so compiled); ``benchmarks.run`` prints them, ``benchmarks.prewarm`` aims for no misses.
+* ``cached_kernel``: one compiled forward kernel through ``cache.cached`` with this folder
+  behind memory (load, else compile and export), as the sm90 and sm100 backends use it;
+  ``key_options`` / ``wants_artifacts``: what of the compile options enters a disk key, and
+  whether the caller asked for PTX/cubin files (then it always compiles).
+
+Only TVM-FFI functions are cached on disk: ``export_to_c`` writes one object file holding the
+host launcher, the argument checks and the cubin, and ``cute.runtime.load_module(path,
+enable_tvm_ffi=True)`` gives back a callable with the same signature. Files are
+``cache.cache_dir("cute")/<key>.o``; the key (``cache.kernel_key``) already folds in the
+toolchain versions and flexjit's own sources, so a stale file is never picked up, only
+orphaned.
+
+Concurrency: processes may share the folder. A writer holds an exclusive ``fcntl.flock`` on
+``<key>.lock`` while it exports, exports to a private temporary name and ``os.replace``\\ s it
+into place, and skips the export when another process got there first; a reader holds a shared
+lock on the same file while it loads. A reader therefore never sees a half-written file, and two
+processes compiling the same kernel at once export it once.
+
+Trap (seen in FlashAttention-4's cache): the object file calls into the DSL runtime libraries
+(``libcute_dsl_runtime.so``, ``libtvm_ffi.so``); they are loaded with ``RTLD_GLOBAL`` before the
+first ``load_module``, or the load can fail on undefined symbols.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import functools
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from flexjit import config
+from flexjit.backends import kernel_cache as cache
+
+log = logging.getLogger("flexjit")
+
+FUNCTION_NAME = "flexjit_kernel"  # the exported symbol (``__tvm_ffi_flexjit_kernel``)
+LOCK_TIMEOUT_S = 120.0  # an export takes ~0.5 s; a lock held longer belongs to a stuck process
+STATS = {"hits": 0, "misses": 0}  # lookups by load() with the disk cache on (module doc)
+
+
+def announce(msg: str) -> None:
+    """Log ``msg`` (and print it under ``FLEXJIT_DEBUG``): what a compile or a load took."""
+    log.info("flexjit: %s", msg)
+    if config.settings.debug:
+        print(f"[flexjit] {msg}")
+
+
+ARTIFACT_FLAGS = ("--keep-ptx", "--keep-cubin")
+
+
+def key_options(options: str) -> str:
+    """The compile options that can change the code: all but asking for PTX/cubin files and
+    where to dump them."""
+    words, kept = options.split(), []
+    skip = False
+    for w in words:
+        if skip:
+            skip = False
+        elif w == "--dump-dir":
+            skip = True
+        elif w not in ARTIFACT_FLAGS and not w.startswith("--dump-dir="):
+            kept.append(w)
+    return " ".join(kept)
+
+
+def wants_artifacts(options: str) -> bool:
+    """Whether ``options`` ask for PTX or cubin files: a loaded kernel has none to show."""
+    return any(f in options.split() for f in ARTIFACT_FLAGS)
+
+
+@functools.lru_cache(maxsize=None)
+def _tvm_ffi_importable() -> bool:
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def available() -> bool:
+    """The disk cache is on and this install can load TVM-FFI object files."""
+    return cache.enabled() and _tvm_ffi_importable()
+
+
+def object_path(key: str) -> Path:
+    return cache.cache_dir("cute") / f"{key}.o"
+
+
+@contextlib.contextmanager
+def _locked(key: str, exclusive: bool, timeout: float = LOCK_TIMEOUT_S):
+    """Hold ``<key>.lock`` (exclusive for writers, shared for readers). Raises TimeoutError."""
+    path = cache.cache_dir("cute") / f"{key}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, mode)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {timeout:.0f} s for the lock {path}") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@functools.lru_cache(maxsize=None)
+def _preload_runtime_libraries() -> tuple:
+    """Load the DSL runtime libraries with RTLD_GLOBAL, once per process (see the module doc).
+    The handles are kept (in the lru_cache) for the life of the process."""
+    import cutlass.cute as cute
+
+    return tuple(ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+                 for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True)
+                 if Path(lib).exists())
+
+
+def load(key: str):
+    """The function stored under ``key`` (a ``tvm_ffi.Function``), or None. A file that exists
+    but cannot be loaded is logged and removed, so the caller's compile replaces it."""
+    if not available():
+        return None
+    fn = _load(key)
+    STATS["hits" if fn is not None else "misses"] += 1
+    return fn
+
+
+def _load(key: str):
+    path = object_path(key)
+    if not path.exists():
+        return None
+    try:
+        with _locked(key, exclusive=False):
+            if not path.exists():
+                return None
+            import cutlass.cute as cute
+
+            _preload_runtime_libraries()
+            module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+            fn = getattr(module, FUNCTION_NAME)
+    except TimeoutError as e:
+        log.warning("flexjit: disk cache skipped: %s", e)
+        return None
+    except Exception as e:  # a truncated/foreign file, a DSL that cannot read it
+        log.warning("flexjit: cannot load %s (%s: %s); recompiling", path, type(e).__name__, e)
+        _discard(key)
+        return None
+    return fn
+
+
+def _discard(key: str) -> None:
+    try:
+        with _locked(key, exclusive=True):
+            object_path(key).unlink(missing_ok=True)
+    except (OSError, TimeoutError) as e:
+        log.warning("flexjit: cannot remove the bad cache entry %s: %s", key, e)
+
+
+def store(key: str, export: Callable[[str, str], None]) -> Optional[Path]:
+    """Export a compiled function under ``key``: ``export(object_file_path, function_name)``
+    writes it. Returns the file's path, or None when the cache is off or the export failed
+    (logged: the compiled function in memory still works, only the next process recompiles)."""
+    if not available():
+        return None
+    path = object_path(key)
+    # The DSL picks the output format from the extension, so the temporary name ends in ".o".
+    tmp = path.with_name(f"{key}.{os.getpid()}.{threading.get_ident()}.tmp.o")
+    try:
+        with _locked(key, exclusive=True):
+            if path.exists():  # another process exported it while we compiled
+                return path
+            t0 = time.perf_counter()
+            export(str(tmp), FUNCTION_NAME)
+            os.replace(tmp, path)
+            announce(f"exported {path.name} ({path.stat().st_size >> 10} KiB) in "
+                   f"{time.perf_counter() - t0:.2f} s")
+        return path
+    except Exception as e:
+        log.warning("flexjit: could not export %s to the disk cache (%s: %s)", key,
+                    type(e).__name__, e)
+        return None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def cached_kernel(memory: dict, key, *, label: str, disk_key: str | None, options: str,
+                  compile: Callable, from_disk: Callable, export: Callable):
+    """``memory[key]``, else the kernel loaded from ``disk_key``'s object file, else compiled
+    and exported there (``cache.cached``); one forward kernel, for any arch's backend.
+
+    ``label`` names it in the log ("sm90 forward for causal/none D=128 bfloat16");
+    ``disk_key`` None: no disk (TVM-FFI or the cache off); ``options`` asking for PTX/cubin
+    files (``wants_artifacts``): always compiled, still exported. ``compile()`` gives a fresh
+    kernel, ``from_disk(fn)`` the kernel around a loaded ``tvm_ffi.Function``, ``export(kernel)``
+    the ``export(path, function_name)`` writer of a kernel compiled here, or None where it has
+    none (not a TVM-FFI compile)."""
+    fresh = wants_artifacts(options)
+
+    def from_file(disk_key):
+        t0 = time.perf_counter()
+        loaded = None if fresh else load(disk_key)
+        if loaded is None:
+            return None
+        announce(f"{label}: loaded from disk in {time.perf_counter() - t0:.3f} s ({disk_key}.o)")
+        return from_disk(loaded)
+
+    def build():
+        log.info("flexjit: compiling the %s ...", label)
+        t0 = time.perf_counter()
+        fn = compile()
+        announce(f"{label}: compiled in {time.perf_counter() - t0:.1f} s")
+        return fn
+
+    def to_file(disk_key, fn):
+        writer = export(fn)
+        if writer is not None:
+            store(disk_key, writer)
+
+    return cache.cached(memory, key, build, disk_key=disk_key, load=from_file, store=to_file)

@@ -1,0 +1,510 @@
+"""The CuTeDSL Hopper backend: fill the sm90 kernels' holes from a Program, compile, cache, launch.
+
+What this module holds
+----------------------
+* The generated mods module of a Program (``load_mods``: ``cute_render.render``, written to
+  ``$FLEXJIT_CACHE_DIR/cute/mods_<key>.py`` and imported once), the holes of
+  ``templates/cute_sm90_fwd.py`` and ``cute_sm90_bwd.py``.
+* Compile and load: ``compile_program`` (forward), ``compile_backward`` (its three kernels,
+  through the backward's host module ``templates/cute_sm90_bwd_host.py``), kept
+  in memory per (key, dtypes, head dims, block-mask presence, tiling) and, when launched through
+  TVM-FFI, on disk as ``$FLEXJIT_CACHE_DIR/cute/<kernel_key>.o`` (``backends.cute_cache``), all
+  through ``cache.cached``, so a second process loads them instead of compiling.
+* The backend interface (``flexjit.dispatch``): ``supports``/``forward`` for the forward;
+  ``backward_supports``/``backward`` for the sm90 backward from the saved (out, lse). Where it
+  refuses (head dims it has no tile for, captured tensors whose gradient depends on the score),
+  dispatch pairs this forward with the Triton backward. Learnable captured tensors (bias tables,
+  ALiBi slopes) get their gradients from the sm90 backward itself.
+* The block lists the kernels read (``block_sparse_args``, ``bwd_block_lists``, remembered on the
+  BlockMask) and the schedule choice (``_persistent_fwd``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import torch
+
+from flexjit import config
+from flexjit.backends import kernel_cache as cache
+from flexjit.ir import nodes as ir
+from flexjit.ir.nodes import Op
+from flexjit.ir.program import Program
+from flexjit.planner.block_mask import _transpose_ordered, dq_order
+from flexjit.backends.base import capability
+from flexjit.backends.cute import objects as cute_cache, templates
+
+# (head_dim, head_dim_v) pairs the sm90 forward has a tile for (``cute_sm90_fwd.HEAD_DIMS``,
+# repeated here so that refusing a shape needs no cutlass import).
+_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256))
+
+
+@functools.lru_cache(maxsize=None)
+def _cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+from flexjit.backends.cute.render import captured_grads_in_kernel, grad_slots, render  # noqa: F401  (re-exported)
+
+
+_MODULES: dict[str, object] = {}  # Program.key -> the imported generated module
+
+
+def load_mods(program: Program):
+    """Import (generating once) the module holding this program's score_mod / mask_mod."""
+    return cache.cached(_MODULES, program.key, lambda: _import_mods(program))
+
+
+def _import_mods(program: Program):
+    key = program.key
+    path = cache.cache_dir("cute") / f"mods_{key[:24]}.py"
+    if config.settings.debug:
+        print(f"[flexjit] cute mods for {program.score_name}/{program.mask_name}: {path}")
+    return cache.import_source(path, f"flexjit_cute_mods_{key[:24]}", render(program))
+
+
+# --------------------------------------------------------------------------- backend interface
+
+
+def _template():
+    return templates("sm90").fwd
+
+
+def _scalar_signature(program: Program) -> tuple:
+    """The DSL type name of each runtime scalar (Int32 / Float32): part of a loaded kernel's
+    argument check."""
+    as_scalar = templates("sm90").fwd.as_scalar
+    return tuple(type(as_scalar(x)).__name__ for x in program.scalars)
+
+
+def supports(call) -> tuple[bool, str]:
+    q, k, v = call.q, call.k, call.v
+    if q.device.type != "cuda":
+        return False, f"needs a CUDA tensor, got {q.device.type}"
+    major, minor = capability(q.device)
+    if (major, minor) != (9, 0):
+        return False, f"the sm90 kernel needs Hopper (sm_90), this GPU is sm_{major}{minor}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False, f"dtype {q.dtype} (the sm90 kernel takes fp16/bf16)"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if (D, Dv) not in _HEAD_DIMS:
+        return False, (f"head dims ({D}, {Dv}); the sm90 kernel takes (head_dim, head_dim_v) in "
+                       f"{_HEAD_DIMS}")
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False, f"{name} needs a contiguous last dim and 16-byte aligned strides for TMA"
+    if q.shape[0] > 1 and q.stride(0) == 0:
+        return False, ("query is broadcast over the batch (stride 0), which the sm90 kernel's "
+                       "TMA descriptors are not built for")
+    if q.shape[0] > 1 and (k.stride(0) == 0) != (v.stride(0) == 0):
+        return False, ("only one of key and value is broadcast over the batch (stride 0); the sm90 "
+                       "kernel takes both broadcast or neither")
+    bm = call.block_mask
+    if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
+        return False, f"block size {bm.BLOCK_SIZE}; the sm90 kernel's tiles are 128x128"
+    if call.program.score is None and call.scale < 0:
+        # Without a score_mod the kernel folds the scale into exp2's multiplier and takes the
+        # row max of the raw q·k: right only for a scale >= 0.
+        return False, f"scale {call.scale} < 0 without a score_mod (the sm90 forward folds the scale)"
+    try:
+        _template()
+    except ImportError as e:
+        return False, f"nvidia-cutlass-dsl is not importable ({e})"
+    if kv_broadcast(call):
+        return True, ("Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised), key/value "
+                      "batch broadcast (read at batch 0)")
+    return True, "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)"
+
+
+def kv_broadcast(call) -> bool:
+    """Whether the call's key and value are one batch entry broadcast over the query's batch
+    (stride 0: torch's batch broadcast, a paged KV cache). The kernels then take the un-expanded
+    (1, H, S, D) tensors (``_batch_one``) and load K/V at batch 0 (``kv_batch_broadcast``)."""
+    k, v = call.k, call.v
+    return k.shape[0] > 1 and k.stride(0) == 0 and v.stride(0) == 0
+
+
+def _batch_one(t: torch.Tensor) -> torch.Tensor:
+    """Batch entry 0 of a tensor broadcast over the batch, as (1, H, S, D) with a nonzero batch
+    stride (its span: a TMA descriptor is built over every stride; with extent 1 it never moves
+    an address). A view: no copy."""
+    span = max(st * n for st, n in zip(t.stride()[1:], t.shape[1:]))
+    return t.as_strided((1, *t.shape[1:]), (span, *t.stride()[1:]))
+
+
+_COMPILED: dict[tuple, object] = {}
+log = logging.getLogger("flexjit")
+
+
+def _aux_tensor(t: torch.Tensor, device) -> torch.Tensor:
+    t = t.detach()
+    if t.device != device:
+        t = t.to(device)
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+# The compile options that can change the code (the disk key's) and the artifact flags that
+# make a compile keep PTX/cubin files (``cute_cache``: the sm100 backends share them).
+_ARTIFACT_FLAGS = cute_cache.ARTIFACT_FLAGS
+_key_options = cute_cache.key_options
+
+
+def _kernel_config(cfg, aux_tensors, program: Program, *extra) -> tuple:
+    """Everything besides the program that shapes a compiled kernel, forward or backward (the
+    disk-cache key material; sizes, strides and scalar values are runtime arguments), plus the
+    kernel's own ``extra`` fields. The K/V batch broadcast is named only where it is on, so the
+    keys of the kernels that existed before it did not change."""
+    import tvm_ffi  # the exported object calls into its C ABI: a new version must not reuse it
+
+    return (cfg.dtype.__name__, cfg.head_dim, cfg.head_dim_v, cfg.has_block_mask,
+            tuple((str(t.dtype), t.dim()) for t in aux_tensors),
+            tuple(d.value for d in program.scalar_dtypes), dataclasses.astuple(cfg.tiling),
+            f"launch=tvm-ffi {tvm_ffi.__version__}", *extra,
+            *(("kv_batch_broadcast",) if cfg.kv_batch_broadcast else ()))
+
+
+def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
+    """The forward's disk-cache key material (``_kernel_config`` plus its rescale threshold,
+    whether it writes max_scores and the code-changing compile options)."""
+    return _kernel_config(cfg, aux_tensors, program, float(cfg.rescale_threshold),
+                          bool(cfg.write_max), _key_options(options))
+
+
+# The persistent forward (one CTA per SM looping over tiles) overlaps a tile's epilogue with the
+# next tile's loads; that pays where a tile's kv loop is short. Its first version strode over the
+# tiles statically and lost the hardware's greedy balancing of uneven tiles (S=8k causal 0.95x ->
+# 0.88x FA4, benchmarks/results/2026-11-30-gpu-s2-final); tiles now come from an atomic counter
+# (dynamic scheduler). Measured beside FA4 in one run (2026-11-30-gpu-s3-modes, TFLOP/s, per-tile /
+# static persistent / dynamic): S=2k causal 456/462/543 (FA4 510), 2k ALiBi 415/390/456, 2k window
+# 396/423/450 (FA4 454), 8k window 425/442/462 (FA4 465), 2k document 382/383/411, 8k document
+# 425/341/423; long loops gain nothing: 8k full 657/655/635, 8k causal 584/540/596, 8k ALiBi
+# 505-545/456/516. So: persistent with dynamic tiles up to 16 kv tiles per q tile, else per tile.
+PERSISTENT_MAX_KV_TILES = 16
+
+
+def _mean_kv_tiles(lists, S: int, owner=None) -> float:
+    """Mean number of 128-key tiles a q tile visits: from the BlockMask ``owner`` (remembered
+    there), else from the kernel's block lists (one device sync), else every tile."""
+    if owner is not None:
+        return owner.mean_kv_tokens() / 128
+    if lists is None:
+        return float(-(-S // 128))
+    kv_num, _, full_num, _ = lists
+    return float((kv_num.float().mean() + full_num.float().mean()).item())
+
+
+def _persistent_fwd(head_dim: int, lists, S: int, owner=None, pinned: bool | None = None) -> bool:
+    """Whether to launch the persistent forward: as ``pinned`` (``kernel_options["PERSISTENT"]``)
+    says, else when a q tile visits at most PERSISTENT_MAX_KV_TILES kv tiles on average. Head
+    dims 192 and 256 always keep the one-tile-per-CTA kernel (no smem for a separate O buffer
+    beside their K/V stages)."""
+    if head_dim not in (32, 64, 96, 128):
+        return False
+    if pinned is not None:
+        return bool(pinned)
+    return _mean_kv_tiles(lists, S, owner) <= PERSISTENT_MAX_KV_TILES
+
+
+_announce = cute_cache.announce  # log (and print under FLEXJIT_DEBUG) a compile's or load's time
+
+
+def _rescale_threshold() -> float:
+    """The forward's rescale threshold in log2 units: O is rescaled at every growth of a row's
+    max, which keeps torch's output accuracy (a lazy threshold was faster but measurably less
+    accurate; docs/performance.md)."""
+    return 0.0
+
+
+def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
+                    persistent: bool | None = None, write_max: bool = False, keys: dict | None = None,
+                    kv_batch_broadcast: bool = False):
+    """Compile (or find in memory, or load from disk) the sm90 forward for this program and
+    these input kinds.
+
+    Only dtypes, head dims, ranks and block-mask presence shape the kernel: lengths, batch,
+    heads, strides and scalar values are runtime arguments. Works on the CPU with
+    CUTE_DSL_ARCH=sm_90a (for compile-only tests).
+
+    Disk cache (TVM-FFI launches only, ``backends.cute_cache``): a compiled kernel is exported to
+    ``cache_dir("cute")/<kernel_key>.o`` and a later process loads it instead of compiling. A
+    caller asking for ``--keep-ptx``/``--keep-cubin`` always compiles (a loaded kernel has no
+    PTX to show); its kernel is still exported.
+
+    ``write_max``: the kernel also writes the row max of the modded scores (max_scores).
+    ``kv_batch_broadcast``: k and v are one batch entry (1, H, S, D) for every query batch.
+    ``keys``: if given, ``keys["fwd"]`` is set to the disk-cache key (None with the cache off;
+    ``flexjit.aot`` reports it)."""
+    tpl = _template()
+    D, Dv = q.shape[-1], v.shape[-1]
+    sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
+    if persistent is None:
+        persistent = _persistent_fwd(D, block_mask, k.shape[2])
+    # Persistent launches claim tiles dynamically: part of the tiling, hence of both cache keys.
+    dynamic = persistent and tpl.dynamic_schedule_default()
+    key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
+           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast)
+    hit = _COMPILED.get(key)
+    if hit is not None:  # the per-call path: no mods, config or disk key to build for `cached`
+        return hit
+    mods = load_mods(program)
+    # The tiling (persistent flag included) is part of _frozen_config, hence of the disk key.
+    cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
+                        has_block_mask=block_mask is not None,
+                        tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent,
+                                                 dynamic_schedule=dynamic), write_max=write_max,
+                        rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast)
+    what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
+    if kv_batch_broadcast:
+        what += " (K/V batch broadcast)"
+    disk_key = None
+    if tpl.tvm_ffi_enabled() and cute_cache.available():
+        disk_key = cache.kernel_key(program.key, "cute_sm90_fwd",
+                                    _frozen_config(cfg, aux_tensors, program, options), "sm90")
+    if keys is not None:
+        keys["fwd"] = disk_key
+
+    def build():
+        o = torch.empty(*q.shape[:-1], Dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        return tpl.compile_fwd(cfg, q, k, v, o, lse, block_mask, aux_tensors, program.scalars,
+                               options=options)
+
+    return cute_cache.cached_kernel(
+        _COMPILED, key, label=f"sm90 forward for {what}", disk_key=disk_key, options=options,
+        compile=build, from_disk=lambda fn: tpl.CompiledFwd(
+            cfg, None, sig + _scalar_signature(program), ffi_fn=fn),
+        export=lambda fn: fn.export if fn.tvm_ffi else None)
+
+
+def block_sparse_args(bm):
+    """The kernel's four block lists (a mask without separate full blocks lists none full)."""
+    if bm is None:
+        return None
+    full_num, full_idx = bm.full_kv_num_blocks, bm.full_kv_indices
+    if full_num is None:  # empty full lists, made once per BlockMask rather than per call
+        full_num, full_idx = bm.derived("cute_no_full_lists", lambda: (
+            torch.zeros_like(bm.kv_num_blocks), torch.zeros_like(bm.kv_indices)))
+    return (bm.kv_num_blocks, bm.kv_indices, full_num, full_idx)
+
+
+def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, max_scores or None)."""
+    prog = call.program
+    q, k, v = call.q, call.k, call.v
+    broadcast = kv_broadcast(call)
+    if broadcast:
+        k, v = _batch_one(k), _batch_one(v)
+    bm = call.block_mask
+    sparse = block_sparse_args(bm)
+    aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
+    fn = compile_program(prog, q, k, v, sparse, aux,
+                         persistent=_persistent_fwd(q.shape[-1], sparse, k.shape[2], owner=bm,
+                                                    pinned=call.kernel_options.get("PERSISTENT")),
+                         write_max=call.max_scores, kv_batch_broadcast=broadcast)
+    o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    max_scores = torch.empty_like(lse) if call.max_scores else None
+    o, lse = fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars, max_scores=max_scores)
+    return o, lse, max_scores
+
+
+# --------------------------------------------------------------------------- backward
+
+# (head_dim, head_dim_v) pairs the sm90 backward has a tile for (``cute_sm90_bwd.HEAD_DIMS``).
+# 192 and (192, 128) take a 64-key kv tile with the head dims split between the MMA
+# warpgroups (``cute_sm90_bwd.choose_bwd_tiling``); compiled spill-free on the CPU, their
+# GPU tests (tests/test_cute_sm90_bwd_gpu.py) not yet run.
+_BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
+
+
+def _bwd_template():
+    return templates("sm90").bwd
+
+
+def _bwd_host():
+    return templates("sm90").bwd_host
+
+
+def backward_supports(call) -> tuple[bool, str]:
+    """Whether the sm90 backward serves this call's gradients (else the Triton backward does)."""
+    D, Dv = call.q.shape[-1], call.v.shape[-1]
+    if (D, Dv) not in _BWD_HEAD_DIMS:
+        return False, (f"head dims ({D}, {Dv}); the sm90 backward takes (head_dim, head_dim_v) in "
+                       f"{_BWD_HEAD_DIMS}")
+    if call.program.grad_loads:
+        ok, why = captured_grads_in_kernel(call.program)
+        if not ok:
+            return False, f"captured-tensor gradients: {why} (the Triton backward computes them)"
+    try:
+        if not _template().tvm_ffi_enabled():
+            return False, "the sm90 backward launches through TVM-FFI, unavailable here"
+    except ImportError as e:
+        return False, f"nvidia-cutlass-dsl is not importable ({e})"
+    return True, "the CuTeDSL sm90 backward"
+
+
+def light_mods(program: Program) -> bool:
+    """No loads and no transcendentals in the score, its derivative or the mask: cheap enough
+    for the backward to form P under the dP GEMM (``BwdConfig.overlap_dp``)."""
+    roots = [r for r in (program.score, program.dscore, program.mask) if r is not None]
+    return not any(n.op is Op.LOAD or n.op in ir.TRANSCENDENTAL for n in ir.toposort(roots))
+
+
+def bwd_block_lists(bm):
+    """The 8 int32 tensors the backward takes: the kv lists, then the q lists (zeros for absent
+    full lists; transposed lists derived when the BlockMask lacks them). Kept on the BlockMask."""
+    if bm is None:
+        return None
+    return bm.derived("cute_bwd_lists", lambda: _bwd_block_lists(bm))
+
+
+def _bwd_block_lists(bm):
+    kv = block_sparse_args(bm)
+    qn, qi, fqn, fqi = bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices
+    if qn is None:
+        qn, qi = _transpose_ordered(bm.kv_num_blocks, bm.kv_indices)
+    if fqn is None:
+        if bm.full_kv_num_blocks is not None:
+            fqn, fqi = _transpose_ordered(bm.full_kv_num_blocks, bm.full_kv_indices)
+        else:
+            fqn, fqi = torch.zeros_like(qn), torch.zeros_like(qi)
+    return tuple(t.to(torch.int32).contiguous() for t in (*kv, qn, qi, fqn, fqi))
+
+
+def _dq_order(bm, lists):
+    """Deterministic mode's merged q lists and dQ accumulation order, once per BlockMask."""
+    return bm.derived("cute_dq_order", lambda: dq_order(lists))
+
+
+_COMPILED_BWD: dict[tuple, object] = {}
+
+
+def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
+                     deterministic: bool, aux_tensors, head_dim_v: int | None = None,
+                     kv_batch_broadcast: bool = False):
+    """The sm90 backward's three kernels (preprocess, main, postprocess) for this program, from
+    memory, the disk cache (each part its own object file) or a fresh compile. A program with
+    learnable captured tensors (``Program.grad_loads``, part of its key) gets a main kernel that
+    also accumulates their gradients (``BwdConfig.score_grads``). ``kv_batch_broadcast``: K/V
+    are one batch entry for every query batch (``BwdConfig.kv_batch_broadcast``)."""
+    host = _bwd_host()
+    sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
+    head_dim_v = head_dim_v or head_dim
+    key = (program.key, dtype, head_dim, head_dim_v, sparse, deterministic, sig,
+           program.scalar_dtypes, kv_batch_broadcast)
+    return cache.cached(_COMPILED_BWD, key, lambda: _build_backward(
+        host, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors, sig,
+        kv_batch_broadcast=kv_batch_broadcast))
+
+
+def export_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
+                    deterministic: bool, aux_tensors, head_dim_v: int | None = None,
+                    dump_dirs: dict | None = None, kv_batch_broadcast: bool = False) -> dict:
+    """Compile the backward's three kernels afresh (never from disk), export each into the disk
+    cache under the key ``compile_backward`` looks up, and with ``dump_dirs`` ({part: folder or
+    None}) keep each part's PTX and cubin there. {part: disk key or None}. For ``flexjit.aot``."""
+    host = _bwd_host()
+    head_dim_v = head_dim_v or head_dim
+    sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
+    keys: dict = {}
+    _build_backward(host, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors,
+                    sig, dump_dirs=dump_dirs or {}, keys_out=keys, kv_batch_broadcast=kv_batch_broadcast)
+    return keys
+
+
+def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
+                    deterministic: bool, aux_tensors, sig, dump_dirs: dict | None = None,
+                    keys_out: dict | None = None, kv_batch_broadcast: bool = False):
+    """The three kernels (``host``: the template ``cute_sm90_bwd_host``), each from its own object file on disk, the missing ones compiled
+    together (and exported); the pre/postprocess keys leave the Program out: every mod shares
+    them."""
+    mods = load_mods(program)
+    cfg = _bwd_template().BwdConfig(
+        head_dim, head_dim_v, _cutlass_dtype(dtype), mods.score_mod_and_grad, mods.mask_mod,
+        has_block_mask=sparse, deterministic=deterministic,
+        overlap_dp=True if light_mods(program) else None,
+        score_grads=getattr(mods, "score_grads", None),
+        grad_offsets=getattr(mods, "grad_offsets", None), kv_batch_broadcast=kv_batch_broadcast)
+    dims = f"{head_dim}" if head_dim_v == head_dim else f"{head_dim}/{head_dim_v}"
+    what = f"{program.score_name}/{program.mask_name} D={dims} {str(dtype).replace('torch.', '')}"
+    if kv_batch_broadcast:
+        what += " (K/V batch broadcast)"
+    frozen = _kernel_config(cfg, aux_tensors, program, f"deterministic={deterministic}",
+                            f"grad_slots={grad_slots(program)}")
+    disk = cute_cache.available()
+    keys = {part: cache.kernel_key(program.key if part == "main" else "", f"cute_sm90_bwd_{part}",
+                                   frozen, "sm90") for part in host.PARTS}
+    if keys_out is not None:
+        keys_out.update({part: keys[part] if disk else None for part in host.PARTS})
+    t0 = time.perf_counter()
+    fresh = dump_dirs is not None  # ahead of time: always compile (and keep the files asked for)
+    loaded = {part: cute_cache.load(k) for part, k in keys.items()} if disk and not fresh else {}
+    missing = tuple(p for p in host.PARTS if loaded.get(p) is None)
+    if missing:
+        log.info("flexjit: compiling the sm90 backward (%s) for %s ...", ", ".join(missing), what)
+        if fresh:  # one compile per part, each dumping into its own folder
+            parts = {}
+            for part in missing:
+                folder = dump_dirs.get(part)
+                opts = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
+                parts[part] = host.compile_bwd(cfg, aux_tensors, program.scalars, options=opts,
+                                               parts=(part,)).parts[part]
+        else:
+            parts = host.compile_bwd(cfg, aux_tensors, program.scalars, parts=missing).parts
+        for part in missing:
+            loaded[part] = parts[part].ffi_fn
+            if disk:
+                cute_cache.store(keys[part], parts[part].export)
+        _announce(f"sm90 backward for {what}: compiled {', '.join(missing)} in "
+                  f"{time.perf_counter() - t0:.1f} s")
+    else:
+        _announce(f"sm90 backward for {what}: loaded from disk in {time.perf_counter() - t0:.3f} s")
+    return host.load_bwd(cfg, loaded, sig + _scalar_signature(program))
+
+
+def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
+    """(dq, dk, dv, *captured-tensor grads) on the sm90 backward kernels: one gradient per
+    ``Program.buffers`` entry, None for those that get none (no ``grad_loads``). dk/dv have the
+    query's batch also where K/V are broadcast over it (``kv_broadcast``). dq/dk/dv are
+    deterministic (a fixed dQ accumulation order) when
+    ``torch.are_deterministic_algorithms_enabled()``; the captured gradients are summed by fp64
+    atomics in any order (as the Triton backward's), so they are reproducible to fp64 rounding,
+    not bit for bit."""
+    prog = call.program
+    aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    broadcast = kv_broadcast(call)
+    fn = compile_backward(prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic,
+                          aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast)
+    return run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic, broadcast)
+
+
+def run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic: bool,
+                 broadcast: bool = False) -> tuple:
+    """Launch a compiled backward ``fn`` (either arch's ``CompiledBwd``) on the call: its block
+    lists (and deterministic mode's dQ order), dq/dk/dv, one fp64 accumulator per learnable
+    captured tensor; returns (dq, dk, dv, *captured-tensor grads in the buffers' dtypes).
+    ``broadcast``: K/V are one batch entry for every query batch (``kv_broadcast``; the sm90
+    kernels only): dk/dv come back per query batch, for autograd's expand backward to sum."""
+    prog = call.program
+    bm = call.block_mask
+    lists = bwd_block_lists(bm)
+    order = _dq_order(bm, lists) if deterministic and bm is not None else None
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if broadcast:
+        # dK/dV per query batch (contiguous: empty_like of a stride-0 view is): the gradient of
+        # the expanded view, which autograd's expand backward sums over the batch.
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        k, v = _batch_one(k), _batch_one(v)
+    slots = grad_slots(prog) if prog.grad_loads else []
+    # fp64: a table entry can receive ~L·S/2 adds (see triton._GRAD_ACC).
+    accs = {s: torch.zeros(aux[s].shape, dtype=torch.float64, device=q.device) for s in slots}
+    fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, call.scale, lists, aux, prog.scalars,
+       q_order=order, grad_accs=tuple(accs[s] for s in slots))
+    dbufs = [accs[s].reshape(b.shape).to(device=b.device, dtype=b.dtype) if s in accs else None
+             for s, b in enumerate(prog.buffers)]
+    return (dq, dk, dv, *dbufs)

@@ -1,0 +1,897 @@
+"""Tracing: run a user's score_mod / mask_mod on symbolic proxies and record IR.
+
+``trace_mod(fn, kind)`` calls ``fn`` once with :class:`Proxy` arguments standing
+for (score,) b, h, q_idx, kv_idx. Python operators on proxies and the torch
+functions we support (intercepted by a ``TorchFunctionMode``) build IR nodes.
+
+Captures:
+  * a torch.Tensor the mod indexes with traced values (``bias[h, q_idx]``) or
+    uses as a 0-d value becomes a BUFFER input, deduplicated by identity;
+  * a Python int/float reached through the mod's closure or globals becomes a
+    SCALAR: a run-time argument, so a new value reuses the compiled kernel.
+    (The function is re-created with proxies in those closure cells/globals.)
+
+Anything that cannot be expressed per element raises :class:`TraceError` naming
+the mod, the user's source line, the reason and what to write instead.
+
+A trace is reused while the mod's fingerprint (``captures.fingerprint``: its code and
+everything it captures, numbers by value) is unchanged, so Python control flow on captured
+scalars (``if window > 0``) stays correct: a new value traces again, and the branch taken
+lands in the IR.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import linecache
+import os
+import types
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from flexjit import config
+from flexjit.ir import nodes as ir
+from flexjit.frontend.captures import ScalarRewriter, Unfingerprintable, fingerprint
+from flexjit.ir.nodes import DType, Node, Op, build_binary, cast
+from flexjit.ir.program import TracedMod
+from flexjit.ir.interp import eval_constant
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+SCORE_MOD = "score_mod"
+MASK_MOD = "mask_mod"
+_ARG_NAMES = {SCORE_MOD: ("score", "b", "h", "q_idx", "kv_idx"), MASK_MOD: ("b", "h", "q_idx", "kv_idx")}
+
+_TORCH_DTYPES = {
+    torch.bool: DType.BOOL, torch.int32: DType.INT32, torch.int64: DType.INT64,
+    torch.int16: DType.INT32, torch.int8: DType.INT32, torch.uint8: DType.INT32,
+    torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT32, torch.bfloat16: DType.FLOAT32,
+    torch.float64: DType.FLOAT32,
+}
+_IR_TO_TORCH = {DType.BOOL: torch.bool, DType.INT32: torch.int32, DType.INT64: torch.int64,
+                DType.FLOAT32: torch.float32}
+
+
+class TraceError(Exception):
+    """A mod that flexjit cannot turn into a kernel. The message says where and why."""
+
+
+# --------------------------------------------------------------------------- context
+
+
+class _Context:
+    """State of one trace: captured buffers/scalars and the mod's identity for errors."""
+
+    def __init__(self, fn: Callable, kind: str):
+        self.fn = fn
+        self.kind = kind
+        self.name = getattr(fn, "__name__", type(fn).__name__)
+        self.buffers: list[torch.Tensor] = []
+        self._buffer_ids: dict[int, int] = {}
+        self.scalars: list[float | int] = []
+        self._scalar_ids: dict[tuple[int, int], Proxy] = {}
+
+    def buffer(self, t: torch.Tensor) -> Node:
+        if t.dtype not in _TORCH_DTYPES or t.is_complex():
+            self.fail(f"captured tensor of dtype {t.dtype} is not supported",
+                      "use a bool, integer or floating tensor")
+        if t.dim() > 4:
+            self.fail(f"captured tensor has {t.dim()} dimensions; at most 4 are supported",
+                      "reshape it to 4-D or fewer outside the mod")
+        slot = self._buffer_ids.get(id(t))
+        if slot is None:
+            slot = len(self.buffers)
+            self.buffers.append(t)
+            self._buffer_ids[id(t)] = slot
+        storage = str(t.dtype).replace("torch.", "")
+        return ir.node(Op.BUFFER, DType.VOID, (), (slot, t.dim(), storage))
+
+    def scalar(self, value: float | int, key: tuple[int, int]) -> "Proxy":
+        """A captured Python number, one slot per (container, name) it was found in."""
+        found = self._scalar_ids.get(key)
+        if found is None:
+            slot = len(self.scalars)
+            self.scalars.append(value)
+            found = Proxy(ir.node(Op.SCALAR, ir.dtype_of_python(value), (), slot), self)
+            self._scalar_ids[key] = found
+        return found
+
+    def fail(self, reason: str, hint: str | None = None):
+        raise TraceError(self.describe(reason, hint))
+
+    def describe(self, reason: str, hint: str | None = None, tb=None) -> str:
+        where = _user_frame_in_traceback(tb) if tb is not None else _user_frame()
+        msg = f"cannot trace {self.kind} `{self.name}`"
+        if where is not None:
+            filename, lineno = where
+            src = linecache.getline(filename, lineno).strip()
+            msg += f" at {filename}:{lineno}\n    {src}"
+        msg += f"\n{reason}"
+        if hint:
+            msg += f"\nhint: {hint}"
+        return msg
+
+
+def _is_user_file(filename: str) -> bool:
+    filename = os.path.abspath(filename)
+    return not (filename.startswith(_PKG_DIR) or filename.startswith(_TORCH_DIR)
+                or "<frozen" in filename)
+
+
+def _user_frame() -> tuple[str, int] | None:
+    """Innermost frame on the current stack that is neither flexjit's nor torch's own code."""
+    f = inspect.currentframe()
+    while f is not None:
+        if _is_user_file(f.f_code.co_filename):
+            return f.f_code.co_filename, f.f_lineno
+        f = f.f_back
+    return None
+
+
+def _user_frame_in_traceback(tb) -> tuple[str, int] | None:
+    """Innermost user frame of an exception's traceback (where the user's code raised)."""
+    found = None
+    while tb is not None:
+        if _is_user_file(tb.tb_frame.f_code.co_filename):
+            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
+# --------------------------------------------------------------------------- proxy
+
+
+def _coerce(ctx: _Context, x, like: DType | None = None) -> Node:
+    """Turn an operand into a node. Python numbers are weakly typed: they take
+    the kind of the other operand where that does not lose information."""
+    if isinstance(x, Proxy):
+        return x.node
+    if isinstance(x, BufferView):
+        given = [_index_label(n) for n in x.index]
+        ctx.fail(f"a captured tensor of {x.tensor.dim()} dimensions was indexed with {len(given)}, not down "
+                 "to one element", f"index every dimension at once, e.g. t[{', '.join(given + ['i'] * x.ndim)}]")
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0:
+            return ir.node(Op.LOAD, _TORCH_DTYPES[x.dtype], (ctx.buffer(x),))
+        ctx.fail(f"a captured tensor of shape {tuple(x.shape)} was used in arithmetic directly",
+                 "index it with the traced indices, e.g. bias[h, q_idx, kv_idx]")
+    if isinstance(x, (bool, int, float)):
+        if isinstance(x, bool):
+            return ir.const(x)
+        if isinstance(x, int):
+            if like is not None and like.is_float:
+                return ir.const(float(x), DType.FLOAT32)
+            if like is DType.INT64:
+                return ir.const(x, DType.INT64)
+            return ir.const(x)
+        return ir.const(x, DType.FLOAT32)
+    ctx.fail(f"value of type {type(x).__name__} cannot be used in a mod",
+             "use Python numbers, the traced arguments, or captured tensors")
+
+
+def _index_label(n: Node) -> str:
+    """How an index appears in a hint: the traced argument's name, a literal, else ``...``."""
+    if n.op in ir.INDEX_LEAVES:
+        return n.op.value
+    if n.op is Op.CONST:
+        return repr(n.arg)
+    return "..."
+
+
+def _binary(ctx: _Context, op: Op, a, b) -> "Proxy":
+    like = next((x.node.dtype for x in (a, b) if isinstance(x, Proxy)), None)
+    na, nb = _coerce(ctx, a, like), _coerce(ctx, b, like)
+    return Proxy(build_binary(op, na, nb), ctx)
+
+
+def _unary(ctx: _Context, op: Op, x) -> "Proxy":
+    n = _coerce(ctx, x)
+    if op in ir.TRANSCENDENTAL or op in ir.ROUNDING:
+        if op in ir.ROUNDING and not n.dtype.is_float:
+            return Proxy(n, ctx)
+        n = cast(n, DType.FLOAT32)
+        return Proxy(ir.node(op, DType.FLOAT32, (n,)), ctx)
+    if op is Op.NEG and n.dtype is DType.BOOL:
+        ctx.fail("negation of a bool is not supported", "use ~x for logical not")
+    if op is Op.ABS and n.dtype is DType.BOOL:
+        return Proxy(n, ctx)
+    return Proxy(ir.node(op, n.dtype, (n,)), ctx)
+
+
+def _where(ctx: _Context, c, a, b) -> "Proxy":
+    nc = _coerce(ctx, c)
+    if nc.dtype is not DType.BOOL:
+        ctx.fail(f"torch.where needs a bool condition, got {nc.dtype.value}",
+                 "compare first, e.g. torch.where(x > 0, a, b)")
+    like = next((x.node.dtype for x in (a, b) if isinstance(x, Proxy)), None)
+    na, nb = _coerce(ctx, a, like), _coerce(ctx, b, like)
+    dt = ir.promote(na.dtype, nb.dtype)
+    return Proxy(ir.node(Op.WHERE, dt, (nc, cast(na, dt), cast(nb, dt))), ctx)
+
+
+def _concrete(p: "Proxy"):
+    """The Python value of a proxy that depends only on captured scalars and constants."""
+    leaves = {n.op for n in ir.walk(p.node)}
+    if leaves & (ir.INDEX_LEAVES | {Op.SCORE, Op.LOAD}):
+        return None
+    with torch._C.DisableTorchFunction():  # our own evaluation is not the user's code
+        return eval_constant(p.node, p.ctx.scalars)
+
+
+class Proxy:
+    """A traced value. Operators record IR; Python control flow on it is an error."""
+
+    __slots__ = ("node", "ctx")
+    __hash__ = None  # __eq__ builds IR
+
+    def __init__(self, node: Node, ctx: _Context):
+        self.node = node
+        self.ctx = ctx
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(_find_ctx(args, kwargs or {}), func, args, kwargs or {})
+
+    def __repr__(self):
+        return f"Proxy({self.node.op.value}: {self.node.dtype.value})"
+
+    # arithmetic
+    def __add__(self, o): return _binary(self.ctx, Op.ADD, self, o)
+    def __radd__(self, o): return _binary(self.ctx, Op.ADD, o, self)
+    def __sub__(self, o): return _binary(self.ctx, Op.SUB, self, o)
+    def __rsub__(self, o): return _binary(self.ctx, Op.SUB, o, self)
+    def __mul__(self, o): return _binary(self.ctx, Op.MUL, self, o)
+    def __rmul__(self, o): return _binary(self.ctx, Op.MUL, o, self)
+    def __truediv__(self, o): return _binary(self.ctx, Op.DIV, self, o)
+    def __rtruediv__(self, o): return _binary(self.ctx, Op.DIV, o, self)
+    def __floordiv__(self, o): return _binary(self.ctx, Op.FLOORDIV, self, o)
+    def __rfloordiv__(self, o): return _binary(self.ctx, Op.FLOORDIV, o, self)
+    def __mod__(self, o): return _binary(self.ctx, Op.MOD, self, o)
+    def __rmod__(self, o): return _binary(self.ctx, Op.MOD, o, self)
+    def __pow__(self, o): return _binary(self.ctx, Op.POW, self, o)
+    def __rpow__(self, o): return _binary(self.ctx, Op.POW, o, self)
+    def __neg__(self): return _unary(self.ctx, Op.NEG, self)
+    def __pos__(self): return self
+    def __abs__(self): return _unary(self.ctx, Op.ABS, self)
+    def __invert__(self): return _unary(self.ctx, Op.NOT, self)
+    # comparisons and logic
+    def __lt__(self, o): return _binary(self.ctx, Op.LT, self, o)
+    def __le__(self, o): return _binary(self.ctx, Op.LE, self, o)
+    def __gt__(self, o): return _binary(self.ctx, Op.GT, self, o)
+    def __ge__(self, o): return _binary(self.ctx, Op.GE, self, o)
+    def __eq__(self, o): return _binary(self.ctx, Op.EQ, self, o)
+    def __ne__(self, o): return _binary(self.ctx, Op.NE, self, o)
+    def __and__(self, o): return _logic(self.ctx, Op.AND, self, o)
+    def __rand__(self, o): return _logic(self.ctx, Op.AND, o, self)
+    def __or__(self, o): return _logic(self.ctx, Op.OR, self, o)
+    def __ror__(self, o): return _logic(self.ctx, Op.OR, o, self)
+    def __xor__(self, o): return _logic(self.ctx, Op.XOR, self, o)
+    def __rxor__(self, o): return _logic(self.ctx, Op.XOR, o, self)
+    def __lshift__(self, o): return _shift(self.ctx, Op.SHL, self, o)
+    def __rlshift__(self, o): return _shift(self.ctx, Op.SHL, o, self)
+    def __rshift__(self, o): return _shift(self.ctx, Op.SHR, self, o)
+    def __rrshift__(self, o): return _shift(self.ctx, Op.SHR, o, self)
+
+    # Python-level conversions: allowed only for values that do not depend on the
+    # position (captured scalars and constants); resolved against today's values.
+    def __bool__(self):
+        v = _concrete(self)
+        if v is None:
+            self.ctx.fail("Python control flow (`if`, `and`, `or`, `not`, min/max, a bool() call) "
+                          "on a traced value: its value differs per element",
+                          "use torch.where(cond, a, b), `&`, `|`, `~`, torch.minimum/maximum")
+        return bool(v)
+
+    def _number(self, kind: str):
+        v = _concrete(self)
+        if v is None:
+            self.ctx.fail(f"{kind} on a traced value: the mod runs per element inside a kernel",
+                          "use torch functions (torch.exp, torch.log, ...) instead of math.*, "
+                          "and index captured tensors directly with the traced value")
+        return v
+
+    def __float__(self): return float(self._number("float()/math.*"))
+    def __int__(self): return int(self._number("int()"))
+
+    def __index__(self):
+        v = _concrete(self)
+        if v is None:
+            self.ctx.fail("a Python list, tuple or range indexed by a traced value: its value differs "
+                          "per element", "put the values in a tensor outside the mod and index that, "
+                          "e.g. table = torch.tensor(values); ... table[q_idx]")
+        return int(v)
+
+    def __iter__(self):
+        self.ctx.fail("iterating over a traced value", "a traced value is one element, not a tensor")
+
+    def __len__(self):
+        self.ctx.fail("len() of a traced value", "a traced value is one element, not a tensor")
+
+    def __getitem__(self, idx):
+        self.ctx.fail("indexing a traced argument", "index captured tensors instead, e.g. bias[q_idx]")
+
+    def __setitem__(self, idx, value):
+        self.ctx.fail("an in-place assignment", "build a new value, e.g. torch.where(...)")
+
+    def __getattr__(self, name):
+        # Tensor methods are looked up here; in-place ones (add_, mul_, ...) are refused.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name.endswith("_") and not name.startswith("_"):
+            self.ctx.fail(f"in-place op `.{name}()`", f"use the out-of-place `.{name[:-1]}()`")
+        if name == "item" or name == "tolist" or name == "numpy" or name == "cpu" or name == "cuda":
+            self.ctx.fail(f"`.{name}()` on a traced value: it has no concrete value at trace time",
+                          "keep the value traced (use torch.where instead of Python branches)")
+        method = getattr(torch.Tensor, name, None)
+        if method is None:
+            raise AttributeError(f"traced value has no attribute {name!r}")
+        return functools.partial(_HANDLERS.get(method, _unsupported(method)), self)
+
+    @property
+    def dtype(self):
+        return _IR_TO_TORCH[self.node.dtype]
+
+    @property
+    def shape(self):
+        return torch.Size([])
+
+    def dim(self):
+        return 0
+
+    @property
+    def ndim(self):
+        return 0
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def size(self, dim=None):
+        if dim is not None:
+            self.ctx.fail("size(dim) of a traced value", "a traced value is a single element")
+        return torch.Size([])
+
+    def new_ones(self, size=(), dtype=None, **kw):
+        return _full_like(self, 1, dtype, size)
+
+    def new_zeros(self, size=(), dtype=None, **kw):
+        return _full_like(self, 0, dtype, size)
+
+    def new_full(self, size, fill_value, dtype=None, **kw):
+        return _full_like(self, fill_value, dtype, size)
+
+
+def _logic(ctx: _Context, op: Op, a, b) -> Proxy:
+    for x in (a, b):
+        if isinstance(x, Proxy) and x.node.dtype.is_float:
+            ctx.fail(f"`{'&|^'[[Op.AND, Op.OR, Op.XOR].index(op)]}` on a floating value",
+                     "compare first to get a bool, e.g. (x > 0) & (y < 1)")
+        if isinstance(x, float):
+            ctx.fail("a bitwise/logical op with a float constant", "use a bool or an int")
+    return _binary(ctx, op, a, b)
+
+
+def _shift(ctx: _Context, op: Op, a, b) -> Proxy:
+    for x in (a, b):
+        if (isinstance(x, Proxy) and x.node.dtype.is_float) or isinstance(x, float):
+            ctx.fail(f"`{'<<' if op is Op.SHL else '>>'}` on a floating value", "shift integers only")
+    return _binary(ctx, op, a, b)
+
+
+def _full_like(p: Proxy, value, dtype, size=()):
+    if tuple(size) not in ((), (1,)):
+        p.ctx.fail(f"a tensor of shape {tuple(size)} created inside the mod",
+                   "a mod works on one element: return a scalar expression")
+    dt = _TORCH_DTYPES[dtype] if dtype is not None else p.node.dtype
+    return Proxy(ir.const(value, dt), p.ctx)
+
+
+class BufferView:
+    """A captured tensor partially indexed with traced values (``bias[h]``)."""
+
+    __slots__ = ("tensor", "index", "ctx")
+
+    def __init__(self, tensor: torch.Tensor, index: tuple[Node, ...], ctx: _Context):
+        self.tensor, self.index, self.ctx = tensor, index, ctx
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(_find_ctx(args, kwargs or {}), func, args, kwargs or {})
+
+    @property
+    def ndim(self):
+        return self.tensor.dim() - len(self.index)
+
+    def __getitem__(self, idx):
+        return _index(self.ctx, self.tensor, self.index, idx)
+
+    def __getattr__(self, name):
+        self.ctx.fail(f"`.{name}` on a partially indexed captured tensor",
+                      "index all dimensions first, then operate on the element")
+
+
+def _index(ctx: _Context, t: torch.Tensor, prefix: tuple[Node, ...], idx) -> Proxy | BufferView:
+    """``t[prefix..., idx...]`` with traced indices: a LOAD, or a view if not all dims are given."""
+    items = idx if isinstance(idx, tuple) else (idx,)
+    nodes = list(prefix)
+    for it in items:
+        if it is None or it is Ellipsis or isinstance(it, slice):
+            ctx.fail(f"indexing a captured tensor with {it!r}",
+                     "index every dimension with one traced or Python integer")
+        if isinstance(it, torch.Tensor) and (it.dim() != 0 or it.is_floating_point() or it.is_complex()):
+            ctx.fail(f"indexing a captured tensor with a tensor of shape {tuple(it.shape)} and dtype {it.dtype}",
+                     "index it with traced values (b, h, q_idx, kv_idx or expressions of them), or "
+                     "with a captured 0-d integer tensor")
+        n = _coerce(ctx, it)
+        if not n.dtype.is_int:
+            ctx.fail(f"index of dtype {n.dtype.value} into a captured tensor",
+                     "indices must be integers; use .long() or // to make one")
+        nodes.append(n)
+    if len(nodes) > t.dim():
+        ctx.fail(f"too many indices ({len(nodes)}) for a captured tensor of shape {tuple(t.shape)}")
+    if len(nodes) < t.dim():
+        return BufferView(t, tuple(nodes), ctx)
+    buf = ctx.buffer(t)
+    return Proxy(ir.node(Op.LOAD, _TORCH_DTYPES[t.dtype], (buf, *nodes)), ctx)
+
+
+# --------------------------------------------------------------------------- torch functions
+
+
+def _unsupported(func):
+    name = getattr(func, "__name__", str(func))
+
+    def handler(*args, **kwargs):
+        ctx = _find_ctx(args, kwargs)
+        reason = f"torch.{name} is not supported inside a mod"
+        hint = None
+        if name in _REDUCTIONS:
+            reason = f"`{name}` is a reduction; a mod computes one element at a time"
+            hint = "reduce the captured tensor outside the mod and capture the result"
+        ctx.fail(reason, hint)
+    return handler
+
+
+_REDUCTIONS = {"sum", "mean", "prod", "amax", "amin", "argmax", "argmin", "any", "all", "std",
+               "var", "softmax", "log_softmax", "cumsum", "cumprod", "logsumexp", "norm", "topk",
+               "sort", "median", "mode", "max", "min", "count_nonzero", "nansum"}
+_FACTORIES = {torch.tensor, torch.as_tensor, torch.arange, torch.zeros, torch.ones, torch.full,
+              torch.empty, torch.rand, torch.randn, torch.randint, torch.linspace, torch.eye,
+              torch.scalar_tensor, torch.zeros_like, torch.ones_like, torch.full_like,
+              torch.empty_like, torch.rand_like, torch.randn_like, torch.logspace}
+
+
+def _find_ctx(args, kwargs) -> _Context:
+    for x in list(args) + list(kwargs.values()):
+        if isinstance(x, (Proxy, BufferView)):
+            return x.ctx
+        if isinstance(x, (tuple, list)):
+            for y in x:
+                if isinstance(y, (Proxy, BufferView)):
+                    return y.ctx
+    return _ACTIVE[-1]
+
+
+def _h_unary(op):
+    return lambda x, *a, **k: _unary(_find_ctx((x,), {}), op, x)
+
+
+def _h_binary(op):
+    def h(a, b, *rest, **kw):
+        if rest or set(kw) - {"alpha"}:
+            _find_ctx((a, b), {}).fail(f"unsupported extra arguments to {op.value}")
+        if "alpha" in kw:
+            b = b * kw["alpha"]
+        return _binary(_find_ctx((a, b), {}), op, a, b)
+    return h
+
+
+def _h_logic(op):
+    return lambda a, b: _logic(_find_ctx((a, b), {}), op, a, b)
+
+
+def _h_shift(op, reflected=False):
+    def h(a, b):
+        if reflected:  # t.__rlshift__(x) is x << t
+            a, b = b, a
+        return _shift(_find_ctx((a, b), {}), op, a, b)
+    return h
+
+
+def _truth(ctx: _Context, x) -> Node:
+    """``x`` as torch's logical ops read it: a bool, or ``x != 0``."""
+    n = _coerce(ctx, x)
+    return n if n.dtype is DType.BOOL else build_binary(Op.NE, n, ir.const(0, n.dtype))
+
+
+def _h_logical(op):
+    """torch.logical_and/or/xor: bool results of the operands' truth (not bitwise on ints)."""
+    def h(a, b, **kw):
+        ctx = _find_ctx((a, b), {})
+        return Proxy(ir.node(op, DType.BOOL, (_truth(ctx, a), _truth(ctx, b))), ctx)
+    return h
+
+
+def _h_logical_not(x, **kw):
+    ctx = _find_ctx((x,), {})
+    return Proxy(ir.node(Op.NOT, DType.BOOL, (_truth(ctx, x),)), ctx)
+
+
+def _h_sign(x, **kw):
+    """torch.sign: -1, 0 or 1 in x's dtype (two comparisons: exact, no gradient)."""
+    ctx = _find_ctx((x,), {})
+    n = _coerce(ctx, x)
+    if n.dtype is DType.BOOL:
+        return Proxy(n, ctx)
+    one, zero = ir.const(1, n.dtype), ir.const(0, n.dtype)
+    neg = ir.node(Op.WHERE, n.dtype, (build_binary(Op.LT, n, zero), ir.const(-1, n.dtype), zero))
+    return Proxy(ir.node(Op.WHERE, n.dtype, (build_binary(Op.GT, n, zero), one, neg)), ctx)
+
+
+def _h_silu(x, inplace=False):
+    """silu(x) = x * sigmoid(x)."""
+    if inplace:
+        _find_ctx((x,), {}).fail("an in-place silu", "use inplace=False")
+    return x * _unary(_find_ctx((x,), {}), Op.SIGMOID, x)
+
+
+def _h_round(x, *, decimals=0):
+    if decimals:
+        _find_ctx((x,), {}).fail("torch.round with decimals", "scale, round and scale back: "
+                                 "torch.round(x * 100) / 100")
+    return _unary(_find_ctx((x,), {}), Op.ROUND, x)
+
+
+def _h_rbinary(op):
+    return lambda a, b: _binary(_find_ctx((a, b), {}), op, b, a)
+
+
+def _h_div(a, b, *, rounding_mode=None):
+    ctx = _find_ctx((a, b), {})
+    if rounding_mode is None:
+        return _binary(ctx, Op.DIV, a, b)
+    if rounding_mode == "floor":
+        return _binary(ctx, Op.FLOORDIV, a, b)
+    ctx.fail(f"division with rounding_mode={rounding_mode!r}", "use rounding_mode='floor' or //")
+
+
+def _h_where(cond, a=None, b=None):
+    ctx = _find_ctx((cond, a, b), {})
+    if a is None:
+        ctx.fail("single-argument torch.where (nonzero) is not supported")
+    return _where(ctx, cond, a, b)
+
+
+def _h_clamp(x, min=None, max=None):
+    ctx = _find_ctx((x, min, max), {})
+    out = x
+    if min is not None:
+        out = _binary(ctx, Op.MAX, out, min)
+    if max is not None:
+        out = _binary(ctx, Op.MIN, out, max)
+    return out if isinstance(out, Proxy) else Proxy(_coerce(ctx, out), ctx)
+
+
+def _h_minmax(op, name):
+    def h(a, b=None, *rest, **kw):
+        ctx = _find_ctx((a, b), kw)
+        if b is None or (isinstance(b, int) and not isinstance(b, bool)) or rest or kw:
+            ctx.fail(f"`{name}` as a reduction; a mod computes one element at a time",
+                     f"use torch.{'maximum' if op is Op.MAX else 'minimum'}(a, b) for two values")
+        return _binary(ctx, op, a, b)
+    return h
+
+
+def _h_cast(x, *args, **kwargs):
+    ctx = _find_ctx((x,), {})
+    dtype = kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+    if dtype is None:
+        return x  # .to(device) and friends: a no-op for a traced scalar
+    return _to_dtype(ctx, x, dtype)
+
+
+def _to_dtype(ctx, x, dtype):
+    if dtype in (torch.float16, torch.bfloat16, torch.float64):
+        ctx.fail(f"cast to {dtype}: flexjit computes floating values in float32",
+                 "use .float() / torch.float32")
+    if dtype not in _TORCH_DTYPES:
+        ctx.fail(f"cast to {dtype} is not supported")
+    n = _coerce(ctx, x)
+    target = _TORCH_DTYPES[dtype]
+    if target is DType.BOOL and n.dtype is not DType.BOOL:
+        return Proxy(ir.node(Op.NE, DType.BOOL, (n, ir.const(0, n.dtype))), ctx)
+    return Proxy(cast(n, target), ctx)
+
+
+def _method_cast(dtype):
+    return lambda x, *a, **k: _to_dtype(_find_ctx((x,), {}), x, dtype)
+
+
+def _h_getitem(t, idx):
+    if isinstance(t, Proxy):
+        t.ctx.fail("indexing a traced argument", "index captured tensors instead, e.g. bias[q_idx]")
+    return _index(_find_ctx((idx,), {}), t, (), idx)
+
+
+def _h_full_like(x, fill_value, *a, dtype=None, **k):
+    return _full_like(x, fill_value, dtype)
+
+
+_HANDLERS: dict[Any, Callable] = {}
+
+
+def _register():
+    T = torch.Tensor
+    unary = {
+        Op.EXP: [torch.exp, T.exp], Op.EXP2: [torch.exp2, T.exp2, torch.special.exp2],
+        Op.LOG: [torch.log, T.log], Op.LOG2: [torch.log2, T.log2], Op.TANH: [torch.tanh, T.tanh],
+        Op.SIGMOID: [torch.sigmoid, T.sigmoid, torch.special.expit],
+        Op.SQRT: [torch.sqrt, T.sqrt], Op.RSQRT: [torch.rsqrt, T.rsqrt],
+        Op.SIN: [torch.sin, T.sin], Op.COS: [torch.cos, T.cos],
+        Op.FLOOR: [torch.floor, T.floor], Op.CEIL: [torch.ceil, T.ceil],
+        Op.ABS: [torch.abs, T.abs, T.__abs__], Op.NEG: [torch.neg, T.neg, T.__neg__, torch.negative],
+        Op.NOT: [torch.bitwise_not, T.bitwise_not, T.__invert__],
+        Op.TAN: [torch.tan, T.tan], Op.ATAN: [torch.atan, T.atan, torch.arctan, T.arctan],
+        Op.SINH: [torch.sinh, T.sinh], Op.COSH: [torch.cosh, T.cosh],
+        Op.ASIN: [torch.asin, T.asin, torch.arcsin, T.arcsin],
+        Op.ACOS: [torch.acos, T.acos, torch.arccos, T.arccos],
+        Op.LOG1P: [torch.log1p, T.log1p, torch.special.log1p],
+        Op.EXPM1: [torch.expm1, T.expm1, torch.special.expm1],
+        Op.ERF: [torch.erf, T.erf, torch.special.erf],
+        Op.TRUNC: [torch.trunc, T.trunc, torch.fix, T.fix],
+    }
+    for op, funcs in unary.items():
+        for f in funcs:
+            _HANDLERS[f] = _h_unary(op)
+    binary = {
+        Op.ADD: [torch.add, T.add, T.__add__, T.__radd__], Op.SUB: [torch.sub, T.sub, T.__sub__, torch.subtract],
+        Op.MUL: [torch.mul, T.mul, T.__mul__, T.__rmul__, torch.multiply],
+        Op.DIV: [torch.true_divide, T.true_divide, T.__truediv__],
+        Op.FLOORDIV: [torch.floor_divide, T.floor_divide, T.__floordiv__],
+        Op.MOD: [torch.remainder, T.remainder, T.__mod__], Op.POW: [torch.pow, T.pow, T.__pow__],
+        Op.MAX: [torch.maximum, T.maximum, torch.fmax], Op.MIN: [torch.minimum, T.minimum, torch.fmin],
+        Op.LT: [torch.lt, T.lt, T.__lt__, torch.less], Op.LE: [torch.le, T.le, T.__le__],
+        Op.GT: [torch.gt, T.gt, T.__gt__, torch.greater], Op.GE: [torch.ge, T.ge, T.__ge__],
+        Op.EQ: [torch.eq, T.eq, T.__eq__], Op.NE: [torch.ne, T.ne, T.__ne__],
+    }
+    for op, funcs in binary.items():
+        for f in funcs:
+            _HANDLERS[f] = _h_binary(op)
+    for op, funcs in {Op.AND: [torch.bitwise_and, T.bitwise_and, T.__and__, T.__rand__],
+                      Op.OR: [torch.bitwise_or, T.bitwise_or, T.__or__, T.__ror__],
+                      Op.XOR: [torch.bitwise_xor, T.bitwise_xor, T.__xor__, T.__rxor__]}.items():
+        for f in funcs:
+            _HANDLERS[f] = _h_logic(op)
+    for op, funcs, reflected in ((Op.SHL, [torch.bitwise_left_shift, T.bitwise_left_shift, T.__lshift__],
+                                  T.__rlshift__),
+                                 (Op.SHR, [torch.bitwise_right_shift, T.bitwise_right_shift, T.__rshift__],
+                                  T.__rrshift__)):
+        for f in funcs:
+            _HANDLERS[f] = _h_shift(op)
+        _HANDLERS[reflected] = _h_shift(op, reflected=True)
+    for op, funcs in {Op.AND: [torch.logical_and, T.logical_and], Op.OR: [torch.logical_or, T.logical_or],
+                      Op.XOR: [torch.logical_xor, T.logical_xor]}.items():
+        for f in funcs:
+            _HANDLERS[f] = _h_logical(op)
+    _HANDLERS[torch.logical_not] = _HANDLERS[T.logical_not] = _h_logical_not
+    for f in [torch.sign, T.sign, torch.sgn, T.sgn]:
+        _HANDLERS[f] = _h_sign
+    _HANDLERS[torch.nn.functional.silu] = _h_silu
+    _HANDLERS[torch.round] = _HANDLERS[T.round] = _h_round
+    _HANDLERS[torch.fmod] = _HANDLERS[T.fmod] = _h_binary(Op.FMOD)
+    for op, f in [(Op.SUB, T.__rsub__), (Op.DIV, T.__rtruediv__), (Op.FLOORDIV, T.__rfloordiv__),
+                  (Op.MOD, T.__rmod__), (Op.POW, T.__rpow__)]:
+        _HANDLERS[f] = _h_rbinary(op)
+    for f in [torch.div, T.div, torch.divide]:
+        _HANDLERS[f] = _h_div
+    for f in [torch.where, T.where]:
+        _HANDLERS[f] = _h_where
+    for f in [torch.clamp, T.clamp, torch.clip, T.clip]:
+        _HANDLERS[f] = _h_clamp
+    _HANDLERS[torch.clamp_min] = _HANDLERS[T.clamp_min] = lambda x, m: _h_clamp(x, min=m)
+    _HANDLERS[torch.clamp_max] = _HANDLERS[T.clamp_max] = lambda x, m: _h_clamp(x, max=m)
+    for f in [torch.max, T.max]:
+        _HANDLERS[f] = _h_minmax(Op.MAX, "max")
+    for f in [torch.min, T.min]:
+        _HANDLERS[f] = _h_minmax(Op.MIN, "min")
+    _HANDLERS[T.to] = _HANDLERS[T.type] = _h_cast
+    for name, dt in [("float", torch.float32), ("int", torch.int32), ("long", torch.int64),
+                     ("bool", torch.bool), ("double", torch.float64), ("half", torch.float16),
+                     ("bfloat16", torch.bfloat16)]:
+        _HANDLERS[getattr(T, name)] = _method_cast(dt)
+    _HANDLERS[T.__getitem__] = _h_getitem
+    _HANDLERS[torch.full_like] = _h_full_like
+    _HANDLERS[torch.zeros_like] = lambda x, *a, dtype=None, **k: _full_like(x, 0, dtype)
+    _HANDLERS[torch.ones_like] = lambda x, *a, dtype=None, **k: _full_like(x, 1, dtype)
+    _HANDLERS[T.detach] = _HANDLERS[T.contiguous] = _HANDLERS[T.clone] = lambda x, *a, **k: x
+
+
+_register()
+
+_ACTIVE: list[_Context] = []
+
+
+def _involves_proxy(args, kwargs) -> bool:
+    for x in list(args) + list((kwargs or {}).values()):
+        if isinstance(x, (Proxy, BufferView)):
+            return True
+        if isinstance(x, (tuple, list)) and any(isinstance(y, (Proxy, BufferView)) for y in x):
+            return True
+    return False
+
+
+class _TraceMode(TorchFunctionMode):
+    """Routes torch calls that touch proxies to IR builders; refuses tensor creation."""
+
+    def __init__(self, ctx: _Context):
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return _dispatch(self.ctx, func, args, kwargs or {})
+
+
+def _dispatch(ctx: _Context, func, args, kwargs):
+    """One torch call made while tracing: build IR if it touches a proxy."""
+    if func in _FACTORIES and not (func in _HANDLERS and _involves_proxy(args, kwargs)):
+        ctx.fail(f"a tensor is created inside the mod (torch.{func.__name__})",
+                 "use a Python number (e.g. float('-inf')), or create the tensor "
+                 "outside the mod and capture it")
+    if not _involves_proxy(args, kwargs):
+        return func(*args, **kwargs)
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.startswith("_"):
+            ctx.fail(f"in-place op `{name}`", f"use the out-of-place `{name[:-1]}`")
+        handler = _unsupported(func)
+    if "out" in kwargs:
+        ctx.fail("an `out=` argument writes in place", "return the value instead")
+    return handler(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+_ARITY_CHECKED: "weakref.WeakKeyDictionary[Callable, tuple]" = weakref.WeakKeyDictionary()
+
+
+def check_arity(fn: Callable, kind: str) -> None:
+    """Raise a clear TypeError unless fn takes exactly the mod's positional arguments. A plain
+    function that passed is remembered with its code and defaults (inspect.signature costs tens
+    of microseconds, and every flex_attention call checks its score_mod)."""
+    stamp = (kind, getattr(fn, "__code__", None), getattr(fn, "__defaults__", None))
+    try:
+        if stamp[1] is not None and _ARITY_CHECKED.get(fn) == stamp:
+            return
+    except TypeError:  # not weak-referenceable
+        pass
+    _check_arity(fn, kind)
+    if stamp[1] is not None:
+        try:
+            _ARITY_CHECKED[fn] = stamp
+        except TypeError:
+            pass
+
+
+def _check_arity(fn: Callable, kind: str) -> None:
+    want = _ARG_NAMES[kind]
+    if not callable(fn):
+        raise TypeError(f"{kind} must be callable, got {type(fn).__name__}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    params = list(sig.parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(required) <= len(want) <= len(positional):
+        return
+    name = getattr(fn, "__name__", type(fn).__name__)
+    other = MASK_MOD if kind == SCORE_MOD else SCORE_MOD
+    hint = ""
+    if len(required) == len(_ARG_NAMES[other]):
+        hint = f" It looks like a {other}: pass it as {'block_mask=create_block_mask(...)' if other == MASK_MOD else 'score_mod='}."
+    raise TypeError(f"{kind} `{name}` must take {len(want)} arguments ({', '.join(want)}), "
+                    f"but it takes {len(required)}.{hint}")
+
+
+# --------------------------------------------------------------------------- trace cache
+
+
+_TRACES: "weakref.WeakKeyDictionary[Callable, tuple]" = weakref.WeakKeyDictionary()
+
+
+def trace_mod(fn: Callable, kind: str) -> TracedMod:
+    """Trace ``fn`` (a score_mod or mask_mod) into IR. Raises TraceError/TypeError.
+
+    A trace is reused while the function's fingerprint (its code and everything it captures)
+    is unchanged; a function capturing something we cannot fingerprint is traced every call."""
+    try:
+        fp = (kind, fingerprint(fn))
+    except (Unfingerprintable, ValueError, TypeError):  # ValueError: an empty closure cell
+        return _trace(fn, kind)
+    hit = _TRACES.get(fn)
+    if hit is not None and hit[0] == fp:
+        return hit[1]
+    traced = _trace(fn, kind)
+    try:
+        _TRACES[fn] = (fp, traced)
+    except TypeError:  # not weak-referenceable
+        pass
+    return traced
+
+
+def trace_bound(kind: str, name: str, bind: Callable[["_Context"], Callable]) -> TracedMod:
+    """Trace the callable ``bind(ctx)`` returns as a mod of ``kind`` named ``name``, uncached.
+    ``bind`` may create SCALAR proxies itself (``ctx.scalar``): how ``flexjit.compile`` traces
+    the FX graph dynamo captured of a mod, whose captured numbers are graph inputs."""
+    ctx = _Context(bind, kind)
+    ctx.name = name
+    return _run_trace(ctx, bind(ctx))
+
+
+def _trace(fn: Callable, kind: str) -> TracedMod:
+    check_arity(fn, kind)
+    ctx = _Context(fn, kind)
+    target = fn
+    if isinstance(fn, (types.FunctionType, functools.partial)):
+        target = ScalarRewriter(ctx.scalar).value(fn, (id(fn), 0))
+    return _run_trace(ctx, target)
+
+
+def _run_trace(ctx: _Context, target: Callable) -> TracedMod:
+    kind = ctx.kind
+    args = [Proxy(ir.node(op, DType.FLOAT32 if op is Op.SCORE else DType.INT32), ctx)
+            for op in ((Op.SCORE,) if kind == SCORE_MOD else ()) + (Op.B, Op.H, Op.Q_IDX, Op.KV_IDX)]
+    _ACTIVE.append(ctx)
+    try:
+        with _TraceMode(ctx):
+            result = target(*args)
+    except TraceError:
+        raise
+    except RecursionError:
+        raise
+    except Exception as e:  # an error of the user's own code while tracing
+        raise TraceError(ctx.describe(f"{type(e).__name__}: {e}",
+                                      "the mod raised while being traced; it is called once with "
+                                      "symbolic arguments", tb=e.__traceback__)) from e
+    finally:
+        _ACTIVE.pop()
+    out = _result_node(ctx, result)
+    if config.settings.debug:
+        print(f"[flexjit] traced {kind} `{ctx.name}`: {len(ctx.buffers)} buffer(s), "
+              f"scalars={ctx.scalars}\n{ir.format_graph({'out': out})}")
+    return TracedMod(kind, ctx.name, out, ctx.buffers, ctx.scalars)
+
+
+def _result_node(ctx: _Context, result) -> Node:
+    if isinstance(result, BufferView) or (isinstance(result, torch.Tensor) and result.dim() > 0):
+        raise TraceError(f"{ctx.kind} `{ctx.name}` returned a tensor, not one element; "
+                         "index captured tensors down to a single element")
+    if result is None:
+        raise TraceError(f"{ctx.kind} `{ctx.name}` returned None; did you forget `return`?")
+    try:
+        n = _coerce(ctx, result)
+    except TraceError:
+        raise TraceError(f"{ctx.kind} `{ctx.name}` returned {type(result).__name__}, not a value")
+    if ctx.kind == MASK_MOD:
+        if n.dtype is not DType.BOOL:
+            raise TraceError(f"mask_mod `{ctx.name}` must return a bool, but returns {n.dtype.value}; "
+                             "compare to get a bool, e.g. `q_idx >= kv_idx`")
+        return n
+    if n.dtype is DType.BOOL:
+        raise TraceError(f"score_mod `{ctx.name}` returns a bool; a score_mod returns the new score. "
+                         "For masking, use a mask_mod in create_block_mask, or "
+                         "torch.where(cond, score, -float('inf'))")
+    return cast(n, DType.FLOAT32)
+

@@ -1,0 +1,157 @@
+"""Hugging Face transformers: ``attn_implementation="flexjit"``.
+
+    import flexjit.transformers   # registers "flexjit"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flexjit")
+
+Importing this module registers two functions under the name "flexjit":
+
+* ``flexjit_mask`` in transformers' ``AttentionMaskInterface``: the model's mask builders
+  (``create_causal_mask``, ``create_sliding_window_causal_mask``, ...) hand it their mask
+  function (causal, sliding window, the padding of a 2-D ``attention_mask``, the documents of
+  packed sequences) and it returns a flexjit ``BlockMask``. Registering it is not optional:
+  without a mask function of the same name, transformers passes ``attention_mask=None`` to the
+  attention function and the padding is silently lost.
+* ``flexjit_attention`` in ``AttentionInterface``: the layers call it with (B, H, L, D) query,
+  key and value; softcapping (Gemma 2) becomes a score_mod, GQA runs without repeating heads.
+
+A mask that captures no tensor (causal, sliding window: no padding, no packing) is planned once
+per (mask, shape, device) and reused across layers and steps; one with a padding or document
+tensor is planned once per forward (transformers builds it once for all layers of its kind).
+
+Needs transformers >= 4.56 (``masking_utils.AttentionMaskInterface``): ``pip install
+"flexjit[transformers]"``.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+
+import torch
+
+from flexjit.api.attention import flex_attention
+from flexjit.planner.block_mask import BlockMask, and_masks
+from flexjit.api.masks import create_block_mask
+from flexjit.frontend.trace import MASK_MOD, trace_mod
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("flexjit.transformers needs transformers >= 4.56 (AttentionMaskInterface): "
+                      "pip install 'flexjit[transformers]'") from e
+
+NAME = "flexjit"
+_PLANNED: "collections.OrderedDict[tuple, BlockMask]" = collections.OrderedDict()
+_PLANNED_MAX = 64
+
+
+def _padding(padding_mask: torch.Tensor):
+    def padding_mask_mod(b, h, q_idx, kv_idx):
+        return padding_mask[b, kv_idx]
+    return padding_mask_mod
+
+
+def _offset(mask_function, q_offset, kv_offset):
+    def offset_mask_mod(b, h, q_idx, kv_idx):
+        return mask_function(b, h, q_idx + q_offset, kv_idx + kv_offset)
+    return offset_mask_mod
+
+
+def flexjit_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+                 kv_offset: int = 0, mask_function=causal_mask_function,
+                 attention_mask: torch.Tensor | None = None, device="cpu", **kwargs) -> BlockMask:
+    """transformers' mask interface: the BlockMask of ``mask_function`` over (q_length,
+    kv_length), with the padding of the 2-D ``attention_mask`` (B, kv) if it has any."""
+    compiling = torch.compiler.is_compiling()
+    if attention_mask is not None and (compiling or not bool(attention_mask.all())):
+        padding = attention_mask.to(device=device, dtype=torch.bool)
+        if (pad := kv_length + kv_offset - padding.shape[-1]) > 0:
+            padding = torch.nn.functional.pad(padding, (0, pad))
+        mask_function = and_masks(mask_function, _padding(padding))
+    if not isinstance(q_offset, int) or not isinstance(kv_offset, int) or q_offset or kv_offset:
+        mask_function = _offset(mask_function, q_offset, kv_offset)
+    if compiling:
+        return create_block_mask(mask_function, batch_size, None, q_length, kv_length, device=device)
+    return _planned(mask_function, batch_size, q_length, kv_length, torch.device(device))
+
+
+def _planned(mask_function, B: int, L: int, S: int, device: torch.device) -> BlockMask:
+    """create_block_mask, remembered for masks that capture no tensor: transformers builds a new
+    closure every forward, the same mask every time."""
+    traced = trace_mod(mask_function, MASK_MOD)
+    if traced.buffers:
+        return create_block_mask(mask_function, B, None, L, S, device=device)
+    key = (traced.out, tuple((type(s), s) for s in traced.scalars), B, L, S, str(device))
+    bm = _PLANNED.get(key)
+    if bm is None:
+        bm = create_block_mask(mask_function, B, None, L, S, device=device)
+        _PLANNED[key] = bm
+        if len(_PLANNED) > _PLANNED_MAX:
+            _PLANNED.popitem(last=False)
+    else:
+        _PLANNED.move_to_end(key)
+    return bm
+
+
+@functools.lru_cache(maxsize=64)
+def _softcap(cap: float):
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+    return softcap
+
+
+def _dense_mask(mask: torch.Tensor):
+    """A 4-D mask a caller prepared by hand, (B or 1, 1, L, S): bool (keep) or additive."""
+    if mask.dtype == torch.bool:
+        def dense_bool_mask(score, b, h, q_idx, kv_idx):
+            return torch.where(mask[b, 0, q_idx, kv_idx], score, float("-inf"))
+        return dense_bool_mask
+
+    def dense_additive_mask(score, b, h, q_idx, kv_idx):
+        return score + mask[b, 0, q_idx, kv_idx]
+    return dense_additive_mask
+
+
+def _chain(first, second):
+    if first is None:
+        return second
+
+    def chained(score, b, h, q_idx, kv_idx):
+        return second(first(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+    return chained
+
+
+def flexjit_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask, scaling: float | None = None,
+                      dropout: float = 0.0, softcap: float | None = None, **kwargs):
+    """transformers' attention interface: (B, H, L, D) inputs -> ((B, L, H, D) output, None)."""
+    if dropout and module.training:
+        raise ValueError(f"attn_implementation='flexjit' has no attention dropout (got {dropout}); "
+                         "set the config's attention_dropout to 0.0")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attn_implementation='flexjit' does not support attention sinks (s_aux)")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("attn_implementation='flexjit' does not take position_bias; "
+                                  "write it as a score_mod with flexjit.flex_attention")
+    block_mask, score_mod = None, None
+    if isinstance(attention_mask, BlockMask):
+        block_mask = attention_mask
+    elif isinstance(attention_mask, torch.Tensor):
+        score_mod = _dense_mask(attention_mask[:, :, :, : key.shape[-2]])
+    elif attention_mask is not None:
+        raise TypeError(f"attn_implementation='flexjit' got a {type(attention_mask).__name__} mask; "
+                        "expected a flexjit BlockMask (from its mask interface) or a 4-D tensor")
+    if softcap:
+        score_mod = _chain(score_mod, _softcap(float(softcap)))
+    out = flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                         scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register ``flexjit`` with transformers (done on import; idempotent)."""
+    AttentionInterface.register(NAME, flexjit_attention)
+    AttentionMaskInterface.register(NAME, flexjit_mask)
+
+
+register()

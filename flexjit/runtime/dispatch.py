@@ -1,0 +1,221 @@
+"""Backend selection and the one autograd Function: the only place that looks at the device.
+
+Each backend module exposes
+
+* ``supports(call) -> (bool, reason)``: whether its forward can run the call;
+* ``forward(call) -> (out, lse, max_scores)``: the forward, no autograd; max_scores (the row max
+  of the modded scores) when ``call.max_scores`` asks for it, else None;
+* ``backward_supports(call) -> (bool, reason)``: whether its backward can;
+* ``backward(call, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv, *captured grads)``, one
+  gradient per ``Program.buffers`` entry (None where none is computed).
+
+``select`` picks the forward (the first of the preference order that supports the call) and,
+when the call needs gradients, its backward as a pair: the forward's own backend when it can,
+else the next that can (the sm90 forward trains on the Triton backward for head dims its
+backward lacks). ``flexjit.explain`` shows the same answer without running anything.
+
+Preference for "auto": Hopper (sm90) -> cute; Blackwell (10.x) -> cute_sm100, only once its
+compiled kernel has passed its first-use self-check on that GPU (``flexjit.selfcheck``, run from
+``cute_sm100.supports``); any other CUDA GPU -> triton; CPU -> reference; on any GPU, a
+decode-shaped call without gradients (``triton_decode.routes``) -> triton first. An explicit
+backend that cannot serve the call is an error; ``backend="cute"`` on a 10.x GPU is the sm100
+backend (gated the same way).
+
+``run`` is the eager entry: one ``torch.autograd.Function`` over every backend pair. The
+torch.compile path (``flexjit.compile``) calls the same ``forward``/``backward`` from its custom
+ops. Backends run with autocast off: the API casts the inputs once, by autocast's policy, before
+they reach here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flexjit import config
+from flexjit.backends import reference, triton
+from flexjit.backends.base import Backend, capability
+from flexjit.backends.cute import sm90 as cute_sm90, sm100 as cute_sm100
+from flexjit.backends.triton import decode as triton_decode
+from flexjit.runtime import selfcheck
+
+BACKENDS = ("cute", "triton", "reference")
+_MODULES: dict[str, Backend] = {"cute": cute_sm90, "cute_sm100": cute_sm100, "triton": triton,
+                                "reference": reference}
+# Which backends may compute the gradients of each forward, in order of preference. A backward
+# only needs (q, k, v, out, lse): any backend's backward can follow any forward of the same
+# semantics; these orders keep training on the fastest one that runs the call.
+_BACKWARD_ORDER = {"cute": ("cute", "triton"), "cute_sm100": ("cute_sm100", "triton"),
+                   "triton": ("triton",), "reference": ("reference",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The forward's backend, why, why the others were passed over, and (for a call that needs
+    gradients) the backward's backend and why."""
+    name: str
+    reason: str
+    passed_over: tuple[tuple[str, str], ...] = ()
+    backward: str | None = None
+    backward_reason: str = ""
+
+    def __str__(self):
+        lines = [f"backend: {self.name} ({self.reason})"]
+        lines += [f"  not {n}: {r}" for n, r in self.passed_over]
+        if self.backward is not None:
+            lines.append(f"backward: {self.backward} ({self.backward_reason})")
+        return "\n".join(lines)
+
+
+def module(name: str) -> Backend:
+    """The backend module ``name``."""
+    return _MODULES[name]
+
+
+def arch_of(device: torch.device) -> str:
+    """'cpu', 'sm80', 'sm90', 'sm100', ... for a tensor's device."""
+    if device.type != "cuda":
+        return device.type
+    major, minor = capability(device)
+    return f"sm{major}{minor}"
+
+
+def _supports(name: str, call, what: str = "supports") -> tuple[bool, str]:
+    if name in config.settings.disabled:
+        return False, f"FLEXJIT_DISABLE lists {name}"
+    mod = _MODULES[name]
+    ok, why = getattr(mod, what)(call)
+    if not ok:
+        return False, why
+    return selfcheck.admit(mod, call, "forward" if what == "supports" else "backward", why)
+
+
+def _backward_of(name: str, call) -> tuple[str | None, str]:
+    """(backend, reason) of the backward that follows forward ``name``; (None, why not) if none."""
+    refused = []
+    for bwd in _BACKWARD_ORDER[name]:
+        ok, why = _supports(bwd, call, "backward_supports")
+        if ok:
+            if bwd != name:
+                why = f"{why}; not on {name}: {'; '.join(refused)}"
+            return bwd, why
+        refused.append(why)
+    return None, "; ".join(f"{b}: {r}" for b, r in zip(_BACKWARD_ORDER[name], refused))
+
+
+def _pair(name: str, reason: str, call, passed=()) -> Choice | str:
+    """The Choice for forward ``name``, or why training cannot run on it."""
+    if not call.needs_grad:
+        return Choice(name, reason, tuple(passed))
+    bwd, why = _backward_of(name, call)
+    if bwd is None:
+        return f"{reason}, but no backward can train it ({why})"
+    return Choice(name, reason, tuple(passed), bwd, why)
+
+
+def check_backend(requested: str) -> None:
+    if requested not in BACKENDS + ("auto",):
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {requested!r}")
+
+
+def select(requested: str, call) -> Choice:
+    check_backend(requested)
+    if requested != "auto":
+        name = "cute_sm100" if requested == "cute" and _sm100(call.q.device) else requested
+        ok, reason = _supports(name, call)
+        choice = _pair(name, f"requested; {reason}", call) if ok else reason
+        if isinstance(choice, str):
+            raise NotImplementedError(f"backend={requested!r} cannot run this call: {choice}. "
+                                      f"Use backend='auto' to pick one that can.")
+        return choice
+    passed = []
+    order = _preference(call.q.device)
+    if "triton" in order and _decodes(call):
+        order = ("triton",) + tuple(n for n in order if n != "triton")
+    for name in order:
+        ok, reason = _supports(name, call)
+        choice = _pair(name, reason, call, passed) if ok else reason
+        if isinstance(choice, Choice):
+            return choice
+        passed.append((name, choice))
+    raise NotImplementedError("no backend can run this call:\n" +
+                              "\n".join(f"  {n}: {r}" for n, r in passed))
+
+
+def _sm100(device: torch.device) -> bool:
+    return cute_sm100.on_sm100(device)
+
+
+def _preference(device: torch.device) -> tuple[str, ...]:
+    if _sm100(device):
+        return ("cute_sm100", "triton", "reference")
+    if device.type == "cuda":
+        return ("cute", "triton", "reference")
+    # Off the GPU only the reference runs; the Triton interpreter (TRITON_INTERPRET=1)
+    # is for tests and must be asked for by name.
+    return ("reference",)
+
+
+def _decodes(call) -> bool:
+    """Whether the Triton backend's split-KV decode kernel takes the call (few query rows, long
+    KV, no gradient): it goes before the sm90 prefill kernel, whose grid has too few CTAs."""
+    if "triton_decode" in config.settings.disabled:
+        return False
+    return triton_decode.routes(call)[0]
+
+
+# --------------------------------------------------------------------------- running
+
+
+def forward(name: str, call) -> tuple:
+    """(out, lse, max_scores or None) of backend ``name``'s forward, outside autograd and autocast."""
+    device = call.q.device.type
+    if not torch.is_autocast_enabled(device):  # the context manager costs ~3 µs a call
+        return module(name).forward(call)
+    with torch.autocast(device, enabled=False):
+        return module(name).forward(call)
+
+
+def backward(name: str, call, q, k, v, out, lse, dout, dlse) -> tuple:
+    """(dq, dk, dv, *captured grads) of backend ``name``'s backward, outside autocast."""
+    if dout is None:  # only the LSE was used
+        dout = torch.zeros_like(out)
+    with torch.autocast(q.device.type, enabled=False):
+        return module(name).backward(call, q, k, v, out, lse, dout, dlse)
+
+
+class _FlexAttention(torch.autograd.Function):
+    """flex_attention on any (forward, backward) pair of backends."""
+
+    @staticmethod
+    def forward(ctx, call, choice: Choice, q, k, v, *buffers):
+        out, lse, max_scores = forward(choice.name, call)
+        ctx.call, ctx.backend = call, choice.backward
+        ctx.save_for_backward(q, k, v, out, lse, *buffers)
+        if max_scores is None:
+            return out, lse
+        ctx.mark_non_differentiable(max_scores)  # as torch's: no gradient through the row max
+        return out, lse, max_scores
+
+    @staticmethod
+    def backward(ctx, dout, dlse, dmax=None):
+        q, k, v, out, lse, *_ = ctx.saved_tensors
+        if config.settings.debug:
+            print(f"[flexjit] backward on {ctx.backend}")
+        dq, dk, dv, *dbufs = backward(ctx.backend, ctx.call, q, k, v, out, lse, dout, dlse)
+        wanted = ctx.needs_input_grad[5:]
+        return (None, None, dq, dk, dv, *[g if want else None for g, want in zip(dbufs, wanted)])
+
+
+def run(choice: Choice, call) -> tuple:
+    """(out, lse, max_scores or None) for a validated call; out and lse are differentiable in
+    q, k, v and captured tensors."""
+    if choice.backward is None:
+        if not torch.is_grad_enabled():
+            return forward(choice.name, call)
+        with torch.no_grad():
+            return forward(choice.name, call)
+    if call.grad is None:  # grad mode is off inside the Function: backends must still know
+        call.grad = True     # (the Triton backend sends only gradient-free calls to decoding)
+    res = _FlexAttention.apply(call, choice, call.q, call.k, call.v, *call.program.buffers)
+    return res if len(res) == 3 else (*res, None)

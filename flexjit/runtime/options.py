@@ -1,0 +1,91 @@
+"""kernel_options: torch FlexAttention's keys, flexjit's own, and what each means here.
+
+``validate(kernel_options, backend)`` returns the options as a dict and the backend to use, or
+raises ``ValueError`` for a key neither torch nor flexjit knows (with the list of valid ones).
+A key may carry torch's ``fwd_`` / ``bwd_`` prefix (the forward's or the backward's kernel).
+
+Keys with a meaning for flexjit:
+
+* ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``: the Triton forward's tiles (``fwd_``
+  prefix too; BLOCK_N, num_warps and num_stages also tune the split-KV decode kernel);
+  ``BLOCK_M1``, ``BLOCK_N1``, ``BLOCK_M2``, ``BLOCK_N2``, ``bwd_num_warps``,
+  ``bwd_num_stages``: the Triton backward's. The CuTeDSL kernels choose their own tiles.
+* ``FAST_MATH`` (flexjit): approximate tanh/exp in the Triton kernels (default True).
+* ``FORCE_USE_FLEX_ATTENTION`` (torch): True keeps a decode-shaped call (Q_LEN <= 128, no
+  gradient) off the split-KV decode kernel, on the prefill forward, as torch's does.
+* ``USE_TMA`` (torch's key; ``fwd_``/``bwd_`` per pass): the Triton kernels load tiles through
+  TMA tensor descriptors on sm90+ where the tensors allow it (else pointer loads, as torch
+  turns it off); ``WARP_SPECIALIZE`` (flexjit): Triton's automatic warp specialisation of the
+  kv/q loops, refused on a GPU (``ValueError``: its kernels never finished on the H200 with
+  Triton 3.6); the interpreter runs its merged loop. USE_TMA defaults to the backend's table
+  (``triton_config``).
+* ``PERSISTENT`` (flexjit): True or False pins the sm90 forward's schedule (one CTA per SM
+  looping over tiles, or one CTA per tile); by default it is persistent where a query tile
+  visits few kv tiles. Head dims 192 and 256 always run one CTA per tile.
+* ``DECODE_SPLITS`` (flexjit): a positive int, the split-KV decode kernel's split count
+  (default: from the shape and the SM count; ``flexjit.explain`` shows it).
+* ``BACKEND`` (torch): "AUTO" (default), "TRITON" and "TRITON_DECODE" run flexjit's Triton
+  kernels, "FLASH" its CuTeDSL kernels (torch's FLASH backend is FlashAttention-4's CuTeDSL
+  kernel); with ``backend="auto"`` only: an explicit ``backend=`` wins.
+
+Accepted and ignored (they tune torch's own Triton template, which flexjit does not run):
+``PRESCALE_QK``, ``ROWS_GUARANTEED_SAFE``, ``BLOCKS_ARE_CONTIGUOUS``, ``WRITE_DQ``,
+``kpack``, ``matrix_instr_nonkdim``, ``waves_per_eu``, ``OUTPUT_LOGSUMEXP``, ``OUTPUT_MAX``,
+``SAFE_HEAD_DIMENSION``, and any other key this torch's ``FlexKernelOptions`` declares.
+"""
+from __future__ import annotations
+
+MEANINGFUL = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
+              "BLOCK_N2", "FAST_MATH", "BACKEND", "FORCE_USE_FLEX_ATTENTION", "USE_TMA",
+              "WARP_SPECIALIZE", "PERSISTENT", "DECODE_SPLITS")
+IGNORED = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
+           "kpack", "matrix_instr_nonkdim", "waves_per_eu", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
+           "SAFE_HEAD_DIMENSION")
+_BACKENDS = {"AUTO": "auto", "TRITON": "triton", "TRITON_DECODE": "triton", "FLASH": "cute"}
+
+
+def _known_keys() -> frozenset:
+    keys = set(MEANINGFUL) | set(IGNORED)
+    try:
+        from torch.nn.attention.flex_attention import FlexKernelOptions
+        keys |= set(getattr(FlexKernelOptions, "__annotations__", {}))
+    except ImportError:
+        pass
+    return frozenset(keys)
+
+
+KNOWN = _known_keys()  # every key accepted without a prefix: flexjit's, the ignored, torch's list
+
+
+_TYPED = (
+    ("PERSISTENT", lambda v: isinstance(v, bool), "True or False"),
+    ("DECODE_SPLITS", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+     "a positive int"),
+)
+
+
+def _base(key: str) -> str:
+    return key[4:] if key.startswith(("fwd_", "bwd_")) else key
+
+
+def validate(kernel_options, backend: str) -> tuple[dict, str]:
+    """(options, backend): the options as a dict, checked; the backend ``BACKEND`` asks for when
+    ``backend`` is "auto"."""
+    if kernel_options is None:
+        return {}, backend
+    if not isinstance(kernel_options, dict):
+        raise TypeError("kernel_options must be a dict")
+    unknown = sorted(k for k in kernel_options if not isinstance(k, str) or _base(k) not in KNOWN)
+    if unknown:
+        raise ValueError(f"unknown kernel_options {unknown}; valid keys (each also with a fwd_ or bwd_ "
+                         f"prefix): {', '.join(sorted(KNOWN))}")
+    for key, check, what in _TYPED:
+        if key in kernel_options and not check(kernel_options[key]):
+            raise ValueError(f"kernel_options[{key!r}] must be {what}, got {kernel_options[key]!r}")
+    wanted = kernel_options.get("BACKEND")
+    if wanted is not None:
+        if wanted not in _BACKENDS:
+            raise ValueError(f"kernel_options['BACKEND'] must be one of {sorted(_BACKENDS)}, got {wanted!r}")
+        if backend == "auto":
+            backend = _BACKENDS[wanted]
+    return dict(kernel_options), backend

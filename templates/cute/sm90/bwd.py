@@ -1,0 +1,1472 @@
+"""Hopper (sm_90a) FlashAttention backward template with two holes: ``score_mod_and_grad`` and ``mask_mod``.
+
+What this module holds
+----------------------
+* ``BwdConfig`` / ``choose_bwd_tiling``: the frozen compile-time configuration and the tile table.
+* Three kernels, run in this order on one stream:
+  - ``FlexAttentionBwdPreSm90`` (preprocess): ``delta = rowsum(dO∘O) − dLSE`` and
+    ``lse2 = LSE·log2 e`` (0 on a row with nothing kept), fp32, padded to whole mask blocks; it
+    zeroes the fp32 dQ accumulator (and the dQ semaphores in deterministic mode).
+  - ``FlexAttentionBwdSm90`` (main): one CTA per (kv tile, kv head, batch); dK and dV in
+    registers, dQ partial sums added into the fp32 accumulator by TMA reduce-add. With
+    ``BwdConfig.kv_batch_broadcast`` K/V have batch 1 and every batch's CTAs load entry 0; dK/dV
+    stay per query batch (B, Hkv, S, ·), summed over the batch by the caller (autograd).
+  - ``FlexAttentionBwdPostSm90`` (postprocess): ``dQ = accumulator · softmax_scale`` in the
+    input dtype.
+* The host half (compiling against placeholders, the workspaces, the argument checks and the
+  launch: ``compile_bwd`` / ``CompiledBwd`` / ``load_bwd``) is ``cute_sm90_bwd_host``; this
+  module holds what runs on the device and the configuration it is traced with. ``Lpad`` below
+  is ``cute_sm90_bwd_host.padded_len(L)``: whole mask blocks.
+
+Gradients of captured tensors that require grad (``BwdConfig.score_grads``/``grad_offsets``,
+rendered by the backend): per element, P∘(dP − delta) · d score_mod / d load is added into an
+fp64 accumulator per tensor (``FlexAttentionBwdSm90._captured_grads``); warp-reduced first where
+the load's index is uniform over the tile. Supported when those derivatives and the indices do
+not depend on the score itself (the backend checks; else the Triton backward serves).
+Out of scope here: head dims other than 32, 64, 96, 128, 192 and (192, 128) (``HEAD_DIMS``), and
+sm100.
+
+Algorithm (FlashAttention-2 §3.2 backward; FlashAttention-3 §3 Hopper pipelining)
+--------------------------------------------------------------------------------
+Math, with s = score_mod(q·k·scale) (natural units), P = softmax(s) recomputed from the saved LSE::
+
+    P = exp2(s·c − lse2)          (c = scale·log2 e without a score_mod, log2 e with one)
+    dP = dO Vᵀ      dS = P ∘ (dP − delta) ∘ dscore      dscore = d score_mod / d score
+    dV = Σ Pᵀ dO    dK = scale · Σ dSᵀ Q                 dQ = scale · Σ dS K
+
+Masked and out-of-range elements get P = 0 and dS = 0, never NaN (dscore may be anything there);
+a row with nothing kept has lse2 = 0 and all scores −inf, so its gradients are 0.
+
+Roles (384 threads, ``min_blocks_per_mp=1`` so that ``setmaxnreg`` takes effect):
+* warpgroup 0 (``setmaxnreg.dec`` to 24): warp 0 = TMA producer (K and V once, then Q + lse2 and
+  dO + delta through two ``num_stages``-deep mbarrier pipelines); warps 1 and 2 = dQ writers,
+  one per MMA warpgroup (TMA reduce-add of its dQ box into the fp32 accumulator; the
+  semaphores of deterministic mode); warp 3 idles.
+* warpgroups 1, 2 (``setmaxnreg.inc`` to 240): MMA. Each owns 64 of the tile's 128 keys
+  (D = 192: both own the tile's 64 keys and split the head dims instead; see Tiles).
+
+Per Q tile, in each MMA warpgroup (the S/dP GEMMs are "swapped": keys are M, so that Pᵀ and dSᵀ
+come out already in the A-operand layout of the dV/dK GEMMs, which read them from registers)::
+
+    Sᵀ = K Qᵀ  [and dPᵀ = V dOᵀ when overlap_dp]       SS wgmma
+    lse2 smem -> registers (before the wait: the loads land under the GEMMs)
+    wait Sᵀ: score_mod_and_grad, mask_mod, bounds, P = exp2(..) -> P (bf16, registers), P∘dscore
+    delta smem -> registers  ·  [dPᵀ = V dOᵀ when not overlap_dp]  ·  dV += Pᵀ dO (RS: needs only P)
+    wait dPᵀ: dS = P∘dscore∘(dP − delta) (bf16, registers)
+    dSᵀ → smem (stmatrix.trans) · named barrier: both halves of dS are needed by each dQ GEMM
+    dQ = dS K (SS) · dK += dSᵀ Q (RS) · dQ → smem box · signal the warpgroup's dQ writer
+``overlap_dp`` (``choose_bwd_tiling``) forms P while the dP GEMM runs; for D = 128 it fits the
+registers only without mods or with light ones, so by default heavier mods issue dP after P.
+
+Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for head dims 32, 64, 96, 128.
+The kv tile is one mask block, so a CTA reads exactly one column of the transposed block lists; a
+listed q mask block is two Q tiles. Smem 194 KB (D = 128) / 153 KB (96) / 114 KB (64) / 73 KB (32).
+D = 192 and (192, 128): 64 × 64, "dim split" (``kv_per_block`` = 2): two CTAs per mask block
+(both read its column of the lists; the grid always covers whole mask blocks), each MMA
+warpgroup computes the whole 64 × 64 Sᵀ and dPᵀ (redundantly: 2 of the 5 GEMMs run twice) and
+owns half of dK's, dV's and dQ's columns; warpgroup 0 alone stores dSᵀ. Smem 209 KB (192) /
+185 KB (192, 128).
+
+dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
+swizzle: see ``_dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
+warpgroup, 160 threads); the writer issues ``cp.reduce.async.bulk.tensor...add.f32`` of the box
+into the accumulator (B, Hq, Lpad, D) and frees the box once the bulk copy has read it. The
+accumulator holds dQ permuted within each 16-row × 8-column block (``_dq_box_view``) so that
+a thread's accumulator values form 16-byte runs in the box (one STS.128 per 4 values instead of
+an STS.64 per 2); the postprocess undoes the permutation.
+
+GQA: query head h reads kv head h // g. A CTA loops over the g query heads of its kv head and
+keeps accumulating dK/dV in registers (FlashAttention-2's choice). Why: dK/dV need no fp32
+accumulator, no reduction kernel and no atomics, and are deterministic for free; K and V are
+loaded once for g heads. The price is g× fewer CTAs (B·Hkv·⌈S/128⌉ of them), which only hurts when
+that number is below the SM count, i.e. on problems whose whole backward is short.
+
+Deterministic mode (``BwdConfig.deterministic``): each dQ box (b, h, q tile, half) receives one
+reduce-add from every kv block that lists its q block, in DEcreasing kv-block order. A semaphore
+per box counts the reduce-adds done; kv block n's dQ writer waits until it equals n's rank (how
+many listed kv blocks n' > n add into that q block; ``flexjit.block_mask.dq_order``, a host-side
+table computed once per BlockMask; nKV - 1 - n without a block mask), adds, waits for the add to complete, and
+increments it (acquire/release at gpu scope, async-proxy fences on both sides). The MMA
+warpgroups keep working meanwhile (one tile ahead at most). dK/dV are deterministic by
+construction (see GQA).
+Order, chosen so that the waits do not chain: a kv block walks its partial and full q blocks as
+ONE list in increasing q order (``dq_order`` merges them and flags the full entries, so the host
+passes empty full lists), and the grid runs kv blocks last-first. On banded masks (causal,
+sliding window, documents) kv block n's k-th q block is then kv block n+1's (k-1)-th, whose add
+it waits for: every CTA of a head advances in lockstep, one tile behind its neighbour. (Increasing
+kv order with the partial list walked before the full one made each CTA wait for the previous
+CTA's last tile: one chain through the whole sequence, 5x slower on an 8k sliding window.)
+No deadlock: a CTA waits only for CTAs of the same (kv head, batch) with a larger kv block, i.e.
+a smaller linear block index, dispatched earlier.
+
+The holes
+---------
+``score_mod_and_grad(score, b, h, q_idx, kv_idx, aux) -> (modded, d modded / d score)`` and
+``mask_mod(b, h, q_idx, kv_idx, aux) -> Boolean``, both compile-time callables (or None), inlined
+per element exactly as in ``cute_sm90_fwd`` (same ``Aux``; ``h`` is the QUERY head; rows q >= L
+and columns kv >= S can reach them and their results are discarded).
+
+Block lists (FlexAttention's BlockMask, mask block 128×128, int32, Bm ∈ {1, B}, Hm ∈ {1, Hq}):
+``q_num_blocks`` (Bm, Hm, nKV) + ``q_indices`` (Bm, Hm, nKV, nQ) list the PARTIAL q blocks of
+each kv block (mask_mod applied), ``full_q_*`` the FULL ones (mask_mod skipped; bounds still
+checked on a tile that crosses L or S). The host API (``cute_sm90_bwd_host``) takes all 8
+BlockMask tensors (the kernel reads the q lists; deterministic mode reads ``dq_order``'s merged
+ones). Without a block mask every q tile is visited (partial with a mask_mod, else full).
+
+Shapes: q (B, Hq, L, D), k/v (B, Hkv, S, D), out/dout (B, Hq, L, D), lse/dlse (B, Hq, L) fp32;
+dq/dk/dv like q/k/v. Last dims contiguous, other strides multiples of 8 elements (TMA), bf16 or
+fp16, ragged L and S, L != S, Hq = g·Hkv.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory.smem import SmemAllocator
+
+# Shared with the forward (and the kernels to come): the aux container the generated mods index,
+# layout helpers. The placeholder/TVM-FFI plumbing is the host module's (cute_sm90_bwd_host).
+from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, FloatIndices, permute, smem_layout, transposed, wgmma_gemm
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_MMA = 1  # the 256 MMA threads: dS tile complete in smem; epilogue
+_BAR_DQ_EMPTY = 2  # + warpgroup: its dQ warp lets the warpgroup write its dQ box
+_BAR_DQ_FULL = 4  # + warpgroup: the warpgroup's dQ box is written
+_DQ_BAR_THREADS = 128 + 32
+
+
+class QBlockLists(NamedTuple):
+    """Transposed lists, int32: counts (Bm, Hm, nKV), indices (Bm, Hm, nKV, nQ)."""
+
+    q_num_blocks: cute.Tensor
+    q_indices: cute.Tensor
+    full_q_num_blocks: cute.Tensor
+    full_q_indices: cute.Tensor
+
+
+class QOrder(NamedTuple):
+    """Deterministic block-sparse launches (``dq_order``): per entry of the merged q list, int32,
+    shaped like q_indices: how many kv blocks add into that q block before this one, and whether
+    the entry is a full block (mask_mod skipped)."""
+
+    rank: cute.Tensor
+    full: cute.Tensor
+
+
+# (head_dim, head_dim_v) pairs with a row in ``choose_bwd_tiling``'s table.
+HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
+
+
+@dataclass(frozen=True)
+class BwdTiling:
+    tile_m: int  # query rows per iteration (the N of the swapped S GEMM)
+    tile_n: int  # keys per CTA (M of the swapped GEMMs): MASK_BLOCK, or half of it (D = 192)
+    num_stages: int  # Q/dO (and dS) pipeline depth
+    dq_split: str  # how the two warpgroups split the dQ tile: "cols" (D) or "rows" (tile_m)
+    overlap_dp: bool  # issue dP with S and form P under it (needs Sᵀ and dPᵀ live together)
+    mma_regs: int
+    load_regs: int
+
+
+def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -> BwdTiling:
+    """Tile table: a 64-row Q tile against a 128-key tile (one mask block) for D = 128 and 64.
+
+    Per MMA warpgroup (64 keys) and thread, fp32 registers: Sᵀ and dPᵀ tile_m/2 = 32 each, dV
+    and dK D/2 each, dQ D/4 (its 64 × D/2 half), plus bf16 P and dS 16 each.
+    * D = 128, 64 × 128: dV + dK alone hold 128 registers for the whole CTA. With
+      ``overlap_dp`` (P formed while the dP GEMM runs) the elementwise step has Sᵀ, dPᵀ, P live:
+      208 + the mods' temporaries (+ 16 of lse2 or delta, read ahead of the waits) under the
+      240 cap. Fine without mods or with light ones (comparisons: causal, windows); mods with
+      loads or transcendentals (document ids, ALiBi slopes, softcap's tanh) spill 20-64 bytes
+      there, so they issue dP after P instead (176
+      live while the mods run; measured spill-free). An 80-row tile (FA3's non-causal choice)
+      would not divide the 128-row mask block, so a CTA would straddle two rows of the block
+      lists, and 80 is no wgmma M (the dQ GEMM would have to be swapped); 64 divides it.
+      Smem: Q, dO, dS 2 stages × 16 KB, K, V 32 KB each, dQ boxes 32 KB = 192 KB.
+    * D = 64, 64 × 128 too (dV + dK = 64 registers, so overlap always fits). FA3 uses 128 × 128
+      here (longer Q tiles amortise the per-tile work of the short K=64 GEMMs); with it Sᵀ, dPᵀ
+      (64 each), P (32) and dV, dK (32 each) reach the cap: ptxas serialises the wgmmas
+      (advisory C7512: a wait after every wgmma), with or without overlap_dp
+      (``BwdTiling(128, 128, 2, "rows", ..)`` builds). FA4 sheds registers there by holding each
+      LSE/delta value in one thread of 8 and shuffling; that is the next step for speed.
+    * D = 32: D = 64's row (overlap always).
+    * D = 96: D = 128's row, but overlap always: dV + dK = 96 registers leave room for every
+      core mod's temporaries beside Sᵀ, dPᵀ and P (all 18 compile spill-free overlapped, heavy
+      ones included). Smem 153 KB.
+      K's swizzle atom is 32 bytes, not 64 (``_k_atom_cols``: the dQ GEMM splits K's 96 columns
+      at 48 between the warpgroups).
+    * D = 192 and (192, 128): 64 × 64 with the head dims split between the warpgroups. With
+      64 keys per warpgroup (the wgmma M) dK + dV alone are D/2 + Dv/2 = 192 (160) registers
+      per thread, Sᵀ and dPᵀ 32 more each: over the cap. So both warpgroups take the same 64
+      keys and split N of the dK/dV/dQ GEMMs: dK + dV = 96 (80) per thread, Sᵀ, dPᵀ 32 each,
+      P, dS 16 each, dQ 48: ~176 at the elementwise step with P under dP, so overlap always.
+      The price: each warpgroup computes the whole Sᵀ and dPᵀ (7 GEMM units of work for 5)
+      and Q/dO are streamed once per 64 keys instead of 128. FA3 instead uses 64 × 96 tiles
+      with swapped dK/dV GEMMs; a 96-key tile would straddle mask blocks. Q, dO, K and V get
+      32-column swizzle atoms at 192 (``_k_atom_cols``: each half starts on an atom); V and dO
+      keep 64-column atoms at Dv = 128.
+    Registers: 2 MMA warpgroups at 240 + the producer warpgroup at 24 = 64512 (the launch's
+    168 per thread × 384): setmaxnreg.inc can only take what .dec released, so 240/24 is the
+    largest split (240/32 would leave the MMA warpgroups waiting forever).
+    """
+    if (head_dim, head_dim_v) not in HEAD_DIMS:
+        raise NotImplementedError(
+            f"cute_sm90_bwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
+    if head_dim == 192:
+        # Half a mask block per CTA, head dims split between the warpgroups (see above).
+        return BwdTiling(64, 64, 2, "cols", True, 240, 24)
+    return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim <= 96, 240, 24)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Frozen compile-time configuration. Everything not here is a runtime argument."""
+
+    head_dim: int
+    head_dim_v: int
+    dtype: type  # cutlass.BFloat16 or cutlass.Float16
+    score_mod_and_grad: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+    has_block_mask: bool = False
+    deterministic: bool = False
+    # Form P under the dP GEMM (faster, more registers). None: only when there are no mods;
+    # the backend passes True for light mods (no loads, no transcendentals in the IR).
+    overlap_dp: Optional[bool] = None
+    # Gradients of captured tensors (the renderer's ``score_grads`` / ``grad_offsets``, or None):
+    # the main kernel then takes one fp64 accumulator per learnable tensor (see
+    # ``FlexAttentionBwdSm90._captured_grads``).
+    score_grads: Optional[Callable] = None
+    grad_offsets: Optional[Callable] = None
+    tiling: BwdTiling = field(default=None)
+    # K/V of batch extent 1 serve every query batch (torch's batch broadcast; the paged caches):
+    # the main kernel loads them at batch 0 and still writes dK/dV per query batch, into
+    # (B, Hkv, S, ·), which autograd's expand backward sums.
+    kv_batch_broadcast: bool = False
+
+    def __post_init__(self):
+        if self.tiling is None:
+            overlap = self.overlap_dp
+            if overlap is None:
+                overlap = self.score_mod_and_grad is None and self.mask_mod is None
+            object.__setattr__(self, "tiling",
+                               choose_bwd_tiling(self.head_dim, self.head_dim_v, overlap))
+
+
+def _transposed_2d(s: cute.Tensor) -> cute.Tensor:
+    """(rows, cols) smem tensor viewed as (cols, rows): Kᵀ for the dQ GEMM."""
+    return cute.composition(s, cute.make_ordered_layout((s.shape[1], s.shape[0]), order=(1, 0)))
+
+
+@cute.jit
+def _bcast(i: Int32, n: Int32) -> Int32:
+    """Index ``i`` into a block-list dim of size ``n`` ∈ {1, full}: a size-1 dim broadcasts.
+    (A select, where ``i % n`` would cost an integer division per list.)"""
+    return Int32(cutlass.select_(n == 1, Int32(0), i))
+
+
+@dsl_user_op
+def _opaque_thread_idx(*, loc=None, ip=None) -> Int32:
+    """%tid.x through a volatile asm statement: a value the compiler cannot merge with (or
+    hoist above) earlier thread-index arithmetic."""
+    value = llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
+                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(value)
+
+
+@dsl_user_op
+def _opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``x`` through a volatile asm move: the compiler cannot CSE what is computed from the
+    result with what was computed from ``x`` before (nor hoist it above that point)."""
+    value = llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.u32 $0, $1;", "=r,r",
+                            has_side_effects=True, is_align_stack=False,
+                            asm_dialect=llvm.AsmDialect.AD_ATT)
+    return Int32(value)
+
+
+def _opaque_smem(t: cute.Tensor, swizzle) -> cute.Tensor:
+    """``t``, a ``swizzle``d smem tile starting on a 1024-byte boundary (a swizzle atom), rebased
+    on its address passed through a volatile move: the same tile, the same wgmma descriptors.
+
+    It keeps ptxas from splitting the descriptors' 64-bit adds. From an address the compiler
+    can follow (a stage slice ``sQ[None, None, idx]``, or a constant offset from the smem base),
+    the DSL forms each k-block's descriptor as a 64-bit add to one whose high word is the
+    constant 0x40000040 (stride byte offset and swizzle mode), and ptxas turns each add into
+    UIADD3 + UIADD3.X plus UMOVs that re-materialise the high word; from an opaque address it
+    builds the tile's descriptor once and adds each k-block's offset with one UIADD3.64 (a
+    ULOP3 on the low word where the DSL knows the offset's bits are clear). Call
+    it inside the Q-tile loop: rebased once before it, K and V's descriptors are hoisted into
+    vector registers (an R2UR per use, and registers the elementwise work needs).
+
+    The rebased pointer claims 16-byte alignment only (true: the tile is 1024-aligned; the
+    descriptor's address field is addr >> 4 either way, and the swizzle acts on the address
+    bits, not on what the compiler assumes). Claiming 1024 lets the DSL OR the first k-blocks'
+    offsets into the low word, each OR needing the high word 0x40000040 re-materialised (UMOV);
+    at 16 it adds them (UIADD3.64): CPU SASS hot loop D=128 4 fewer instructions, D=64 0-1
+    (32 and 128 give the same code as 1024)."""
+    addr = _opaque_i32(t.iterator.toint())
+    ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.smem, assumed_align=16,
+                        swizzle_=swizzle)
+    return cute.make_tensor(ptr, t.layout)
+
+
+@cute.jit
+def _store_dq_acc(acc: cute.Tensor, dst: cute.Tensor):
+    """The dQ accumulator ((2, 2, V), MMA_M, MMA_N) -> its smem box partition ``dst`` (same
+    shape, through ``_dq_box_view``): the 4 values (e, h) of each 8-column group are adjacent
+    in smem and 16-byte aligned (the box starts on 1024 bytes, the run on a multiple of 4
+    fp32): one 128-bit store each."""
+    for m in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+        for n in cutlass.range_constexpr(cute.size(acc, mode=[2])):
+            for g in cutlass.range_constexpr(cute.size(acc.shape[0][2])):
+                run = cute.make_rmem_tensor((4,), Float32)
+                for h in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        run[2 * h + e] = acc[(e, h, g), m, n]
+                at = dst.iterator + cute.crd2idx(((0, 0, g), m, n), dst.layout)
+                ptr = cute.make_ptr(Float32, at.toint(), cute.AddressSpace.smem, assumed_align=16)
+                cute.autovec_copy(run, cute.make_tensor(ptr, cute.make_layout(4)))
+
+
+@cute.jit
+def _copy_if(pred, atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor):
+    """``cute.copy`` under a runtime predicate, in its own function: a branch in the caller
+    would carry the caller's trace-time state (shapes included) through the branch as runtime
+    values."""
+    if pred:
+        cute.copy(atom, src, dst)
+
+
+def _tma_tiles(atom: cute.CopyAtom, s: cute.Tensor, g: cute.Tensor):
+    """TMA partition of a 2-D tile (its two modes grouped into the TMA box mode): (smem, gmem)."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                 cute.group_modes(g, 0, 2))
+
+
+def _as_acc_layout(frag_a: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
+    """The RS A-operand fragment ``frag_a`` ((2, 2, 2), MMA_M, K/16) viewed with the accumulator
+    layout ((2, 2, V), MMA_M, MMA_N) of ``acc``: both are compact and enumerate (column pair,
+    row half, 8-column group) in the same order (the forward's ``acc_as_operand_a`` is a pure
+    regrouping), so
+    P and dS are written straight into the registers the dV/dK GEMMs read: no second copy."""
+    return cute.make_tensor(frag_a.iterator, cute.make_layout(acc.shape))
+
+
+def _dq_box_view(box_rows: int, box_cols: int):
+    """(row, column) of dQ in one box -> smem offset in the box: (row layout, column layout).
+
+    Row r = 16a + 8h + ρ, column c = 8g + 2t + e (the wgmma accumulator gives lane 4ρ + t of
+    a warp rows ρ and ρ + 8 (h), columns 2t + e of every 8-column group g) is stored at box row
+    16a + 2ρ + t // 2, box column 8g + 4·(t % 2) + 2h + e: a permutation within each
+    16-row × 8-column block, the same for every box and kv block, that puts a thread's 4
+    values (e, h) of group g (4 consecutive accumulator registers) in one 16-byte run: one
+    STS.128 per 4 values instead of an STS.64 per 2, no register moves. A warp's store covers
+    512 contiguous bytes (conflict-free). ``FlexAttentionBwdPostSm90`` reads it back. Box
+    (row, column) sits at 8·row + (column % 8) + 8·rows·(column // 8) (``_dq_smem_layout``)."""
+    assert box_rows % 16 == 0
+    rows = cute.make_layout((8, 2, box_rows // 16), stride=(16, 2, 128))
+    cols = cute.make_layout((2, (2, 2), box_cols // 8), stride=(1, (4, 8), 8 * box_rows))
+    return rows, cols
+
+
+def _k_atom_cols(head_dim: int, dq_split: str) -> int:
+    """The column count K's smem swizzle atom is chosen for. The dQ GEMM reads K MN-major with
+    each warpgroup's N = D/2 columns ("cols" split), and a warpgroup's columns must start on a
+    swizzle-atom boundary unless all of D lies in one atom: D = 96 would get 32-column (64-byte)
+    atoms and split at column 48, so it takes 16-column (32-byte) atoms instead; D = 192 takes
+    32-column (64-byte) atoms (split at 96). Every other head dim keeps the atom of its full
+    width (64 and 128: 128-byte, 32: 64-byte). In the dim split (D = 192) the dK/dV GEMMs read
+    Q and dO MN-major split the same way, so Q, dO and V take this atom count too."""
+    atom = next(a for a in (64, 32, 16, 8) if head_dim % a == 0)  # 16-bit elements per atom
+    half = head_dim // 2
+    return half if dq_split == "cols" and head_dim > atom and half % atom else head_dim
+
+
+def _dq_smem_layout(box_rows: int, box_cols: int):
+    """Two box_rows × box_cols fp32 boxes (one per MMA warpgroup), each stored as column groups
+    of (box_rows × 8 columns) row-major, no swizzle: (rows, (8, cols/8), 2) : (8, (1, 8·rows),
+    rows·cols).
+
+    Why not a swizzled 128-byte layout: a thread's accumulator pairs sit at several column
+    groups × 2 row halves; with a swizzle their smem addresses differ by non-constant amounts,
+    and the compiler hoists all of them (16 for D = 128) out of the Q-tile loop, live across it:
+    spills at the 240-register cap. Here every address is one base + a constant, and a warp's
+    STS.128 (dQ placed through ``_dq_box_view``) covers 512 contiguous bytes, conflict-free. The
+    TMA unit
+    reduces the box as cols/8 boxes of 8 × rows (32-byte rows: the L2 sector size)."""
+    return cute.make_layout((box_rows, (8, box_cols // 8), 2),
+                            stride=(8, (1, 8 * box_rows), box_rows * box_cols))
+
+
+# ---------------------------------------------------------------------------------------------
+# Main kernel
+# ---------------------------------------------------------------------------------------------
+class FlexAttentionBwdSm90:
+    """Warp-specialised FlashAttention-3 style backward for sm_90a with score/mask holes."""
+
+    def __init__(self, cfg: BwdConfig):
+        t = cfg.tiling
+        self.cfg = cfg
+        self.dtype = cfg.dtype
+        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
+        self.tile_m, self.tile_n = t.tile_m, t.tile_n
+        self.num_stages = t.num_stages
+        self.dq_split = t.dq_split
+        self.overlap_dp = t.overlap_dp
+        self.num_mma_threads = 256
+        self.num_threads = 128 + self.num_mma_threads
+        self.mma_regs, self.load_regs = t.mma_regs, t.load_regs
+        self.score_mod = cfg.score_mod_and_grad
+        self.mask_mod = cfg.mask_mod
+        self.sparse = cfg.has_block_mask
+        self.deterministic = cfg.deterministic
+        self.kv_batch_broadcast = bool(cfg.kv_batch_broadcast)
+        self.score_grads, self.grad_offsets = cfg.score_grads, cfg.grad_offsets
+        assert (self.score_grads is None) == (self.grad_offsets is None)
+        assert self.score_grads is None or self.score_mod is not None
+        assert self.tile_n in (MASK_BLOCK, MASK_BLOCK // 2) and MASK_BLOCK % self.tile_m == 0
+        self.tiles_per_mask_block = MASK_BLOCK // self.tile_m
+        # kv tiles per mask block. 2 (tile_n = 64, D = 192): "dim split": both MMA warpgroups
+        # hold all 64 keys and split the head dims of dK/dV (and dQ) between them; each one
+        # computes the whole Sᵀ and dPᵀ (the same 64 × tile_m tile, redundantly).
+        self.kv_per_block = MASK_BLOCK // self.tile_n
+        self.dim_split = self.kv_per_block > 1
+        # Each MMA warpgroup owns one fp32 dQ box: half the columns or half the rows.
+        assert self.tile_m % 64 == 0 and self.head_dim % 16 == 0
+        if self.dq_split == "cols":
+            self.dq_box = (self.tile_m, self.head_dim // 2)
+        else:
+            self.dq_box = (self.tile_m // 2, self.head_dim)
+        assert self.dq_box[0] == 64
+
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Hq, L, D)
+        mK: cute.Tensor,  # (B, Hkv, S, D); (1, Hkv, S, D) with kv_batch_broadcast
+        mV: cute.Tensor,  # (B, Hkv, S, Dv); (1, Hkv, S, Dv) with kv_batch_broadcast
+        mdO: cute.Tensor,  # (B, Hq, L, Dv)
+        mLSE2: cute.Tensor,  # (B, Hq, Lpad) fp32, log2 units
+        mDelta: cute.Tensor,  # (B, Hq, Lpad) fp32
+        mdQacc: cute.Tensor,  # (B, Hq, Lpad, D) fp32, zeroed
+        mdK: cute.Tensor,  # (B, Hkv, S, D)
+        mdV: cute.Tensor,  # (B, Hkv, S, Dv)
+        softmax_scale: Float32,
+        q_per_kv: Int32,  # Hq // Hkv (a kernel parameter: read from the constant bank, no register)
+        qblocks: Optional[QBlockLists],
+        qorder: Optional[QOrder],  # deterministic block-sparse launches only
+        mSem: Optional[cute.Tensor],  # (B, Hq, 2·Lpad/tile_m) int32 per dQ box, zeroed (deterministic)
+        aux_tensors: Optional[tuple],
+        aux_scalars: Optional[tuple],
+        grad_accs: Optional[tuple],  # one flat fp64 accumulator per learnable tensor, zeroed
+        stream: cuda.CUstream,
+    ):
+        if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
+            raise TypeError("q/k dtype does not match the config")
+        # Sequence-major views: (seq, dim, head, batch) and (Lpad, head, batch).
+        q, k, v, do, dk, dv, dqacc = [permute(t, [2, 3, 1, 0])
+                                      for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+        lse2, delta = [permute(t, [2, 1, 0]) for t in (mLSE2, mDelta)]
+
+        D, Dv, tm, tn, st = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.num_stages
+        if const_expr(self.dim_split):
+            # dK/dV read Q and dO MN-major split at D/2 and Dv/2: whole swizzle atoms per half.
+            sQ_layout = smem_layout(self.dtype, tm, D, st, atom_cols=_k_atom_cols(D, "cols"))
+            sdO_layout = smem_layout(self.dtype, tm, Dv, st, atom_cols=_k_atom_cols(Dv, "cols"))
+        else:
+            sQ_layout = smem_layout(self.dtype, tm, D, st)
+            sdO_layout = smem_layout(self.dtype, tm, Dv, st)
+        sK_layout = smem_layout(self.dtype, tn, D, atom_cols=_k_atom_cols(D, self.dq_split))
+        sV_layout = smem_layout(self.dtype, tn, Dv, atom_cols=(
+            _k_atom_cols(Dv, "cols") if const_expr(self.dim_split) else None))
+        sdS_layout = smem_layout(self.dtype, tm, tn, st)
+        sdQ_layout = _dq_smem_layout(*self.dq_box)
+        sRow_layout = cute.make_layout((tm, st))  # lse2 / delta stages
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        s2g = cpasync.CopyBulkTensorTileS2GOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, q, cute.select(sQ_layout, mode=[0, 1]), (tm, D))
+        tma_do, tdO = cpasync.make_tiled_tma_atom(g2s, do, cute.select(sdO_layout, mode=[0, 1]), (tm, Dv))
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, k, sK_layout, (tn, D))
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, v, sV_layout, (tn, Dv))
+        tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, lse2, cute.make_layout(tm), (tm,))
+        tma_delta, tDelta = cpasync.make_tiled_tma_atom(g2s, delta, cute.make_layout(tm), (tm,))
+        tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, dk, sK_layout, (tn, D))
+        tma_dv, tdV = cpasync.make_tiled_tma_atom(s2g, dv, sV_layout, (tn, Dv))
+        tma_dq, tdQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), dqacc,
+            cute.select(sdQ_layout, mode=[0, 1]), self.dq_box)
+        row_bytes = tm * 4
+        self.tx_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + row_bytes
+        self.tx_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + row_bytes
+        self.tx_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+
+        K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        RMEM = warpgroup.OperandSource.RMEM
+        if const_expr(self.dim_split):
+            # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: one warpgroup's tile (each computes all of it).
+            mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (64, tm))
+            # dK += dSᵀ Q, dV += Pᵀ dO: the warpgroups split N (D, Dv) in halves.
+            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (64, D // 2), RMEM)
+            mma_dv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (64, Dv // 2), RMEM)
+        else:
+            # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: keys along M, the two warpgroups 64 keys each.
+            mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (2, 1, 1), (64, tm))
+            # dV += Pᵀ dO, dK += dSᵀ Q: A from registers (the Sᵀ/dPᵀ accumulators' own rows).
+            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, D), RMEM)
+            mma_dv = mma_dkv
+        # dQ = dS K: each warpgroup one dq_box piece.
+        dq_atoms = (1, 2, 1) if const_expr(self.dq_split == "cols") else (2, 1, 1)
+        mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, dq_atoms, (64, self.dq_box[1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * st]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        # Grid (kv tile, kv head, batch): kv tile fastest, last kv tile first in deterministic
+        # mode, so that every CTA a CTA waits for has a smaller linear index (dispatched earlier).
+        # With two kv tiles per mask block: both tiles of the last block, even past S (that CTA
+        # finds every key out of bounds: P = dS = 0, it adds zeros to dQ and its dK/dV stores are
+        # clipped), so that every listed mask block adds into dQ exactly kv_per_block times
+        # (the deterministic ranks count on it).
+        num_n = self._num_kv_tiles(k.shape[0])
+        # The batch extent: K's, or the query's (and dK's) when K/V are broadcast over it.
+        num_b = q.shape[3] if const_expr(self.kv_batch_broadcast) else k.shape[3]
+        self.kernel(
+            tQ, tK, tV, tdO, tLSE, tDelta, tdQ, tdK, tdV,
+            tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv,
+            mma_sdp, mma_dkv, mma_dv, mma_dq, softmax_scale, q_per_kv, qblocks, qorder, mSem,
+            aux_tensors, aux_scalars, grad_accs,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
+        ).launch(
+            grid=[num_n, k.shape[2], num_b],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA view (L, D, Hq, B)
+        mK: cute.Tensor,  # TMA view (S, D, Hkv, B)
+        mV: cute.Tensor,  # TMA view (S, Dv, Hkv, B)
+        mdO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
+        mLSE2: cute.Tensor,  # TMA view (Lpad, Hq, B)
+        mDelta: cute.Tensor,  # TMA view (Lpad, Hq, B)
+        mdQacc: cute.Tensor,  # TMA view (Lpad, D, Hq, B)
+        mdK: cute.Tensor,  # TMA view (S, D, Hkv, B)
+        mdV: cute.Tensor,  # TMA view (S, Dv, Hkv, B)
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        tma_do: cute.CopyAtom,
+        tma_lse: cute.CopyAtom,
+        tma_delta: cute.CopyAtom,
+        tma_dq: cute.CopyAtom,
+        tma_dk: cute.CopyAtom,
+        tma_dv: cute.CopyAtom,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        softmax_scale: Float32,
+        q_per_kv: Int32,
+        qblocks: Optional[QBlockLists],
+        qorder: Optional[QOrder],
+        mSem: Optional[cute.Tensor],
+        aux_tensors: Optional[tuple],
+        aux_scalars: Optional[tuple],
+        grad_accs: Optional[tuple],
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+        sdQ_layout: cute.Layout,
+        sRow_layout: cute.Layout,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta):
+                cpasync.prefetch_descriptor(atom)
+        if warp_idx == 1:
+            cpasync.prefetch_descriptor(tma_dq)  # (warps 1 and 2 issue the dQ reduces)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        pipe_kv, pipe_q, pipe_do = self._make_pipelines(storage)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # Each GEMM operand tile's swizzle (``_opaque_smem`` rebuilds the tiles with them: one
+        # 128-byte swizzle for D = 64 and 128; 32 and 96 have narrower atoms for Q, dO, K, V);
+        # each tile and stage is whole swizzle atoms, so every start is 1024-byte aligned.
+        swizzles = tuple(layout.inner for layout in
+                         (sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout))
+        for layout in (sQ_layout, sdO_layout, sdS_layout):
+            assert cute.size_in_bytes(self.dtype, cute.select(layout, mode=[0, 1])) % 1024 == 0
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        sLSE = storage.sLSE.get_tensor(sRow_layout)
+        sDelta = storage.sDelta.get_tensor(sRow_layout)
+
+        aux = Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
+                  tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            sched = self._schedule(mQ, mK, q_per_kv)  # per role: nothing crosses the setmaxnreg boundary
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+                          tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta,
+                          pipe_kv, pipe_q, pipe_do, sched, qblocks)
+            if warp_idx == 1:
+                self.dq_writer(mdQacc, sdQ, tma_dq, sched, qblocks, qorder, mSem, 0)
+            if warp_idx == 2:
+                self.dq_writer(mdQacc, sdQ, tma_dq, sched, qblocks, qorder, mSem, 1)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            sched = self._schedule(mQ, mK, q_per_kv)
+            self.mma(mma_sdp, mma_dkv, mma_dv, mma_dq, mdK, mdV, _SmemTiles(sQ, sdO, sK, sV, sdS, *swizzles),
+                     sdQ, sLSE, sDelta,
+                     tma_dk, tma_dv, pipe_kv, pipe_q, pipe_do, softmax_scale, sched, qblocks, qorder, aux,
+                     tuple(grad_accs) if const_expr(grad_accs is not None) else ())
+
+    def _num_kv_tiles(self, seqlen_k):
+        """The grid's x extent: ceil(S / tile_n), or whole mask blocks of kv tiles."""
+        if const_expr(self.dim_split):
+            return cute.ceil_div(seqlen_k, MASK_BLOCK) * self.kv_per_block
+        return cute.ceil_div(seqlen_k, self.tile_n)
+
+    @cute.jit
+    def _schedule(self, mQ: cute.Tensor, mK: cute.Tensor, q_per_kv: Int32):
+        n_block, head_kv, batch = cute.arch.block_idx()
+        n_kv_tiles = self._num_kv_tiles(mK.shape[0])
+        if const_expr(self.deterministic):
+            n_block = n_kv_tiles - 1 - n_block  # last kv tile first (see Deterministic mode)
+        mask_block = n_block
+        if const_expr(self.dim_split):
+            mask_block = n_block // self.kv_per_block
+        return _BwdSchedule(n_block, head_kv, batch, q_per_kv, mQ.shape[0], mK.shape[0],
+                            cute.ceil_div(mQ.shape[0], self.tile_m), n_kv_tiles, mask_block)
+
+    def _make_pipelines(self, storage):
+        """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each. TMA producer
+        = 1 thread; consumers arrive once per MMA warp."""
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        make = pipeline.PipelineTmaAsync.create
+        pipe_kv = make(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
+                       producer_group=producer, consumer_group=consumers, tx_count=self.tx_kv,
+                       defer_sync=True)
+        pipe_q = make(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
+                      producer_group=producer, consumer_group=consumers, tx_count=self.tx_q,
+                      defer_sync=True)
+        pipe_do = make(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
+                       producer_group=producer, consumer_group=consumers, tx_count=self.tx_do,
+                       defer_sync=True)
+        return pipe_kv, pipe_q, pipe_do
+
+    # -----------------------------------------------------------------------------------------
+    # Scheduling: which q tiles, in which order. Every role walks the same sequence:
+    # for each query head of the group, the partial list, then the full list (dense: 0..nQ-1;
+    # deterministic: one merged list, the full lists empty).
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def _q_lists(self, qblocks: QBlockLists, sched, head: Int32):
+        """(partial tile count, full tile count, partial row, full row) of this kv block for
+        query head ``head`` (broadcast dims of the lists resolved here)."""
+        per = self.tiles_per_mask_block
+        n = sched.mask_block
+        cnt, idx = qblocks.q_num_blocks, qblocks.q_indices
+        b, h = _bcast(sched.batch, cnt.shape[0]), _bcast(head, cnt.shape[1])
+        n_part = cnt[b, h, n] * per
+        part_row = idx[b, h, n, None]
+        cnt, idx = qblocks.full_q_num_blocks, qblocks.full_q_indices
+        n_full = cnt[b, h, n] * per
+        full_row = idx[b, h, n, None]
+        return n_part, n_full, part_row, full_row
+
+    @cute.jit
+    def _listed_tile(self, row: cute.Tensor, j: Int32) -> Int32:
+        per = self.tiles_per_mask_block
+        return row[j // per] * per + j % per
+
+    # -----------------------------------------------------------------------------------------
+    # Producer warp
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, mLSE2, mDelta, sQ, sK, sV, sdO, sLSE, sDelta,
+             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta,
+             pipe_kv: pipeline.PipelineAsync, pipe_q: pipeline.PipelineAsync,
+             pipe_do: pipeline.PipelineAsync, sched, qblocks):
+        """K and V once, then per q tile: Q + lse2 on the Q pipeline, dO + delta on the dO
+        pipeline (separate barriers so the S GEMM can start before dO lands)."""
+        one = cute.make_layout(1)
+        kv_batch = 0 if const_expr(self.kv_batch_broadcast) else sched.batch  # see BwdConfig
+        gK = cute.local_tile(mK[None, None, sched.head_kv, kv_batch], (self.tile_n, self.head_dim),
+                             (sched.n_block, 0))
+        gV = cute.local_tile(mV[None, None, sched.head_kv, kv_batch], (self.tile_n, self.head_dim_v),
+                             (sched.n_block, 0))
+        tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = _tma_tiles(tma_v, sV, gV)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        g = sched.group
+        for gi in cutlass.range(g, unroll=1):
+            head = sched.head_kv * g + gi
+            b, tm = sched.batch, self.tile_m
+            gQ = cute.local_tile(mQ[None, None, head, b], (tm, self.head_dim), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, b], (tm, self.head_dim_v), (None, 0))
+            gL = cute.local_tile(mLSE2[None, head, b], (tm,), (None,))
+            gD = cute.local_tile(mDelta[None, head, b], (tm,), (None,))
+            tQsQ, tQgQ = _tma_tiles(tma_q, sQ, gQ)
+            tOsO, tOgO = _tma_tiles(tma_do, sdO, gdO)
+            tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one, sLSE, gL)
+            tDsD, tDgD = cpasync.tma_partition(tma_delta, 0, one, sDelta, gD)
+            tiles = (tQsQ, tQgQ, tOsO, tOgO, tLsL, tLgL, tDsD, tDgD)
+            if const_expr(self.sparse):
+                n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
+                for j in cutlass.range(n_part, unroll=1):
+                    state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
+                                              pipe_do, state, self._listed_tile(part_row, j))
+                if const_expr(not self.deterministic):
+                    for j in cutlass.range(n_full, unroll=1):
+                        state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
+                                                  pipe_do, state, self._listed_tile(full_row, j))
+            else:
+                for m in cutlass.range(sched.n_q_tiles, unroll=1):
+                    state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
+                                              pipe_do, state, m)
+
+    @cute.jit
+    def _load_q_tile(self, tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q, pipe_do, state,
+                     m: Int32):
+        tQsQ, tQgQ, tOsO, tOgO, tLsL, tLgL, tDsD, tDgD = tiles
+        pipe_q.producer_acquire(state)
+        bar = pipe_q.producer_get_barrier(state)
+        cute.copy(tma_q, tQgQ[None, m], tQsQ[None, state.index], tma_bar_ptr=bar)
+        cute.copy(tma_lse, tLgL[None, m], tLsL[None, state.index], tma_bar_ptr=bar)
+        pipe_do.producer_acquire(state)
+        bar = pipe_do.producer_get_barrier(state)
+        cute.copy(tma_do, tOgO[None, m], tOsO[None, state.index], tma_bar_ptr=bar)
+        cute.copy(tma_delta, tDgD[None, m], tDsD[None, state.index], tma_bar_ptr=bar)
+        state.advance()
+        return state
+
+    # -----------------------------------------------------------------------------------------
+    # dQ writer warp
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def dq_writer(self, mdQacc: cute.Tensor, sdQ: cute.Tensor, tma_dq: cute.CopyAtom, sched,
+                  qblocks, qorder, mSem, box: cutlass.Constexpr):
+        """Warp 1 + ``box`` serves MMA warpgroup ``box``. Per q tile: free its box (once the
+        previous bulk reduce from it has read it), wait for the warpgroup to fill it, add it into
+        the fp32 accumulator by TMA reduce-add. One warp per box halves each warp's TMA issue
+        and keeps it within the producer warpgroup's 24 registers.
+        Deterministic mode: the box's semaphore orders the adds by kv block (rank = how many kv
+        blocks add before this one: all larger ones when dense, the table when sparse)."""
+        g = sched.group
+        per = self.tiles_per_mask_block
+        for gi in cutlass.range(g, unroll=1):
+            head = sched.head_kv * g + gi
+            gdQ = cute.local_tile(mdQacc[None, None, head, sched.batch], self.dq_box, (None, None))
+            tSs, tSg = _tma_tiles(tma_dq, sdQ, gdQ)
+            sem_row = mSem[sched.batch, head, None] if const_expr(self.deterministic) else None
+            if const_expr(self.sparse):
+                n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
+                if const_expr(self.deterministic):
+                    rank_row, _ = self._order_rows(qorder, sched, head)
+                    for j in cutlass.range(n_part, unroll=1):
+                        rank = rank_row[j // per]
+                        if const_expr(self.dim_split):
+                            # The mask blocks' ranks in kv tiles: kv_per_block adds per listed
+                            # block, its last tile first (decreasing kv order).
+                            kvp = self.kv_per_block
+                            rank = rank * kvp + (kvp - 1 - sched.n_block % kvp)
+                        self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(part_row, j), box,
+                                           sem_row, rank)
+                else:
+                    for j in cutlass.range(n_part, unroll=1):
+                        self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(part_row, j), box,
+                                           sem_row, None)
+                    for j in cutlass.range(n_full, unroll=1):
+                        self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(full_row, j), box,
+                                           sem_row, None)
+            else:
+                rank = sched.n_kv_tiles - 1 - sched.n_block if const_expr(self.deterministic) else None
+                for m in cutlass.range(sched.n_q_tiles, unroll=1):
+                    self._store_dq_box(tma_dq, tSs, tSg, m, box, sem_row, rank)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _order_rows(self, qorder: QOrder, sched, head: Int32):
+        """(rank row, full-flag row) of this kv block's merged q list for query head ``head``."""
+        t = qorder.rank
+        b, h = _bcast(sched.batch, t.shape[0]), _bcast(head, t.shape[1])
+        return qorder.rank[b, h, sched.mask_block, None], qorder.full[b, h, sched.mask_block, None]
+
+    @cute.jit
+    def _store_dq_box(self, tma_dq, tSs, tSg, m: Int32, box: cutlass.Constexpr, sem_row, rank):
+        cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last reduce has read the box
+        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + box, number_of_threads=_DQ_BAR_THREADS)
+        sem_ptr = None
+        if const_expr(self.deterministic):
+            sem_ptr = sem_row.iterator + (2 * m + box)
+            if cute.arch.lane_idx() == 0:
+                seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+                while seen != rank:
+                    seen = cute.arch.load(sem_ptr, Int32, sem="acquire", scope="gpu")
+            cute.arch.sync_warp()
+            # The generic-proxy acquire must be ordered before our async-proxy reduce.
+            cute.arch.fence_proxy("async.global")
+        cute.arch.barrier(barrier_id=_BAR_DQ_FULL + box, number_of_threads=_DQ_BAR_THREADS)
+        if const_expr(self.dq_split == "cols"):
+            cute.copy(tma_dq, tSs[None, box], tSg[None, m, box])
+        else:
+            cute.copy(tma_dq, tSs[None, box], tSg[None, 2 * m + box, 0])
+        cute.arch.cp_async_bulk_commit_group()
+        if const_expr(self.deterministic):
+            # Full completion (not just the smem read), then publish it to the next kv block.
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+            cute.arch.fence_proxy("async.global")
+            if cute.arch.lane_idx() == 0:
+                cute.arch.atomic_add(sem_ptr, Int32(1), sem="release", scope="gpu")
+            cute.arch.sync_warp()
+
+    # -----------------------------------------------------------------------------------------
+    # MMA warpgroups
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def mma(self, mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dv: cute.TiledMma,
+            mma_dq: cute.TiledMma, mdK: cute.Tensor, mdV: cute.Tensor, smem: "_SmemTiles", sdQ, sLSE, sDelta,
+            tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, pipe_kv: pipeline.PipelineAsync,
+            pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
+            softmax_scale: Float32, sched, qblocks, qorder, aux: Aux, grad_accs: tuple):
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_dkv = mma_dkv.get_slice(wg * 128)
+        wg_dv = mma_dv.get_slice(wg * 128)
+        wg_dq = mma_dq.get_slice(wg * 128)
+        if const_expr(self.dim_split):
+            # One warpgroup's Sᵀ/dPᵀ MMA: each warpgroup is its thread range 0..127.
+            wg_sdp = mma_sdp.get_slice(0)
+            thr_sdp = mma_sdp.get_slice(tidx % 128)
+        else:
+            wg_sdp = mma_sdp.get_slice(wg * 128)
+            thr_sdp = mma_sdp.get_slice(tidx)
+        tm, tn = self.tile_m, self.tile_n
+        # Register operands (the smem ones are made per tile: ``_smem_operands``).
+        tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
+        tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((tn, self.head_dim_v)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # Per-register (kv, q) coordinates and lse2 / delta (smem rows broadcast over keys).
+        tScS = thr_sdp.partition_C(cute.make_identity_tensor((tn, tm)))
+        bcast = cute.make_layout((tn, tm, self.num_stages), stride=(0, 1, tm))
+        tSsLSE = thr_sdp.partition_C(cute.make_tensor(sLSE.iterator, bcast))
+        tSsDelta = thr_sdp.partition_C(cute.make_tensor(sDelta.iterator, bcast))
+        # dS (registers, transposed) -> smem as the dQ GEMM's K-major A operand.
+        st_t = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(
+            tidx % 128 if const_expr(self.dim_split) else tidx)
+        tSsdS = thr_st_t.partition_D(transposed(smem.sdS))
+        # dQ accumulator -> this warpgroup's fp32 box, viewed as the whole (tm, D) tile.
+        # Rows and columns through _dq_box_view (16-byte runs per thread).
+        box_r, box_c = self.dq_box
+        rows, cols = _dq_box_view(box_r, box_c)
+        box_stride = box_r * box_c
+        if const_expr(self.dq_split == "cols"):
+            # (64, (cols, 2)): D = 128 split by columns
+            sdQ_tile = cute.make_tensor(sdQ.iterator, cute.make_layout(
+                (rows.shape, (cols.shape, 2)), stride=(rows.stride, (cols.stride, box_stride))))
+        else:
+            # ((64, 2), cols): D = 64 split by rows
+            sdQ_tile = cute.make_tensor(sdQ.iterator, cute.make_layout(
+                ((rows.shape, 2), cols.shape), stride=((rows.stride, box_stride), cols.stride)))
+        tQsdQ = mma_dq.get_slice(tidx).partition_C(sdQ_tile)
+
+        c = Float32(LOG2_E)
+        if const_expr(self.score_mod is None):
+            c = softmax_scale * LOG2_E
+        ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dv, mma_dq, wg_sdp, wg_dkv, wg_dv, wg_dq, smem, tVrP, tKrdS, acc_dV,
+                      acc_dK, tScS, tSsLSE, tSsDelta, thr_st_t, st_t, tSsdS, tQsdQ,
+                      wg_sdp.partition_shape_C((tn, tm)),
+                      wg_dq.partition_shape_C((tm, self.head_dim)), c, softmax_scale, sched, aux, wg,
+                      grad_accs)
+
+        # K and V must have landed even when no q tile is listed: the epilogue overwrites them.
+        pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        g = sched.group
+        kv_ragged = (sched.n_block + 1) * tn > sched.seqlen_k
+        for gi in cutlass.range(g, unroll=1):
+            head = sched.head_kv * g + gi
+            if const_expr(self.sparse and self.deterministic):
+                # One merged list; full entries flagged (see Deterministic mode).
+                n_part, _, part_row, _ = self._q_lists(qblocks, sched, head)
+                _, full_row = self._order_rows(qorder, sched, head)
+                per = self.tiles_per_mask_block
+                for j in cutlass.range(n_part, unroll=1):
+                    m = self._listed_tile(part_row, j)
+                    if full_row[j // per] != 0:
+                        state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head, m, kv_ragged)
+                    else:
+                        state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "partial")
+            elif const_expr(self.sparse):
+                n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
+                for j in cutlass.range(n_part, unroll=1):
+                    state = self._q_tile(ctx, pipe_q, pipe_do, state, head,
+                                         self._listed_tile(part_row, j), "partial")
+                for j in cutlass.range(n_full, unroll=1):
+                    state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head,
+                                              self._listed_tile(full_row, j), kv_ragged)
+            else:
+                for m in cutlass.range(sched.n_q_tiles, unroll=1):
+                    if const_expr(self.mask_mod is not None):
+                        state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "partial")
+                    else:
+                        state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head, m, kv_ragged)
+        self.epilogue(ctx, mdK, mdV, smem.sK, smem.sV, tma_dk, tma_dv, tidx)
+
+    @cute.jit
+    def _full_q_tile(self, ctx, pipe_q, pipe_do, state, head: Int32, m: Int32, kv_ragged):
+        """A full tile skips mask_mod; it checks bounds only when it crosses L or S. Decided
+        before any GEMM is issued (a branch between the waits would serialise the GEMMs)."""
+        if kv_ragged or (m + 1) * self.tile_m > ctx.sched.seqlen_q:
+            state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "bounded")
+        else:
+            state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "full")
+        return state
+
+    @cute.jit
+    def _q_tile(self, ctx, pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
+                state, head: Int32, m: Int32, kind: cutlass.Constexpr):
+        """One Q tile (see the module docstring for the order). The dS smem buffer uses the Q
+        stage's index: both warpgroups pass this tile's barrier only after finishing the
+        previous tile, whose dQ GEMM was the last reader of the other buffer."""
+        idx = state.index
+        ops = self._smem_operands(ctx, idx)
+        pipe_q.consumer_wait(state)
+        acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        wgmma_gemm(ctx.mma_sdp, acc_S, ops.tSrK, ops.tSrQ, zero_init=True)
+        acc_dP = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        if const_expr(self.overlap_dp):
+            pipe_do.consumer_wait(state)
+            wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
+        # lse2 into registers before the Sᵀ wait: the loads land under the GEMMs instead of
+        # stalling the first exp2 right behind the wait (the wait is a memory fence to ptxas:
+        # it does not hoist shared loads above it). Not with kv_batch_broadcast: its 16 more
+        # live registers across the waits spill there (4 bytes), and on the H200 the early reads
+        # measured within 0-2.5% (gpu-s8 NOTES, stage 5); that kernel reads them after the waits.
+        if const_expr(not self.kv_batch_broadcast):
+            rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
+        if const_expr(self.overlap_dp):
+            warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under the elementwise work below
+        else:
+            warpgroup.wait_group(0)
+        # Branch-free from here to the dPᵀ wait (a branch would make ptxas wait at its join).
+        if const_expr(self.kv_batch_broadcast):
+            rLSE = ctx.tSsLSE[None, None, None, idx]
+        self._probabilities(ctx, acc_S, _as_acc_layout(ctx.tVrP, acc_S), rLSE, head, m, kind)
+        if const_expr(not self.overlap_dp):
+            pipe_do.consumer_wait(state)
+        # delta likewise before the dPᵀ wait (and before the dV GEMM, whose issue covers them).
+        if const_expr(not self.kv_batch_broadcast):
+            rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
+        # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
+        wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
+        if const_expr(self.overlap_dp):
+            warpgroup.wait_group(1)  # dPᵀ done (dV may still run)
+        else:
+            # After dV, which reads P: ptxas keeps wgmmas in order, so it cannot hoist this one
+            # above the elementwise work (it does hoist a dP GEMM issued right after P, and
+            # the register peak comes back: 44 bytes of spills for softcap at D = 128).
+            wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
+            warpgroup.wait_group(0)
+        if const_expr(self.kv_batch_broadcast):
+            rDelta = ctx.tSsDelta[None, None, None, idx]
+        sums = None
+        if const_expr(self.score_grads is not None):
+            sums = self._captured_grads(ctx, acc_S, acc_dP, rDelta, head, m)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - rDelta[i])
+        rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
+        rdS.store(acc_dP.load().to(self.dtype))
+        # Identity moves on the packed dS: otherwise the compiler converts dS to bf16 a second
+        # time for the dK GEMM (after the barrier) instead of keeping what the stmatrix used.
+        rdS_words = cute.recast_tensor(rdS, Int32)
+        for i in cutlass.range_constexpr(cute.size(rdS_words)):
+            rdS_words[i] = _opaque_i32(rdS_words[i])
+        # dSᵀ -> smem; both warpgroups' halves are needed by each dQ GEMM.
+        if const_expr(self.dim_split):
+            # Both warpgroups hold all of dS: one stores it.
+            _copy_if(ctx.wg == 0, ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
+        else:
+            cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+        acc_dQ = cute.make_rmem_tensor(ctx.dq_shape, Float32)
+        wgmma_gemm(ctx.mma_dq, acc_dQ, ops.tQrdS, ops.tQrK, zero_init=True)
+        warpgroup.wait_group(1)  # dV done: dO is free
+        pipe_do.consumer_release(state)
+        wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ops.tKrQ, zero_init=False)
+        warpgroup.wait_group(1)  # dQ done
+        cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
+        _store_dq_acc(acc_dQ, ctx.tQsdQ)
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
+        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
+        warpgroup.wait_group(0)  # dK done: Q is free
+        pipe_q.consumer_release(state)
+        if const_expr(self.score_grads is not None):
+            self._flush_uniform_grads(ctx, sums, head, m)
+        state.advance()
+        return state
+
+    @cute.jit
+    def _row_values(self, ctx, tRow: cute.Tensor) -> cute.Tensor:
+        """One stage of lse2 or delta (smem, broadcast over keys: the Sᵀ accumulator's shape)
+        read into registers here. The 32 reads name 16 distinct addresses per thread (its
+        accumulator covers 16 query columns); the compiler merges them into 8 LDS.64."""
+        r = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        for i in cutlass.range_constexpr(cute.size(r)):
+            r[i] = tRow[i]
+        return r
+
+    def _smem_operands(self, ctx, idx: Int32) -> "_SmemOperands":
+        """This tile's smem GEMM operands: K, V and stage ``idx`` of Q, dO, dS, each rebased on
+        an opaque address (``_opaque_smem``: shorter descriptor arithmetic, same descriptors).
+        The B operands of dV/dK/dQ are the same smem viewed transposed (MN-major)."""
+        sm = ctx.smem
+        sQ, sdO, sdS = [_opaque_smem(t[None, None, idx], sw)
+                        for t, sw in ((sm.sQ, sm.swQ), (sm.sdO, sm.swdO), (sm.sdS, sm.swdS))]
+        sK, sV = [_opaque_smem(t, sw) for t, sw in ((sm.sK, sm.swK), (sm.sV, sm.swV))]
+        sdp, dkv, dv, dq = ctx.wg_sdp, ctx.wg_dkv, ctx.wg_dv, ctx.wg_dq
+        return _SmemOperands(
+            tSrK=sdp.make_fragment_A(sdp.partition_A(sK)),
+            tSrQ=sdp.make_fragment_B(sdp.partition_B(sQ)),
+            tPrV=sdp.make_fragment_A(sdp.partition_A(sV)),
+            tPrdO=sdp.make_fragment_B(sdp.partition_B(sdO)),
+            tVrdO=dv.make_fragment_B(dv.partition_B(_transposed_2d(sdO))),
+            tKrQ=dkv.make_fragment_B(dkv.partition_B(_transposed_2d(sQ))),
+            tQrdS=dq.make_fragment_A(dq.partition_A(sdS)),
+            tQrK=dq.make_fragment_B(dq.partition_B(_transposed_2d(sK))),
+        )
+
+    @cute.jit
+    def _probabilities(self, ctx, acc_S: cute.Tensor, rP: cute.Tensor, tLSE: cute.Tensor,
+                       head: Int32, m: Int32, kind: cutlass.Constexpr):
+        """In place: Sᵀ -> P ∘ dscore (fp32, for dS), and P (bf16) into ``rP`` (for dV).
+        kind: "partial" = mask_mod and bounds; "bounded" = bounds; "full" = neither."""
+        use_mask = kind == "partial" and self.mask_mod is not None
+        use_bound = kind != "full"
+        sched = ctx.sched
+        q0 = m * self.tile_m
+        k0 = sched.n_block * self.tile_n
+        neg_inf = -Float32.inf
+        indices = FloatIndices(q0 + ctx.tScS[0][1], k0 + ctx.tScS[0][0])
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            kv_idx = k0 + ctx.tScS[i][0]
+            q_idx = q0 + ctx.tScS[i][1]
+            s = acc_S[i]
+            ds = Float32(1.0)
+            if const_expr(self.score_mod is not None):
+                s, ds = self.score_mod(s * ctx.softmax_scale, sched.batch, head, q_idx, kv_idx, ctx.aux,
+                                       *indices.args(self.score_mod, q_idx, kv_idx))
+            ok = None
+            if const_expr(use_mask):
+                ok = self.mask_mod(sched.batch, head, q_idx, kv_idx, ctx.aux,
+                                   *indices.args(self.mask_mod, q_idx, kv_idx))
+            if const_expr(use_bound):
+                inb = cutlass.and_(q_idx < sched.seqlen_q, kv_idx < sched.seqlen_k)
+                ok = inb if const_expr(ok is None) else cutlass.and_(ok, inb)
+            if const_expr(ok is not None):
+                s = s if ok else neg_inf
+            p = cute.math.exp2(cute.fma(s, ctx.c, -tLSE[i]), fastmath=True)
+            if const_expr(self.score_grads is not None):
+                # Keep P: the captured gradients need P∘(dP − delta) before d score/d score
+                # (``_captured_grads`` multiplies by it afterwards).
+                rP[i] = p.to(self.dtype)
+                acc_S[i] = p
+            elif const_expr(self.score_mod is not None):
+                rP[i] = p.to(self.dtype)
+                pd = p * ds
+                if const_expr(ok is not None):
+                    pd = pd if ok else Float32(0.0)  # dscore may be inf/NaN where masked
+                acc_S[i] = pd
+            else:
+                acc_S[i] = p
+        if const_expr(self.score_mod is None):
+            rP.store(acc_S.load().to(self.dtype))  # vectorised conversion
+
+    @cute.jit
+    def _captured_grads(self, ctx, acc_P: cute.Tensor, acc_dP: cute.Tensor, tDelta: cute.Tensor,
+                        head: Int32, m: Int32):
+        """dS with captured-tensor gradients. ``acc_P`` holds P (not P∘dscore), ``acc_dP`` dPᵀ.
+        Per element: g = P∘(dP − delta) (the gradient w.r.t. the score_mod's output; 0 where
+        masked or out of bounds, since P is), then for every learnable load j
+        ``acc_j[offset_j] += g · d score/d load_j`` in fp64, and dS = g · d score/d score into
+        ``acc_dP``.
+
+        A load whose offset varies with neither q_idx nor kv_idx (``slopes[h]``: uniform over the
+        tile) is summed over the thread's 32 elements in fp32, then over the warp by butterfly
+        shuffles at the end of the tile (``_flush_uniform_grads``); lane 0 adds the warp's sum:
+        one atomic per warp and tile. Any other load
+        (``table[h, clamp(kv - q)]``) adds per element, predicated off where g = 0 (masked
+        elements add nothing). The adds are ``red.global.add.f64`` into a zeroed accumulator: fp64
+        because a table entry can receive ~L·S/2 adds (fp32 running sums lose ~1e-4 there);
+        their order is not fixed, so these gradients are not bit-reproducible run to run even in
+        deterministic mode (dQ, dK, dV are)."""
+        sched = ctx.sched
+        # The first register's (q, kv) through an opaque move: otherwise the compiler reuses the
+        # per-element indices, float indices and load addresses that _probabilities computed
+        # for the score_mod (the same expressions), keeping 32 of them live across the dP
+        # GEMM's wait: spills at D = 128. Recomputing them costs a few integer adds.
+        # And a data dependency on dPᵀ (0 unless it is NaN): ptxas sees through the opaque move
+        # and would hoist the index arithmetic above the dPᵀ wait otherwise (152 bytes of
+        # spills for ALiBi slopes at D = 128).
+        after_dp = Int32(cutlass.select_(acc_dP[0] != acc_dP[0], Int32(1), Int32(0)))
+        qb = _opaque_i32(m * self.tile_m + ctx.tScS[0][1]) + after_dp
+        kb = _opaque_i32(sched.n_block * self.tile_n + ctx.tScS[0][0]) + after_dp
+        q0 = qb - ctx.tScS[0][1]
+        k0 = kb - ctx.tScS[0][0]
+        indices = FloatIndices(qb, kb)
+        uniform = self.grad_offsets.uniform
+        acc_of = self.grad_offsets.acc
+        n_loads = len(uniform)
+        sums = [Float32(0.0) for _ in range(n_loads)]
+        zero = Float32(0.0)
+        for i in cutlass.range_constexpr(cute.size(acc_dP)):
+            kv_idx = k0 + ctx.tScS[i][0]
+            q_idx = q0 + ctx.tScS[i][1]
+            g = acc_P[i] * (acc_dP[i] - tDelta[i])
+            derivs = self.score_grads(sched.batch, head, q_idx, kv_idx, ctx.aux,
+                                      *indices.args(self.score_grads, q_idx, kv_idx))
+            offsets = None
+            if const_expr(not all(uniform)):
+                offsets = self.grad_offsets(sched.batch, head, q_idx, kv_idx, ctx.aux,
+                                            *indices.args(self.grad_offsets, q_idx, kv_idx))
+            for j in cutlass.range_constexpr(n_loads):
+                # A derivative may be inf/NaN where the element is masked (g = 0): select.
+                contrib = Float32(cutlass.select_(g == zero, zero, g * derivs[1 + j]))
+                if const_expr(self.dim_split):
+                    # Both warpgroups hold the same elements: only warpgroup 0 adds them.
+                    contrib = Float32(cutlass.select_(ctx.wg == 0, contrib, zero))
+                if const_expr(uniform[j]):
+                    sums[j] = sums[j] + contrib
+                else:
+                    if contrib != zero:
+                        cute.arch.atomic_add(ctx.grad_accs[acc_of[j]].iterator + offsets[j],
+                                             contrib.to(cutlass.Float64))
+            if const_expr(self.score_grads.unit_dscore):
+                acc_dP[i] = g
+            else:
+                acc_dP[i] = Float32(cutlass.select_(g == zero, zero, g * derivs[0]))
+        return sums
+
+    @cute.jit
+    def _flush_uniform_grads(self, ctx, sums, head: Int32, m: Int32):
+        """The uniform loads' per-thread sums (``_captured_grads``): a warp butterfly, then one
+        fp64 add by lane 0. Done at the end of the tile, when dS is no longer in registers
+        (right after dS was formed, ptxas spilled at D = 128)."""
+        uniform = self.grad_offsets.uniform
+        acc_of = self.grad_offsets.acc
+        n_loads = len(uniform)
+        if const_expr(any(uniform)):
+            sched = ctx.sched
+            qb = m * self.tile_m + ctx.tScS[0][1]
+            kb = sched.n_block * self.tile_n + ctx.tScS[0][0]
+            indices = FloatIndices(qb, kb)
+            # Any element's indices serve: the offset varies with neither.
+            offsets = self.grad_offsets(sched.batch, head, qb, kb, ctx.aux,
+                                        *indices.args(self.grad_offsets, qb, kb))
+            for j in cutlass.range_constexpr(n_loads):
+                if const_expr(uniform[j]):
+                    total = sums[j]
+                    for sh in cutlass.range_constexpr(5):
+                        total = total + cute.arch.shuffle_sync_bfly(total, offset=16 >> sh)
+                    if cute.arch.lane_idx() == 0:
+                        cute.arch.atomic_add(ctx.grad_accs[acc_of[j]].iterator + offsets[j],
+                                             total.to(cutlass.Float64))
+
+    # -----------------------------------------------------------------------------------------
+    # Epilogue
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def epilogue(self, ctx, mdK: cute.Tensor, mdV: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                 tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, tidx: Int32):
+        """dK ·= scale; dK, dV -> smem over K, V (stmatrix) -> gmem (TMA store; rows >= S are
+        clipped by the TMA unit)."""
+        # A fresh thread index the compiler cannot merge with the loop's: otherwise the index
+        # arithmetic shared with the prologue stays live across the whole Q-tile loop.
+        tidx = _opaque_thread_idx() - 128
+        rdK = cute.make_rmem_tensor_like(ctx.acc_dK, self.dtype)
+        rdK.store((ctx.acc_dK.load() * ctx.softmax_scale).to(self.dtype))
+        rdV = cute.make_rmem_tensor_like(ctx.acc_dV, self.dtype)
+        rdV.store(ctx.acc_dV.load().to(self.dtype))
+        # Both warpgroups must be done reading K and V (their last GEMMs were waited for).
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+        st_atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, ctx.mma_dkv).get_slice(tidx)
+        cute.copy(st_atom, thr_st.retile(rdK), thr_st.partition_D(sK))
+        thr_st = cute.make_tiled_copy_C(st_atom, ctx.mma_dv).get_slice(tidx)
+        cute.copy(st_atom, thr_st.retile(rdV), thr_st.partition_D(sV))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 4:
+            sched = ctx.sched
+            for which in cutlass.range_constexpr(2):
+                mX = mdK if const_expr(which == 0) else mdV
+                sX = sK if const_expr(which == 0) else sV
+                atom = tma_dk if const_expr(which == 0) else tma_dv
+                dim = self.head_dim if const_expr(which == 0) else self.head_dim_v
+                gX = cute.local_tile(mX[None, None, sched.head_kv, sched.batch],
+                                     (self.tile_n, dim), (sched.n_block, 0))
+                tXsX, tXgX = _tma_tiles(atom, sX, gX)
+                cute.copy(atom, tXsX, tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+class _BwdSchedule(NamedTuple):
+    """Per-CTA work description (trace-time container of DSL values)."""
+
+    n_block: object  # kv tile = kv mask block
+    head_kv: object
+    batch: object
+    group: object  # query heads per kv head
+    seqlen_q: object
+    seqlen_k: object
+    n_q_tiles: object  # ceil(L / tile_m): dense launches
+    n_kv_tiles: object  # the grid's x extent (``_num_kv_tiles``)
+    mask_block: object  # the kv mask block (= n_block unless kv_per_block > 1): block-list column
+
+
+class _SmemTiles(NamedTuple):
+    """The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V
+    (kv tile, D), all K-major, and the swizzle of each."""
+
+    sQ: object
+    sdO: object
+    sK: object
+    sV: object
+    sdS: object
+    swQ: object
+    swdO: object
+    swK: object
+    swV: object
+    swdS: object
+
+
+class _SmemOperands(NamedTuple):
+    """One Q tile's smem wgmma fragments (``FlexAttentionBwdSm90._smem_operands``)."""
+
+    tSrK: object  # Sᵀ = K Qᵀ
+    tSrQ: object
+    tPrV: object  # dPᵀ = V dOᵀ
+    tPrdO: object
+    tVrdO: object  # dV += Pᵀ dO (B)
+    tKrQ: object  # dK += dSᵀ Q (B)
+    tQrdS: object  # dQ = dS K
+    tQrK: object
+
+
+class _BwdCtx(NamedTuple):
+    """Per-CTA MMA-warpgroup state threaded through the per-tile helpers (trace-time)."""
+
+    mma_sdp: object
+    mma_dkv: object
+    mma_dv: object  # = mma_dkv unless the head dims are split between the warpgroups
+    mma_dq: object
+    wg_sdp: object  # the warpgroup's slices of the tiled MMAs
+    wg_dkv: object
+    wg_dv: object
+    wg_dq: object
+    smem: object  # _SmemTiles
+    tVrP: object
+    tKrdS: object
+    acc_dV: object
+    acc_dK: object
+    tScS: object
+    tSsLSE: object
+    tSsDelta: object
+    thr_st_t: object
+    st_t: object
+    tSsdS: object
+    tQsdQ: object
+    s_shape: object
+    dq_shape: object
+    c: object
+    softmax_scale: object
+    sched: object
+    aux: object
+    wg: object
+    grad_accs: object  # fp64 accumulators of the captured tensors' gradients (or ())
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocess and postprocess (memory-bound; one 16-byte vector per thread per row chunk)
+# ---------------------------------------------------------------------------------------------
+class FlexAttentionBwdPreSm90:
+    """delta = rowsum(dO∘O) − dLSE, lse2 = LSE·log2 e (both 0 on a row with nothing kept and
+    on padding rows), dQ accumulator (and semaphores) zeroed. A row is handled by Dv/8 lanes."""
+
+    def __init__(self, cfg: BwdConfig):
+        self.dtype = cfg.dtype
+        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
+        self.tile_m = cfg.tiling.tile_m
+        self.deterministic = cfg.deterministic
+        self.lanes_per_row = _lanes_per_row(self.head_dim_v)
+        self.rows_per_cta = 128 // self.lanes_per_row
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
+                 has_dlse: Int32, mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
+                 mSem: Optional[cute.Tensor], stream: cuda.CUstream):
+        grid = [cute.ceil_div(mLSE2.shape[2], self.rows_per_cta), mO.shape[1], mO.shape[0]]
+        self.kernel(mO, mdO, mLSE, mdLSE, has_dlse, mLSE2, mDelta, mdQacc, mSem).launch(
+            grid=grid, block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
+               has_dlse: Int32, mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
+               mSem: Optional[cute.Tensor]):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        lpr = self.lanes_per_row
+        row = bx * self.rows_per_cta + tidx // lpr
+        part = tidx % lpr
+        seqlen_q = mO.shape[2]
+        dot = Float32(0.0)
+        chunk = self.head_dim_v // lpr  # elements per lane: 8, or 24 for Dv = 96
+        if row < seqlen_q:
+            rO = cute.make_rmem_tensor((chunk,), self.dtype)
+            rdO = cute.make_rmem_tensor((chunk,), self.dtype)
+            cute.autovec_copy(cute.local_tile(mO[batch, head, row, None], (chunk,), (part,)), rO)
+            cute.autovec_copy(cute.local_tile(mdO[batch, head, row, None], (chunk,), (part,)), rdO)
+            for i in cutlass.range_constexpr(chunk):
+                dot += rO[i].to(Float32) * rdO[i].to(Float32)
+        for off in cutlass.range_constexpr(int(math.log2(lpr))):
+            dot += cute.arch.shuffle_sync_bfly(dot, offset=(lpr // 2) >> off)
+        if row < mLSE2.shape[2]:
+            if part == 0:
+                lse2 = Float32(0.0)
+                delta = Float32(0.0)
+                if row < seqlen_q:
+                    lse = mLSE[batch, head, row]
+                    kept = lse != -Float32.inf
+                    lse2 = lse * LOG2_E if kept else Float32(0.0)
+                    delta = dot
+                    if has_dlse != 0:
+                        # d lse / d s = P, so an LSE gradient only shifts delta.
+                        dlse = mdLSE[batch, head, row]
+                        delta = delta - (dlse if kept else Float32(0.0))
+                mLSE2[batch, head, row] = lse2
+                mDelta[batch, head, row] = delta
+                if const_expr(self.deterministic):
+                    if row % self.tile_m == 0:  # one semaphore per dQ box: 2 per q tile
+                        mSem[batch, head, 2 * (row // self.tile_m)] = Int32(0)
+                        mSem[batch, head, 2 * (row // self.tile_m) + 1] = Int32(0)
+            per = self.head_dim // lpr
+            zeros = cute.make_rmem_tensor((per,), Float32)
+            zeros.fill(0.0)
+            cute.autovec_copy(zeros, cute.local_tile(mdQacc[batch, head, row, None], (per,), (part,)))
+
+
+def _lanes_per_row(head_dim: int) -> int:
+    """Lanes that share one row in the preprocess: one 16-byte vector (8 elements) each
+    when head_dim / 8 is a power of two (32: 4, 64: 8, 128: 16), else the largest power of two
+    dividing it, each lane taking several vectors (96: 4 lanes of 24 elements). A power of two
+    dividing 32, so that a row's lanes sit in one warp and the butterfly reduction covers them
+    exactly (12 lanes for 96 would straddle warps and leave 8 threads on the next CTA's rows)."""
+    n = head_dim // 8
+    return n & -n
+
+
+class FlexAttentionBwdPostSm90:
+    """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only).
+
+    The accumulator is dQ permuted within 16-row × 8-column blocks (``_dq_box_view``): a
+    thread takes accumulator rows 16a + 2ρ + {0, 1}, columns 8g..8g+7 (two 16-byte loads per
+    row), which hold dQ rows 16a + ρ + {0, 8}, columns 8g..8g+7 (one 16-byte store each)."""
+
+    def __init__(self, cfg: BwdConfig):
+        self.dtype = cfg.dtype
+        self.head_dim = cfg.head_dim
+        self.lanes_per_row = self.head_dim // 8
+        # A unit: 2 accumulator rows. D = 96: 12 lanes, 10 units; the 8 spare threads redo the
+        # next CTA's first unit, writing the same values (no reduction here, so that is benign).
+        self.units_per_cta = 128 // self.lanes_per_row
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+                 stream: cuda.CUstream):
+        grid = [cute.ceil_div(cute.ceil_div(mdQ.shape[2], 16) * 8, self.units_per_cta),
+                mdQ.shape[1], mdQ.shape[0]]
+        self.kernel(mdQacc, mdQ, softmax_scale).launch(grid=grid, block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        lpr = self.lanes_per_row
+        unit = bx * self.units_per_cta + tidx // lpr  # = 8a + ρ
+        g = tidx % lpr
+        base = 16 * (unit // 8) + unit % 8  # dQ row 16a + ρ
+        if base < mdQ.shape[2]:
+            acc = [cute.make_rmem_tensor((8,), Float32) for _ in range(2)]  # acc. row 16a+2ρ+t1
+            for t1 in cutlass.range_constexpr(2):
+                cute.autovec_copy(
+                    cute.local_tile(mdQacc[batch, head, 2 * unit + t1, None], (8,), (g,)), acc[t1])
+            for h in cutlass.range_constexpr(2):
+                row = base + 8 * h
+                if row < mdQ.shape[2]:
+                    out = cute.make_rmem_tensor((8,), self.dtype)
+                    # dQ column 8g + 2t + e, t = t0 + 2·t1: accumulator column 8g + 4·t0 + 2h + e
+                    for t in cutlass.range_constexpr(4):
+                        for e in cutlass.range_constexpr(2):
+                            out[2 * t + e] = (acc[t // 2][4 * (t % 2) + 2 * h + e]
+                                              * softmax_scale).to(self.dtype)
+                    cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (8,), (g,)))

@@ -1,0 +1,1502 @@
+"""Hopper (sm_90a) FlashAttention forward template with two holes: ``score_mod`` and ``mask_mod``.
+
+What this module holds
+----------------------
+* ``FwdConfig`` / ``choose_tiling``: the frozen compile-time configuration and the tile table.
+* ``FlexAttentionFwdSm90``: the CuTeDSL kernel class. ``__init__`` takes a ``FwdConfig``;
+  the ``@cute.jit`` ``__call__`` builds the TMA atoms, smem layouts and tiled MMAs and launches;
+  the ``@cute.kernel`` body splits warpgroups into roles: ``load`` (producer warpgroup),
+  ``mma`` (one per consumer warpgroup: both GEMMs plus the online softmax) and ``epilogue``.
+* A small host API: ``compile_fwd`` returns a ``CompiledFwd`` (the backend caches it and calls
+  it again with new shapes: sequence lengths, batch, heads and strides are runtime values),
+  launched on the current torch stream. Shared pieces (``Aux``, layouts, reductions, the
+  TVM-FFI plumbing) come from ``cute_common``. By default the kernel is compiled
+  for TVM-FFI and called with the torch tensors themselves (a few microseconds of host time
+  per call instead of ~100 µs of per-call DLPack wrapping), and ``CompiledFwd.export`` writes
+  it to an object file another process can load; see "Host API" below.
+
+Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pipelining)
+-------------------------------------------------------------------------------------
+* One CTA computes a tile_m-row query tile (128; 192 for dense D=64) of one (batch, query head).
+  Warpgroup 0 is the producer:
+  it drops to ``load_regs`` registers (``setmaxnreg.dec``) and one warp issues TMA loads of Q
+  (once), then K and V tiles through two ``PipelineTmaAsync`` rings (``num_stages`` deep each).
+  Warpgroups 1..n are consumers, raised to ``mma_regs`` (``setmaxnreg.inc``); each owns 64
+  query rows (the wgmma M). The kernel is launched with ``min_blocks_per_mp=1`` so the register
+  caps take effect.
+* S = Q Kᵀ and O += P V are wgmma; P stays in registers (RS form) as the A operand of PV.
+* Overlap, both kinds: (1) inside a warpgroup, iteration j issues QKᵀ(j) then PV(j-1) and waits
+  only for the first, so the softmax of block j runs while PV(j-1) is in flight; (2) between the
+  consumer warpgroups, a named-barrier ping-pong orders the GEMM issue so one warpgroup's
+  softmax hides under the other's GEMMs (on for head_dim <= 128). Trap: the code between
+  ``wait_group(1)`` and ``wait_group(0)`` must be branch-free; ptxas otherwise waits for the PV
+  GEMM at the branch's join and the first overlap is lost (seen in SASS, cost ~5% end to end).
+* Softmax in the exp2 domain: p = exp2(s·c − m·c) is one FFMA + one MUFU.EX2 where
+  c = softmax_scale·log2(e) (or log2(e) when a score_mod already produced natural-unit scores).
+  Row max / row sum are per thread and reduced over the 4 threads of a row with butterfly
+  shuffles. O is rescaled only when some row's max grew by more than ``rescale_threshold`` (log2
+  units; default 0): below that the stale max is kept, which stays exact in exact arithmetic
+  because the sum and the LSE use the same stale max (p values stay below 2**threshold). The
+  rescale is skipped per warp by vote. Measured on the H200, a threshold of 8 (FA4's) raised
+  the bf16 output's mean error 3-10% above torch Flex-Triton's; 0 matches it.
+* Epilogue: O is normalised, converted, written to smem over Q's buffer with stmatrix and stored
+  by TMA (rows >= L are clipped by the TMA unit). LSE (natural log, fp32) = (m·c + log2(Σp))·ln2.
+  A row with no unmasked key gives O = 0 and LSE = -inf, never NaN.
+
+Persistent variant (``Tiling.persistent``; the backend picks it for short kv loops)
+-------------------------------------------------------------------------------
+The grid is min(num_tiles, num_sms) CTAs (``num_sms`` is a runtime argument: the device's SM
+count on the host path, 132 for a CPU compile); CTA i runs tiles i, i + grid, i + 2·grid, ... in
+``_tile_coords``'s order, so longest-first and the L2 sections still hold. The producer warp and
+each consumer warpgroup run that loop with their own copy of ``_schedule`` per tile, and carry
+their pipeline states (Q: one stage, K/V: a ring) from tile to tile: ``_load_tile`` /
+``_mainloop`` both advance the K/V state once per kv tile visited, i.e. past V(last).
+* Overlap: the consumers release Q right after their last QK GEMM has completed (before the
+  last PV GEMM; at once for an empty row), so the producer loads the next tile's Q, and its
+  first K/V tiles as stages free up, under this tile's last PV GEMM and epilogue.
+* O has its own smem buffer (the next Q may be landing in Q's). D=128: Q 32 + K/V 2×64 + O 32
+  = 192 KB; D=64: 128 KB (block-sparse) / 144 KB (dense 192-row); D=256 would need 256 KB and
+  is refused. The epilogue's TMA store is committed but not waited for; before the next tile's
+  stmatrix, warp 4 (the storing warp) waits for its bulk group with read semantics and the
+  first epilogue barrier releases the other consumer threads; after the loop warp 4 waits once
+  more, so sO outlives the last store's reads.
+* Ping-pong: per tile each consumer warpgroup waits on its own named barrier and signals the
+  next warpgroup's once per steady kv tile (total − 1 times, the same for all warpgroups of a
+  tile), so the single token that warpgroup 0 hands itself ONCE PER CTA, before the tile loop,
+  is back at warpgroup 0's barrier at every tile boundary (the per-CTA kernel hands it out after
+  the first kv tile instead). Warpgroups cannot drift apart across tiles: the epilogue barriers
+  join all consumer threads every tile.
+
+Dynamic tile scheduler (``Tiling.dynamic_schedule``, persistent only; ``choose_tiling``'s default)
+-----------------------------------------------------------------------------------------------
+Static striding fixes each CTA's tile set up front; causal tiles cost 1..n kv tiles, so CTAs
+finish unevenly (the per-tile kernel gets greedy balancing from the hardware block scheduler).
+With this option a CTA's first tile is block_idx and each further one is ``grid +
+atomicAdd(counter[0], 1)``, an index into the same longest-first order, so idle CTAs pick up
+the remaining tiles greedily (FA3's dynamic persistent scheduler).
+* Counter: a (2,) int32 global tensor, a kernel argument (``tile_counter``), owned by the host
+  side of this module: one per (device, stream), zeroed when allocated (on the launch stream).
+  It is never memset per launch: each launch leaves it at zero. Every CTA's producer, after its
+  last claim, adds 1 to counter[1] (acq_rel, so its claims are ordered before); the CTA that
+  reads grid − 1 is the last, no claim can follow, and it stores 0 to both words. Launches on
+  one stream are serialised, so the next one starts from zero; another stream has its own.
+* Claim: the producer warp's lane 0 issues the atomic right after the current tile's Q load
+  and the result is shuffled to the warp only at the end of the tile's K/V loads, so the
+  atomic's round trip hides under them. Claiming when a tile's Q is issued (the consumers are
+  finishing the previous tile) keeps claims one tile ahead, as FA3 does.
+* Handshake, piggybacked on the Q pipeline (one stage): the producer waits for Q's empty
+  barrier, then ONE elected thread writes the tile index to an smem slot and arrives on Q's
+  full barrier (arrive.expect_tx; the Q TMA follows). Consumers wait for Q full, read the slot,
+  sync their warp, and only then go on to use Q. No race: the arrive has release semantics
+  and the consumers' wait acquire semantics, so the slot is visible with Q; the producer
+  rewrites the slot only after the NEXT empty-barrier phase, which needs every consumer warp's
+  release of Q, issued after that warp read the slot (the warp sync orders all lanes' reads
+  before lane 0's release arrive). The slot thus has the same lifetime as sQ itself.
+* Termination: a claim >= num_tiles is the sentinel. The producer still publishes it (wait for
+  Q empty, write the slot, a PLAIN mbarrier arrive: the full barrier expects one arrival and,
+  with no expect_tx, zero bytes, so the phase completes without a TMA), then exits; the
+  consumers read it after their Q wait and leave the tile loop (then the last-store wait).
+  The K/V rings and the ping-pong token are unchanged: all roles walk the same tile sequence.
+* Cost: one global atomic per tile, one more per CTA, 8 bytes of smem. The consumers compute
+  ``_schedule`` after the Q wait rather than before it (its loads usually hit L1: the producer
+  warp read the same block counts moments before).
+
+Block sparsity (FlexAttention's BlockMask, mask block 128×128)
+--------------------------------------------------------------
+``kv_num_blocks`` (Bm, Hm, nQB) + ``kv_indices`` (Bm, Hm, nQB, nKVB) list PARTIAL blocks (mask_mod
+applied per element), ``full_kv_num_blocks`` + ``full_kv_indices`` list FULL blocks (mask_mod
+skipped; only the kv < S bound on a ragged last block). Bm ∈ {1, B}, Hm ∈ {1, Hq}: size 1
+broadcasts. All int32; the order inside a list is free. The CTA for q-tile m walks partial blocks
+first, then full blocks; whether a full block crosses S is decided per block before its GEMMs are
+issued. Without a block mask (``has_block_mask=False``) every kv tile is visited: as partial tiles
+when a mask_mod is given, else as full tiles (dense mode, the last/ragged tile first).
+
+Scheduling: a 1-D grid of q-tiles. Block-sparse launches group (head, batch) pairs into sections
+whose K/V fit in L2 and run the longest q-tiles (the last ones, under causal masks) first; dense
+launches walk one head's q-tiles together (``hb_per_section`` = 1), measured faster.
+
+The holes: the score_mod / mask_mod contract
+--------------------------------------------
+Both are compile-time Python callables (``None`` allowed), traced inline for every element of the
+S tile, so they must be ``@cute.jit`` functions (or plain Python on DSL values)::
+
+    score_mod(score: Float32, b: Int32, h: Int32, q_idx: Int32, kv_idx: Int32, aux: Aux) -> Float32
+    mask_mod(b: Int32, h: Int32, q_idx: Int32, kv_idx: Int32, aux: Aux) -> Boolean
+
+A mod with the attribute ``float_indices = True`` takes four more arguments, ``q_idx_f``,
+``kv_idx_f`` and ``kv_minus_q_f`` (Float32 copies of the indices and of their difference, formed
+cheaply: ``FloatIndices``) and ``kv_minus_q_parts`` = (base, offset), the two terms of
+``kv_minus_q_f`` (a per-tile base and a compile-time offset per register): ``X * kv_minus_q_f``
+for an X uniform over the tile is ``cute.fma(X, offset, X * base)``, one FFMA per element once
+``X * base`` is shared (ALiBi's bias).
+
+* ``score`` is q·k·softmax_scale in natural units (torch's FlexAttention semantics).
+* ``b`` batch, ``h`` QUERY head, ``q_idx`` / ``kv_idx`` global positions. Rows q_idx >= L and
+  columns kv_idx >= S can reach the mods (ragged tiles); their results are discarded, but a mod
+  that indexes a buffer must clamp its indices (the code generator does).
+* ``aux`` is an ``Aux`` NamedTuple: ``aux.tensors[i]`` is a ``cute.Tensor`` in global memory with the
+  captured torch tensor's shape (runtime values) and dtype (bool arrives as ``cutlass.Boolean``),
+  indexed ``aux.tensors[i][i0, i1, ...]`` with Int32 expressions; ``aux.scalars[j]`` is a runtime
+  ``Float32`` or ``Int32`` kernel argument (a new value does not recompile).
+* Masking is applied after score_mod (a masked element becomes -inf), as in torch.
+
+Shapes: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), o (B, Hq, L, Dv), lse (B, Hq, L)
+fp32 (k and v (1, Hkv, S, ·) with ``FwdConfig.kv_batch_broadcast``: one K/V for every query
+batch, e.g. a paged KV cache; strides nonzero, see ``check_kv_batch``); the last dim of q/k/v/o
+contiguous, 16-byte aligned, other strides arbitrary; bf16 or fp16;
+Hq = g·Hkv (query head h reads kv head h // g). Supported head dims (D, Dv): ``HEAD_DIMS``, i.e.
+D == Dv in {32, 64, 96, 128, 192, 256} and (192, 128).
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
+from cutlass.memory.smem import SmemAllocator
+
+from flexjit.templates.cute.common import LN_2, LOG2_E, MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, as_scalar, aux_cutlass_dtype, check_kv_batch, device_num_sms, fadd, ffi_function, permute, placeholder, quad_allreduce, rows_cols, rows_cols_layout, scheduler_counter, smem_layout, stream_context, transposed, tree, tvm_ffi_enabled, wgmma_gemm
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_EPILOGUE = 1
+_BAR_PINGPONG_BASE = 2  # 2 + consumer warpgroup index
+
+
+class BlockSparse(NamedTuple):
+    """FlexAttention BlockMask tensors, int32: counts (Bm, Hm, nQB), indices (Bm, Hm, nQB, nKVB)."""
+
+    kv_num_blocks: cute.Tensor
+    kv_indices: cute.Tensor
+    full_kv_num_blocks: cute.Tensor
+    full_kv_indices: cute.Tensor
+
+
+@dataclass(frozen=True)
+class Tiling:
+    tile_m: int
+    tile_n: int
+    num_stages: int
+    num_mma_wgs: int
+    pingpong: bool
+    mma_regs: int
+    load_regs: int
+    # Persistent: min(num_tiles, num_SMs) CTAs each walk tiles block_idx, block_idx + grid, ...
+    # in ``_tile_coords``'s order; O gets its own smem buffer (see "Persistent variant").
+    persistent: bool = False
+    # Persistent only: after its first tile (block_idx) a CTA takes the next unclaimed tile of
+    # the same order from a global atomic counter instead of striding by the grid size (see
+    # "Dynamic tile scheduler").
+    dynamic_schedule: bool = False
+
+
+SMEM_CAPACITY = 227 * 1024  # sm90 opt-in maximum per CTA
+
+# (head_dim, head_dim_v) pairs with a row in ``choose_tiling``'s table.
+HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256))
+
+
+def dynamic_schedule_default() -> bool:
+    """Whether persistent tilings built without an explicit choice claim tiles dynamically: yes
+    (it beat the static grid stride on every short-loop case measured; docs/performance.md)."""
+    return True
+
+
+def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
+                  persistent: bool = False, dynamic_schedule: Optional[bool] = None) -> Tiling:
+    """Tile table. With a block mask, tile_m is 128 = one mask-block row, so a CTA reads exactly
+    one row of the BlockMask, and tile_n divides the 128-wide mask block for the same reason.
+
+    * D = 64, dense (no block mask): 192×128, 3 consumer warpgroups (FA3/FA4's choice): the
+      K=64 GEMMs are short, so a third warpgroup keeps the tensor cores fed while two run their
+      softmax. Registers 3×128×160 + 128×32 = 65536. Smem Q 24 KB + 3×(16+16) KB.
+    * D = 64, block-sparse: 128×128, 2 warpgroups, 3 stages (a 192-row tile would straddle two
+      mask-block rows).
+    * D = 128: 128×128, 2 warpgroups, 2 stages (32 + 2×(32+32) = 160 KB), both overlaps: FA3's
+      best configuration.
+    * D = 256: 128×64, 2 warpgroups, 2 stages (64 + 2×(32+32) = 192 KB). O alone is 128 fp32
+      registers per thread; an S tile of 64 columns (32 regs) keeps the total under 240. FA4 uses
+      tile_n = 80, which would not divide the mask block. No ping-pong (the long PV GEMM makes the
+      two warpgroups' turns uneven).
+    * D = 32: D = 64's block-sparse row, dense too (57 KB): the 192-row 3-warpgroup tile at 160
+      registers spills 48 bytes with a gathered bias (relative_bias), 240 leaves room.
+    * D = 96: D = 128's row (smem 24 + 2×(24+24) = 120 KB). FA3 runs 192×144 with 3 consumer
+      warpgroups; here 192×128 at 160 registers spills 144 bytes (O 48 + S 64 + P 32 per thread
+      leaves too little for the rest), and 144 would not divide the mask block.
+    * D = 192, Dv = 192: 128×64, 2 stages (48 + 2×(24+24) = 144 KB). tile_n = 128 would need
+      48 + 2×96 = 240 KB > 227 KB; FA3's 112 does not divide the mask block. Registers as
+      D = 256's minus 32 (O 96 + S 32 + P 16); the GEMMs of a kv tile are of equal length
+      (64×64×192 and 64×192×64), so ping-pong stays on.
+    * D = 192, Dv = 128 (DeepSeek's MLA shapes): 128×128, 2 stages (Q 48 + 2×(K 48 + V 32)
+      = 208 KB); the register picture is D = 128's (O 64 + S 64 + P 32); O (32 KB) fits in
+      Q's buffer.
+    Two consumer warpgroups: 2×128×240 + producer 128×24 = 64512 <= 65536 registers. Every row
+    compiles without spills with the heaviest core mods (tests/test_cute_sm90_compile.py).
+
+    ``persistent`` adds a separate O buffer (tile_m × Dv): D = 128 needs 192 KB, D = 64 128 KB
+    (block-sparse) or 144 KB (dense), D = 96 145 KB, D = 32 65 KB; D = 256 would need
+    256 KB > 227 KB and (192, 128) 240 KB, so they are refused; (192, 192) would fit (192 KB) but
+    is refused as well until it is measured.
+
+    ``dynamic_schedule`` (persistent only; None: ``FLEXJIT_CUTE_DYNAMIC_SCHEDULE``) picks the
+    atomic-counter tile scheduler over the static grid stride; it is ignored without
+    ``persistent``.
+    """
+    if dynamic_schedule is None:
+        dynamic_schedule = dynamic_schedule_default()
+    dyn = bool(persistent and dynamic_schedule)
+    if (head_dim, head_dim_v) not in HEAD_DIMS:
+        raise NotImplementedError(
+            f"cute_sm90_fwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
+    if persistent and head_dim == 256:
+        raise NotImplementedError(
+            "cute_sm90_fwd: the persistent variant does not support head_dim 256 (Q 64 KB + "
+            "K/V 2x64 KB + a separate O buffer 64 KB = 256 KB > 227 KB of shared memory)")
+    if persistent and head_dim == 192:
+        raise NotImplementedError(
+            f"cute_sm90_fwd: the persistent variant does not support head dims ({head_dim}, "
+            f"{head_dim_v}) (no smem for a separate O buffer beside 2 K/V stages)")
+    if head_dim == 64:
+        if not block_sparse:
+            return Tiling(192, 128, 3, 3, True, 160, 32, persistent, dyn)
+        return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
+    if head_dim == 32:
+        return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
+    if head_dim in (96, 128):
+        return Tiling(128, 128, 2, 2, True, 240, 24, persistent, dyn)
+    if head_dim == 192 and head_dim_v == 128:
+        return Tiling(128, 128, 2, 2, True, 240, 24)
+    if head_dim == 192:
+        return Tiling(128, 64, 2, 2, True, 240, 24)
+    return Tiling(128, 64, 2, 2, False, 240, 24)  # 256
+
+
+def smem_bytes(cfg: "FwdConfig") -> int:
+    """Shared memory the kernel allocates (operand buffers at 1 KB alignment + mbarriers)."""
+    t = cfg.tiling
+    elem = 2  # bf16 / fp16
+    q = t.tile_m * cfg.head_dim * elem
+    o = t.tile_m * cfg.head_dim_v * elem
+    kv = t.num_stages * t.tile_n * (cfg.head_dim + cfg.head_dim_v) * elem
+    bars = 8 * (2 + 4 * t.num_stages)
+    if t.dynamic_schedule:
+        bars += 8  # the published tile index
+    q_region = q + o if t.persistent else max(q, o)
+    return 1024 + q_region + kv + bars  # 1024: worst-case padding to the first aligned buffer
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Frozen compile-time configuration. Everything not here is a runtime argument."""
+
+    head_dim: int
+    head_dim_v: int
+    dtype: type  # cutlass.BFloat16 or cutlass.Float16
+    score_mod: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+    has_block_mask: bool = False
+    rescale_threshold: float = 0.0  # log2 units; 0.0 rescales whenever a row max grows
+    tiling: Tiling = field(default=None)
+    write_max: bool = False  # also write each row's max modded score (AuxRequest(max_scores))
+    # K/V of batch extent 1 serve every query batch (torch's batch broadcast; the paged caches):
+    # their TMA loads take batch coordinate 0. Off: K/V have the query's batch.
+    kv_batch_broadcast: bool = False
+
+    def __post_init__(self):
+        if self.tiling is None:
+            object.__setattr__(self, "tiling", choose_tiling(self.head_dim, self.head_dim_v,
+                                                             self.has_block_mask))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel
+# ---------------------------------------------------------------------------------------------
+class FlexAttentionFwdSm90:
+    """Warp-specialised FlashAttention-3 style forward for sm_90a with score/mask holes."""
+
+    def __init__(self, cfg: FwdConfig):
+        t = cfg.tiling
+        self.cfg = cfg
+        self.dtype = cfg.dtype
+        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
+        self.tile_m, self.tile_n = t.tile_m, t.tile_n
+        self.num_stages = t.num_stages
+        self.num_mma_wgs = t.num_mma_wgs
+        self.num_mma_threads = 128 * t.num_mma_wgs
+        self.num_threads = 128 + self.num_mma_threads
+        self.mma_regs, self.load_regs = t.mma_regs, t.load_regs
+        self.pingpong = t.pingpong and t.num_mma_wgs >= 2
+        self.score_mod, self.mask_mod = cfg.score_mod, cfg.mask_mod
+        self.sparse = cfg.has_block_mask
+        self.rescale_threshold = float(cfg.rescale_threshold)
+        self.write_max = bool(cfg.write_max)
+        self.kv_batch_broadcast = bool(cfg.kv_batch_broadcast)
+        if self.sparse:
+            assert self.tile_m == MASK_BLOCK and MASK_BLOCK % self.tile_n == 0
+        self.tiles_per_mask_block = max(1, MASK_BLOCK // self.tile_n)
+        # Which loop bodies exist: partial tiles (mask_mod + bound), full tiles (bound if ragged).
+        self.has_partial = self.sparse or self.mask_mod is not None
+        self.has_full = self.sparse or self.mask_mod is None
+        self.persistent = bool(getattr(t, "persistent", False))
+        self.dynamic = self.persistent and bool(getattr(t, "dynamic_schedule", False))
+        if self.persistent and smem_bytes(cfg) > SMEM_CAPACITY:
+            raise NotImplementedError(
+                f"cute_sm90_fwd: the persistent variant needs {smem_bytes(cfg)} bytes of shared "
+                f"memory for this tiling (> {SMEM_CAPACITY}); use persistent=False")
+
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Hq, L, D)
+        mK: cute.Tensor,  # (B, Hkv, S, D)
+        mV: cute.Tensor,  # (B, Hkv, S, Dv)
+        mO: cute.Tensor,  # (B, Hq, L, Dv)
+        mLSE: cute.Tensor,  # (B, Hq, L) fp32
+        softmax_scale: Float32,
+        hb_per_section: Int32,  # L2 swizzle: (head, batch) pairs per scheduling section
+        blocks: Optional[BlockSparse],
+        aux_tensors: Optional[tuple],  # None when empty (empty tuples are not valid jit args)
+        aux_scalars: Optional[tuple],
+        num_sms: Int32,  # persistent grid size cap (runtime: not baked into the kernel)
+        tile_counter: Optional[cute.Tensor],  # (2,) int32, dynamic scheduler only (else None)
+        mMax: Optional[cute.Tensor],  # (B, Hq, L) fp32 row max of the modded scores, or None
+        stream: cuda.CUstream,
+    ):
+        if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
+            raise TypeError("q/k dtype does not match the config")
+        # Sequence-major views: (L, D, Hq, B), (S, D, Hkv, B), (S, Dv, Hkv, B), (L, Hq, B).
+        q, k, v, o = [permute(t, [2, 3, 1, 0]) for t in (mQ, mK, mV, mO)]
+        lse = permute(mLSE, [2, 1, 0])
+        row_max = permute(mMax, [2, 1, 0]) if const_expr(mMax is not None) else None
+
+        D, Dv, tm, tn = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
+        sQ_layout = smem_layout(self.dtype, tm, D)
+        sK_layout = smem_layout(self.dtype, tn, D, self.num_stages)
+        sV_layout = smem_layout(self.dtype, tn, Dv, self.num_stages)
+        sO_layout = smem_layout(self.dtype, tm, Dv)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, q, sQ_layout, (tm, D))
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, k, cute.select(sK_layout, mode=[0, 1]), (tn, D))
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, v, cute.select(sV_layout, mode=[0, 1]), (tn, Dv))
+        tma_o, tO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), o, sO_layout, (tm, Dv)
+        )
+        self.tx_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tx_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.tx_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+
+        K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        mma_qk = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (self.num_mma_wgs, 1, 1), (64, tn)
+        )
+        mma_pv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (self.num_mma_wgs, 1, 1),
+            (64, Dv), warpgroup.OperandSource.RMEM,
+        )
+
+        if const_expr(not self.persistent):
+            q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))  # O reuses Q's buffer
+
+            @cute.struct
+            class SharedStorage:
+                mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+            self.shared_storage = SharedStorage
+        elif const_expr(self.dynamic):
+            # Dynamic scheduler: plus one int32 slot through which the producer publishes each
+            # tile index (or the end sentinel) with that tile's Q (see "Dynamic tile scheduler").
+            @cute.struct
+            class SharedStorageDynamic:
+                mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                tile_idx: cute.struct.MemRange[Int32, 2]
+                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+
+            self.shared_storage = SharedStorageDynamic
+        else:
+            # Persistent: the producer may load the next tile's Q while this tile's O is staged,
+            # so O has a buffer of its own.
+            @cute.struct
+            class SharedStoragePersistent:
+                mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+
+            self.shared_storage = SharedStoragePersistent
+
+        num_m_blocks = cute.ceil_div(q.shape[0], tm)
+        num_tiles = num_m_blocks * q.shape[2] * q.shape[3]
+        num_ctas = num_tiles
+        if const_expr(self.persistent):
+            num_ctas = cutlass.min(num_tiles, cutlass.max(num_sms, 1))
+        self.kernel(
+            tQ, tK, tV, tO, lse, tma_q, tma_k, tma_v, tma_o, mma_qk, mma_pv,
+            softmax_scale, hb_per_section, blocks, aux_tensors, aux_scalars,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tile_counter, row_max,
+        ).launch(
+            grid=[num_ctas, 1, 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # -----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # TMA view (L, D, Hq, B)
+        mK: cute.Tensor,  # TMA view (S, D, Hkv, B)
+        mV: cute.Tensor,  # TMA view (S, Dv, Hkv, B)
+        mO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
+        mLSE: cute.Tensor,  # (L, Hq, B)
+        tma_q: cute.CopyAtom,
+        tma_k: cute.CopyAtom,
+        tma_v: cute.CopyAtom,
+        tma_o: cute.CopyAtom,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        softmax_scale: Float32,
+        hb_per_section: Int32,
+        blocks: Optional[BlockSparse],
+        aux_tensors: Optional[tuple],
+        aux_scalars: Optional[tuple],
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sO_layout: cute.ComposedLayout,
+        tile_counter: Optional[cute.Tensor],
+        mMax: Optional[cute.Tensor],  # (L, Hq, B) or None
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+        # First, so that its global loads (block counts, first indices) overlap the setup.
+        # (Persistent: each role computes it per tile inside its tile loop.)
+        sched = None
+        if const_expr(not self.persistent):
+            sched = self._schedule(mQ, mK, hb_per_section, blocks, None)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        pipe_q, pipe_k, pipe_v = self._make_pipelines(storage)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        if const_expr(self.persistent):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sTile = None
+        if const_expr(self.dynamic):
+            sTile = storage.tile_idx.get_tensor(cute.make_layout(2))
+
+        aux = Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
+                  tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.load_regs)
+            if warp_idx == 0:
+                ld = _Loads(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v)
+                self.load(ld, hb_per_section, blocks, sched, sTile, tile_counter)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.mma(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, transposed(sV), sO, tma_o, pipe_q,
+                     pipe_k, pipe_v, softmax_scale, hb_per_section, blocks, aux, sched, sTile, mMax)
+
+    def _make_pipelines(self, storage):
+        """Q: one stage; K and V: ``num_stages`` each. TMA producer = 1 thread; consumers arrive
+        once per warp (PipelineTmaAsync releases from lane 0 of each consumer warp)."""
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        make = pipeline.PipelineTmaAsync.create
+        pipe_q = make(barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+                      producer_group=producer, consumer_group=consumers, tx_count=self.tx_q,
+                      defer_sync=True)
+        pipe_k = make(barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
+                      producer_group=producer, consumer_group=consumers, tx_count=self.tx_k,
+                      defer_sync=True)
+        pipe_v = make(barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
+                      producer_group=producer, consumer_group=consumers, tx_count=self.tx_v,
+                      defer_sync=True)
+        return pipe_q, pipe_k, pipe_v
+
+    # -----------------------------------------------------------------------------------------
+    # Scheduling: which tile, which kv tiles
+    # -----------------------------------------------------------------------------------------
+    def _num_tiles(self, mQ: cute.Tensor):
+        """q-tiles × query heads × batch: the non-persistent grid size."""
+        return cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
+
+    @cute.jit
+    def _tile_coords(self, mQ: cute.Tensor, hb_per_section: Int32, tile: Optional[Int32]):
+        """Linear tile index (the CTA id, or the persistent loop's index) -> (m_block, head,
+        batch). (head, batch) pairs are grouped in sections whose K/V fit in L2; inside a
+        section the heads vary fastest and the q-tiles run from the last (longest under causal
+        masks) to the first: longest-processing-time-first order."""
+        num_m = cute.ceil_div(mQ.shape[0], self.tile_m)
+        num_hq = mQ.shape[2]
+        num_hb = num_hq * mQ.shape[3]
+        if const_expr(tile is None):
+            tile, _, _ = cute.arch.block_idx()  # non-persistent: the CTA id
+        per_section = hb_per_section * num_m
+        section = tile // per_section
+        rest = tile - section * per_section
+        hb_here = cutlass.min(hb_per_section, num_hb - section * hb_per_section)
+        m_rev = rest // hb_here
+        hb = section * hb_per_section + (rest - m_rev * hb_here)
+        head = hb % num_hq
+        batch = hb // num_hq
+        return num_m - 1 - m_rev, head, batch
+
+    @cute.jit
+    def _schedule(self, mQ: cute.Tensor, mK: cute.Tensor, hb_per_section: Int32,
+                  blocks: Optional[BlockSparse], tile: Optional[Int32]):
+        """Everything per tile about which kv tiles to visit, computed once: the tile coordinates,
+        the number of partial and full kv TILES (a mask block is 128/tile_n tiles) and, with a
+        block mask, 1-D views of this q-tile's two index lists (broadcast dims resolved here, so
+        the mainloops index a plain row)."""
+        m_block, head, batch = self._tile_coords(mQ, hb_per_section, tile)
+        n_dense = cute.ceil_div(mK.shape[0], self.tile_n)
+        n_partial = Int32(0)
+        n_full = Int32(0)
+        part_row = None
+        full_row = None
+        first = n_dense - 1
+        if const_expr(self.sparse):
+            per = self.tiles_per_mask_block
+            cnt, idx = blocks.kv_num_blocks, blocks.kv_indices
+            n_partial = cnt[batch % cnt.shape[0], head % cnt.shape[1], m_block] * per
+            part_row = idx[batch % idx.shape[0], head % idx.shape[1], m_block, None]
+            cnt, idx = blocks.full_kv_num_blocks, blocks.full_kv_indices
+            n_full = cnt[batch % cnt.shape[0], head % cnt.shape[1], m_block] * per
+            full_row = idx[batch % idx.shape[0], head % idx.shape[1], m_block, None]
+            # The first tile's index is read from both lists at once (entry 0 always exists)
+            # instead of after the counts: one dependent global load less before K(0).
+            first_partial = part_row[0] * per
+            first_full = full_row[0] * per
+            first = first_partial if n_partial > 0 else first_full
+        else:
+            if const_expr(self.mask_mod is not None):
+                n_partial = n_dense
+            else:
+                n_full = n_dense
+        return _Schedule(m_block, head, batch, n_partial, n_full, n_dense, mK.shape[0],
+                         part_row, full_row, first)
+
+    @cute.jit
+    def _kv_tile(self, sched, j: Int32, which: cutlass.Constexpr) -> Int32:
+        """The j-th kv tile this CTA visits. Partial tiles come first (j < n_partial); ``which``
+        says which list j is known to fall in ("partial", "full") or "any" (runtime choice).
+        Dense mode walks the tiles from the last (the ragged one) to the first."""
+        tile = Int32(0)
+        if const_expr(not self.sparse):
+            tile = sched.n_dense - 1 - j
+        else:
+            per = self.tiles_per_mask_block
+            if const_expr(which == "partial"):
+                tile = sched.part_row[j // per] * per + j % per
+            elif const_expr(which == "full"):
+                jj = cutlass.max(j - sched.n_partial, 0)
+                tile = sched.full_row[jj // per] * per + jj % per
+            else:
+                if j < sched.n_partial:
+                    tile = sched.part_row[j // per] * per + j % per
+                else:
+                    jj = j - sched.n_partial
+                    tile = sched.full_row[jj // per] * per + jj % per
+        return tile
+
+    # -----------------------------------------------------------------------------------------
+    # Producer warp
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def load(
+        self,
+        ld: "_Loads",  # the tensors, TMA atoms and pipelines the producer uses
+        hb_per_section: Int32,
+        blocks: Optional[BlockSparse],
+        cta_sched,  # one tile per CTA: this CTA's tile; else None
+        sTile: Optional[cute.Tensor],  # dynamic: (2,) int32 smem, [0] the published tile index
+        tile_counter: Optional[cute.Tensor],  # dynamic: (2,) int32 gmem, [0] claims, [1] done CTAs
+    ):
+        """The producer warp, in one of three schedules.
+
+        * One tile per CTA: fresh pipeline states.
+        * Persistent: the same tile sequence as the consumers (block_idx, +grid_dim, ...), the
+          Q and K/V pipeline states carried from one tile to the next. Nothing waits for a
+          tile's epilogue: the next tile's Q is issued as soon as the consumers release Q (after
+          their last QK GEMM) and its K/V as soon as stages free up, so these loads overlap the
+          current tile's last PV GEMM and epilogue.
+        * Dynamic scheduler (see "Dynamic tile scheduler"): the first tile is block_idx; each
+          tile's index is published with its Q (``_publish_tile``), and right after that tile's
+          Q load the next one is claimed (grid + atomicAdd(counter, 1)), so the atomic's
+          latency hides under this tile's K/V loads. A claim >= num_tiles ends the loop: it is
+          published as the sentinel (a plain arrive on Q's full barrier, no TMA), then the CTA
+          counts itself finished and the last CTA to finish zeroes the counter."""
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if const_expr(not self.persistent):
+            self._load_tile(ld, cta_sched, q_state, kv)
+        elif const_expr(not self.dynamic):
+            num_tiles = self._num_tiles(ld.mQ)
+            first_tile = cute.arch.block_idx()[0]
+            step = cute.arch.grid_dim()[0]
+            for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
+                sched = self._schedule(ld.mQ, ld.mK, hb_per_section, blocks, tile_id)
+                kv, _ = self._load_tile(ld, sched, q_state, kv)
+                q_state.advance()
+        else:
+            num_tiles = self._num_tiles(ld.mQ)
+            grid = Int32(cute.arch.grid_dim()[0])
+            tile_id = Int32(cute.arch.block_idx()[0])  # < num_tiles: grid = min(num_tiles, SMs)
+            while tile_id < num_tiles:
+                sched = self._schedule(ld.mQ, ld.mK, hb_per_section, blocks, tile_id)
+                kv, claimed = self._load_tile(ld, sched, q_state, kv, sTile, tile_id, tile_counter)
+                q_state.advance()
+                tile_id = cute.arch.shuffle_sync(claimed, 0) + grid
+            # The sentinel: consumers waiting for the next Q learn that there is none.
+            self._publish_tile(ld.pipe_q, q_state, sTile, tile_id, with_q=False)
+            # Counter reset for the next launch. Every CTA's producer adds 1 to counter[1] once,
+            # after its last claim (the acq_rel atomic orders that claim before it); the CTA that
+            # sees grid - 1 is the last one, so no claim can follow: it zeroes both words. The next
+            # launch on this stream starts after this kernel has finished (stream order).
+            if cute.arch.lane_idx() == 0:
+                done = cute.arch.atomic_add(tile_counter.iterator + 1, Int32(1), sem="acq_rel",
+                                            scope="gpu")
+                if done == grid - 1:
+                    tile_counter[0] = Int32(0)
+                    tile_counter[1] = Int32(0)
+
+    @cute.jit
+    def _publish_tile(self, pipe_q: pipeline.PipelineAsync, q_state, sTile: cute.Tensor,
+                      tile_id: Int32, with_q: cutlass.Constexpr):
+        """Wait until Q's stage is free (every consumer warp has released the previous tile's
+        Q, after reading that tile's index), write ``tile_id`` to the smem slot, then arrive on
+        Q's full barrier from the same thread (the arrive releases the write; the consumers'
+        wait acquires it). ``with_q``: arrive.expect_tx(Q bytes), the Q TMA follows; else (the
+        sentinel) a plain arrive: no bytes expected, so the phase completes at once."""
+        pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
+        with cute.arch.elect_one():
+            sTile[0] = tile_id
+            if const_expr(with_q):
+                cute.arch.mbarrier_arrive_and_expect_tx(pipe_q.producer_get_barrier(q_state),
+                                                        self.tx_q)
+            else:
+                cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(q_state))
+
+    @cute.jit
+    def _claim_tile(self, tile_counter: cute.Tensor) -> Int32:
+        """Lane 0 claims the next tile: the counter's old value (the caller adds grid_dim and
+        broadcasts it with a shuffle only when it needs it, so the atomic's latency hides)."""
+        got = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            got = cute.arch.atomic_add(tile_counter.iterator, Int32(1), sem="relaxed",
+                                       scope="gpu")
+        return got
+
+    @cute.jit
+    def _load_tile(
+        self,
+        ld: "_Loads",
+        sched,
+        q_state,
+        kv,
+        sTile: Optional[cute.Tensor] = None,
+        tile_id: Optional[Int32] = None,
+        tile_counter: Optional[cute.Tensor] = None,
+    ):
+        """Q first (it does not depend on the block lists), then K(0), then K(j) / V(j-1)
+        pairs, then V(last): the order in which the consumers use them. ``kv`` is the state of
+        K(0)'s stage; returned (persistent) advanced past V(last), unchanged for an empty row.
+        Dynamic scheduler (``sTile``/``tile_counter`` given): ``tile_id`` is published with Q
+        and the next tile is claimed right after Q's load; returns (kv, claim) where claim is
+        lane 0's counter value (None without the dynamic scheduler)."""
+        mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v = ld
+        head_kv = sched.head // (mQ.shape[2] // mK.shape[2])
+        # A K/V batch broadcast over the query's (``FwdConfig.kv_batch_broadcast``): K and V
+        # have batch extent 1 and every batch reads entry 0, as GQA maps a query head to its
+        # kv head.
+        kv_batch = 0 if const_expr(self.kv_batch_broadcast) else sched.batch
+        gQ = cute.local_tile(mQ[None, None, sched.head, sched.batch],
+                             (self.tile_m, self.head_dim), (sched.m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, kv_batch], (self.tile_n, self.head_dim), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, kv_batch], (self.tile_n, self.head_dim_v), (None, 0))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        if const_expr(sTile is None):
+            pipe_q.producer_acquire(q_state)
+        else:
+            self._publish_tile(pipe_q, q_state, sTile, tile_id, with_q=True)
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        claimed = None
+        if const_expr(tile_counter is not None):
+            claimed = self._claim_tile(tile_counter)
+
+        total = sched.n_partial + sched.n_full
+        if total > 0:
+            tile = sched.first_tile
+            nxt = self._kv_tile(sched, cutlass.min(Int32(1), total - 1), "any")
+            pipe_k.producer_acquire(kv)
+            cute.copy(tma_k, tKgK[None, tile], tKsK[None, kv.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv))
+            prev_tile = tile
+            for j in cutlass.range(1, total, unroll=1):
+                tile = nxt  # index loads run one iteration ahead of their use
+                nxt = self._kv_tile(sched, cutlass.min(j + 1, total - 1), "any")
+                kv_prev = kv.clone()
+                kv.advance()
+                pipe_k.producer_acquire(kv)
+                cute.copy(tma_k, tKgK[None, tile], tKsK[None, kv.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(kv))
+                pipe_v.producer_acquire(kv_prev)
+                cute.copy(tma_v, tVgV[None, prev_tile], tVsV[None, kv_prev.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_prev))
+                prev_tile = tile
+            pipe_v.producer_acquire(kv)
+            cute.copy(tma_v, tVgV[None, prev_tile], tVsV[None, kv.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv))
+            if const_expr(self.persistent):
+                kv.advance()  # the next tile's K(0) goes to the following stage
+        return kv, claimed
+
+    # -----------------------------------------------------------------------------------------
+    # Consumer warpgroups
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def mma(
+        self,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        mQ: cute.Tensor,  # (L, D, Hq, B), shapes only
+        mK: cute.Tensor,  # (S, D, Hkv, B), shapes only
+        mO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
+        mLSE: cute.Tensor,  # (L, Hq, B)
+        sQ: cute.Tensor,  # (tile_m, D)
+        sK: cute.Tensor,  # (tile_n, D, stages)
+        sVt: cute.Tensor,  # (Dv, tile_n, stages)
+        sO: cute.Tensor,  # (tile_m, Dv): aliases sQ with one tile per CTA, else its own buffer
+        tma_o: cute.CopyAtom,
+        pipe_q: pipeline.PipelineAsync,
+        pipe_k: pipeline.PipelineAsync,
+        pipe_v: pipeline.PipelineAsync,
+        softmax_scale: Float32,
+        hb_per_section: Int32,
+        blocks: Optional[BlockSparse],
+        aux: Aux,
+        cta_sched,  # one tile per CTA: this CTA's tile; else None
+        sTile: Optional[cute.Tensor],  # dynamic: (2,) int32 smem, [0] the published tile index
+        mMax: Optional[cute.Tensor],  # (L, Hq, B) or None
+    ):
+        """A consumer warpgroup, in the producer's schedule (``load``). Persistent: Q and K/V
+        consumer states carried across tiles; the ping-pong token is handed out once per CTA
+        (see "Persistent variant" in ``_mainloop``). Dynamic scheduler: the tile sequence comes
+        from the producer: wait for the next Q, read the tile index published with it, stop at
+        the sentinel (>= num_tiles); ``_mainloop`` then skips its own Q wait."""
+        tidx, _, _ = cute.arch.thread_idx()
+        tidx = tidx - 128
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        (thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum,
+         c) = self._consumer_setup(mma_qk, mma_pv, sQ, sK, sVt, softmax_scale, tidx, wg)
+        row_peak = None  # the true row max (row_max may lag it by rescale_threshold)
+        if const_expr(self.write_max):
+            row_peak = cute.make_rmem_tensor(cute.size(row_max), Float32)
+            row_peak.fill(-Float32.inf)
+        if const_expr(not self.persistent):
+            ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
+                          row_max, row_sum, c, softmax_scale, cta_sched, aux, wg, row_peak, mMax)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
+            self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+        else:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            if const_expr(self.pingpong):
+                # The one token of the ping-pong ring starts at warpgroup 0's barrier, once per CTA:
+                # every tile passes it round the ring (total − 1) times and leaves it there again.
+                if wg == 0:
+                    cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
+                                             number_of_threads=2 * 128)
+            num_tiles = self._num_tiles(mQ)
+            setup = (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max,
+                     row_sum, c, softmax_scale, aux, wg, row_peak)
+            out = (mQ, mK, mO, mLSE, sO, tma_o, pipe_q, pipe_k, pipe_v, hb_per_section, blocks, tidx,
+                   mMax)
+            if const_expr(not self.dynamic):
+                first_tile = cute.arch.block_idx()[0]
+                step = cute.arch.grid_dim()[0]
+                for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
+                    q_state, kv = self._consumer_tile(setup, out, tile_id, q_state, kv)
+            else:
+                pipe_q.consumer_wait(q_state)
+                tile_id = self._read_tile(sTile)
+                while tile_id < num_tiles:
+                    q_state, kv = self._consumer_tile(setup, out, tile_id, q_state, kv)
+                    pipe_q.consumer_wait(q_state)
+                    tile_id = self._read_tile(sTile)
+            # The last TMA store must finish reading sO before the CTA's shared memory goes away.
+            warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx == 4:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _consumer_tile(self, setup: tuple, out: tuple, tile_id: Int32, q_state, kv):
+        """One tile of a persistent consumer warpgroup: fresh softmax state, the mainloop, the
+        epilogue. Returns the advanced (Q state, K/V state): the caller's loop must reassign
+        them, or the DSL does not carry them from one iteration to the next."""
+        (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum, c,
+         softmax_scale, aux, wg, row_peak) = setup
+        mQ, mK, mO, mLSE, sO, tma_o, pipe_q, pipe_k, pipe_v, hb_per_section, blocks, tidx, mMax = out
+        sched = self._schedule(mQ, mK, hb_per_section, blocks, tile_id)
+        self._reset_tile_state(acc_O, row_max, row_sum, row_peak)
+        ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
+                      row_max, row_sum, c, softmax_scale, sched, aux, wg, row_peak, mMax)
+        kv = self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
+        q_state.advance()
+        self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
+        return q_state, kv
+
+    @cute.jit
+    def _read_tile(self, sTile: cute.Tensor) -> Int32:
+        """The tile index published with the Q just waited for. The warp sync orders every
+        lane's read before the warp's later release of Q (lane 0's arrive), after which the
+        producer may overwrite the slot."""
+        tile_id = sTile[0]
+        cute.arch.sync_warp()
+        return tile_id
+
+    @cute.jit
+    def _consumer_setup(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
+                        sK: cute.Tensor, sVt: cute.Tensor, softmax_scale: Float32, tidx: Int32,
+                        wg: Int32):
+        """Operand fragments (smem descriptors) and the register state of one consumer thread:
+        O accumulator (zeroed), row max (-inf) and row sum (0)."""
+        wg_qk = mma_qk.get_slice(wg * 128)
+        wg_pv = mma_pv.get_slice(wg * 128)
+        thr_qk = mma_qk.get_slice(tidx)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
+        acc_O.fill(0.0)
+        s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
+        n_rows = cute.size(rows_cols_layout(cute.make_layout(s_shape)), mode=[0])
+        row_max = cute.make_rmem_tensor(n_rows, Float32)
+        row_sum = cute.make_rmem_tensor(n_rows, Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        # exp2 multiplier: scores are raw q·k without a score_mod, natural units with one.
+        c = Float32(LOG2_E)
+        if const_expr(self.score_mod is None):
+            c = softmax_scale * LOG2_E
+        return thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum, c
+
+    @cute.jit
+    def _reset_tile_state(self, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                          row_peak: Optional[cute.Tensor]):
+        """Per-tile reset of the consumer registers (persistent). Called through ``self`` so the
+        DSL does not carry the register tensors through the tile loop."""
+        acc_O.fill(0.0)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        if const_expr(row_peak is not None):
+            row_peak.fill(-Float32.inf)
+
+    @cute.jit
+    def _mainloop(self, ctx, q_state, kv, pipe_q: pipeline.PipelineAsync,
+                  pipe_k: pipeline.PipelineAsync, pipe_v: pipeline.PipelineAsync):
+        """One tile's kv loop: wait for Q, first tile, steady tiles (partial, then full), last
+        PV GEMM. Returns the K/V consumer state.
+
+        Persistent variant: ``kv`` enters as the stage of this tile's K(0) and leaves advanced
+        past its V(last) (unchanged for an empty row), matching ``_load_tile``. Q is released
+        once no QK GEMM can still read it (right before the last PV GEMM; at once for an empty
+        row), so the producer can load the next tile's Q under this tile's last PV GEMM and
+        epilogue. Ping-pong: each warpgroup waits on its barrier and signals the next one once
+        per steady tile, the same number of times per tile for all warpgroups, so the token
+        handed to warpgroup 0 once per CTA is back at warpgroup 0's barrier after each tile.
+        (Per-CTA mode hands it out after the first tile of the only tile instead.)"""
+        sched = ctx.sched
+        wg = ctx.wg
+        # Always wait for Q: the producer issues it even for an empty row of blocks, and the
+        # epilogue writes O over it (non-persistent). (Dynamic scheduler: already waited for,
+        # to read the tile index published with it.)
+        if const_expr(not self.dynamic):
+            pipe_q.consumer_wait(q_state)
+        n_partial = sched.n_partial
+        total = n_partial + sched.n_full
+        if total > 0:
+            self._first_tile(ctx, kv, pipe_k)
+            if const_expr(self.pingpong and not self.persistent):
+                if wg == 0:  # warpgroup 0 issues its GEMMs first
+                    cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
+                                             number_of_threads=2 * 128)
+            if const_expr(self.has_partial):
+                for j in cutlass.range(1, n_partial, unroll=1):
+                    tile = self._kv_tile(sched, j, "partial")
+                    kv = self._steady_tile(ctx, j, kv, tile, pipe_k, pipe_v, "partial")
+            if const_expr(self.has_full):
+                start = cutlass.max(n_partial, 1)
+                if const_expr(self.sparse):
+                    # Any full tile may be the ragged last one. The check happens BEFORE the
+                    # GEMMs are issued: a branch between wait_group(1) and wait_group(0) makes
+                    # ptxas wait for the PV GEMM at the join, which kills the overlap. The
+                    # index of tile j+1 is prefetched one iteration ahead.
+                    tile = self._kv_tile(sched, start, "full")
+                    for j in cutlass.range(start, total, unroll=1):
+                        nxt = self._kv_tile(sched, cutlass.min(j + 1, total - 1), "full")
+                        if (tile + 1) * self.tile_n > sched.seqlen_k:
+                            kv = self._steady_tile(ctx, j, kv, tile, pipe_k, pipe_v, "bounded")
+                        else:
+                            kv = self._steady_tile(ctx, j, kv, tile, pipe_k, pipe_v, "full")
+                        tile = nxt
+                else:
+                    # Dense: tiles run from the last (the only ragged one, done by _first_tile)
+                    # down to 0, so no steady tile needs the bound.
+                    for j in cutlass.range(start, total, unroll=1):
+                        kv = self._steady_tile(ctx, j, kv, sched.n_dense - 1 - j, pipe_k, pipe_v,
+                                               "full")
+            if const_expr(self.persistent):
+                # Every QK GEMM of this tile has completed (the last one was waited for with
+                # wait_group(0) by _first_tile or the last _steady_tile): sQ is free.
+                pipe_q.consumer_release(q_state)
+            # Last PV GEMM.
+            pipe_v.consumer_wait(kv)
+            wgmma_gemm(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, kv.index],
+                       zero_init=False)
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(kv)
+            if const_expr(self.persistent):
+                kv.advance()  # the next tile's K(0) is in the following stage
+        if const_expr(self.persistent):
+            if total == 0:
+                pipe_q.consumer_release(q_state)  # an empty row never reads Q
+        return kv
+
+    @cute.jit
+    def _first_tile(self, ctx, kv, pipe_k: pipeline.PipelineAsync):
+        """S(0) = Q K(0)ᵀ, mods, first softmax step, P(0) into registers (no PV yet). Nothing
+        else is in flight here, so runtime branches cost nothing."""
+        sched = ctx.sched
+        tile = sched.first_tile
+        pipe_k.consumer_wait(kv)
+        acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        wgmma_gemm(ctx.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv.index], zero_init=True)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv)
+        if sched.n_partial > 0:
+            if const_expr(self.has_partial):
+                self._mods(ctx, acc_S, tile, "partial")
+        else:
+            if const_expr(self.has_full):
+                if (tile + 1) * self.tile_n > sched.seqlen_k:
+                    self._mods(ctx, acc_S, tile, "bounded")
+                else:
+                    self._mods(ctx, acc_S, tile, "full")
+        self._online_softmax(ctx, acc_S, first=True)
+        ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+
+    @cute.jit
+    def _steady_tile(self, ctx, j: Int32, kv, tile: Int32, pipe_k: pipeline.PipelineAsync,
+                     pipe_v: pipeline.PipelineAsync, kind: cutlass.Constexpr):
+        """Intra-warpgroup overlap: issue S(j) = Q K(j)ᵀ and O += P(j-1) V(j-1), wait for S(j)
+        only, run the softmax of tile j under the PV GEMM, then wait for PV and rescale O.
+        Between the two waits the code must stay branch-free (see ``mma``)."""
+        kv_v = kv.clone()
+        kv.advance()
+        pipe_k.consumer_wait(kv)
+        self._pingpong_wait(ctx.wg)
+        acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        wgmma_gemm(ctx.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv.index], zero_init=True)
+        pipe_v.consumer_wait(kv_v)
+        wgmma_gemm(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, kv_v.index],
+                   zero_init=False)
+        self._pingpong_signal(ctx.wg)
+        warpgroup.wait_group(1)
+        pipe_k.consumer_release(kv)
+        self._mods(ctx, acc_S, tile, kind)
+        row_scale = self._online_softmax(ctx, acc_S, first=False)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(kv_v)
+        ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        self._rescale_o(ctx.acc_O, row_scale)
+        return kv
+
+    @cute.jit
+    def _pingpong_wait(self, wg: Int32):
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_BAR_PINGPONG_BASE + wg, number_of_threads=2 * 128)
+
+    @cute.jit
+    def _pingpong_signal(self, wg: Int32):
+        if const_expr(self.pingpong):
+            nxt = wg + 1
+            if nxt == self.num_mma_wgs:
+                nxt = Int32(0)
+            cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE + nxt, number_of_threads=2 * 128)
+
+    # -----------------------------------------------------------------------------------------
+    # The holes, masking, softmax
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def _mods(self, ctx, acc_S: cute.Tensor, tile: Int32, kind: cutlass.Constexpr):
+        """Branch-free application of the holes to one S tile. kind: "partial" = score_mod,
+        mask_mod and the kv < S bound; "bounded" = a full tile that crosses S: score_mod and the
+        bound; "full" = score_mod only (nothing at all without one)."""
+        if const_expr(kind == "partial"):
+            self._apply_mods(ctx, acc_S, tile, use_mask=True, use_bound=True)
+        elif const_expr(kind == "bounded"):
+            self._apply_mods(ctx, acc_S, tile, use_mask=False, use_bound=True)
+        else:
+            if const_expr(self.score_mod is not None):
+                self._apply_mods(ctx, acc_S, tile, use_mask=False, use_bound=False)
+
+    @cute.jit
+    def _apply_mods(self, ctx, acc_S: cute.Tensor, tile: Int32, use_mask: cutlass.Constexpr,
+                    use_bound: cutlass.Constexpr):
+        """Unrolled over the thread's S registers; (q_idx, kv_idx) per register come from an
+        identity tensor partitioned like the accumulator (compile-time offsets + one base)."""
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        cS = cute.domain_offset((ctx.sched.m_block * self.tile_m, tile * self.tile_n), cS)
+        tScS = ctx.thr_qk.partition_C(cS)
+        neg_inf = -Float32.inf
+        indices = FloatIndices(tScS[0][0], tScS[0][1])
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            q_idx = tScS[i][0]
+            kv_idx = tScS[i][1]
+            s = acc_S[i]
+            if const_expr(self.score_mod is not None):
+                s = self.score_mod(s * ctx.softmax_scale, ctx.sched.batch, ctx.sched.head, q_idx, kv_idx,
+                                   ctx.aux, *indices.args(self.score_mod, q_idx, kv_idx))
+            if const_expr(use_mask and self.mask_mod is not None):
+                keep = self.mask_mod(ctx.sched.batch, ctx.sched.head, q_idx, kv_idx, ctx.aux,
+                                     *indices.args(self.mask_mod, q_idx, kv_idx))
+                s = s if keep else neg_inf
+            if const_expr(use_bound):
+                s = s if kv_idx < ctx.sched.seqlen_k else neg_inf
+            acc_S[i] = s
+
+    @cute.jit
+    def _online_softmax(self, ctx, acc_S: cute.Tensor, first: cutlass.Constexpr):
+        """One online-softmax step over S (in place -> P, unnormalised). Returns the per-row
+        factor O must be multiplied by (1.0 where the kept max did not change)."""
+        s_rc = rows_cols(acc_S)
+        n_rows = cute.size(s_rc, mode=[0])
+        n_cols = cute.size(s_rc, mode=[1])
+        c = ctx.c
+        row_scale = cute.make_rmem_tensor(n_rows, Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            blk_max = tree([s_rc[r, k] for k in range(n_cols)], cute.arch.fmax)
+            blk_max = quad_allreduce(blk_max, cute.arch.fmax)
+            if const_expr(self.write_max):
+                ctx.row_peak[r] = cute.arch.fmax(ctx.row_peak[r], blk_max)
+            m_new = blk_max
+            scale = Float32(1.0)
+            if const_expr(not first):
+                m_old = ctx.row_max[r]
+                # NaN (both -inf) compares false: keep -inf. Below the threshold keep the stale max.
+                grow = (blk_max - m_old) * c > self.rescale_threshold
+                m_new = blk_max if grow else m_old
+                # Only evaluated where the max moved: m_old = m_new = -inf would give NaN.
+                scale = cute.math.exp2((m_old - m_new) * c, fastmath=True) if grow else Float32(1.0)
+            ctx.row_max[r] = m_new
+            m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+            bias = m_safe * c
+            for k in cutlass.range_constexpr(n_cols):
+                s_rc[r, k] = cute.math.exp2(cute.fma(s_rc[r, k], c, -bias), fastmath=True)
+            blk_sum = tree([s_rc[r, k] for k in range(n_cols)], fadd)
+            if const_expr(first):
+                ctx.row_sum[r] = blk_sum
+            else:
+                ctx.row_sum[r] = ctx.row_sum[r] * scale + blk_sum
+            row_scale[r] = scale
+        return row_scale
+
+    @cute.jit
+    def _rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        """O *= row_scale, skipped when no row of this warp changed its kept max."""
+        smallest = tree([row_scale[r] for r in range(cute.size(row_scale))], cute.arch.fmin)
+        if cute.arch.vote_any_sync(smallest < 1.0):
+            o_rc = rows_cols(acc_O)
+            for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
+                for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+                    o_rc[r, k] = o_rc[r, k] * row_scale[r]
+
+    # -----------------------------------------------------------------------------------------
+    # Epilogue
+    # -----------------------------------------------------------------------------------------
+    @cute.jit
+    def epilogue(self, ctx, mma_pv: cute.TiledMma, mQ: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom, tidx: Int32):
+        """Normalise O, LSE in natural log, O -> smem (stmatrix; over Q, or into O's own buffer
+        when persistent) -> gmem (TMA store)."""
+        acc_O = ctx.acc_O
+        o_rc = rows_cols(acc_O)
+        n_rows = cute.size(o_rc, mode=[0])
+        lse = cute.make_rmem_tensor(n_rows, Float32)
+        for r in cutlass.range_constexpr(n_rows):
+            total = quad_allreduce(ctx.row_sum[r], fadd)
+            ok = total > 0.0  # false for an all-masked row (0) and for NaN
+            inv = cute.arch.rcp_approx(total if ok else Float32(1.0))
+            inv = inv if ok else Float32(0.0)
+            m = ctx.row_max[r]
+            m_safe = Float32(0.0) if m == -Float32.inf else m
+            lse_r = (m_safe * ctx.c + cute.math.log2(total if ok else Float32(1.0), fastmath=True)) * LN_2
+            lse[r] = lse_r if ok else -Float32.inf
+            for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+                o_rc[r, k] = o_rc[r, k] * inv
+
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        if const_expr(self.persistent):
+            # sO is reused tile after tile: the previous tile's TMA store (issued and committed
+            # by warp 4, not waited for then) must have finished READING sO before anyone
+            # overwrites it. Warp 4 waits for its bulk group, the barrier below releases the
+            # others. (A no-op on a CTA's first tile: no group is outstanding.)
+            warp_idx_w = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+            if warp_idx_w == 4:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # Non-persistent: every consumer warpgroup must be done reading Q before O overwrites
+        # it. Persistent: the previous tile's O store has finished reading sO (above).
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        st_atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, mma_pv).get_slice(tidx)
+        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 4:
+            gO = cute.local_tile(mO[None, None, ctx.sched.head, ctx.sched.batch],
+                                 (self.tile_m, self.head_dim_v), (ctx.sched.m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1),
+                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+            cute.copy(tma_o, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(not self.persistent):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # Persistent: waited for before the next tile's stmatrix, or after the tile loop.
+
+        # LSE: the thread holding column 0 of a row writes it (rows >= L are skipped).
+        thr_pv = mma_pv.get_slice(tidx)
+        cO = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
+        if cO[0, 0][1] == 0:
+            seqlen_q = mQ.shape[0]
+            for r in cutlass.range_constexpr(n_rows):
+                row = ctx.sched.m_block * self.tile_m + cO[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, ctx.sched.head, ctx.sched.batch] = lse[r]
+                    if const_expr(self.write_max):
+                        # In the scores' units: raw q·k without a score_mod (scale it), the modded
+                        # score with one. -inf (nothing kept) stays -inf.
+                        peak = ctx.row_peak[r]
+                        if const_expr(self.score_mod is None):
+                            peak = peak if peak == -Float32.inf else peak * ctx.softmax_scale
+                        ctx.mMax[row, ctx.sched.head, ctx.sched.batch] = peak
+
+
+class _Schedule(NamedTuple):
+    """Per-CTA work description (trace-time container of DSL values)."""
+
+    m_block: object
+    head: object
+    batch: object
+    n_partial: object  # partial kv tiles (mask_mod applies)
+    n_full: object  # full kv tiles
+    n_dense: object  # ceil(S / tile_n)
+    seqlen_k: object
+    part_row: object  # 1-D view of this q-tile's partial block indices (block mask only)
+    full_row: object  # 1-D view of this q-tile's full block indices (block mask only)
+    first_tile: object  # the kv tile visited first
+
+
+class _Loads(NamedTuple):
+    """What the producer warp loads from and into: global tensors (TMA views), their smem
+    buffers, the TMA atoms and the three pipelines."""
+    mQ: object  # (L, D, Hq, B)
+    mK: object  # (S, D, Hkv, B)
+    mV: object  # (S, Dv, Hkv, B)
+    sQ: object  # (tile_m, D)
+    sK: object  # (tile_n, D, stages)
+    sV: object  # (tile_n, Dv, stages)
+    tma_q: object
+    tma_k: object
+    tma_v: object
+    pipe_q: object
+    pipe_k: object
+    pipe_v: object
+
+
+class _MmaCtx(NamedTuple):
+    """Per-CTA consumer state threaded through the mainloop helpers (trace-time container)."""
+
+    mma_qk: object
+    mma_pv: object
+    thr_qk: object
+    tSrQ: object
+    tSrK: object
+    tOrVt: object
+    tOrP: object
+    acc_O: object
+    s_shape: object
+    row_max: object
+    row_sum: object
+    c: object
+    softmax_scale: object
+    sched: object
+    aux: object
+    wg: object
+    row_peak: object = None  # the true row max, write_max only
+    mMax: object = None  # (L, Hq, B), write_max only
+
+
+# ---------------------------------------------------------------------------------------------
+# Host API
+#
+# Two launch paths, one kernel:
+# * TVM-FFI (default when ``import tvm_ffi`` works; ``FLEXJIT_TVM_FFI=0`` turns it off): the
+#   kernel is compiled once against placeholder tensors (``make_fake_tensor``: dtype, rank,
+#   alignment and stride divisibility only, so a compile needs no data) with
+#   ``--enable-tvm-ffi``, and is then called with the torch tensors themselves and plain Python
+#   floats/ints. The generated C wrapper checks every argument (rank, dtype, device, 16-byte
+#   base alignment, the stride-1 last dim, strides divisible by 8 elements) and launches on
+#   torch's current stream (the "environment stream"), so no Python object is built per call.
+#   The compiled function can be exported to an object file and loaded by another process.
+# * DLPack (the fallback): ``from_dlpack(...).mark_layout_dynamic(...)`` per tensor per call,
+#   checks in Python, and an explicit CUstream.
+# ---------------------------------------------------------------------------------------------
+def _cutlass_dtype(torch_dtype):
+    import torch
+
+    table = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
+    if torch_dtype not in table:
+        raise TypeError(f"cute_sm90_fwd: unsupported dtype {torch_dtype}")
+    return table[torch_dtype]
+
+
+def _as_cute(t, align: int = 16):
+    """torch tensor -> cute tensor with dynamic shape/strides, last dim the static stride-1 dim."""
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.ndim - 1)
+
+
+def _hb_per_section(seqlen_k: int, head_dim: int, head_dim_v: int, elem_bytes: int,
+                    num_hb: int, q_per_kv: int, l2_budget: int = 40 * 1024 * 1024) -> int:
+    """How many (head, batch) pairs to schedule together so their K/V stay in L2."""
+    kv_bytes = max(1, seqlen_k * (head_dim + head_dim_v) * elem_bytes)
+    kv_heads = max(1, l2_budget // kv_bytes)
+    n = 1 << (kv_heads.bit_length() - 1)  # power of two
+    return int(max(1, min(num_hb, n * q_per_kv)))
+
+
+def _default_hb_per_section(cfg, q, k, block_mask) -> int:
+    # Dense: every q-tile costs the same, so walk one head's q-tiles together (they stream
+    # the same K/V in lockstep; measured 643 vs 618 TFLOP/s against 8-head sections, H200).
+    # Block-sparse: longest-first over L2-sized head sections (573 vs 559 for causal).
+    if block_mask is None:
+        return 1
+    b, hq = q.shape[0], q.shape[1]
+    return _hb_per_section(k.shape[2], cfg.head_dim, cfg.head_dim_v, q.element_size(), b * hq,
+                           hq // k.shape[1])
+
+
+def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
+    """The compile-time arguments of the TVM-FFI path, in ``FlexAttentionFwdSm90.__call__``'s
+    order (without the stream)."""
+    q, k, v, o = [placeholder(cfg.dtype, 4, 16, 8) for _ in range(4)]  # TMA: 16 B, 8 elems
+    lse = placeholder(Float32, 3, 4)
+    blocks = None
+    if cfg.has_block_mask:
+        blocks = BlockSparse(*[placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
+    tensors = tuple(placeholder(aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
+                    for t in aux_tensors)
+    scalars = tuple(as_scalar(x) for x in aux_scalars)
+    counter = placeholder(Int32, 1, 4) if cfg.tiling.dynamic_schedule else None
+    row_max = placeholder(Float32, 3, 4) if cfg.write_max else None
+    return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks, tensors or None, scalars or None,
+            Int32(_CPU_NUM_SMS), counter, row_max)
+
+
+class CompiledFwd:
+    """A compiled kernel plus the facts needed to launch it again on new shapes.
+
+    ``compiled`` is what ``cute.compile`` returned (``None`` for a function loaded from disk);
+    ``ffi_fn`` is set on the TVM-FFI path: the bare function that ``__call__`` invokes."""
+
+    def __init__(self, cfg: FwdConfig, compiled, signature, ffi_fn=None):
+        self.cfg = cfg
+        self.compiled = compiled
+        self.signature = signature  # what the compile was specialised on (for cache checks)
+        self.ffi_fn = ffi_fn
+
+    @property
+    def tvm_ffi(self) -> bool:
+        return self.ffi_fn is not None
+
+    def export(self, object_file_path: str, function_name: str) -> None:
+        """Write the compiled function to an object file (TVM-FFI path only);
+        ``cute.runtime.load_module(path, enable_tvm_ffi=True).<function_name>`` loads it back."""
+        if not self.tvm_ffi or self.compiled is None:
+            raise RuntimeError("only a function compiled here through TVM-FFI can be exported")
+        self.compiled.export_to_c(object_file_path=object_file_path, function_name=function_name)
+
+    def __call__(self, q, k, v, o, lse, softmax_scale: float, block_mask=None, aux_tensors=(),
+                 aux_scalars=(), stream=None, hb_per_section: Optional[int] = None,
+                 num_sms: Optional[int] = None, max_scores=None):
+        """``num_sms`` caps the persistent grid (default: the device's SM count); tests pass a
+        small value to make each CTA run many tiles. Ignored by the non-persistent kernel.
+        ``max_scores``: lse's shape and dtype, written by a ``write_max`` kernel (which needs it)."""
+        if (max_scores is not None) != self.cfg.write_max:
+            raise ValueError("max_scores must be given exactly when the kernel writes it (write_max)")
+        if self.ffi_fn is None:
+            import torch
+
+            if stream is None:
+                stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+                args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
+                                    aux_tensors, aux_scalars, hb_per_section, num_sms, max_scores)
+            else:
+                with stream_context(stream):  # the tile counter belongs to the launch stream
+                    args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
+                                        aux_tensors, aux_scalars, hb_per_section, num_sms,
+                                        max_scores)
+            self.compiled(*args, stream)
+            return o, lse
+        if stream is None:
+            self.ffi_fn(*_ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
+                                          aux_tensors, aux_scalars, hb_per_section, num_sms,
+                                          max_scores))
+        else:
+            with stream_context(stream):  # the tile counter too belongs to the launch stream
+                self.ffi_fn(*_ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale,
+                                              block_mask, aux_tensors, aux_scalars,
+                                              hb_per_section, num_sms, max_scores))
+        return o, lse
+
+
+_CPU_NUM_SMS = 132  # H100/H200 SXM; what a compile (or a launch on CPU tensors) assumes
+
+def _num_sms(cfg, q, num_sms=None) -> int:
+    """The persistent grid cap: the device's SM count (cached per device) unless given. The
+    non-persistent kernel ignores it (1, no device query)."""
+    if num_sms is not None:
+        return int(num_sms)
+    if not cfg.tiling.persistent:
+        return 1
+    if q.device.type != "cuda":
+        return _CPU_NUM_SMS
+    index = q.device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return device_num_sms(index)
+
+
+def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
+                     hb_per_section=None, num_sms=None, max_scores=None) -> tuple:
+    """TVM-FFI call arguments: the torch tensors themselves. The C wrapper checks what the old
+    Python checks did (alignment, last-dim stride, strides % 8, dtypes, block-mask presence);
+    only the copies that make block lists / aux buffers contiguous happen here. The last one is
+    the dynamic scheduler's tile counter for the current stream (None without it)."""
+    check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
+    blocks = None
+    if block_mask is not None:
+        blocks = BlockSparse(*[t if t.is_contiguous() else t.contiguous() for t in block_mask])
+    if hb_per_section is None:
+        hb_per_section = _default_hb_per_section(cfg, q, k, block_mask)
+    tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in aux_tensors) or None
+    for x in aux_scalars:
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
+    counter = scheduler_counter(q.device) if cfg.tiling.dynamic_schedule else None
+    return (q, k, v, o, lse, float(softmax_scale), int(hb_per_section), blocks, tensors,
+            tuple(aux_scalars) or None, _num_sms(cfg, q, num_sms), counter, max_scores)
+
+
+def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
+                 hb_per_section=None, num_sms=None, max_scores=None):
+    """DLPack-path call arguments (the fallback): cute tensors built per call."""
+    check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
+            raise ValueError(f"{name}: last dim must be contiguous and the base 16-byte aligned")
+        if any(s % 8 for s in t.stride()[:-1]):
+            raise ValueError(f"{name}: strides must be multiples of 8 elements (TMA alignment)")
+    if (block_mask is not None) != cfg.has_block_mask:
+        raise ValueError("block_mask presence must match FwdConfig.has_block_mask")
+    blocks = None
+    if block_mask is not None:
+        blocks = BlockSparse(*[_as_cute(t.contiguous(), align=4) for t in block_mask])
+    if hb_per_section is None:
+        hb_per_section = _default_hb_per_section(cfg, q, k, block_mask)
+    hb = hb_per_section
+    tensors = tuple(_as_cute(t.contiguous(), align=t.element_size()) for t in aux_tensors)
+    scalars = tuple(as_scalar(x) for x in aux_scalars)
+    counter = None
+    if cfg.tiling.dynamic_schedule:
+        counter = _as_cute(scheduler_counter(q.device), align=4)
+    return (_as_cute(q), _as_cute(k), _as_cute(v), _as_cute(o), _as_cute(lse, align=4),
+            Float32(softmax_scale), Int32(hb), blocks, tensors or None, scalars or None,
+            Int32(_num_sms(cfg, q, num_sms)), counter,
+            None if max_scores is None else _as_cute(max_scores, align=4))
+
+
+def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=(),
+                aux_scalars=(), options: str = "", use_tvm_ffi: Optional[bool] = None) -> CompiledFwd:
+    """Compile for the given example tensors (their dtypes/ranks matter, their sizes and strides
+    do not: those stay runtime values). Works on a CPU-only machine with CUTE_DSL_ARCH=sm_90a and
+    CPU tensors; read ``result.compiled.__ptx__`` with ``options='--keep-ptx'``.
+    ``use_tvm_ffi``: None picks TVM-FFI when available (``tvm_ffi_enabled()``)."""
+    if use_tvm_ffi is None:
+        use_tvm_ffi = tvm_ffi_enabled()
+    signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
+        type(as_scalar(x)).__name__ for x in aux_scalars
+    )
+    kernel = FlexAttentionFwdSm90(cfg)
+    if not use_tvm_ffi:
+        args = _launch_args(cfg, q, k, v, o, lse, 1.0, block_mask, aux_tensors, aux_scalars,
+                            max_scores=lse.new_empty(lse.shape) if cfg.write_max else None)
+        compiled = cute.compile(kernel, *args, cuda.CUstream(0), options=options)
+        return CompiledFwd(cfg, compiled, signature)
+    if _cutlass_dtype(q.dtype) is not cfg.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError("q/k/v dtype does not match the config")
+    if (block_mask is not None) != cfg.has_block_mask:
+        raise ValueError("block_mask presence must match FwdConfig.has_block_mask")
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    compiled = cute.compile(kernel, *_placeholder_args(cfg, aux_tensors, aux_scalars), stream,
+                            options=f"{options} --enable-tvm-ffi".strip())
+    return CompiledFwd(cfg, compiled, signature, ffi_fn=ffi_function(compiled))
