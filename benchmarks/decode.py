@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch
 
-from .envvars import overlay
 from .impls import raise_dynamo_limits
 
 PAGE = 128
@@ -74,8 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--flexjit-modes", default="",
                    help="extra flexjit rows, ';'-separated, each comma-separated key=value: "
-                        "splits=N (FLEXJIT_DECODE_SPLITS), direct=0|1 (FLEXJIT_TRITON_DIRECT) or a "
-                        "kernel_options key (BLOCK_N, "
+                        "splits=N (kernel_options DECODE_SPLITS) or another kernel_options key "
+                        "(BLOCK_N, "
                         "num_warps, num_stages), e.g. 'splits=8;BLOCK_N=128,num_stages=4'")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--paged", default="0,1", help="0 (contiguous), 1 (paged) or both")
@@ -236,28 +235,24 @@ def paged_lists(case: Case, variant: str, lib):
 # ---- implementations --------------------------------------------------------------------------
 
 
-MODE_ENV = {"splits": "FLEXJIT_DECODE_SPLITS", "direct": "FLEXJIT_TRITON_DIRECT"}
-"""--flexjit-modes keys that set an environment variable for the row's calls (the rest are
-kernel_options)."""
+MODE_OPTIONS = {"splits": "DECODE_SPLITS"}
+"""--flexjit-modes keys that are short names of kernel_options keys (the rest are the keys)."""
 
 
-def parse_mode(mode: str) -> tuple[dict, dict]:
-    """(environment, kernel_options) of a --flexjit-modes entry."""
-    env, opts = {}, {}
+def parse_mode(mode: str) -> dict:
+    """The kernel_options of a --flexjit-modes entry."""
+    opts = {}
     for item in mode.split(","):
         key, _, value = item.partition("=")
         if not value:
             raise SystemExit(f"--flexjit-modes entry {item!r} is not key=value")
-        if key in MODE_ENV:
-            env[MODE_ENV[key]] = str(int(value))
-        else:
-            opts[key] = int(value)
-    return env, opts
+        opts[MODE_OPTIONS.get(key, key)] = int(value)
+    return opts
 
 
 def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = ""):
     import flexjit
-    env, opts = parse_mode(mode) if mode else ({}, None)
+    opts = parse_mode(mode) if mode else None
     k, v = case.flex_kv(paged)
     if paged and case.pa is not None:  # the user's path: flexjit.PagedAttention's conversion
         logical = flexjit.create_block_mask(base_mask(variant, case.S, case.args.window), None, None,
@@ -273,12 +268,10 @@ def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = ""):
     q = case.q
 
     def call():
-        with overlay(env):
-            return flexjit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
-                                          kernel_options=opts)
-    with overlay(env):
-        note = str(flexjit.explain(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
-                                   kernel_options=opts)).splitlines()[0]
+        return flexjit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
+                                      kernel_options=opts)
+    note = str(flexjit.explain(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
+                               kernel_options=opts)).splitlines()[0]
     return call, note
 
 

@@ -10,7 +10,7 @@ each layout's copies and transposes the results back, outside the timed region.
 | impl               | what runs                                                              |
 |--------------------|------------------------------------------------------------------------|
 | flexjit-<backend>  | flexjit.flex_attention(..., backend=<backend>), flexjit's block mask   |
-| flexjit-cute-<mode>| the same under one of FLEXJIT_MODES' switches (det, pertile, persistent, dynamic, rescaleN) |
+| flexjit-cute-<mode>| the same under one of FLEXJIT_MODES' switches (det, pertile, persistent) |
 | torch-flex-triton  | torch.compile(flex_attention), torch's block mask, Triton kernels      |
 | torch-flex-flash   | the same with kernel_options={"BACKEND": "FLASH"} (FA4 underneath)     |
 | fa4                | flash_attn.cute.flash_attn_func with the variant's built-in arguments  |
@@ -29,24 +29,17 @@ from typing import Callable
 
 import torch
 
-from .envvars import overlay
 from .variants import Case, Variant
 
 FLEXJIT_IMPLS = ("flexjit-cute", "flexjit-triton", "flexjit-reference")
 BASELINE_IMPLS = ("torch-flex-triton", "torch-flex-flash", "fa4", "fa4-bhsd", "cudnn")
 DEFAULT_IMPLS = FLEXJIT_IMPLS + BASELINE_IMPLS
-# flexjit's switches, measured beside the default in one run: name -> (backend, env, deterministic).
+# flexjit's switches, measured beside the default in one run:
+# name -> (backend, kernel_options, deterministic).
 FLEXJIT_MODES = {
     "flexjit-cute-det": ("cute", {}, True),
-    "flexjit-cute-pertile": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "0"}, False),
-    "flexjit-cute-persistent": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "1",
-                                         "FLEXJIT_CUTE_DYNAMIC_SCHEDULE": "0"}, False),
-    "flexjit-cute-dynamic": ("cute", {"FLEXJIT_CUTE_PERSISTENT": "1",
-                                      "FLEXJIT_CUTE_DYNAMIC_SCHEDULE": "1"}, False),
-    "flexjit-cute-rescale0": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "0"}, False),
-    "flexjit-cute-rescale2": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "2"}, False),
-    "flexjit-cute-rescale4": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "4"}, False),
-    "flexjit-cute-rescale8": ("cute", {"FLEXJIT_CUTE_RESCALE_THRESHOLD": "8"}, False),
+    "flexjit-cute-pertile": ("cute", {"PERSISTENT": False}, False),
+    "flexjit-cute-persistent": ("cute", {"PERSISTENT": True}, False),
 }
 EXTRA_IMPLS = ("torch-flex-eager",) + tuple(FLEXJIT_MODES)
 
@@ -96,24 +89,23 @@ def plan_mask(create_block_mask: Callable, variant: Variant, case: Case, device)
 class FlexjitImpl:
     layout = "bhsd"
 
-    def __init__(self, backend: str, name: str | None = None, env: dict | None = None,
+    def __init__(self, backend: str, name: str | None = None, kernel_options: dict | None = None,
                  deterministic: bool = False):
         self.backend = backend
         self.name = name or f"flexjit-{backend}"
-        self.env, self.deterministic = dict(env or {}), deterministic
+        self.kernel_options, self.deterministic = dict(kernel_options or {}), deterministic
 
     @contextlib.contextmanager
     def context(self):
-        """This mode's environment variables and deterministic flag, for the checked call and
-        the whole timing loop (forward and backward), restored afterwards."""
+        """This mode's deterministic flag, for the checked call and the whole timing loop
+        (forward and backward), restored afterwards."""
         was_deterministic = torch.are_deterministic_algorithms_enabled()
-        with overlay(self.env):
-            if self.deterministic:
-                torch.use_deterministic_algorithms(True, warn_only=True)
-            try:
-                yield
-            finally:
-                torch.use_deterministic_algorithms(was_deterministic, warn_only=True)
+        if self.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(was_deterministic, warn_only=True)
 
     def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
         fj = _import("flexjit")
@@ -122,10 +114,11 @@ class FlexjitImpl:
                 raise Skip(f"flexjit has no `{attr}` yet")
         block_mask = plan_mask(fj.create_block_mask, variant, case, device)
         attend, score_mod, gqa, backend = fj.flex_attention, variant.score_mod, case.gqa, self.backend
+        options = self.kernel_options or None
 
         def fn(q, k, v):
             return attend(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
-                          backend=backend)
+                          backend=backend, kernel_options=options)
 
         return fn
 
@@ -236,8 +229,8 @@ def make(name: str):
     if name in FLEXJIT_IMPLS:
         return FlexjitImpl(name.removeprefix("flexjit-"))
     if name in FLEXJIT_MODES:
-        backend, env, deterministic = FLEXJIT_MODES[name]
-        return FlexjitImpl(backend, name, env, deterministic)
+        backend, options, deterministic = FLEXJIT_MODES[name]
+        return FlexjitImpl(backend, name, options, deterministic)
     table = {
         "torch-flex-triton": lambda: TorchFlexImpl(name, None, compiled=True),
         "torch-flex-flash": lambda: TorchFlexImpl(name, {"BACKEND": "FLASH"}, compiled=True),

@@ -157,7 +157,8 @@ def run_call(spec: Spec, memo: dict | None = None):
         k = torch.empty(c.B, c.Hkv, c.S, c.D, dtype=c.dtype).requires_grad_(grad)
         v = torch.empty(c.B, c.Hkv, c.S, c.dv, dtype=c.dtype).requires_grad_(grad)
         last = memo["call"] = ((spec.pass_, built),
-                               prepare_call(q, k, v, variant.score_mod, bm, None, c.gqa, None))
+                               prepare_call(q, k, v, variant.score_mod, bm, None, c.gqa,
+                                            impl_mod.make(spec.impl).kernel_options or None))
     return last[1], variant
 
 
@@ -267,7 +268,8 @@ def compile_job(job: Job) -> dict:
                 variant.score_mod, variant.mask_mod, arch=ARCH, head_dim=c.D, head_dim_v=c.dv,
                 dtype=c.dtype, passes=(job.pass_,), seq_len=c.S, heads=c.Hq, kv_heads=c.Hkv,
                 deterministic=torch.are_deterministic_algorithms_enabled(), batch=c.B,
-                block_mask=call.block_mask, name=spec.variant)
+                block_mask=call.block_mask, name=spec.variant,
+                kernel_options=call.kernel_options)
     except Exception as e:
         return {"kernels": [], "error": f"{type(e).__name__}: {e}"}
     got = {k.part: k.cache_key for k in kernels}

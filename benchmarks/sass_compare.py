@@ -17,8 +17,9 @@ unbounded tiles: the path with the most HGMMAs between two branches is counted),
 per 64 query rows per thread. The first use (2026-11-30) found the forwards' loops equal and our
 backward's 29% longer (benchmarks/results/2026-11-30-gpu-s3-NOTES.md).
 """
-import importlib
 from __future__ import annotations
+
+import importlib
 
 import argparse
 import collections

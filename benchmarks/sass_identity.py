@@ -25,7 +25,6 @@ head dims 32 to 256 and (192, 128), the one-tile-per-CTA and the persistent (dyn
 D = 64's three-consumer dense tile, ``write_max``, and the heavy mods. ``--no-forward-matrix``
 leaves it out (about a minute per tree).
 """
-import importlib
 from __future__ import annotations
 
 import argparse
@@ -78,6 +77,23 @@ _CHILD = textwrap.dedent('''
     tree, matrix, fwd_matrix = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
     sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # this tree only
     sys.path.insert(0, tree)
+    import importlib, importlib.abc, importlib.util
+
+
+    class TreeTemplates(importlib.abc.MetaPathFinder):
+        """flexjit.templates from this tree's templates/ folder (what its pyproject maps)."""
+
+        def find_spec(self, name, path, target=None):
+            if name != "flexjit.templates" and not name.startswith("flexjit.templates."):
+                return None
+            base = os.path.join(tree, "templates", *name.split(".")[2:])
+            if os.path.isdir(base):
+                return importlib.util.spec_from_file_location(
+                    name, os.path.join(base, "__init__.py"), submodule_search_locations=[base])
+            if os.path.exists(base + ".py"):
+                return importlib.util.spec_from_file_location(name, base + ".py")
+            return None
+    sys.meta_path.insert(0, TreeTemplates())
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     os.environ["FLEXJIT_CACHE_DIR"] = tempfile.mkdtemp()
     os.environ["CUTE_DSL_KEEP"] = "cubin"  # each compiled part keeps its cubin (``__cubin__``)
@@ -99,15 +115,17 @@ _CHILD = textwrap.dedent('''
     if matrix or fwd_matrix:
         import torch
         from flexjit import mods as fmods
-        from flexjit.backends import cute_sm90
-        from flexjit.passes import lower
-        from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
-        from flexjit.cache import load_template
         os.environ["FLEXJIT_CACHE"] = "0"  # compile every part here, load none
-        try:  # the module holding compile_bwd (the backward's kernel module before the split)
+        try:  # the stage-folder layout
+            from flexjit.backends.cute import sm90 as cute_sm90
+            from flexjit.ir.passes import lower
+            from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_mod
             host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")
-        except ModuleNotFoundError:
-            host = importlib.import_module("flexjit.templates.cute.sm90.bwd")
+        except ImportError:  # the flat layout of older trees
+            from flexjit.backends import cute_sm90
+            from flexjit.passes import lower
+            from flexjit.trace import MASK_MOD, SCORE_MOD, trace_mod
+            host = importlib.import_module("flexjit.templates.cute_sm90_bwd_host")
         compile_bwd, built = host.compile_bwd, {}
 
         def keeping(*args, **kwargs):  # the backend keeps only the FFI functions; keep the parts

@@ -98,7 +98,7 @@ def _assert_loaded_only(messages, arch: str) -> None:
 
 
 _CHILD = _CHILD_CALL + """
-    from flexjit.backends import cute_sm90 as backend
+    from flexjit.backends.cute import sm90 as backend
 
     sparse = backend.block_sparse_args(bm)
     aux = tuple(backend._aux_tensor(t, q.device) for t in call.program.buffers)
@@ -149,7 +149,7 @@ def test_python_api_compiles_a_user_mod(tmp_path, monkeypatch):
 
 
 _CHILD_SM100 = _CHILD_CALL + """
-    from flexjit.backends import cute_sm100, cute_sm100_bwd
+    from flexjit.backends.cute import sm100 as cute_sm100, sm100_bwd as cute_sm100_bwd
 
     fwd = cute_sm100._compile(call)  # the run's own compile (what SEAM.compile calls)
     aux = tuple(cute_sm100._aux_tensor(t, q.device) for t in call.program.buffers)

@@ -85,10 +85,10 @@ def test_flexjit_modes_are_impls(tmp_path):
     # The switches measured beside the default (here skipped: the cute backend needs a GPU).
     from benchmarks import run
     out = tmp_path / "bench"
-    run.main(["--out", str(out), "--device", "cpu", "--impls", "flexjit-cute-det,flexjit-cute-dynamic",
+    run.main(["--out", str(out), "--device", "cpu", "--impls", "flexjit-cute-det,flexjit-cute-persistent",
               "--variants", "causal", "--S", "256", "--tokens", "256", "--passes", "fwd", "--no-png"])
     rows = json.loads((out / "results.json").read_text())
-    assert {r["impl"] for r in rows} == {"flexjit-cute-det", "flexjit-cute-dynamic"}
+    assert {r["impl"] for r in rows} == {"flexjit-cute-det", "flexjit-cute-persistent"}
     assert all(r["status"] == "skipped" and "CUDA" in r["error"] for r in rows), rows
 
 

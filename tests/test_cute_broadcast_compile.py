@@ -216,7 +216,7 @@ def test_backend_views_and_keys(forwards):
 # nothing about the new sources: it skips, and a change that claims to keep the kernels runs
 # ``python -m benchmarks.sass_identity <its base> .`` itself.
 BASELINE = "3d47ea0"
-KERNEL_SOURCES = ("templates/cute_sm90_fwd.py", "templates/cute_sm90_bwd.py", "templates/cute_common.py")
+KERNEL_SOURCES = ("templates/cute/sm90/fwd.py", "templates/cute/sm90/bwd.py", "templates/cute/common.py")
 KERNEL_DIGEST = "d1f67e2f57b7b97e"
 
 

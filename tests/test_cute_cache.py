@@ -2,7 +2,7 @@
 
 CPU (CUTE_DSL_ARCH=sm_90a; an object file that targets sm_90a loads on a machine without a
 driver, only its launch needs one):
-* ``flexjit.backends.cute_cache`` mechanics with a stand-in exporter: temporary name then replace, one
+* ``flexjit.backends.cute.objects`` mechanics with a stand-in exporter: temporary name then replace, one
   export when several processes race, ``FLEXJIT_CACHE=0``, a corrupt file is dropped.
 * ``compile_program`` exports ``<kernel_key>.o`` holding exactly the cubin it compiled; a second
   process loads it with ``cute.compile`` patched to raise, and the loaded function's argument
@@ -154,7 +154,7 @@ def test_racing_processes_export_once(cache_dir):
     code = f"""
         import json, sys
         from pathlib import Path
-        from flexjit.backends import cute_cache
+        from flexjit.backends.cute import objects as cute_cache
         def export(path, name):
             import time
             with open({str(cache_dir / 'exports.log')!r}, "a") as f:
@@ -382,7 +382,7 @@ _GPU_CHILD = """
             raise AssertionError("cute.compile called in process B")
         cute.compile = _no_compile
     from flexjit import create_block_mask, explain, flex_attention
-    from flexjit.backends import cute_sm90
+    from flexjit.backends.cute import sm90 as cute_sm90
     from mods_catalog import make_case
     from oracle import FLOOR, assert_close_to_oracle, dense_attention
 

@@ -156,6 +156,7 @@ class _Call:
         self.q = self.k = q
         self.v = q if v is None else v
         self.program = program
+        self.block_mask = None
 
 
 def test_backend_offers_only_what_it_serves_and_only_through_the_gate():
@@ -166,7 +167,6 @@ def test_backend_offers_only_what_it_serves_and_only_through_the_gate():
     ok, why = cute_sm100_bwd.backward_supports(_Call(torch.randn(1, 1, 8, 128, dtype=torch.bfloat16),
                                                      program=prog))
     assert ok is True and "self-checked" in why
-    # dispatch admits it only through the sm100 forward module's first-use self-check
     ok, why = cute_sm100_bwd.backward_supports(_Call(torch.randn(1, 1, 8, 96, dtype=torch.bfloat16),
                                                      program=prog))
     assert ok is False and "head dims" in why

@@ -1,4 +1,4 @@
-"""The split-KV decode kernel (templates/triton_decode.py) on the CPU, under TRITON_INTERPRET=1.
+"""The split-KV decode kernel (templates/triton/decode.py) on the CPU, under TRITON_INTERPRET=1.
 
 * Numerics against the float64 oracle (tests/oracle.py), err <= 2·err(plain torch in the test
   dtype) + floor, for out, lse and max_scores: no mod, causal with the queries at the end of the

@@ -153,7 +153,7 @@ def no_compile(*a, **k):
 cute.compile = no_compile
 from benchmarks import impls, run
 from benchmarks.variants import build
-from flexjit.backends import cute_cache, cute_sm90
+from flexjit.backends.cute import objects as cute_cache, sm90 as cute_sm90
 cute_sm90.supports = lambda call: (True, "test: the CPU stands in for the GPU")
 launches = []
 real_forward = cute_sm90.forward

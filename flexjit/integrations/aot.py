@@ -122,7 +122,7 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
                     heads: int = 16, kv_heads: int | None = None, deterministic: bool = False,
                     out: str | os.PathLike | None = None, name: str | None = None,
                     log: Callable[[str], None] | None = None, batch: int = 1,
-                    block_mask=None) -> list[Kernel]:
+                    block_mask=None, kernel_options: dict | None = None) -> list[Kernel]:
     """Compile the CuTe kernels a call with these mods would run, for ``arch``, on this machine.
 
     ``seq_len`` (query and key length) picks the forward's tiling as a run at that length does;
@@ -130,7 +130,8 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     CPU BlockMask over ``seq_len``, e.g. one per batch entry for a mask that reads ``b``): the
     run's own, where they differ from the default batch of 1 and a mask built from ``mask_mod``
     broadcast over batch and heads (the mask's density picks the forward's tiling; the lengths
-    can widen index math). ``out``: where each kernel's PTX
+    can widen index math). ``kernel_options``: the run's (``PERSISTENT`` pins the forward's
+    schedule). ``out``: where each kernel's PTX
     and cubin go (``out/<name>/<pass>-<part>/``); None keeps no files. ``log`` gets one line per
     kernel as it is done. Returns the kernels, forward first."""
     if arch not in ARCHS:
@@ -159,6 +160,7 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     if arch == "sm_100a":
         return _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq_len,
                               heads, kv_heads, deterministic, what, root, log, batch, block_mask)
+    pinned = (kernel_options or {}).get("PERSISTENT")
     with _arch(arch), torch.no_grad():
         _check_dims("sm90", (head_dim, head_dim_v), passes, cute_sm90._HEAD_DIMS,
                     cute_sm90._BWD_HEAD_DIMS, " (others train on the Triton backward)")
@@ -176,8 +178,9 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
             # Without a folder, the run's own path: loaded if cached, else compiled and exported
             # (artifact flags without --dump-dir would write files into the working directory).
             cute_sm90.compile_program(program, q, k, v, sparse, aux, options=options,
-                                    persistent=cute_sm90._persistent_fwd(head_dim, sparse, seq_len,
-                                                                       owner=bm), keys=keys)
+                                      persistent=cute_sm90._persistent_fwd(
+                                          head_dim, sparse, seq_len, owner=bm, pinned=pinned),
+                                      keys=keys)
             kernels.append(Kernel(arch, "fwd", "main", what, *(_files(folder, arch) if folder else
                                                                (None, None)), keys.get("fwd"),
                                   time.perf_counter() - t0))
