@@ -32,7 +32,7 @@ from flexjit.frontend.trace import MASK_MOD, trace_mod
 from mods_catalog import CORE, POINTWISE, Case, case_and_oracle, lowered, make_case
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, max_err, random_qkv
 
-GOLDEN = Path(__file__).parent / "golden" / "triton_mods"
+GOLDEN = Path(__file__).parent / "golden"
 
 
 @pytest.fixture(scope="module", autouse=True)

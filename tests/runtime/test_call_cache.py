@@ -30,7 +30,7 @@ from oracle import FLOOR, assert_close_to_oracle, dense_attention, dense_scores
 
 B, HQ, HKV, L, S, E = 2, 4, 2, 1, 128, 32
 BLOCK = 32
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -182,7 +182,7 @@ def test_new_captured_tensor():
 
 def test_captured_tensor_edited_in_place():
     """Values of captured tensors are read at run time, never cached: an in-place edit shows.
-    (A tensor captured on another device is copied per version: tests/test_call_cache.py's GPU
+    (A tensor captured on another device is copied per version: tests/runtime/test_call_cache.py's GPU
     test below.)"""
     bias = torch.randn(S)
 

@@ -196,7 +196,7 @@ def _worker(rank, world, init_file, out_dir, cases, block):
 def run_ranks(target, world: int, args: tuple, tmp, timeout: float) -> list[dict]:
     """``target(rank, *args)`` in ``world`` spawned processes (each saves ``tmp/rank<r>.pt``);
     a rank still running after ``timeout`` s is terminated and fails the test; each rank's
-    results, none of them a crash. Also tests/test_distributed_gpu.py's."""
+    results, none of them a crash. Also tests/integrations/test_distributed_gpu.py's."""
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=target, args=(r, *args)) for r in range(world)]
     for p in procs:
@@ -377,7 +377,7 @@ def test_world1_equals_single_call_with_max_scores(world1):
 
 @pytest.fixture
 def interp(monkeypatch):
-    """Triton kernels in the interpreter (CPU tensors), as tests/test_triton_backend.py runs them."""
+    """Triton kernels in the interpreter (CPU tensors), as tests/backends/triton/test_triton_backend.py runs them."""
     import triton
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
         pytest.skip("interpreter tests need triton >= 3.9")

@@ -22,7 +22,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0)
 
 from oracle import FLOOR, assert_close_to_oracle, dense_attention  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 S, D, H = 1024, 128, 4
 
 

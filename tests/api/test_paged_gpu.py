@@ -1,7 +1,7 @@
 """PagedAttention on the GPU: paged against contiguous attention for the default backend (cute on
 Hopper, with 128-wide KV blocks) and for Triton, both against the float64 oracle.
 
-The scenario is tests/test_paged.py's: a fragmented pool, garbage-filled caches, entries of ragged
+The scenario is tests/api/test_paged.py's: a fragmented pool, garbage-filled caches, entries of ragged
 lengths (one shorter than a page, one a page plus one token), GQA 8/2, head dim 128, bf16. Decode
 (1 and 16 query tokens at the end of each sequence) and prefill. Each mod compiles once per
 backend (paged and contiguous mods are different programs): about 2 minutes cold on the H200.

@@ -29,7 +29,7 @@ pytest.importorskip("tvm_ffi")
 from benchmarks import prewarm  # noqa: E402
 from benchmarks import run as run_mod  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Small shapes: the probe builds the run's block masks and empty CPU tensors at these sizes.
 SMALL = ["--tokens", "2048", "--hq", "4", "--hkv", "4", "--d", "64"]
 

@@ -153,7 +153,7 @@ class _Call:
 
 
 def test_backend_refuses_off_blackwell():
-    # Off a 10.x GPU the sm100 backend refuses (its first-use gate: tests/test_sm100_gate.py).
+    # Off a 10.x GPU the sm100 backend refuses (its first-use gate: tests/runtime/test_sm100_gate.py).
     q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16)
     ok, why = cute_sm100.supports(_Call(q))
     assert ok is False and why == "needs a CUDA tensor, got cpu"

@@ -142,7 +142,7 @@ def test_ncu_summary_reads_profile_kernels_output():
     from pathlib import Path
 
     from benchmarks import ncu_summary
-    raw = Path(__file__).parent.parent / "benchmarks/results/2026-11-30-gpu-s4-ncu/ncu_fwd.txt"
+    raw = Path(__file__).parent / "data" / "ncu_fwd.txt"
     rows = ncu_summary.parse(raw.read_text())
     assert [r["case"] for r in rows] == ["cute:full:8192:fwd", "fa4-bhsd:full:8192:fwd",
                                          "cute:causal:8192:fwd", "cute:alibi:8192:fwd",

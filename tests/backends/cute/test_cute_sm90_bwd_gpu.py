@@ -1,13 +1,13 @@
 """The sm90 CuTeDSL backward on the GPU: dQ, dK, dV against float64 autograd, and determinism.
 
-    python -m pytest -q -m gpu tests/test_cute_sm90_bwd_gpu.py
+    python -m pytest -q -m gpu tests/backends/cute/test_cute_sm90_bwd_gpu.py
 
 Runs only on a Hopper GPU (marker ``gpu``). Most tests call the backward directly through the
 template (``compile_bwd``) on the out/LSE of the sm90 forward; the last ones go through
 ``flex_attention(..., backend="cute")`` and autograd, as a user would.
 * Gradients: the float64 oracle (``tests/oracle.py``'s ``dense_attention`` + autograd) of the loss
   Σ out·dO + Σ lse·dLSE; tolerance err <= 2·err(the same math in bf16 with plain torch) + floor,
-  the floor scaled by the gradient's magnitude (as ``tests/test_triton_gpu.py``).
+  the floor scaled by the gradient's magnitude (as ``tests/backends/triton/test_triton_gpu.py``).
 * dq/dk/dv are filled with NaN first, so an element the kernels never write fails.
 * D = 128 runs both GEMM orders: light masks (causal, windows) form P under the dP GEMM, mods
   with loads or transcendentals issue dP after P (``BwdConfig.overlap_dp``).

@@ -1,6 +1,6 @@
 """The Triton backend on a CUDA GPU, at realistic shapes (run on the lent H200).
 
-    python -m pytest -q -m gpu tests/test_triton_gpu.py
+    python -m pytest -q -m gpu tests/backends/triton/test_triton_gpu.py
 
 * Every core mod, head dims 64 and 128, bf16, GQA, Q_LEN != KV_LEN, ragged lengths: out, LSE
   and every gradient against the float64 oracle with tolerances from the data
@@ -102,7 +102,7 @@ def test_core_mods(name, E):
 _TMA_OPTIONS = {"tma": {"USE_TMA": True},
                 "tma_128x64": {"USE_TMA": True, "BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 4}}
 # (WARP_SPECIALIZE with 4 warps + TMA never finished on the H200, Triton 3.6: it is refused on a
-# GPU, tests/test_triton_backend.py::test_tma_options_are_checked_and_need_sm90.)
+# GPU, tests/backends/triton/test_triton_backend.py::test_tma_options_are_checked_and_need_sm90.)
 
 
 @pytest.mark.parametrize("opts", list(_TMA_OPTIONS))

@@ -46,7 +46,9 @@ from flexjit.backends.cute import sm90 as backend  # noqa: E402
 from flexjit.ir.passes import lower  # noqa: E402
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+from children import CHILD_NO_COMPILE  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
 B, HQ, HKV, L, S, D = 2, 4, 2, 300, 500, 128
 HAS_GPU = torch.cuda.is_available()
 
@@ -92,7 +94,7 @@ def _objects(folder: Path) -> list[Path]:
 def _run_child(code: str, env_extra: dict, timeout=600) -> dict:
     """Run ``code`` in a fresh interpreter (a second process); it prints one JSON line last."""
     env = dict(os.environ, **env_extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), str(Path(__file__).parent), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"child failed:\n{res.stdout[-4000:]}\n{res.stderr[-6000:]}"
@@ -197,22 +199,7 @@ def test_key_options_and_config():
 
 
 # A second process's first lines: cute.compile raises, flexjit's log lines are kept in
-# ``messages`` (also tests/test_aot.py's).
-CHILD_NO_COMPILE = """
-    import json, logging, os
-    import cutlass.cute as cute
-
-    def _no_compile(*args, **kwargs):
-        raise AssertionError("cute.compile called in the second process")
-    cute.compile = _no_compile
-    messages = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-    logging.getLogger("flexjit").addHandler(Keep())
-    logging.getLogger("flexjit").setLevel(logging.INFO)
-"""
+# ``messages`` (also tests/integrations/test_aot.py's).
 
 _CHILD_LOAD = CHILD_NO_COMPILE + """
     import torch
@@ -413,7 +400,7 @@ _GPU_CHILD = """
 
 def _gpu_child(role, name, out_file, cache_root):
     # keep the caller's PYTHONPATH (on the GPU box it carries cutlass-dsl from the device bundle)
-    paths = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    paths = [str(REPO), str(REPO / "tests"), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, FLEXJIT_CACHE_DIR=str(cache_root), PYTHONPATH=os.pathsep.join(p for p in paths if p))
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(_GPU_CHILD), role, name, str(out_file)],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=600)

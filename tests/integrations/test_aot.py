@@ -30,9 +30,9 @@ pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
 from flexjit.integrations import aot  # noqa: E402
-from test_cute_cache import CHILD_NO_COMPILE  # noqa: E402
+from children import CHILD_NO_COMPILE  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 S, D = 2048, 64
 
 

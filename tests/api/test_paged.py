@@ -442,7 +442,7 @@ def test_decode_loop_with_kv_len_updated_in_place():
 def test_sm90_forward_compiles_the_paged_mods(monkeypatch, tmp_path):
     """The wrapped mods (the 2-D int32 page lookup, clamps, live checks; ALiBi's score wrapper is
     the heaviest) render into the sm90 forward and compile for sm_90a on the Hopper path
-    (numerics: tests/test_paged_gpu.py). Not asserted: spills. ptxas reports 324 B of spill stores
+    (numerics: tests/api/test_paged_gpu.py). Not asserted: spills. ptxas reports 324 B of spill stores
     for this kernel (40 B with the plain ALiBi score_mod under the same paged mask): the sm90 holes
     compute the per-column page lookup for every score element (see DESIGN, paged KV cache)."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")

@@ -1,6 +1,6 @@
 """A key/value batch of 1 broadcast over the query's batch, on the sm90 kernels (issue #16).
 
-    python -m pytest -q -m gpu tests/test_cute_broadcast_gpu.py
+    python -m pytest -q -m gpu tests/backends/cute/test_cute_broadcast_gpu.py
 
 torch's batch broadcast: ``flex_attention(q (B, ...), k (1, ...), v (1, ...))``. The API expands
 K/V to the batch (stride 0); the sm90 backend passes the (1, H, S, D) storage to kernels built

@@ -12,7 +12,7 @@ import torch
 from flexjit.backends.cute.sm90 import render
 from mods_catalog import CORE, lowered, make_case
 
-GOLDEN = Path(__file__).parent / "golden" / "cute_sm90"
+GOLDEN = Path(__file__).parent / "golden"
 
 
 def _program(name):

@@ -37,7 +37,7 @@ from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_mod  # noqa: E402
 from ptx_checks import assert_no_spills  # noqa: E402
 
 host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 B, HQ, HKV, L, S, D = 3, 4, 2, 300, 500, 128
 
 
