@@ -436,7 +436,11 @@ def render_md(rows: list, meta: dict) -> str:
 def _source_line(path: str, meta: dict, used: list[dict]) -> tuple[str, dict]:
     """'Source: ...' naming the record, the machine and each run a table's cells came from;
     the newest run is unmarked, older ones get MARKS in date order (newest first)."""
-    keys = sorted({(str(r["date"])[:10], r["git"]) for r in used}, reverse=True)
+    latest: dict = {}
+    for r in used:
+        key = _run_key(r)
+        latest[key] = max(latest.get(key, ""), str(r["date"]))
+    keys = sorted(latest, key=lambda k: latest[k], reverse=True)
     mark = {k: ("" if i == 0 else MARKS[i - 1]) for i, k in enumerate(keys)}
     first = keys[0] if keys else (str(meta["date"])[:10], meta["git"])
     line = f"Source: `benchmarks/results/{path}`, {meta['device']}, {first[0]}, commit {first[1]}"
