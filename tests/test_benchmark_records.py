@@ -41,7 +41,7 @@ def test_record_folder(d):
     assert (d / "results.md").read_text() == records.render_md(rows, meta)
 
 
-def test_write_record_round_trip(tmp_path):
+def test_write_record_reads_back(tmp_path):
     rows = [{"impl": "flexjit-cute", "variant": "causal", "S": 2048, "B": 8, "Hq": 16, "Hkv": 16, "D": 128,
              "dtype": "bf16", "pass": "fwd", "tflops": 500.0, "status": "ok", "error": None},
             {"impl": "fa4", "variant": "causal", "S": 2048, "B": 8, "Hq": 16, "Hkv": 16, "D": 128,
