@@ -16,7 +16,12 @@ README's performance tables are generated from the records too, between marker l
 ``python -m benchmarks.records readme [--check] [README.md]``.
 
 Other scripts write a record with ``write_record(dir, rows, meta)``; ``read_output(path)`` reads
-what a benchmark wrote (see ``FORMATS``). Standard library only.
+what a benchmark wrote (see ``FORMATS``) and ``meta_from_output`` turns its meta into a record's:
+
+    rows, meta = read_output("/path/to/run")            # a benchmarks.run --out folder
+    write_record("benchmarks/results/h200/prefill", rows, meta_from_output(meta, "prefill", "h200"))
+
+Standard library only.
 """
 
 from __future__ import annotations
@@ -100,6 +105,15 @@ def read_output(path) -> tuple[list, dict]:
         meta = {**data.get("meta", {}), **meta}
         data = data["rows"]
     return data, meta
+
+
+def meta_from_output(meta: dict, capability: str, machine: str) -> dict:
+    """A record's meta for one run, from the meta a benchmark wrote (``read_output``'s): its
+    command with ``--out`` pointed at ``$OUT/<capability>``, date, git, versions and device."""
+    command = re.sub(r"--out \S+", f"--out $OUT/{capability}", str(meta.get("command", "")))
+    return {"capability": capability, "machine": machine, "device": meta.get("gpu") or meta.get("device"),
+            "command": command, "date": meta.get("date"), "git": meta.get("git"),
+            "versions": {k: meta.get(k) for k in VERSION_KEYS}}
 
 
 def check_meta(meta: dict, n_rows: int) -> None:

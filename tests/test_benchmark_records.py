@@ -57,6 +57,14 @@ def test_write_record_reads_back(tmp_path):
     assert "| causal | 2k | 8 | 500.0 | 400.0 | fa4 400.0 | 1.25 |" in md
     with pytest.raises(ValueError):
         records.check_meta({**m, "runs": [{**m["runs"][0], "rows": [0, 1]}]}, 2)
+    # a benchmark's own meta.json becomes a record's, --out rewritten and nothing else
+    run_meta = {"command": "python3 -m benchmarks.run --out /x/y --S 2k", "date": "2026-01-02",
+                "git": "def5678", "gpu": "NVIDIA H200", "torch": "2.11"}
+    m2 = records.meta_from_output(run_meta, "prefill", "h200")
+    assert m2["command"] == "python3 -m benchmarks.run --out $OUT/prefill --S 2k"
+    assert (m2["device"], m2["git"], m2["versions"]["torch"]) == ("NVIDIA H200", "def5678", "2.11")
+    d2 = records.write_record(tmp_path / "h200" / "prefill", rows, m2)
+    assert records.load_record(d2)[1]["runs"][0]["git"] == "def5678"
 
 
 SYNTHETIC = """# Title
