@@ -183,7 +183,7 @@ def runs_of(rows: list, meta: dict) -> list[tuple[dict, list]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Formatting helpers
+# Formatting
 
 
 def _num(x, digits=1) -> str:
