@@ -1,4 +1,4 @@
-"""flexjit's benchmarks (issue #3): every speed claim the project makes comes from here.
+"""flexjit's benchmarks: every speed claim the project makes comes from here.
 
 - `variants`: the attention variants, each written once as plain torch-like mods.
 - `reference`: the chunked float32 reference, the same math in the test dtype, mask density.

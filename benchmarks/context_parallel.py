@@ -1,4 +1,4 @@
-"""Context parallelism (issue #17): flexjit.distributed's ring over N ranks against one rank.
+"""Context parallelism: flexjit.distributed's ring over N ranks against one rank.
 
     torchrun --nproc_per_node 8 -m benchmarks.context_parallel --out $OUT/cp          # GPUs, NCCL
     torchrun --nproc_per_node 2 -m benchmarks.context_parallel --device cpu --S 1024 \\

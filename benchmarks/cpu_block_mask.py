@@ -1,4 +1,4 @@
-"""create_block_mask on the CPU: time and peak memory, flexjit against torch (issue #3).
+"""create_block_mask on the CPU: time and peak memory, flexjit against torch.
 
     python -m benchmarks.cpu_block_mask --out DIR [--S 8k,32k,64k] [--masks ...] [--impls ...]
 

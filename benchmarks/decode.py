@@ -21,10 +21,10 @@ torch's get the same lists built here (every logical block replaced by its physi
 mask_mod mapping a physical key back to its logical position, as torch's PagedAttention does);
 FA4 gets the page table itself.
 
-Default grid (issue #16): batch 1, 8, 64 × KV 4k, 32k, 128k × Hq=32, Hkv=8, D=128, bf16, both
+Default grid: batch 1, 8, 64 × KV 4k, 32k, 128k × Hq=32, Hkv=8, D=128, bf16, both
 variants, contiguous and paged, the cases of the speed target (batch >= 8, KV >= 32k) first. A
-wall-clock budget (--budget-s, default 240) stops starting rows in time for one ~5-minute
-device call; --resume finishes a run. `--device cpu` is a smoke mode at tiny sizes
+wall-clock budget (--budget-s, default 240) stops starting rows in time to write the outputs;
+--resume finishes a run. `--device cpu` is a smoke mode at tiny sizes
 (flexjit's Triton kernels under TRITON_INTERPRET=1, torch's flex_attention eager).
 """
 from __future__ import annotations
@@ -466,7 +466,7 @@ def main(argv=None) -> int:
     if args.device.type == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     # torch-flex compiles once per (batch, KV, layout, variant): 12 cases per batch pass dynamo's
-    # default limit of 8 (every torch-flex row after the 8th failed, 2026-12-02 gpu-s10-stage3).
+    # default limit of 8 (every torch-flex row after the 8th would fail).
     raise_dynamo_limits()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

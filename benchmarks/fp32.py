@@ -1,10 +1,10 @@
-"""float32 attention without a cliff (issue #18): flexjit's Triton kernels on fp32 inputs against
+"""float32 attention without a cliff: flexjit's Triton kernels on fp32 inputs against
 torch Flex-Triton (``torch.compile(flex_attention)``) on the same inputs, under the same
 ``torch.backends.cuda.matmul`` precision, in one run.
 
-    source .devbundle/env.sh && python3 -m benchmarks.fp32 --out $OUT/fp32 [--sweep]
+    python -m benchmarks.fp32 --out OUT/fp32 [--sweep]
 
-Shape: the training step of issue #18 (B·S = 8192 tokens, 8 query / 4 KV heads, D = 128),
+Shape: the training step of benchmarks/train_step.py (B·S = 8192 tokens, 8 query / 4 KV heads, D = 128),
 causal, S = 2k and 8k, forward and forward + backward. Precisions: "highest" (IEEE fp32 dots:
 torch's default) and "high" (TF32 tensor cores, ``torch.set_float32_matmul_precision("high")``).
 Every row is checked against a float64 reference first: the error of each implementation is

@@ -1,4 +1,4 @@
-"""Where a forward's output error lies (issue #14's table-gradient probe), per implementation.
+"""Where a forward's output error lies (a probe of learnable tables' gradient error), per implementation.
 
     python -m benchmarks.fwd_error_profile [--S 1024] [--seeds 4] [--cases two_tables,plain]
 

@@ -1,4 +1,4 @@
-"""Gradient accuracy under torch's error-ratio oracle (issue #14), flexjit against torch's flex.
+"""Gradient accuracy under torch's error-ratio oracle, flexjit against torch's flex.
 
     python -m benchmarks.grad_accuracy [--S 1024] [--impls flexjit-cute,flexjit-triton,torch-flex-triton]
                                        [--seeds N] [--cases SUBSTR] [--per-seed] [--out DIR]
@@ -123,7 +123,7 @@ def _grads(out_fn, q, k, v, tables, do):
 # differs from the exact one by -P_ij δ_i, δ_i = dO_i · (O_i - O_golden_i). Pushed through the
 # score's derivatives, that term is a part of dq, dk and of every captured tensor's gradient that
 # the forward's output rounding alone sets: for a table the score_mod adds (score + t[kv]) it is
-# -Σ_i P_ij δ_i, nearly one common draw per seed (Σ_i δ_i; gpu-s8 NOTES), which dominates a
+# -Σ_i P_ij δ_i, nearly one common draw per seed (Σ_i δ_i), which dominates a
 # kv-indexed table's error and cannot separate two kernels over a few seeds.
 # "<t> beyond out" is the error with that part (computed exactly from the golden P and each
 # implementation's own stored output) removed: what the backward and the forward's LSE add.

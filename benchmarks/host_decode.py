@@ -1,4 +1,4 @@
-"""flexjit's own host time per eager call, kernel launches stubbed (issue #16), on the CPU.
+"""flexjit's own host time per eager call, kernel launches stubbed, on the CPU.
 
     python -m benchmarks.host_decode [--cases decode8,decode1,decode64,prefill,train] [--out DIR]
 

@@ -1,4 +1,4 @@
-"""flexjit's host overhead per call, with its kernels already cached (issue #3).
+"""flexjit's host overhead per call, with its kernels already cached.
 
     python -m benchmarks.host_overhead --out DIR [--device cpu|cuda] [--impls ...] [--variants ...]
 

@@ -185,10 +185,9 @@ class FA4Impl:
 
 class FA4BhsdImpl(FA4Impl):
     """FA4 on head-major memory: [B, H, S, D] tensors passed as their [B, S, H, D] views (FA4
-    reads strides through TMA), which is how torch Flex's FLASH backend calls it. On the H200,
-    torch-flex-flash ran full attention at S=8k at 725 TFLOP/s against fa4's 670 on contiguous
-    [B, S, H, D] in the same run (benchmarks/results/2026-11-30-gpu-s3-NOTES.md), with the same
-    FA4 kernel configuration; this impl measures whether the layout is the difference."""
+    reads strides through TMA), which is how torch Flex's FLASH backend calls it. torch-flex-flash
+    once ran faster than fa4 on contiguous [B, S, H, D] with the same FA4 kernel configuration;
+    this impl measures whether the layout is the difference."""
 
     name = "fa4-bhsd"
     layout = "bhsd"

@@ -3,7 +3,7 @@
 # tokens), one profile_one process per case: where the time goes when a target is missed.
 #
 #   source .devbundle/env.sh && export PYTHONPATH=$PWD:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc &&
-#   bash benchmarks/profile_kernels.sh $OUT/ncu.txt [case ...]
+#   bash benchmarks/profile_kernels.sh OUT/ncu.txt [case ...]
 #
 # A case is backend:variant:S:pass[:D] (e.g. cute:causal:8192:fwd, or cute:full:8192:fwdbwd:192 at
 # head dim 192; D defaults to 128; backend fa4-bhsd profiles FA4's own

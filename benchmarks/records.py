@@ -466,14 +466,15 @@ def _run_key(run: dict) -> tuple:
     return (str(run["date"])[:10], run["git"])
 
 
-def _prefill_table(pas: str, sizes=(8192,)):
-    """Variant rows; per size: flexjit-cute, the best baseline of the same run, the ratio."""
+def _prefill_table(passes=("fwd", "fwdbwd"), s: int = 8192):
+    """Variant rows; per pass at size ``s``: flexjit-cute, the best baseline of the same run, the
+    ratio."""
     def build(rows: list, meta: dict, path: str) -> list[str]:
         runs = [(run, part) for run, part in runs_of(rows, meta)
                 if run.get("format", meta["format"]) == "benchmarks.run"]
         chosen: dict = {}
         for variant in VARIANTS:
-            for s in sizes:
+            for pas in passes:
                 best_run = None
                 for run, part in runs:
                     at = [r for r in part if _ok(r) and r["pass"] == pas and r["variant"] == variant
@@ -484,46 +485,49 @@ def _prefill_table(pas: str, sizes=(8192,)):
                     if ours and base and (best_run is None or str(run["date"]) > str(best_run[0]["date"])):
                         best_run = (run, ours[0], max(base, key=lambda r: r["tflops"]))
                 if best_run:
-                    chosen[(variant, s)] = best_run
+                    chosen[(variant, pas)] = best_run
         source, mark = _source_line(path, meta, [c[0] for c in chosen.values()])
         body = []
         for variant in VARIANTS:
             line = [VARIANT_NAMES[variant]]
-            for s in sizes:
-                if (variant, s) not in chosen:
+            for pas in passes:
+                if (variant, pas) not in chosen:
                     line += ["–", "–", "–"]
                     continue
-                run, ours, base = chosen[(variant, s)]
+                run, ours, base = chosen[(variant, pas)]
                 m = mark[_run_key(run)]
                 line += [f"{ours['tflops']:.0f}{m}", f"{IMPL_NAMES.get(base['impl'], base['impl'])} "
                          f"{base['tflops']:.0f}{m}", f"{ours['tflops'] / base['tflops']:.2f}"]
             body.append(line)
-        head = ["variant"] + [f"{h}, {_size(s)}" for s in sizes
-                              for h in ("flexjit-cute TFLOP/s", "best baseline", "ratio")]
+        names = {"fwd": "forward", "fwdbwd": "fwd+bwd"}
+        head = ["variant"] + [f"{names[pas]}: {h}" for pas in passes
+                              for h in ("flexjit", "best baseline", "ratio")]
         return _table(head, body) + ["", source]
     return build
 
 
 def _decode_table(rows: list, meta: dict, path: str) -> list[str]:
-    """Causal, contiguous: flexjit's CUDA-graph time and GB/s, and FA4's time ÷ flexjit's, same run."""
+    """Causal, contiguous, CUDA-graph times: flexjit's µs and GB/s, the fastest baseline of the same
+    run (FA4 or torch's compiled flex decoding) and its time ÷ flexjit's."""
     chosen = {}
     for run, part in runs_of(rows, meta):
         for r in part:
             if r["impl"] != "flexjit" or r["paged"] or r["variant"] != "causal" or r.get("ms_graph") is None:
                 continue
-            fa4 = [x for x in part if x["impl"] == "fa4" and x.get("ms_graph") is not None
-                   and (x["batch"], x["kv_len"], x["paged"], x["variant"])
-                   == (r["batch"], r["kv_len"], r["paged"], r["variant"])]
+            base = [x for x in part if x["impl"] in ("fa4", "torch-flex") and x.get("ms_graph") is not None
+                    and (x["batch"], x["kv_len"], x["paged"], x["variant"])
+                    == (r["batch"], r["kv_len"], r["paged"], r["variant"])]
             key = (r["batch"], r["kv_len"])
-            if fa4 and (key not in chosen or str(run["date"]) > str(chosen[key][0]["date"])):
-                chosen[key] = (run, r, fa4[0])
+            if base and (key not in chosen or str(run["date"]) > str(chosen[key][0]["date"])):
+                chosen[key] = (run, r, min(base, key=lambda x: x["ms_graph"]))
     source, mark = _source_line(path, meta, [c[0] for c in chosen.values()])
     body = []
-    for (batch, kv), (run, r, fa4) in sorted(chosen.items()):
+    for (batch, kv), (run, r, base) in sorted(chosen.items()):
         m = mark[_run_key(run)]
+        name = IMPL_NAMES.get(base["impl"], base["impl"])
         body.append([batch, _size(kv), f"{r['ms_graph'] * 1e3:.1f}{m}", f"{r['gbps_graph']:.0f}",
-                     f"{fa4['ms_graph'] / r['ms_graph']:.2f}{m}"])
-    head = ["batch (causal, contiguous)", "KV", "flexjit µs (CUDA graph)", "GB/s", "vs FA4"]
+                     f"{name} {base['ms_graph'] * 1e3:.1f}", f"{base['ms_graph'] / r['ms_graph']:.2f}{m}"])
+    head = ["batch", "KV", "flexjit µs", "GB/s", "best baseline µs", "ratio"]
     return _table(head, body) + ["", source]
 
 
@@ -554,8 +558,7 @@ def _train_table(rows: list, meta: dict, path: str) -> list[str]:
 
 
 README_TABLES = {
-    "prefill-fwd": ("h200/prefill", _prefill_table("fwd")),
-    "prefill-fwdbwd": ("h200/prefill", _prefill_table("fwdbwd")),
+    "prefill": ("h200/prefill", _prefill_table()),
     "decode": ("h200/decode", _decode_table),
     "train-step": ("h200/train_step", _train_table),
 }

@@ -97,7 +97,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", default=",".join(impl_mod.DEFAULT_IMPLS),
                    help=f"default: {','.join(impl_mod.DEFAULT_IMPLS)}")
     p.add_argument("--all", action="store_true",
-                   help="every shape of issue #3: S 1k..32k, Hkv 16 and 4, D 64 and 128 "
+                   help="every shape: S 1k..32k, Hkv 16 and 4, D 64 and 128 "
                         "(explicit --S/--hkv/--d still win)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu (smoke runs)")

@@ -7,15 +7,13 @@ No GPU: both kernels are compiled for sm_90a (CUTE_DSL_ARCH) and their cubins di
 the cuobjdump in Triton's wheel. Ours comes through the templates (dense, or causal with a block
 mask), FA4's through `flash_attn.cute.interface._flash_attn_fwd` / `_flash_attn_bwd` under
 torch's FakeTensorMode with FLASH_ATTENTION_ARCH=sm_90 (FA4's own switch for CPU-only builds);
-`--fa4-site` is a folder holding `flash_attn` (and `einops`): the device bundle unpacked, e.g.
-`mkdir /tmp/fa4 && tar -C /tmp/fa4 -xJf .devbundle/bundle.tar.xz ./flash_attn` plus
-`pip install --target /tmp/fa4 einops`. Without it, only ours is shown.
+`--fa4-site` is a folder holding `flash_attn` (and `einops`), e.g. `pip install --target /tmp/fa4
+--no-deps flash-attn-4 einops`. Without it, only ours is shown.
 
 For each kernel: registers, total instructions, and the loop that issues the HGMMAs with the
 fewest instructions per query row (a loop body may hold two alternative paths, e.g. bounded and
 unbounded tiles: the path with the most HGMMAs between two branches is counted), as a histogram
-per 64 query rows per thread. The first use (2026-11-30) found the forwards' loops equal and our
-backward's 29% longer (benchmarks/results/2026-11-30-gpu-s3-NOTES.md).
+per 64 query rows per thread (docs/performance.md has what it found).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Training steps of Hugging Face models with each attention implementation (issue #18).
+"""Training steps of Hugging Face models with each attention implementation.
 
-    source .devbundle/env.sh && python3 -m benchmarks.train_step --out $OUT/train
+    python -m benchmarks.train_step --out OUT/train
 
 For each model and sequence length, the same randomly initialised model (same seed, same
 weights) trains the same batches for a few AdamW steps under ``torch.autocast("cuda",

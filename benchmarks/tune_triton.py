@@ -1,10 +1,10 @@
 """Sweep the flexjit Triton backend's block configurations on a GPU and report the fastest.
 
-    source .devbundle/env.sh && export PYTHONPATH=$PWD:$PYTHONPATH FLEXJIT_CACHE_DIR=/tmp/fjc && \
-        python3 -m benchmarks.tune_triton --out $OUT/tune
+    export FLEXJIT_CACHE_DIR=/tmp/fjc && \
+        python3 -m benchmarks.tune_triton --out OUT/tune
 
-The tables in `flexjit/backends/triton_config.py` (`_FWD_TABLE`, `_BWD_TABLE`) were first chosen
-compile-only; the sm90 entries now come from this sweep (results/2026-11-30-gpu-s2-triton-tune).
+The sm90 entries of the tables in `flexjit/backends/triton/config.py` (`_FWD_TABLE`,
+`_BWD_TABLE`) come from this sweep.
 For every variant, S and pass this times the table's default (whatever `fwd_config`/`bwd_config`
 resolve with no `kernel_options`) and then each grid entry below, passed as `kernel_options`:
 - fwd: `FWD_GRID`, (BLOCK_M, BLOCK_N, num_warps, num_stages);
@@ -20,7 +20,7 @@ Expect about 4 minutes on a fresh H200: 96 cold compiles of 1.5-2 s each (S=8k r
 binaries: the lengths are unspecialised arguments) and 192 short timings. The loop runs variant by
 variant, so a sweep the budget cuts is finished by a second call with `--variants` the rest.
 
-`--grid tma` (issue #13's Triton target, >= 1.1x torch's compiled Flex-Triton): the default
+`--grid tma`: the default
 against `TMA_FWD_GRID` / `TMA_BWD_GRID` (USE_TMA tensor descriptors, with a few
 tiles and stage counts around them; the fwdbwd entries set both passes). `--torch` times torch's
 compiled Flex-Triton on each case beside them, and the report gives default x torch and
@@ -28,7 +28,7 @@ best x torch per case. Expect a few minutes on a fresh H200 (one cold flexjit co
 per entry, one torch compile per variant, pass and length: dynamic=False); `--budget-s` stops it
 in time and a second call with `--variants` the rest (or `--passes` one pass) finishes it:
 
-    python3 -m benchmarks.tune_triton --grid tma --torch --out $OUT/tma --budget-s 270
+    python3 -m benchmarks.tune_triton --grid tma --torch --out OUT/tma --budget-s 270
 
 DIR/tune_triton.json (meta and every row) is rewritten after each measurement; at the end
 DIR/tune_triton.md holds, per pass, each case's best config beside the default and each config's
@@ -76,17 +76,17 @@ FWD_GRID = [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3)
 BWD_GRID = [(32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 3),
             (64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 8, 2),
             (32, 64, 64, 32, 4, 3), (64, 128, 128, 64, 4, 2)]
-# --grid tma (issue #13's Triton target): TMA tensor descriptors and warp specialisation
+# --grid tma: TMA tensor descriptors and warp specialisation
 # against the current default at its tiles, plus torch Flex-Triton's sm90 forward tile (128x64,
 # 8 warps, 3 stages) and deeper pipelines, which TMA's cheaper loads may now afford. The
 # fwdbwd entries set both passes (unprefixed keys), so the row is the end-to-end choice.
 # Warp specialisation (WARP_SPECIALIZE) is refused on a GPU: its 4-warp TMA forward never
-# finished on the H200 with Triton 3.6 (gpu-s8 NOTES); the grid has TMA rows only.
+# finished on an H200 with Triton 3.6; the grid has TMA rows only.
 TMA_FWD_GRID = [{"USE_TMA": 1},
                 {"USE_TMA": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}]
 TMA_BWD_GRID = [{"USE_TMA": 1},
                 {"USE_TMA": 1, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32}]
-# Issue #13's variant list (the blocks grid's default omits prefix_lm).
+# The variant list (the blocks grid's default omits prefix_lm).
 TMA_VARIANTS = ("full", "causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap")
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 BWD_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
@@ -110,7 +110,7 @@ def parse_args(argv=None):
                         "(descriptors and warp specialisation against the default)")
     p.add_argument("--torch", action="store_true",
                    help="also time torch's compiled Flex-Triton (the same mods) per case, the "
-                        "issue #13 baseline: the report gives each config's ratio to it")
+                        "baseline: the report gives each config's ratio to it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true",
                    help="CPU only: build everything at a tiny shape, print the plan, launch nothing")

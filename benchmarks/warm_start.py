@@ -1,7 +1,7 @@
 """How long a fresh process takes to run its first flexjit forward when the disk cache is warm
-(issue #18), and where that time goes.
+and where that time goes.
 
-    source .devbundle/env.sh && python3 -m benchmarks.warm_start --out $OUT/warm
+    python -m benchmarks.warm_start --out OUT/warm
 
 A first child process compiles an ALiBi-causal forward (and backward) into a private cache
 folder; then ``--repeats`` fresh children, with the cache warm, each time their phases: import

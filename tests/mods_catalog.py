@@ -137,7 +137,7 @@ def lowered(score_mod, mask_mod):
                  trace_mod(mask_mod, MASK_MOD) if mask_mod else None, float_index=True)
 
 
-# Issue #14's pointwise ops, each in a score_mod on bounded arguments (asin/acos read tanh's
+# The pointwise ops, each in a score_mod on bounded arguments (asin/acos read tanh's
 # (-1, 1)); the float64 oracle evaluates the same mods eagerly with torch (integer terms are cast
 # to the score's dtype, so that it stays float64).
 POINTWISE = {
@@ -161,7 +161,7 @@ POINTWISE = {
 
 
 def past_int32():
-    """(score_mod, mask_mod) whose index math leaves int32 at 64 or more positions (issue #14):
+    """(score_mod, mask_mod) whose index math leaves int32 at 64 or more positions:
     q_idx * 50000000, kv_idx * 100000000, and a captured int32 offset near the top of int32 plus
     kv_idx; torch's eager mods (int64 indices) compute them exactly, int32 would wrap."""
     offset = torch.tensor([2 ** 31 - 20, 3], dtype=torch.int32)

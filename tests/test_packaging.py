@@ -32,7 +32,7 @@ def test_an_installed_wheel_finds_its_templates(tmp_path):
 
 
 def test_version_and_demo_argument_errors():
-    # Issue #14: `flexjit --version`, and argparse's own error (exit 2) for a bad demo argument.
+    # `flexjit --version`, and argparse's own error (exit 2) for a bad demo argument.
     run = lambda *a: subprocess.run([sys.executable, "-m", "flexjit", *a], capture_output=True,  # noqa: E731
                                     text=True, cwd=ROOT)
     import flexjit

@@ -22,9 +22,10 @@ PROCESS_WORDS = re.compile(
     r"\bsession \d|\b\d+(st|nd|rd|th) session\b|\b(first|second|third|fourth|fifth|sixth|seventh|"
     r"eighth|ninth|tenth|eleventh|twelfth|next|last|this|previous|earlier) session\b|\blent\b|"
     r"\bissue #?\d|#\d{1,3}\b(?![0-9a-fA-F])|gpu-s\d|\bledger\b|device call|NOTES?\.md|"
-    r"\bstage \d|\bround \d|\bsession note", re.IGNORECASE)
-# Where the words mean something else: an `# {{HOLE}}` marker is not an issue number.
-_ALLOWED = re.compile(r"#\s*\{\{|#[0-9a-fA-F]{6}\b|\"#\d+\"")
+    r"\bstage \d|\bround \d|\bsession note|results/20\d\d-\d\d-\d\d", re.IGNORECASE)
+# Where the words mean something else: an `# {{HOLE}}` marker, a colour, or an argument or tensor
+# number in a message ("argument #4", "captured tensor #0") is not an issue number.
+_ALLOWED = re.compile(r"#\s*\{\{|#[0-9a-fA-F]{6}\b|\"#\d+\"|(argument|tensor|buffer|slot) #\d+")
 
 
 def _tracked() -> list[Path]:

@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of flexjit's CuTe kernels, without a GPU (issue #15, part 4).
+"""Ahead-of-time compilation of flexjit's CuTe kernels, without a GPU.
 
     flexjit compile --arch sm_90a --variant causal [--head-dim 128] [--pass fwd,bwd] --out DIR
 

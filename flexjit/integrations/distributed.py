@@ -1,4 +1,4 @@
-"""Context parallelism (issue #17): one attention over a sequence sharded across ranks.
+"""Context parallelism: one attention over a sequence sharded across ranks.
 
     import flexjit.distributed as cp
     q, k, v = (cp.shard(t) for t in (q_full, k_full, v_full))     # this rank's shards (dim 2)

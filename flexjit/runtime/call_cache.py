@@ -1,4 +1,4 @@
-"""The eager call path's per-signature cache (issue #16: a decode step's host time).
+"""The eager call path's per-signature cache (a decode step's host time).
 
 An eager ``flex_attention`` call validates its inputs, traces and lowers the mods, asks every
 backend whether it can run the call and plans the launches; on a decode step that host work

@@ -1,5 +1,5 @@
 """First-use self-checks: a compiled kernel that has never run on this kind of GPU answers no call
-before it has computed a small case of the same Program correctly on this GPU (issue #15 part 3).
+before it has computed a small case of the same Program correctly on this GPU.
 
 The sm100 (Blackwell) kernels were compiled and checked on machines without a Blackwell GPU and
 have never run on one; this gate is what makes offering them safe. ``backends/cute_sm100.py``

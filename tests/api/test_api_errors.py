@@ -62,7 +62,7 @@ def test_broadcast_mask_that_depends_on_batch_is_refused():
 
 
 def test_torchs_block_mask_and_aux_request_are_accepted():
-    # Issue #14: code written for torch's flex keeps its BlockMask and AuxRequest objects.
+    # Code written for torch's flex keeps its BlockMask and AuxRequest objects.
     from torch.nn.attention import flex_attention as tflex
     q, k, v = qkv()
     causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx  # noqa: E731
@@ -149,7 +149,7 @@ def test_kernel_options_take_torchs_keys_and_refuse_unknown_ones():
 
 
 def test_empty_inputs_give_empty_outputs():
-    # Issue #14: no queries (B, H or L of 0) is an empty output; no keys (S = 0) leaves every row
+    # No queries (B, H or L of 0) is an empty output; no keys (S = 0) leaves every row
     # fully masked: out 0, lse -inf, zero gradients.
     for qs, ks in (((0, 2, 8, 16), (0, 2, 8, 16)), ((1, 2, 0, 16), (1, 2, 8, 16)),
                    ((1, 0, 8, 16), (1, 0, 8, 16)), ((1, 2, 8, 16), (1, 2, 0, 16))):
@@ -166,7 +166,7 @@ def test_empty_inputs_give_empty_outputs():
 
 
 def test_a_key_value_batch_of_one_broadcasts():
-    # Issue #14: k/v of batch 1 serve every query batch (a view); gradients sum over the batch.
+    # K/v of batch 1 serve every query batch (a view); gradients sum over the batch.
     g = torch.Generator().manual_seed(4)
     q = torch.randn(3, 2, 32, 16, generator=g, requires_grad=True)
     k, v = (torch.randn(1, 2, 32, 16, generator=g, requires_grad=True) for _ in range(2))

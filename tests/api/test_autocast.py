@@ -1,4 +1,4 @@
-"""flex_attention under torch.autocast, with SDPA's policy (issue #18), on the CPU.
+"""flex_attention under torch.autocast, with SDPA's policy, on the CPU.
 
 Under autocast, RoPE hands attention float32 q/k and a bfloat16 v. flex_attention casts every
 float16/bfloat16/float32 input to the autocast dtype, returns that dtype, and gradients reach

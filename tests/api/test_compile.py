@@ -1,4 +1,4 @@
-"""flexjit inside torch.compile(fullgraph=True) on the CPU (issue #18): the reference backend
+"""flexjit inside torch.compile(fullgraph=True) on the CPU: the reference backend
 through the custom ops, with aot_eager and inductor.
 
 Every check compares the compiled result with eager flexjit on the same inputs (eager flexjit

@@ -133,7 +133,7 @@ def test_scale_and_default_scale():
 
 @pytest.mark.parametrize("name", sorted(POINTWISE))
 def test_pointwise_ops_float64(name):
-    # Issue #14's pointwise ops on the reference backend, float64 end to end: rounding only.
+    # The pointwise ops on the reference backend, float64 end to end: rounding only.
     mod = POINTWISE[name]
     q, k, v = random_qkv(1, 2, 2, 70, 50, 16, 16, torch.float64, 3)
     out, lse = flex_attention(q, k, v, score_mod=mod, return_lse=True, backend="reference")

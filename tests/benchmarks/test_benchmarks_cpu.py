@@ -1,5 +1,5 @@
 """The benchmark scripts run end to end on the CPU (smoke sizes), so a broken script is caught
-here rather than in a device call. Every timed row is checked by the harness against its fp32
+here rather than on the GPU. Every timed row is checked by the harness against its fp32
 reference before it is timed; the tests assert that check passed."""
 import json
 import math

@@ -1,4 +1,4 @@
-"""Gradient accuracy on the GPU under torch's error-ratio oracle (issue #14), against torch's own
+"""Gradient accuracy on the GPU under torch's error-ratio oracle, against torch's own
 compiled Flex-Triton on the same inputs (``benchmarks.grad_accuracy``: relative bias, two bf16 /
 fp32 tables, a gathered table, a learned ALiBi slope, no mod).
 
@@ -15,7 +15,7 @@ Why a table is judged beyond the output's part, not raw, against torch's kernel:
 backward forms D_i = dO_i · O_i from the bf16 output, so every gradient carries -Σ P_ij δ_i,
 δ_i = dO_i · (O_i - golden_i) (``grad_accuracy._from_out`` computes it exactly; CPU test:
 test_grad_accuracy_parts). For a table added at kv_idx that part is nearly one common draw per
-seed, Σ_i δ_i, and dominates its error. On the H200 (2026-12-01-gpu-s8 NOTES) its offset equalled
+seed, Σ_i δ_i, and dominates its error. On an H200 its offset equalled
 -Σ_i δ_i / 1024 per seed (correlation -1.000, every kernel), and over 256 seeds Σ_i δ_i spread
 0.250 / 0.255 / 0.260 (flexjit-cute / flexjit-triton / torch) against 0.245 predicted by
 ``out·dO rms``; over their first 32 seeds the same draws read 0.298 / 0.165 / 0.174, and the raw

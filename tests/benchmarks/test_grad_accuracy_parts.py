@@ -1,4 +1,4 @@
-"""benchmarks.grad_accuracy's split of a gradient's error (issue #14): the part that the forward's
+"""benchmarks.grad_accuracy's split of a gradient's error: the part that the forward's
 stored output sets, computed from the float64 golden, must be exactly what a backward that reads
 D_i = dO_i · O_i from a rounded output adds to q's, k's and each captured tensor's gradient.
 

@@ -165,7 +165,7 @@ def test_math_function_on_traced_value_suggests_torch():
 
 
 def test_hints_for_partial_indexing_and_python_lists():
-    # Issue #14: t[h] on a 2-D tensor points at t[h, i] (not t[i]); a Python list indexed by a
+    # T[h] on a 2-D tensor points at t[h, i] (not t[i]); a Python list indexed by a
     # traced value says to use a tensor (not the math.* hint of other conversions).
     table = torch.randn(4, 8)
 
@@ -389,7 +389,7 @@ def _int_dtypes(p, op):
 
 
 def test_index_math_that_overflows_int32_is_computed_in_int64():
-    # Issue #14: int32 arithmetic that can leave int32 at the call's lengths (with the scalars'
+    # Int32 arithmetic that can leave int32 at the call's lengths (with the scalars'
     # values, and a captured int32 tensor holding anything int32 holds) is int64, as torch's
     # eager mods compute it; where it cannot, the program is untouched (int32 kernel indices).
     def product(b, h, q_idx, kv_idx):

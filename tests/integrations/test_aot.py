@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation (``flexjit compile``, ``flexjit.aot``; issue #15 part 4), on the CPU.
+"""Ahead-of-time compilation (``flexjit compile``, ``flexjit.aot``), on the CPU.
 
 * The CLI compiles a built-in variant's forward and backward for sm_90a with no GPU, writes each
   kernel's PTX (holding the Hopper instructions: wgmma, TMA) and cubin (an ELF file), prints one

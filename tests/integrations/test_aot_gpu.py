@@ -1,4 +1,4 @@
-"""Ahead-of-time kernels on the GPU (issue #15 part 4): an entry that ``flexjit compile`` built
+"""Ahead-of-time kernels on the GPU: an entry that ``flexjit compile`` built
 in a process that sees no GPU is what a training call on the H200 loads, and it computes the
 right answer.
 

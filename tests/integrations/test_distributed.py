@@ -1,4 +1,4 @@
-"""flexjit.distributed (context parallelism, issue #17) on the CPU: gloo, the reference backend.
+"""flexjit.distributed (context parallelism) on the CPU: gloo, the reference backend.
 
 2 and 4 spawned processes each run every case once (a module fixture per world size) and
 compare, on their own shard, the output, the LSE and the gradients (q, k, v and a learnable

@@ -12,7 +12,7 @@ With 2 or more GPUs a second test spawns 2 NCCL ranks (the P2P ring itself); it 
 the one-GPU H200.
 
 Shapes: B=2, 8 query / 4 KV heads (GQA), S=2048, D=128, bf16, block 128: chunks of 1024 hold
-full, partial and empty blocks; small enough to compile each kernel once within a device call.
+full, partial and empty blocks; small enough to compile each kernel once in a few seconds.
 """
 from __future__ import annotations
 

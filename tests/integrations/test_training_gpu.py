@@ -1,4 +1,4 @@
-"""Issue #18 on the GPU: autocast, torch.compile (inductor, aot_eager, CUDA graphs), fp32 and
+"""On the GPU: autocast, torch.compile (inductor, aot_eager, CUDA graphs), fp32 and
 transformers through the cute and Triton backends.
 
 Marker ``gpu``. Every result is compared with eager flexjit on the same inputs (itself checked
@@ -173,7 +173,7 @@ def test_fp32_follows_the_matmul_precision():
 
 
 def test_a_compile_logs_one_line(caplog):
-    # Issue #18: every compile longer than about a second logs the kernel, the mod and the time.
+    # Every compile longer than about a second logs the kernel, the mod and the time.
     def fresh(score, b, h, q_idx, kv_idx):  # a mod no other test compiles
         return score * 0.75 + (q_idx - kv_idx) * 0.0009765625
     q, k, v = [t.detach() for t in _qkv(10)]

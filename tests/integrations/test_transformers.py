@@ -1,4 +1,4 @@
-"""Hugging Face transformers with attn_implementation="flexjit" (issue #18), on the CPU.
+"""Hugging Face transformers with attn_implementation="flexjit", on the CPU.
 
 Tiny random models (2 layers, 4 query / 2 KV heads, 200 tokens over 128-blocks: ragged, several
 blocks) in float32 against the golden: the same weights in float64 with the test's own dense
@@ -124,7 +124,7 @@ def test_logits_and_gradients_match_the_golden_model(family, kind):
 
 
 def test_padding_reaches_the_kernel():
-    # The trap of issue #18: without a mask function registered under the same name, transformers
+    # The trap: without a mask function registered under the same name, transformers
     # hands the attention function attention_mask=None and the padding is silently lost. The
     # padded run must differ from the unpadded one where padding matters, and match the golden.
     golden, models = _models("llama")

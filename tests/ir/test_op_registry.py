@@ -1,4 +1,4 @@
-"""One op, one row in every table (issue #12): an ``ir.Op`` without a rule in any of them fails here.
+"""One op, one row in every table: an ``ir.Op`` without a rule in any of them fails here.
 
 An op's meaning is spread over the tracer (a torch function that builds it), the interpreter,
 the derivative, the sympy bridge, the interval rules and both renderers. Each op below has one

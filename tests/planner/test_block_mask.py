@@ -207,7 +207,7 @@ def test_derived_values_follow_the_list_tensors():
 
 
 def test_block_mask_surface_matches_torchs():
-    # Issue #14, against torch's own BlockMask on the CPU: sparsity on ragged lengths (counted
+    # Against torch's own BlockMask on the CPU: sparsity on ragged lengths (counted
     # over B·H·Q_LEN·KV_LEN), str(), _adjust, as_tuple, the full_q pair's validation, and the
     # create_block_mask keyword arguments torch has.
     from torch.nn.attention import flex_attention as tflex
@@ -256,7 +256,7 @@ def test_planner_is_sound_where_a_mask_is_nan(mask):
 
 
 def test_index_math_past_int32_matches_torch():
-    # Issue #14: q_idx * 100000000 leaves int32 at these lengths; the planner, create_mask and the
+    # Q_idx * 100000000 leaves int32 at these lengths; the planner, create_mask and the
     # attention all compute it in int64, as torch's eager create_mask does (it gave 33,536 True
     # entries, torch 65,280).
     from torch.nn.attention.flex_attention import create_mask as torch_create_mask

@@ -1,4 +1,4 @@
-"""The eager call path's per-signature cache (flexjit/call_cache.py, issue #16).
+"""The eager call path's per-signature cache (flexjit/call_cache.py).
 
 Each guard has a test in which a stale entry would give a wrong answer (or run what should be
 refused): the same call is made twice with one thing changed in between, and both results are

@@ -1,4 +1,4 @@
-"""The sm100 first-use self-check gate (issue #15 part 3), on the CPU by injection.
+"""The sm100 first-use self-check gate, on the CPU by injection.
 
 There is no Blackwell GPU here. ``cute_sm100.SEAM`` is replaced: its capability query says
 (10, 0) for the CPU tensors, its compile returns a stand-in kernel and its launch runs that
@@ -566,7 +566,7 @@ def test_selfcheck_warning_is_exported():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_simulated_as_blackwell(blackwell):
-    # On the lent H200 (no Blackwell exists here): CUDA tensors, the capability said to be 10.0,
+    # On the H200 (no Blackwell exists here): CUDA tensors, the capability said to be 10.0,
     # stand-in kernels. Checks what the CPU cannot: the check's generator and outputs on the GPU,
     # the fallback to the real Triton kernels, and CUDA graph capture (the check cannot run
     # there: the call is passed over to Triton and nothing is recorded). Sizes as the CPU tests'.

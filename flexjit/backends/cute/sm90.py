@@ -173,15 +173,10 @@ def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
                           bool(cfg.write_max), _key_options(options))
 
 
-# The persistent forward (one CTA per SM looping over tiles) overlaps a tile's epilogue with the
-# next tile's loads; that pays where a tile's kv loop is short. Its first version strode over the
-# tiles statically and lost the hardware's greedy balancing of uneven tiles (S=8k causal 0.95x ->
-# 0.88x FA4, benchmarks/results/2026-11-30-gpu-s2-final); tiles now come from an atomic counter
-# (dynamic scheduler). Measured beside FA4 in one run (2026-11-30-gpu-s3-modes, TFLOP/s, per-tile /
-# static persistent / dynamic): S=2k causal 456/462/543 (FA4 510), 2k ALiBi 415/390/456, 2k window
-# 396/423/450 (FA4 454), 8k window 425/442/462 (FA4 465), 2k document 382/383/411, 8k document
-# 425/341/423; long loops gain nothing: 8k full 657/655/635, 8k causal 584/540/596, 8k ALiBi
-# 505-545/456/516. So: persistent with dynamic tiles up to 16 kv tiles per q tile, else per tile.
+# The persistent forward (one CTA per SM looping over tiles, claimed from an atomic counter)
+# overlaps a tile's epilogue with the next tile's loads; that pays where a tile's kv loop is short
+# and buys nothing on long loops, where one CTA per tile keeps the hardware's greedy balancing of
+# uneven tiles (docs/performance.md, "Persistent CTAs"). Hence the threshold, in kv tiles per q tile.
 PERSISTENT_MAX_KV_TILES = 16
 
 

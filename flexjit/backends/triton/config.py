@@ -59,21 +59,17 @@ _FWD_TABLE = {
     # A fourth key field names a kind of call with its own entry (``_table_entry``'s ``kind``).
     # "short_kv_loop": block masks whose query blocks visit at most SHORT_KV_LOOP keys on
     # average (windows, short documents): 64x64 tiles, 4 warps, fewer registers per CTA, so
-    # several CTAs share an SM and one's prologue/epilogue hides under another's loop. Measured
-    # on the H200 at S=8k, D=128 (results/2026-11-30-gpu-s2-triton-tune): sliding window 1024
-    # 1.30x the 128x128 default, document 1.04x; on causal-length loops (ALiBi, 32 blocks) only
-    # 1.02x, full attention 0.89x.
+    # several CTAs share an SM and one's prologue/epilogue hides under another's loop; on long
+    # loops the 128x128 tile wins (docs/performance.md, "Triton tiles").
     ("sm90", True, 64, "short_kv_loop"): (64, 64, 4, 3),
     ("sm90", True, 128, "short_kv_loop"): (64, 64, 4, 3),
 }
-# fp32 inputs, by (dot precision, padded head dim), any arch. Swept on the H200 at D=128, S=8k
-# causal (benchmarks/fp32.py --sweep, results/2026-12-01-gpu-s5-stage3; ms fwd / fwd+bwd):
-# * IEEE fp32 dots (torch's "highest") run on the CUDA cores: 32x64 tiles over 8 warps, 11.6 ms
-#   against 31.5 for the 64x32 x 4 warps entry before (its 4 warps held a 64x128 fp32 Q tile and
-#   spilled it: 7 KB of stack in ptxas's report). Larger tiles run 4-16x slower (stack again).
-# * TF32 (torch's "high"): tensor-core tiles, 128x64 over 8 warps, 1.45 ms against 2.08.
-# D=64 takes the D=128 entries (smaller tiles of the same shape); D=256 keeps the small
-# pre-sweep tiles (not measured).
+# fp32 inputs, by (dot precision, padded head dim), any arch, from `benchmarks/fp32.py --sweep`:
+# * IEEE fp32 dots (torch's "highest") run on the CUDA cores: small tiles over 8 warps, since
+#   larger ones (or 4 warps holding a 64x128 fp32 Q tile) spill to the stack.
+# * TF32 (torch's "high"): tensor-core tiles, 128x64 over 8 warps.
+# D=64 takes the D=128 entries (smaller tiles of the same shape); D=256 keeps small tiles
+# (not swept).
 _FWD_FP32 = {("ieee", 64): (32, 64, 8, 2), ("ieee", 128): (32, 64, 8, 2), ("ieee", 256): (32, 32, 4, 2),
              ("tf32", 64): (128, 64, 8, 3), ("tf32", 128): (128, 64, 8, 3), ("tf32", 256): (32, 32, 4, 2)}
 SHORT_KV_LOOP = 2048
@@ -81,8 +77,8 @@ SHORT_KV_LOOP = 2048
 # role keeps a key tile's dK, dV in registers and streams query sub-tiles; the dQ role the
 # mirror image (FlashAttention-2 §3.2). Both roles share one kernel, so registers are the max
 # of the two. sm90 D=128: 64x128 spills 112 bytes (32x128 fits in 234 registers) and is still
-# the fastest on the H200: 1.08-1.23x 32x128 on forward+backward at S=8k across full, causal,
-# ALiBi, window and document (benchmarks/tune_triton.py, results/2026-11-30-gpu-s2-triton-tune).
+# the fastest in the sweep on full, causal, ALiBi, window and document (benchmarks/tune_triton.py;
+# docs/performance.md, "Triton tiles").
 _BWD_TABLE = {
     ("sm90", True, 64): (64, 128, 128, 64, 8, 3), ("sm90", True, 128): (64, 128, 128, 64, 8, 3),
     ("sm90", True, 256): (32, 32, 32, 32, 4, 2),
@@ -176,9 +172,9 @@ def _bwd_smem(c: "BwdConfig", e_pad, ev_pad, elem) -> int:
     return elem * max(role_kv, role_q)
 
 
-# TMA tensor descriptors and Triton's automatic warp specialisation (issue #13's Triton target).
-# Off by default until the H200 sweep (benchmarks/tune_triton.py --tma) says where they win;
-# (use_tma, warp_specialize) per pass, for sm90+ only.
+# TMA tensor descriptors and Triton's automatic warp specialisation, (use_tma, warp_specialize)
+# per pass, for sm90+ only: off by default, since TMA loads were not faster where measured
+# (benchmarks/tune_triton.py --grid tma; docs/performance.md).
 _FWD_TMA_DEFAULT = (False, False)
 _BWD_TMA_DEFAULT = (False, False)
 
@@ -204,9 +200,9 @@ def has_tensor_descriptors() -> bool:
 
 
 WS_DEADLOCK = ("kernel_options WARP_SPECIALIZE is refused on the GPU: flexjit's Triton kernels built "
-               "with Triton's warp specialisation (4 warps + USE_TMA, 128x128) never finished on the "
-               "H200 with Triton 3.6 (benchmarks/results/2026-12-01-gpu-s8-NOTES.md), and it was not "
-               "measured faster; leave it off (USE_TMA alone is served)")
+               "with Triton's warp specialisation (4 warps + USE_TMA, 128x128) never finished on an "
+               "H200 with Triton 3.6, and it was not measured faster; leave it off (USE_TMA alone "
+               "is served)")
 
 
 def tma_options(arch: int, opts: dict, prefix: str, default: tuple[bool, bool],

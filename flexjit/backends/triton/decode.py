@@ -1,4 +1,4 @@
-"""The Triton backend's split-KV decoding path (flash-decoding, issue #16).
+"""The Triton backend's split-KV decoding path (flash-decoding).
 
 A call with few query rows (Q_LEN <= ``MAX_Q_LEN``) against a longer KV, that needs no
 gradient, runs ``templates/triton_decode.py`` instead of the prefill forward: the prefill grid
@@ -38,16 +38,11 @@ WAVES = 4  # programs per resident slot the split count aims at: equal-length pr
            # partly idle last wave; with 4 waves it is at most a quarter of the time, whatever the
            # true residency, and the partial results cost < 1% of the K/V bytes at KV >= 4k
 FEW_PROGRAMS = 16  # grids of at most this many programs per split (batch 1-2 at 8 KV heads) aim
-           # at ONE wave instead: measured on the H200 at batch 1 (8 programs per split, causal,
-           # Hq 32 / Hkv 8, D 128; benchmarks/results/2026-12-01-gpu-s9-stage1), 32 splits read
-           # 2.25 TB/s at 32k and 3.46 TB/s at 128k where four waves (128-132 splits) read 0.82 and
-           # 2.09, and two waves 1.46 and 2.46; 33 splits (one wave) were best again after the
-           # merge rewrite (2026-12-02-gpu-s10-stage2/sweep: 52.8 / 147.6 us in a CUDA graph).
+           # at ONE wave instead: there the merge is cheap and every extra wave is a long tail
+           # (docs/performance.md, "Decode": two and four waves lost 1.2-3x at batch 1)
 SHORT_GRID = 64, 64  # (programs per split, kv tiles): a grid no larger over a KV this short
-           # (batch 8 at 4k) aims at one wave too: 4 splits took 50.3 us in a CUDA graph where
-           # four waves (16 splits) took 54.8 and 8 splits 56.4 (gpu-s10-stage2/sweep; FA4 53.6
-           # in stage 3). At 32k one and four waves tie (272.5 / 269.2 us) and at 128k four win
-           # (982 / 1031), so longer KV keeps four; 512 programs (batch 64) is unmeasured at 1 split.
+           # (batch 8 at 4k) aims at one wave too; longer KV keeps four waves, which tie or win
+           # there (docs/performance.md, "Decode")
 MIN_TILES_PER_SPLIT = 4  # a shorter split pays more in pipeline fill than it saves
 MAX_SPLITS = 256
 DEFAULT_SMS = 132  # the SM count assumed off the GPU (interpreter, explain on the CPU): an H100/H200

@@ -755,7 +755,7 @@ def test_bwd_config_is_remembered_and_equal_to_a_fresh_one():
 
 @pytest.mark.parametrize("setting,want", [("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")])
 def test_fp32_dots_follow_torchs_matmul_precision(setting, want):
-    # Issue #18: fp32 inputs honour torch.set_float32_matmul_precision as torch's matmuls (and
+    # Fp32 inputs honour torch.set_float32_matmul_precision as torch's matmuls (and
     # torch Flex-Triton) do; 16-bit inputs and the interpreter are unaffected.
     before = torch.get_float32_matmul_precision()
     try:
@@ -786,12 +786,12 @@ def test_fp32_configs_come_from_the_precisions_table():
 
 @pytest.mark.parametrize("name", sorted(POINTWISE))
 def test_pointwise_ops(interp, name):
-    # Issue #14's pointwise ops (mods_catalog.POINTWISE) on the Triton kernels, with gradients.
+    # The pointwise ops (mods_catalog.POINTWISE) on the Triton kernels, with gradients.
     check(Case(POINTWISE[name], None), 1, 2, 2, 64, 48, 16, 16, torch.float32, 32)
 
 
 def test_index_by_a_captured_0d_tensor(interp):
-    # Issue #14: bias[b][h][which, q_idx] with which = torch.tensor(1): the 0-d tensor is read at
+    # Bias[b][h][which, q_idx] with which = torch.tensor(1): the 0-d tensor is read at
     # run time (a new value needs no new trace), on the Triton kernels and the reference. (The
     # oracle writes bias[b, h, w, q_idx]: eager torch cannot chain tensor indices.)
     bias = torch.randn(1, 2, 3, 64)
@@ -813,7 +813,7 @@ def test_index_by_a_captured_0d_tensor(interp):
 
 
 def test_index_math_past_int32_runs_in_int64(interp):
-    # Issue #14: at these lengths q_idx * 50000000 and kv_idx * 100000000 leave int32, and a
+    # At these lengths q_idx * 50000000 and kv_idx * 100000000 leave int32, and a
     # captured int32 offset near the top of int32 plus kv_idx does: the kernels compute them in
     # int64, as torch's eager mods (the oracle) do. In int32 the mask and the bias would wrap.
     from mods_catalog import past_int32

@@ -1,11 +1,11 @@
-"""The Triton backend on a CUDA GPU, at realistic shapes (run on the lent H200).
+"""The Triton backend on a CUDA GPU, at realistic shapes.
 
     python -m pytest -q -m gpu tests/backends/triton/test_triton_gpu.py
 
 * Every core mod, head dims 64 and 128, bf16, GQA, Q_LEN != KV_LEN, ragged lengths: out, LSE
   and every gradient against the float64 oracle with tolerances from the data
   (err <= 2·err(plain torch in bf16) + floor), outputs poisoned first (FLEXJIT_POISON=1).
-* The USE_TMA option (issue #13) on the benchmark's variants.
+* The USE_TMA option on the benchmark's variants.
 * Long sequences (S = 16k): out and LSE on sampled query rows against a float64 oracle of those
   rows; gradients against the reference backend (fp32) by relative norm.
 * Compiles are counted: a new captured scalar, a captured tensor of a new shape or a new
@@ -95,7 +95,7 @@ def test_core_mods(name, E):
     check(case, B=2, Hq=8, Hkv=2, L=1536, S=2048, E=E, Ev=E, oracle=oracle)
 
 
-# Issue #13's Triton option on the GPU: TMA tensor descriptors (USE_TMA), forward and backward,
+# The Triton option on the GPU: TMA tensor descriptors (USE_TMA), forward and backward,
 # against the float64 oracle. 2k x 2k, GQA 8:2, D = 128 (the benchmark's head dim and
 # 128-blocks; lengths the descriptors serve). The launches are spied on so a silent fallback to
 # pointer loads fails the test.
@@ -240,7 +240,7 @@ def test_dispatch_picks_triton():
 
 
 def test_max_scores_and_int64_index_math():
-    # Issue #14's newest paths compiled for the GPU: AuxRequest(max_scores=True) on the Triton
+    # The newest paths compiled for the GPU: AuxRequest(max_scores=True) on the Triton
     # forward and index math that leaves int32 at these lengths (computed in int64): both against
     # the float64 oracle.
     from flexjit.api.attention import AuxRequest
