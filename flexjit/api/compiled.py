@@ -1,34 +1,14 @@
 """flexjit inside ``torch.compile``: flex_attention and create_block_mask in a compiled graph.
 
-Dynamo cannot run flexjit's tracer (its fingerprints, interning and ``TorchFunctionMode`` are
-host work), so under compile a call takes another road, entered from ``api.flex_attention`` and
-``block_mask.create_block_mask`` when ``torch.compiler.is_compiling()``:
-
-1. **Dynamo captures the mods**, as it does torch's own flex attention's: the front end calls
-   them inside torch's ``dynamo_bypassing_wrapper`` higher-order op on small "role" tensors
-   standing for score, b, h, q_idx, kv_idx, so dynamo traces them into an FX subgraph and lifts
-   whatever they capture (tensors, parameters, numbers it did not specialise) into inputs.
-   Roles are told apart by shape: all-ones tensors of 5 (score: float32; b: int32) to 8 (kv_idx)
-   dims, which no captured tensor can be (the tracer takes at most 4 dims). They are shaped
-   (1, ...) rather than 0-d so that ``bias[h]`` is advanced indexing, not a data-dependent
-   ``.item()``.
-2. **The HOP's wrapper runs at AOT-trace time**, outside dynamo (``_bind_attention``): it
-   retraces the captured subgraph with flexjit's own tracer (``trace.trace_bound``), so the IR is
-   the eager IR and the compiled graph runs the same cached kernels, then calls
-3. **custom ops** with fake kernels: ``flexjit::attention`` (autograd through
-   ``flexjit::attention_backward``) and ``flexjit::block_mask`` (the planner). Their one
-   non-tensor input is the program as text (``_encode``: the traced IR, how many captures each
-   mod has, which are learnable), so a graph loaded from inductor's disk cache in a fresh process
-   needs nothing else. Inside, ``dispatch`` picks the backends exactly as in eager mode.
-
-Inductor calls the ops as extern kernels; the attention ops make no host syncs when the block
-mask's schedule hint is known (``BlockMask.mean_kv_tokens`` remembered at creation), so CUDA
-graphs (``mode="reduce-overhead"``) capture them. The planner copies to the CPU and is marked
-``cudagraph_unsafe``.
-
-Captured Python numbers: dynamo specialises a number on first sight and, once it changes, turns
-it into a graph input (at most one recompile); such an input reaches the kernels as a runtime
-scalar, so later values neither recompile the graph nor the kernel.
+Dynamo cannot run flexjit's tracer, so the API calls the mods inside torch's
+``dynamo_bypassing_wrapper`` higher-order op on "role" tensors (all-ones tensors of 5 to 8 dims
+standing for score, b, h, q_idx, kv_idx: no captured tensor has that many) and dynamo lifts what
+they capture into graph inputs. At AOT-trace time the HOP's wrapper retraces that subgraph with
+flexjit's tracer (the eager IR, hence the eager kernels) and calls the custom ops
+``flexjit::attention`` (backward: ``flexjit::attention_backward``) and ``flexjit::block_mask``,
+whose one non-tensor input is the program as text, so a graph from inductor's disk cache needs
+nothing else. The attention ops make no host syncs (CUDA graphs capture them); the planner is
+``cudagraph_unsafe``. docs/DESIGN.md says why this road and not others.
 """
 from __future__ import annotations
 

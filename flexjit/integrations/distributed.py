@@ -1,33 +1,19 @@
 """Context parallelism: one attention over a sequence sharded across ranks.
 
-    import flexjit.distributed as cp
+    import flexjit.integrations.distributed as cp
     q, k, v = (cp.shard(t) for t in (q_full, k_full, v_full))     # this rank's shards (dim 2)
     bm = flexjit.create_block_mask(mask_mod, B, H, S, S)           # the GLOBAL mask
     out = cp.flex_attention(q, k, v, score_mod, bm)               # this rank's output shard
 
-Layouts. The global sequence is cut into ``W`` (``contiguous``) or ``2W`` (``zigzag``) equal
-chunks; rank r holds chunk r, or chunks r and 2W-1-r (which balances causal work: every rank
-then owns one early and one late chunk). Queries and keys/values are sharded alike.
-
-Ring. Each rank's key/value shard travels around the ring (rank r sends to r+1 and receives
-from r-1, by ``torch.distributed`` point-to-point ops: gloo on the CPU, NCCL on GPUs); at step s
-rank r holds the shard of rank (r - s) mod W. The next step's send/receive is posted before the
-current step's compute. Each (query chunk, key/value chunk) pair is one ordinary flexjit call
-(``dispatch.forward``/``dispatch.backward`` of the chosen backend) on the GLOBAL block mask's
-sub-rectangle, with the mods seeing global indices (``q_idx + q_offset``: the offsets are
-Python ints, hence runtime scalars, so every pair runs one compiled kernel); partial results
-merge by their log-sum-exp.
-
-Skipping. Every rank knows the global mask, hence which pairs have a listed block: a pair
-without one is not computed, a ring step without one is not computed, and a shard is sent on
-only while a rank further along the ring needs it (so a document mask whose documents stay
-inside a rank's chunks sends nothing). ``last_stats()`` counts steps, pairs and bytes.
-
-Backward. The same ring again: each pair's standard backward with the GLOBAL merged output and
-LSE (delta = rowsum(dO∘O) - dLSE), the visiting shard's dK/dV accumulating (fp32 for 16-bit
-inputs) as it travels and going straight back to its owner after the last rank that needs it;
-gradients of captured tensors (a learnable bias table) are summed across ranks (all_reduce).
-Every rank must call the backward (as with any collective).
+The sequence is cut into ``W`` (``contiguous``) or ``2W`` (``zigzag``: rank r holds chunks r
+and 2W-1-r, which balances causal work) chunks; key/value shards travel a ring of
+``torch.distributed`` point-to-point ops (gloo or NCCL), the next step's exchange posted before
+the current step's compute. Each (query chunk, key/value chunk) pair is an ordinary flexjit call
+on the global mask's sub-rectangle, its mods seeing global indices through runtime offsets, and
+partial results merge by their log-sum-exp. Pairs without a listed block are neither computed
+nor sent (``last_stats()`` counts steps, pairs and bytes). The backward walks the same ring with
+the global output and LSE; dK/dV travel home with their shard; captured tensors' gradients are
+summed across ranks. Every rank must call the backward, as with any collective.
 """
 from __future__ import annotations
 
