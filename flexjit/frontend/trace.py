@@ -150,6 +150,10 @@ def _coerce(ctx: _Context, x, like: DType | None = None) -> Node:
     the kind of the other operand where that does not lose information."""
     if isinstance(x, Proxy):
         return x.node
+    if isinstance(x, Vector) or (isinstance(x, BufferView) and x.row() is not None):
+        n = len(x.items) if isinstance(x, Vector) else x.tensor.shape[-1]
+        ctx.fail(f"a row of {n} values where one value is needed",
+                 "reduce the row first, e.g. (pos[q_idx] - pos[kv_idx]).pow(2).sum(-1)")
     if isinstance(x, BufferView):
         given = [_index_label(n) for n in x.index]
         ctx.fail(f"a captured tensor of {x.tensor.dim()} dimensions was indexed with {len(given)}, not down "
@@ -183,12 +187,16 @@ def _index_label(n: Node) -> str:
 
 
 def _binary(ctx: _Context, op: Op, a, b) -> "Proxy":
+    if _is_row(a) or _is_row(b):
+        return _map(ctx, lambda x, y: _binary(ctx, op, x, y), a, b)
     like = next((x.node.dtype for x in (a, b) if isinstance(x, Proxy)), None)
     na, nb = _coerce(ctx, a, like), _coerce(ctx, b, like)
     return Proxy(build_binary(op, na, nb), ctx)
 
 
 def _unary(ctx: _Context, op: Op, x) -> "Proxy":
+    if _is_row(x):
+        return _map(ctx, lambda y: _unary(ctx, op, y), x)
     n = _coerce(ctx, x)
     if op in ir.TRANSCENDENTAL or op in ir.ROUNDING:
         if op in ir.ROUNDING and not n.dtype.is_float:
@@ -203,6 +211,8 @@ def _unary(ctx: _Context, op: Op, x) -> "Proxy":
 
 
 def _where(ctx: _Context, c, a, b) -> "Proxy":
+    if _is_row(c) or _is_row(a) or _is_row(b):
+        return _map(ctx, lambda x, y, z: _where(ctx, x, y, z), c, a, b)
     nc = _coerce(ctx, c)
     if nc.dtype is not DType.BOOL:
         ctx.fail(f"torch.where needs a bool condition, got {nc.dtype.value}",
@@ -407,11 +417,210 @@ class BufferView:
         return self.tensor.dim() - len(self.index)
 
     def __getitem__(self, idx):
+        if isinstance(idx, tuple) and idx and idx[0] is Ellipsis and len(idx) - 1 == self.ndim:
+            idx = idx[1:]  # view[..., j]: the remaining dimensions are the last ones
         return _index(self.ctx, self.tensor, self.index, idx)
 
+    def row(self) -> "Vector | None":
+        """The view as a Vector of loads when one short dimension is left (else None)."""
+        if self.ndim != 1 or self.tensor.shape[-1] > MAX_ROW:
+            return None
+        given = [_index_label(n) for n in self.index]
+        origin = (f"a captured tensor of {self.tensor.dim()} dimensions was indexed with "
+                  f"{len(given)}; index every dimension at once, e.g. t[{', '.join(given + ['i'])}]")
+        return Vector([_index(self.ctx, self.tensor, self.index, j)
+                       for j in range(self.tensor.shape[-1])], self.ctx, origin)
+
+    def _as_row(self) -> "Vector":
+        row = self.row()
+        if row is None:
+            given = [_index_label(n) for n in self.index]
+            self.ctx.fail(f"a captured tensor of shape {tuple(self.tensor.shape)} indexed with "
+                          f"{len(given)} index(es) used as a value",
+                          f"index it down to one element, e.g. t[{', '.join(given + ['i'] * self.ndim)}], "
+                          f"or to a row of at most {MAX_ROW} values")
+        return row
+
     def __getattr__(self, name):
-        self.ctx.fail(f"`.{name}` on a partially indexed captured tensor",
-                      "index all dimensions first, then operate on the element")
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._as_row(), name)
+
+    def _scalar(self, *_):
+        self.ctx.fail(f"Python control flow or a number conversion on a captured tensor of shape "
+                      f"{tuple(self.tensor.shape)} indexed with {len(self.index)} index(es)",
+                      "index it down to one element (or reduce its row), and use torch.where "
+                      "instead of `if`")
+    __bool__ = __float__ = __int__ = __index__ = _scalar
+
+
+# The longest row of a captured tensor a mod may hold (``pos[q_idx]`` with ``pos`` of shape
+# (S, 3)): rows are unrolled into scalar code, one value per element.
+MAX_ROW = 64
+
+
+class Vector:
+    """A short row of traced values: a captured tensor indexed in all but its last dimension.
+
+    Elementwise ops map over it, broadcasting against single values and rows of the same length;
+    reductions over its one dimension (``sum``, ``mean``, ``prod``, ``amax``, ``amin``, ``max``,
+    ``min``, ``norm``, ``dot``) unroll into scalar code; a Python int indexes an element. A mod
+    reduces its rows to one value before it returns."""
+
+    __slots__ = ("items", "ctx", "origin")
+    __hash__ = None
+
+    def __init__(self, items: list, ctx: _Context, origin: str = ""):
+        self.items, self.ctx, self.origin = list(items), ctx, origin  # origin: what to say in hints
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(_find_ctx(args, kwargs or {}), func, args, kwargs or {})
+
+    def __repr__(self):
+        return f"Vector({len(self.items)})"
+
+    def __len__(self):
+        return len(self.items)
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def _scalar(self, *_):
+        self.ctx.fail(f"Python control flow or a number conversion on a row of {len(self.items)} "
+                      "traced values", "reduce the row first (e.g. .sum(-1)), and use torch.where "
+                      "instead of `if`")
+    __bool__ = __float__ = __int__ = __index__ = _scalar
+
+    def __getitem__(self, idx):
+        if isinstance(idx, tuple) and len(idx) == 2 and idx[0] is Ellipsis:
+            idx = idx[1]  # row[..., j]: the row's one dimension is its last
+        if isinstance(idx, int) and not isinstance(idx, bool) and -len(self.items) <= idx < len(self.items):
+            return self.items[idx]
+        self.ctx.fail(f"indexing a row of {len(self.items)} values with {idx!r}",
+                      "index it with a Python int in range, or index the captured tensor directly")
+
+    @property
+    def shape(self):
+        return torch.Size([len(self.items)])
+
+    @property
+    def ndim(self):
+        return 1
+
+    def dim(self):
+        return 1
+
+    def size(self, dim=None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        method = getattr(torch.Tensor, name, None)
+        if method is None:
+            raise AttributeError(f"a traced row has no attribute {name!r}")
+        return lambda *args, **kwargs: _dispatch(self.ctx, method, args, kwargs, first=self)
+
+
+for _name, _op in [("add", Op.ADD), ("sub", Op.SUB), ("mul", Op.MUL), ("truediv", Op.DIV),
+                   ("floordiv", Op.FLOORDIV), ("mod", Op.MOD), ("pow", Op.POW), ("lt", Op.LT),
+                   ("le", Op.LE), ("gt", Op.GT), ("ge", Op.GE), ("eq", Op.EQ), ("ne", Op.NE)]:
+    def _fwd(self, o, _op=_op):
+        return _binary(self.ctx, _op, self, o)
+
+    def _rev(self, o, _op=_op):
+        return _binary(self.ctx, _op, o, self)
+    for _cls in (Vector, BufferView):
+        setattr(_cls, f"__{_name}__", _fwd)
+        if _name not in ("lt", "le", "gt", "ge", "eq", "ne"):
+            setattr(_cls, f"__r{_name}__", _rev)
+for _cls in (Vector, BufferView):
+    _cls.__neg__ = lambda self: _unary(self.ctx, Op.NEG, self)
+    _cls.__abs__ = lambda self: _unary(self.ctx, Op.ABS, self)
+    _cls.__and__ = lambda self, o: _logic(self.ctx, Op.AND, self, o)
+    _cls.__or__ = lambda self, o: _logic(self.ctx, Op.OR, self, o)
+    _cls.__invert__ = lambda self: _unary(self.ctx, Op.NOT, self)
+BufferView.__hash__ = None
+
+
+def _is_row(x) -> bool:
+    return isinstance(x, Vector) or (isinstance(x, BufferView) and x.ndim == 1)
+
+
+def _map(ctx: _Context, fn: Callable, *args):
+    """``fn`` over the elements of the row arguments, broadcasting single values."""
+    rows = [a._as_row() if isinstance(a, BufferView) else a for a in args]
+    lengths = {len(r.items) for r in rows if isinstance(r, Vector)}
+    if len(lengths) != 1:
+        ctx.fail(f"rows of different lengths {sorted(lengths)} in one expression",
+                 "combine rows of the same length (or single values)")
+    (n,) = lengths
+    origin = next(r.origin for r in rows if isinstance(r, Vector))
+    return Vector([fn(*(r.items[i] if isinstance(r, Vector) else r for r in rows)) for i in range(n)],
+                  ctx, origin)
+
+
+def _fold(ctx: _Context, op: Op, items: list):
+    out = items[0]
+    for x in items[1:]:
+        out = _binary(ctx, op, out, x)
+    return out
+
+
+def _reduce(ctx: _Context, name: str, row: "Vector", args: tuple, kwargs: dict):
+    """A reduction over a row's one dimension (torch's name and arguments)."""
+    dim = kwargs.get("dim", args[0] if args else None)
+    if isinstance(dim, (tuple, list)) and len(dim) == 1:
+        dim = dim[0]
+    if dim not in (None, 0, -1):
+        ctx.fail(f"`{name}` over dim {dim!r} of a row", "a row has one dimension: dim=-1")
+    items = row.items
+    if name == "sum":
+        return _fold(ctx, Op.ADD, items)
+    if name == "prod":
+        return _fold(ctx, Op.MUL, items)
+    if name == "mean":
+        return _binary(ctx, Op.DIV, _fold(ctx, Op.ADD, items), float(len(items)))
+    if name in ("amax", "amin") or (name in ("max", "min") and dim is None):
+        return _fold(ctx, Op.MAX if name in ("amax", "max") else Op.MIN, items)
+    if name in ("norm", "vector_norm"):
+        p = kwargs.get("p", kwargs.get("ord", 2))
+        if p == 1:
+            return _fold(ctx, Op.ADD, [_unary(ctx, Op.ABS, x) for x in items])
+        if p == float("inf"):
+            return _fold(ctx, Op.MAX, [_unary(ctx, Op.ABS, x) for x in items])
+        if p == 2:  # torch's subgradient at a zero row is 0: keep sqrt's infinite slope out of it
+            sq = _fold(ctx, Op.ADD, [_binary(ctx, Op.MUL, x, x) for x in items])
+            zero = _binary(ctx, Op.EQ, sq, 0.0)
+            return _where(ctx, zero, 0.0, _unary(ctx, Op.SQRT, _where(ctx, zero, 1.0, sq)))
+        ctx.fail(f"a {p}-norm of a row", "use p=1, 2 or inf, or write it out")
+    ctx.fail(f"`{name}` with dim={dim!r} on a row returns indices too", f"use a{name}(dim=-1)")
+
+
+_ROW_REDUCTIONS = {torch.sum: "sum", torch.Tensor.sum: "sum", torch.mean: "mean",
+                   torch.Tensor.mean: "mean", torch.prod: "prod", torch.Tensor.prod: "prod",
+                   torch.amax: "amax", torch.Tensor.amax: "amax", torch.amin: "amin",
+                   torch.Tensor.amin: "amin", torch.norm: "norm", torch.Tensor.norm: "norm",
+                   torch.linalg.vector_norm: "vector_norm"}
+
+
+def _row_call(ctx: _Context, func, args: tuple, kwargs: dict):
+    """A torch call with a row among its arguments: a reduction, a dot product, or an elementwise
+    op mapped over the row."""
+    args = tuple(a._as_row() if isinstance(a, BufferView) else a for a in args)
+    if func in _ROW_REDUCTIONS or (func in (torch.max, torch.Tensor.max, torch.min, torch.Tensor.min)
+                                   and (len(args) == 1 or not _is_row(args[1]))):
+        name = _ROW_REDUCTIONS.get(func) or ("max" if func in (torch.max, torch.Tensor.max) else "min")
+        return _reduce(ctx, name, args[0], args[1:], kwargs)
+    if func in (torch.dot, torch.Tensor.dot, torch.inner, torch.Tensor.inner):
+        return _fold(ctx, Op.ADD, _map(ctx, lambda x, y: _binary(ctx, Op.MUL, x, y), *args).items)
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        handler = _unsupported(func)
+    if kwargs:
+        return _map(ctx, lambda *xs: handler(*xs, **kwargs), *args)
+    return _map(ctx, handler, *args)
 
 
 def _index(ctx: _Context, t: torch.Tensor, prefix: tuple[Node, ...], idx) -> Proxy | BufferView:
@@ -467,11 +676,11 @@ _FACTORIES = {torch.tensor, torch.as_tensor, torch.arange, torch.zeros, torch.on
 
 def _find_ctx(args, kwargs) -> _Context:
     for x in list(args) + list(kwargs.values()):
-        if isinstance(x, (Proxy, BufferView)):
+        if isinstance(x, (Proxy, BufferView, Vector)):
             return x.ctx
         if isinstance(x, (tuple, list)):
             for y in x:
-                if isinstance(y, (Proxy, BufferView)):
+                if isinstance(y, (Proxy, BufferView, Vector)):
                     return y.ctx
     return _ACTIVE[-1]
 
@@ -720,9 +929,9 @@ _ACTIVE: list[_Context] = []
 
 def _involves_proxy(args, kwargs) -> bool:
     for x in list(args) + list((kwargs or {}).values()):
-        if isinstance(x, (Proxy, BufferView)):
+        if isinstance(x, (Proxy, BufferView, Vector)):
             return True
-        if isinstance(x, (tuple, list)) and any(isinstance(y, (Proxy, BufferView)) for y in x):
+        if isinstance(x, (tuple, list)) and any(isinstance(y, (Proxy, BufferView, Vector)) for y in x):
             return True
     return False
 
@@ -738,8 +947,16 @@ class _TraceMode(TorchFunctionMode):
         return _dispatch(self.ctx, func, args, kwargs or {})
 
 
-def _dispatch(ctx: _Context, func, args, kwargs):
-    """One torch call made while tracing: build IR if it touches a proxy."""
+def _dispatch(ctx: _Context, func, args=(), kwargs=None, first=None):
+    """One torch call made while tracing: build IR if it touches a proxy. ``first``: the tensor a
+    method was looked up on (a row's ``.sum(...)``), put before ``args``."""
+    kwargs = kwargs or {}
+    if first is not None:
+        args = (first, *args)
+    if any(_is_row(a) for a in args) or any(_is_row(v) for v in kwargs.values()):
+        if "out" in kwargs:
+            ctx.fail("an `out=` argument writes in place", "return the value instead")
+        return _row_call(ctx, func, tuple(args), kwargs)
     if func in _FACTORIES and not (func in _HANDLERS and _involves_proxy(args, kwargs)):
         ctx.fail(f"a tensor is created inside the mod (torch.{func.__name__})",
                  "use a Python number (e.g. float('-inf')), or create the tensor "
@@ -875,6 +1092,11 @@ def _run_trace(ctx: _Context, target: Callable) -> TracedMod:
 
 
 def _result_node(ctx: _Context, result) -> Node:
+    if _is_row(result):
+        row = result if isinstance(result, Vector) else result._as_row()
+        raise TraceError(f"{ctx.kind} `{ctx.name}` returned a row of {len(row.items)} values, not "
+                         f"one element ({row.origin}); or reduce the row, e.g. "
+                         "(pos[q_idx] - pos[kv_idx]).pow(2).sum(-1)")
     if isinstance(result, BufferView) or (isinstance(result, torch.Tensor) and result.dim() > 0):
         raise TraceError(f"{ctx.kind} `{ctx.name}` returned a tensor, not one element; "
                          "index captured tensors down to a single element")
