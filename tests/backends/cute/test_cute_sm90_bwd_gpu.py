@@ -311,11 +311,10 @@ def _no_triton_backward(monkeypatch):
     """Make any hand-off to the Triton backward fail the test (issue #6: the sm90 backward must
     produce the captured tensors' gradients itself)."""
     from flexjit.backends import triton as triton_backend_entry
-    from flexjit.backends.triton import prefill as triton_backend
 
     def refuse(*args, **kwargs):
         raise AssertionError("the Triton backward ran; the sm90 backward should have")
-    monkeypatch.setattr(triton_backend, "backward", refuse)
+    monkeypatch.setattr(triton_backend_entry, "backward", refuse)
 
 
 def _captured_grads_check(name, B, Hq, Hkv, L, S, D, seed, run_kernel):

@@ -212,7 +212,7 @@ def test_compiles_are_counted_and_reused():
 
     q, bm = run(1024)
     # The block mask's mask_mod is part of the Program: without it this would be another kernel.
-    call = flexjit.api.prepare_call(q, q, q, capped_bias, bm, None, False, None)
+    call = flexjit.api.attention.prepare_call(q, q, q, capped_bias, bm, None, False, None)
     mods = [tb.load_module(call.program, w) for w in ("fwd", "bwd")]
     count = sum(tb.triton_compiles(m) for m in mods)
     assert count >= 3  # forward, preprocess, backward
