@@ -56,6 +56,16 @@ def test_row_reductions_trace_to_scalar_code():
     assert len(outs) == 1  # the same interned graph
 
 
+def _check_grads(out, ref, low, inputs, names):
+    """Every gradient of out·dout against the float64 oracle's (floor scaled to its magnitude)."""
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, inputs, dout)
+    want = torch.autograd.grad(ref, inputs, dout.double())
+    lowg = torch.autograd.grad(low, inputs, dout)
+    for name, a, w, lw in zip(names, got, want, lowg):
+        assert_close_to_oracle(name, a, w, lw, FLOOR[torch.float32] * max(1.0, w.abs().max().item()))
+
+
 def test_a_row_unrolls_into_loads_of_its_elements():
     pos = _positions()
     out = trace_mod(_distance(pos), SCORE_MOD).out
@@ -77,12 +87,7 @@ def test_reference_backend_matches_the_oracle(grad):
         assert_close_to_oracle("out", out, ref, low, FLOOR[torch.float32])
         assert_close_to_oracle("lse", lse, ref_lse, low_lse, FLOOR[torch.float32])
         if grad:
-            dout = torch.randn_like(out)
-            got = torch.autograd.grad(out, (q, pos), dout)
-            want = torch.autograd.grad(ref, (q, pos), dout.double())
-            lowg = torch.autograd.grad(low, (q, pos), dout)
-            for name, a, w, lw in zip(("dq", "dpos"), got, want, lowg):
-                assert_close_to_oracle(name, a, w, lw, FLOOR[torch.float32] * max(1.0, w.abs().max().item()))
+            _check_grads(out, ref, low, (q, pos), ("dq", "dpos"))
 
 
 def test_triton_kernels_match_the_oracle(monkeypatch):
@@ -99,12 +104,7 @@ def test_triton_kernels_match_the_oracle(monkeypatch):
     low, low_lse = dense_attention(q, k, v, mod, dtype=torch.float32)
     assert_close_to_oracle("out", out, ref, low, FLOOR[torch.float32])
     assert_close_to_oracle("lse", lse, ref_lse, low_lse, FLOOR[torch.float32])
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v, pos), dout)
-    want = torch.autograd.grad(ref, (q, k, v, pos), dout.double())
-    lowg = torch.autograd.grad(low, (q, k, v, pos), dout)
-    for name, a, w, lw in zip(("dq", "dk", "dv", "dpos"), got, want, lowg):
-        assert_close_to_oracle(name, a, w, lw, FLOOR[torch.float32] * max(1.0, w.abs().max().item()))
+    _check_grads(out, ref, low, (q, k, v, pos), ("dq", "dk", "dv", "dpos"))
 
 
 @pytest.mark.slow
@@ -150,9 +150,4 @@ def test_rows_inside_torch_compile():
     ref, _ = dense_attention(q, k, v, mod, dtype=torch.float64)
     low, _ = dense_attention(q, k, v, mod, dtype=torch.float32)
     assert_close_to_oracle("out", out, ref, low, FLOOR[torch.float32])
-    dout = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, pos), dout)
-    want = torch.autograd.grad(ref, (q, pos), dout.double())
-    lowg = torch.autograd.grad(low, (q, pos), dout)
-    for name, a, w, lw in zip(("dq", "dpos"), got, want, lowg):
-        assert_close_to_oracle(name, a, w, lw, FLOOR[torch.float32] * max(1.0, w.abs().max().item()))
+    _check_grads(out, ref, low, (q, pos), ("dq", "dpos"))
