@@ -105,7 +105,7 @@ def _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
 
 def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, backend,
               want_max: bool):
-    """flex_attention inside a graph dynamo traces (``flexjit.compile``): the same validation,
+    """flex_attention inside a graph dynamo traces (``flexjit.api.compiled``): the same validation,
     minus what needs the traced mods (the HOP's wrapper checks that at AOT time)."""
     _check_tensors(query, key, value, enable_gqa)
     if block_mask is not None:

@@ -1050,7 +1050,7 @@ def trace_mod(fn: Callable, kind: str) -> TracedMod:
 
 def trace_bound(kind: str, name: str, bind: Callable[["_Context"], Callable]) -> TracedMod:
     """Trace the callable ``bind(ctx)`` returns as a mod of ``kind`` named ``name``, uncached.
-    ``bind`` may create SCALAR proxies itself (``ctx.scalar``): how ``flexjit.compile`` traces
+    ``bind`` may create SCALAR proxies itself (``ctx.scalar``): how ``flexjit.api.compiled`` traces
     the FX graph dynamo captured of a mod, whose captured numbers are graph inputs."""
     ctx = _Context(bind, kind)
     ctx.name = name

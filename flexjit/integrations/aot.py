@@ -17,7 +17,7 @@ CuTeDSL and tvm_ffi. Sizes, strides, batch, heads and scalar values are runtime 
 sm_100a: the forward and the backward's three kernels, exported to the disk cache the same way
 (``cute_sm100``, ``cute_sm100_bwd``). Caching does not make them trusted: a run uses an sm100
 kernel, loaded from disk or compiled, only after its first-use self-check has passed on that
-GPU in that process (``flexjit.selfcheck``). CuTeDSL reads ``CUTE_DSL_ARCH`` once per process:
+GPU in that process (``flexjit.runtime.selfcheck``). CuTeDSL reads ``CUTE_DSL_ARCH`` once per process:
 compile for sm_90a in a process that has not compiled for another arch (``compile_kernels``
 sets it for the sm90 kernels); the sm100 templates pass ``--gpu-arch sm_100a`` explicitly, so
 they compile (and export) in any process.

@@ -461,7 +461,7 @@ def lower(score: TracedMod | None, mask: TracedMod | None, float_index: bool = F
     exactly that, so a call with the same mods costs a dictionary lookup. ``float_index``: also
     move float casts of index sums onto the leaves (``_float_index_graphs``; the caller checks
     that every length is below FLOAT_INDEX_LIMIT). ``learnable``: which captured tensors get
-    gradients, where it is not their ``requires_grad`` (inside a custom op, ``flexjit.compile``).
+    gradients, where it is not their ``requires_grad`` (inside a custom op, ``flexjit.api.compiled``).
     ``lengths``: the call's (B, Hq, L, S); integer arithmetic that can overflow int32 there is
     computed in int64 (``widen``). Every caller that runs a program passes them."""
     buffers = tuple((score.buffers if score else []) + (mask.buffers if mask else []))

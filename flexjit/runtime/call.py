@@ -20,7 +20,7 @@ class Call:
     scale: float
     kernel_options: dict
     grad: bool | None = None  # whether gradients will be needed, where autograd cannot tell
-                              # (inside flexjit.compile's custom ops); None: ask autograd
+                              # (inside flexjit.api.compiled's custom ops); None: ask autograd
     max_scores: bool = False  # whether the forward also returns the row max of the modded scores
     # What the backends plan for this call (plans, ready launches), shared by every call of one
     # call_cache entry: its keys may depend only on what the entry's signature and guards fix.

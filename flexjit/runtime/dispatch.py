@@ -15,14 +15,14 @@ else the next that can (the sm90 forward trains on the Triton backward for head 
 backward lacks). ``flexjit.explain`` shows the same answer without running anything.
 
 Preference for "auto": Hopper (sm90) -> cute; Blackwell (10.x) -> cute_sm100, only once its
-compiled kernel has passed its first-use self-check on that GPU (``flexjit.selfcheck``, run from
-``cute_sm100.supports``); any other CUDA GPU -> triton; CPU -> reference; on any GPU, a
-decode-shaped call without gradients (``triton_decode.routes``) -> triton first. An explicit
+compiled kernel has passed its first-use self-check on that GPU (``flexjit.runtime.selfcheck``, run
+from ``backends.cute.sm100.supports``); any other CUDA GPU -> triton; CPU -> reference; on any GPU, a
+decode-shaped call without gradients (``backends.triton.decode.routes``) -> triton first. An explicit
 backend that cannot serve the call is an error; ``backend="cute"`` on a 10.x GPU is the sm100
 backend (gated the same way).
 
 ``run`` is the eager entry: one ``torch.autograd.Function`` over every backend pair. The
-torch.compile path (``flexjit.compile``) calls the same ``forward``/``backward`` from its custom
+torch.compile path (``flexjit.api.compiled``) calls the same ``forward``/``backward`` from its custom
 ops. Backends run with autocast off: the API casts the inputs once, by autocast's policy, before
 they reach here.
 """

@@ -2,8 +2,8 @@
 before it has computed a small case of the same Program correctly on this GPU.
 
 The sm100 (Blackwell) kernels were compiled and checked on machines without a Blackwell GPU and
-have never run on one; this gate is what makes offering them safe. ``backends/cute_sm100.py``
-asks ``gate`` from its ``supports``; the first call of each compiled kernel (keyed by its
+have never run on one; this gate is what makes offering them safe. ``backends/cute/sm100.py``
+asks ``admit`` from its ``supports``; the first call of each compiled kernel (keyed by its
 compiled-kernel key) runs the check, and the answer holds for the process:
 
 * passed: the kernel serves calls; ``flexjit.explain`` says "self-checked on this GPU";
@@ -33,8 +33,8 @@ to the call's dtype and its row sum, P·V and the output in the dtype. The tests
 it in the dtype, the scores too) is far looser where scores are large: ALiBi's bias terms reach
 ~150 at these lengths and its bf16 output bound was ~0.6, enough to let a wrong kernel through;
 this one is ~0.03, and the Triton forward's own error on the same cases is about half of it for
-every core mod (``tests/test_sm100_gate.py`` runs it under the interpreter). For a backward the
-baseline is the tests' own (everything in the dtype, ``tests/test_cute_sm90_bwd_gpu.py``): the
+every core mod (``tests/runtime/test_sm100_gate.py`` runs it under the interpreter). For a backward the
+baseline is the tests' own (everything in the dtype, ``tests/backends/cute/test_cute_sm90_bwd_gpu.py``): the
 Triton backward exceeded the float32-scores one on ALiBi's dv and its slope gradient (it rounds
 P and dS for its GEMMs and reads a 16-bit O), so the hook keeps the bound the suite's backward
 kernels pass; it is loose for ALiBi-like mods and should be tightened from the sm100 backward's
