@@ -21,7 +21,9 @@ decode-shaped call without gradients (``backends.triton.decode.routes``) -> trit
 backend that cannot serve the call is an error; ``backend="cute"`` on a 10.x GPU is the sm100
 backend (gated the same way).
 
-``run`` is the eager entry: one ``torch.autograd.Function`` over every backend pair. The
+``run`` is the eager entry: one ``torch.autograd.Function`` over every backend pair. A call
+that will train on the sm90 backward starts its backward's compile in a worker before the
+forward runs (``runtime.compile_pool``); ``backward`` waits for it. The
 torch.compile path (``flexjit.api.compiled``) calls the same ``forward``/``backward`` from its custom
 ops. Backends run with autocast off: the API casts the inputs once, by autocast's policy, before
 they reach here.
@@ -37,7 +39,7 @@ from flexjit.backends import reference, triton
 from flexjit.backends.base import Backend, capability
 from flexjit.backends.cute import sm90 as cute_sm90, sm100 as cute_sm100
 from flexjit.backends.triton import decode as triton_decode
-from flexjit.runtime import selfcheck
+from flexjit.runtime import compile_pool, selfcheck
 
 BACKENDS = ("cute", "triton", "reference")
 _MODULES: dict[str, Backend] = {"cute": cute_sm90, "cute_sm100": cute_sm100, "triton": triton,
@@ -180,6 +182,7 @@ def backward(name: str, call, q, k, v, out, lse, dout, dlse) -> tuple:
     """(dq, dk, dv, *captured grads) of backend ``name``'s backward, outside autocast."""
     if dout is None:  # only the LSE was used
         dout = torch.zeros_like(out)
+    compile_pool.wait(name, call)  # the kernels compiled ahead of need (``run``) are on disk now
     with torch.autocast(q.device.type, enabled=False):
         return module(name).backward(call, q, k, v, out, lse, dout, dlse)
 
@@ -217,5 +220,6 @@ def run(choice: Choice, call) -> tuple:
             return forward(choice.name, call)
     if call.grad is None:  # grad mode is off inside the Function: backends must still know
         call.grad = True     # (the Triton backend sends only gradient-free calls to decoding)
+    compile_pool.ahead(choice.backward, call)  # the backward's kernels compile while this runs
     res = _FlexAttention.apply(call, choice, call.q, call.k, call.v, *call.program.buffers)
     return res if len(res) == 3 else (*res, None)

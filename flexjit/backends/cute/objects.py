@@ -26,8 +26,9 @@ orphaned.
 Concurrency: processes may share the folder. A writer holds an exclusive ``fcntl.flock`` on
 ``<key>.lock`` while it exports, exports to a private temporary name and ``os.replace``\\ s it
 into place, and skips the export when another process got there first; a reader holds a shared
-lock on the same file while it loads. A reader therefore never sees a half-written file, and two
-processes compiling the same kernel at once export it once.
+lock on the same file while it loads. A reader therefore never sees a half-written file. A
+build holds ``<key>.build.lock`` (``building``) from its disk lookup to its export, so two
+processes that need the same kernel at once compile it once: the second waits, then loads.
 
 Trap (seen in FlashAttention-4's cache): the object file calls into the DSL runtime libraries
 (``libcute_dsl_runtime.so``, ``libtvm_ffi.so``); they are loaded with ``RTLD_GLOBAL`` before the
@@ -53,6 +54,7 @@ log = logging.getLogger("flexjit")
 
 FUNCTION_NAME = "flexjit_kernel"  # the exported symbol (``__tvm_ffi_flexjit_kernel``)
 LOCK_TIMEOUT_S = 120.0  # an export takes ~0.5 s; a lock held longer belongs to a stuck process
+BUILD_TIMEOUT_S = 1800.0  # a compile takes seconds to minutes on a loaded machine
 STATS = {"hits": 0, "misses": 0}  # lookups by load() with the disk cache on (module doc)
 
 
@@ -180,6 +182,22 @@ def _discard(key: str) -> None:
         log.warning("flexjit: cannot remove the bad cache entry %s: %s", key, e)
 
 
+@contextlib.contextmanager
+def building(key: str, timeout: float = BUILD_TIMEOUT_S):
+    """Hold ``<key>.build.lock`` exclusively while building what ``key`` names, so that
+    processes sharing the folder build it once: the second waits, then finds it on disk. Without
+    the disk cache, or past ``timeout`` (logged), the build goes on unlocked."""
+    if not available():
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(_locked(f"{key}.build", exclusive=True, timeout=timeout))
+        except TimeoutError as e:
+            log.warning("flexjit: building without the lock: %s", e)
+        yield
+
+
 def store(key: str, export: Callable[[str, str], None]) -> Optional[Path]:
     """Export a compiled function under ``key``: ``export(object_file_path, function_name)``
     writes it. Returns the file's path, or None when the cache is off or the export failed
@@ -230,15 +248,20 @@ def cached_kernel(memory: dict, key, *, label: str, disk_key: str | None, option
         return from_disk(loaded)
 
     def build():
-        log.info("flexjit: compiling the %s ...", label)
-        t0 = time.perf_counter()
-        fn = compile()
-        announce(f"{label}: compiled in {time.perf_counter() - t0:.1f} s")
-        return fn
+        # Under the build lock (``building``): another process compiling the same kernel
+        # finishes first, and this one loads its file instead of compiling it again.
+        with building(disk_key) if disk_key is not None else contextlib.nullcontext():
+            if disk_key is not None:
+                done = from_file(disk_key)
+                if done is not None:
+                    return done
+            log.info("flexjit: compiling the %s ...", label)
+            t0 = time.perf_counter()
+            fn = compile()
+            announce(f"{label}: compiled in {time.perf_counter() - t0:.1f} s")
+            writer = export(fn) if disk_key is not None else None
+            if writer is not None:
+                store(disk_key, writer)
+            return fn
 
-    def to_file(disk_key, fn):
-        writer = export(fn)
-        if writer is not None:
-            store(disk_key, writer)
-
-    return cache.cached(memory, key, build, disk_key=disk_key, load=from_file, store=to_file)
+    return cache.cached(memory, key, build)

@@ -1,0 +1,418 @@
+"""Compiling CuTe kernels ahead of need, in worker processes that share the disk cache.
+
+CuTeDSL compiles one kernel on one core, in seconds. A training call's backward needs three
+kernels that are known as soon as its forward is traced, so they need not wait for the first
+backward: ``ahead`` (called by ``dispatch.run`` for a call that will train on the sm90 backward)
+sends their compile to a worker process and returns at once; the forward compiles and runs in
+the caller meanwhile. The worker exports the kernels into the disk cache under the keys the
+backend computes (it runs the backend's own ``compile_backward``); ``wait`` (called by
+``dispatch.backward``) waits for that job, after which the backward loads them from disk in
+milliseconds. ``submit`` runs any ``Job`` (the forward too: ``flexjit.warmup``).
+
+What this module holds
+----------------------
+* ``Job``: one compile (the sm90 forward or the backward's three kernels) with the Program as
+  text (``ir.serialize``: nodes are interned, so they do not pickle) and its captured tensors as
+  kinds only (dtype and shape: no kernel reads their values at compile time).
+* ``run_job``: what a worker runs, in a worker or, as the fallback, in the caller: the backend's
+  own compile path (memory, else disk, else compile and export) under an exclusive file lock
+  on the job's identity, so that processes sharing a cache folder compile each kernel once: a
+  second one waits for the first and then loads.
+* The pool: ``workers()`` processes (the cores less one, at most 4), started at first need and
+  stopped at exit. A worker is ``python -c`` importing this module with the GPU hidden and
+  ``CUTE_DSL_ARCH`` set, talking length-prefixed pickles over its stdin/stdout. Not
+  ``multiprocessing``'s spawn: it re-imports the caller's ``__main__`` in every worker, which
+  reruns a training script that has no ``if __name__ == "__main__"`` guard.
+* Failures: a job that raises, or a worker that dies (killed, out of memory, a crash in the
+  compiler), makes ``wait`` warn (``CompileWorkerWarning``, with the worker's last stderr) and
+  compile in the caller instead; a dead worker is replaced for the next job.
+
+Off (``enabled()`` false: every call compiles in the caller, as before) when the disk cache is
+off (``FLEXJIT_CACHE=0``) or cannot hold CuTe kernels (no TVM-FFI): a worker's kernel would have
+no way back; and with one core, where a worker only competes with the caller.
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import pickle
+import queue
+import site
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from flexjit import config
+from flexjit.backends import kernel_cache as cache
+from flexjit.backends.cute import objects as cute_cache, sm90 as cute_sm90
+from flexjit.ir import nodes as ir
+from flexjit.ir.program import GradLoad, Program
+
+log = logging.getLogger("flexjit")
+
+ARCH = "sm_90a"  # the workers' target: the sm90 kernels (sm100's self-check compiles at selection)
+MAX_WORKERS = 4
+
+
+class CompileWorkerWarning(RuntimeWarning):
+    """A compile worker failed or died; the kernels were compiled in the calling process."""
+
+
+def workers() -> int:
+    """The pool's size: the cores this process may use less one (the caller's), at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(0, min(cores - 1, MAX_WORKERS))
+
+
+def enabled() -> bool:
+    """Whether jobs go to workers: the disk cache can carry their kernels back, and a core is
+    free for one."""
+    return cute_cache.available() and workers() > 0
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One compile, picklable: ``kind`` "fwd" (the sm90 forward) or "bwd" (the backward's
+    three kernels), the Program as text, its buffers' kinds, and what else keys the kernels."""
+    kind: str
+    program_key: str  # Program.key, checked against the rebuilt program's in the worker
+    program: tuple  # (graph text, root slots, names, buffer kinds, scalars)
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    sparse: bool
+    deterministic: bool = False  # the backward's
+    kv_batch_broadcast: bool = False
+    persistent: bool = False  # the forward's tiling
+    write_max: bool = False  # the forward writes max_scores
+    cache_dir: str = ""
+
+    @functools.cached_property
+    def ident(self) -> str:
+        """The job's identity across processes (its lock's name): the Program key and every
+        field that shapes its kernels, with the toolchain (``cache.kernel_key``)."""
+        fields = dataclasses.astuple(dataclasses.replace(self, program=(), cache_dir=""))
+        return cache.kernel_key(self.program_key, f"pool_{self.kind}", fields, ARCH)
+
+    def what(self) -> str:
+        names = self.program[2]
+        which = "forward" if self.kind == "fwd" else "backward"
+        return f"sm90 {which} for {names[0]}/{names[1]} D={self.head_dim} {self.dtype}"
+
+
+def wire(program: Program) -> tuple:
+    """``program`` as picklable data (see ``Job.program``); ``unwire`` rebuilds it with the same
+    ``Program.key``."""
+    roots, slots = [], []
+    for name in ("score", "mask", "dscore"):
+        node = getattr(program, name)
+        slots.append(None if node is None else len(roots))
+        if node is not None:
+            roots.append(node)
+    for g in program.grad_loads:
+        roots += [g.load, g.grad]
+    kinds = tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape), bool(t.requires_grad))
+                  for t in program.buffers)
+    return (ir.serialize(roots), tuple(slots), (program.score_name, program.mask_name), kinds,
+            tuple(program.scalars))
+
+
+def unwire(data: tuple) -> Program:
+    text, slots, names, kinds, scalars = data
+    roots = ir.deserialize(text)
+    score, mask, dscore = (None if s is None else roots[s] for s in slots)
+    rest = roots[sum(s is not None for s in slots):]
+    grads = tuple(GradLoad(rest[i], rest[i + 1]) for i in range(0, len(rest), 2))
+    buffers = tuple(torch.zeros(shape, dtype=getattr(torch, dtype)).requires_grad_(grad)
+                    for dtype, shape, grad in kinds)
+    return Program(score, mask, dscore, grads, buffers, tuple(scalars), *names)
+
+
+def backward_job(call, deterministic: bool | None = None) -> Job:
+    """The Job of the sm90 backward that ``call`` will run (``cute_sm90.backward``'s arguments)."""
+    q, v = call.q, call.v
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    return Job("bwd", call.program.key, wire(call.program), str(q.dtype).removeprefix("torch."), q.shape[-1],
+               v.shape[-1], call.block_mask is not None, deterministic,
+               cute_sm90.kv_broadcast(call), cache_dir=str(config.settings.cache_dir))
+
+
+def run_job(job: Job) -> dict:
+    """Compile (or load) the job's kernels through the backend's own path, in this process,
+    holding the job's lock; {"compiled": kernels compiled, "cached": kernels loaded, "seconds"}."""
+    if job.cache_dir and Path(job.cache_dir) != config.settings.cache_dir:
+        os.environ["FLEXJIT_CACHE_DIR"] = job.cache_dir  # a worker follows the caller's folder
+        config.reload()
+    program = unwire(job.program)
+    if program.key != job.program_key:  # a wiring bug would compile kernels nobody looks up
+        raise RuntimeError(f"the {job.what()}: the rebuilt program's key differs from the caller's")
+    dtype = getattr(torch, job.dtype)
+    aux = tuple(cute_sm90._aux_tensor(t, torch.device("cpu")) for t in program.buffers)
+    before = dict(cute_cache.STATS)
+    t0 = time.perf_counter()
+    with cute_cache.building(job.ident):
+        if job.kind == "bwd":
+            cute_sm90.compile_backward(program, dtype, job.head_dim, job.sparse, job.deterministic,
+                                       aux, head_dim_v=job.head_dim_v,
+                                       kv_batch_broadcast=job.kv_batch_broadcast)
+        else:
+            q = torch.empty(1, 1, 128, job.head_dim, dtype=dtype)
+            v = torch.empty(1, 1, 128, job.head_dim_v, dtype=dtype)
+            lists = None
+            if job.sparse:  # only their presence shapes the kernel
+                lists = (torch.ones(1, 1, 1, dtype=torch.int32),
+                         torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                         torch.zeros(1, 1, 1, dtype=torch.int32),
+                         torch.zeros(1, 1, 1, 1, dtype=torch.int32))
+            cute_sm90.compile_program(program, q, q, v, lists, aux, persistent=job.persistent,
+                                      write_max=job.write_max,
+                                      kv_batch_broadcast=job.kv_batch_broadcast)
+    hits = cute_cache.STATS["hits"] - before["hits"]
+    misses = cute_cache.STATS["misses"] - before["misses"]
+    return {"compiled": misses, "cached": hits, "seconds": time.perf_counter() - t0}
+
+
+# --------------------------------------------------------------------------- workers
+
+
+class WorkerError(RuntimeError):
+    """A worker's job raised, or the worker died."""
+
+
+_BOOT = ("import sys; sys.path[:0] = {path!r}; "
+         "from flexjit.runtime.compile_pool import serve; serve()")
+
+
+class _Worker:
+    """One worker process; ``run`` sends it a job and waits for its answer."""
+
+    def __init__(self):
+        root = str(Path(__file__).resolve().parents[2])
+        path = [] if root in site.getsitepackages() + [site.getusersitepackages()] else [root]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH=ARCH,
+                   FLEXJIT_CACHE_DIR=str(config.settings.cache_dir))
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-c", _BOOT.format(path=path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, env=env)
+
+    def run(self, job: Job) -> dict:
+        data = pickle.dumps(job)
+        try:
+            self.proc.stdin.write(len(data).to_bytes(8, "little") + data)
+            self.proc.stdin.flush()
+            answer = _read(self.proc.stdout)
+        except (BrokenPipeError, EOFError, OSError):
+            answer = None
+        if answer is None:
+            code = self.proc.wait()
+            raise WorkerError(f"the compile worker (pid {self.proc.pid}) died with exit code "
+                              f"{code}; its last output:\n{self.tail()}")
+        if answer.get("error"):
+            raise WorkerError(answer["error"])
+        return answer
+
+    def tail(self, chars: int = 2000) -> str:
+        self.stderr.seek(0, os.SEEK_END)
+        self.stderr.seek(max(0, self.stderr.tell() - chars))
+        return self.stderr.read().decode(errors="replace").strip() or "(none)"
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
+
+
+def _read(stream) -> dict | None:
+    header = stream.read(8)
+    if len(header) < 8:
+        return None
+    body = stream.read(int.from_bytes(header, "little"))
+    return pickle.loads(body)
+
+
+def serve() -> None:
+    """A worker's loop: a job from stdin, its answer to stdout, until stdin closes. Everything
+    the compiler prints goes to stderr (stdout carries only the answers)."""
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    jobs = sys.stdin.buffer
+    while True:
+        job = _read(jobs)
+        if job is None:
+            return
+        try:
+            answer = run_job(job)
+        except BaseException as e:  # the caller compiles instead, with this message
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        data = pickle.dumps(answer)
+        answers.write(len(data).to_bytes(8, "little") + data)
+        answers.flush()
+
+
+class Pool:
+    """``size`` worker processes behind a queue; each job's ``Future`` gets its answer."""
+
+    def __init__(self, size: int):
+        self.pid = os.getpid()
+        self.jobs: queue.Queue = queue.Queue()
+        self.live: list[_Worker | None] = [None] * size
+        self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True,
+                                         name=f"flexjit-compile-{i}") for i in range(size)]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, job: Job) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        self.jobs.put((job, fut))
+        return fut
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.live if w is not None]
+
+    def _loop(self, i: int) -> None:
+        while True:
+            item = self.jobs.get()
+            if item is None:
+                return
+            job, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                if self.live[i] is None:
+                    self.live[i] = _Worker()
+                fut.set_result(self.live[i].run(job))
+            except BaseException as e:
+                if self.live[i] is not None and self.live[i].proc.poll() is not None:
+                    self.live[i].stop()  # dead: the next job starts a fresh one
+                    self.live[i] = None
+                fut.set_exception(e if isinstance(e, WorkerError) else WorkerError(repr(e)))
+
+    def shutdown(self) -> None:
+        for _ in self.threads:
+            self.jobs.put(None)
+        for t in self.threads:
+            t.join(timeout=1)
+        for w in self.live:
+            if w is not None:
+                w.stop()
+
+
+_POOL: Pool | None = None
+_POOL_LOCK = threading.Lock()
+_PENDING: dict[str, tuple[Job, cf.Future]] = {}  # Job.ident -> its job and future
+
+
+def pool() -> Pool:
+    """The process's pool, started at first need (again in a forked child: the parent's
+    threads did not survive the fork)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL.pid != os.getpid():
+            _POOL = Pool(workers())
+        return _POOL
+
+
+def shutdown() -> None:
+    """Stop the workers (at exit; a later job starts new ones)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None and _POOL.pid == os.getpid():
+            _POOL.shutdown()
+        _POOL = None
+        _PENDING.clear()
+
+
+atexit.register(shutdown)
+
+
+def submit(job: Job) -> cf.Future:
+    """The job's future: the one already pending or done in this process, else a new job on a
+    worker (or, with the pool off, a future done here, now)."""
+    ident = job.ident
+    hit = _PENDING.get(ident)
+    if hit is not None:
+        return hit[1]
+    if enabled():
+        fut = pool().submit(job)
+    else:
+        fut = cf.Future()
+        try:
+            fut.set_result(run_job(job))
+        except Exception as e:
+            fut.set_exception(e)
+    _PENDING[ident] = (job, fut)
+    return fut
+
+
+def result(job: Job, fut: cf.Future) -> dict:
+    """The job's answer; a failed worker is reported (``CompileWorkerWarning``) and the job
+    run in this process instead."""
+    try:
+        return fut.result()
+    except Exception as e:
+        warnings.warn(f"flexjit: the compile worker failed on the {job.what()} ({e}); "
+                      "compiling it in this process", CompileWorkerWarning, stacklevel=3)
+        answer = run_job(job)
+        done: cf.Future = cf.Future()
+        done.set_result(answer)
+        _PENDING[job.ident] = (job, done)
+        return answer
+
+
+# --------------------------------------------------------------------------- the dispatch hooks
+
+
+_SEEN: dict[tuple, Job] = {}  # (Program.key, deterministic, ...) -> the job, skips re-wiring
+
+
+def _job_of(call) -> Job:
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    q, v = call.q, call.v
+    key = (call.program.key, deterministic, q.dtype, q.shape[-1], v.shape[-1],
+           call.block_mask is not None, cute_sm90.kv_broadcast(call), str(config.settings.cache_dir),
+           tuple((t.dtype, t.dim()) for t in call.program.buffers))
+    job = _SEEN.get(key)
+    if job is None:
+        job = _SEEN[key] = backward_job(call, deterministic)
+    return job
+
+
+def ahead(backward: str | None, call) -> None:
+    """Start compiling the backward a training call will run on ``backward`` (the sm90 backend's
+    "cute" only), in a worker, and return at once."""
+    if backward == "cute" and enabled():
+        submit(_job_of(call))
+
+
+def wait(backward: str, call) -> None:
+    """Before ``backward`` runs ``call``'s gradients: its job's answer, the job started by
+    ``ahead`` or, without workers, run here now (under the job's lock, so that processes sharing
+    the cache compile it once); the backend then finds its kernels in memory or on disk."""
+    if backward == "cute" and cute_cache.available():
+        job = _job_of(call)
+        result(job, submit(job))

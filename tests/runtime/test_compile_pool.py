@@ -1,0 +1,201 @@
+"""The compile pool (``flexjit.runtime.compile_pool``), on the CPU: kernels for sm_90a.
+
+* A Program survives the trip to a worker: the rebuilt one has the same key (learnable tables,
+  runtime scalars and captured index tensors included).
+* ``ahead`` compiles the backward's three kernels in another process while the caller goes on;
+  afterwards this process loads all three from disk with ``cute.compile`` forbidden.
+* A worker killed mid-job: ``wait`` warns and compiles here; the next job gets a fresh worker.
+* Two processes sharing a cache folder that need the same backward at once compile it once.
+* With the disk cache off the pool starts nothing.
+* ``dispatch.run`` starts the job before the forward runs; ``dispatch.backward`` waits for it
+  before the backward runs.
+
+The compiling tests use head dim 64, the smallest tile the sm90 backward's tests already cover
+(its compile is the shortest), and are ``slow``: each spends seconds in CuTeDSL.
+"""
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+torch = pytest.importorskip("torch")
+
+from flexjit import config, mods  # noqa: E402
+from flexjit.api.attention import prepare_call  # noqa: E402
+from flexjit.api.masks import create_block_mask  # noqa: E402
+from flexjit.runtime import compile_pool, dispatch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+S, D, H = 512, 64, 4
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
+    compile_pool.shutdown()  # no job or worker of another test's folder
+    yield tmp_path / "cache"
+    compile_pool.shutdown()
+
+
+def _call(score_mod=None, grad=True):
+    q, k, v = (torch.randn(1, H, S, D, dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
+    bm = create_block_mask(mods.causal(), None, None, S, S, device="cpu")
+    return prepare_call(q, k, v, mods.alibi(H) if score_mod is None else score_mod, bm, None,
+                        False, None)
+
+
+def _needs_cute():
+    pytest.importorskip("cutlass")
+    pytest.importorskip("tvm_ffi")
+
+
+def test_a_program_is_rebuilt_with_its_key():
+    table = torch.randn(2 * S - 1, requires_grad=True)
+    docs = torch.arange(S) // 100
+    cases = [mods.alibi(H), mods.softcap(30.0), mods.relative_bias(table),
+             lambda s, b, h, q, kv: torch.where(docs[q] == docs[kv], s * 0.5 + 1.25, s)]
+    for score_mod in cases:
+        program = _call(score_mod).program
+        back = compile_pool.unwire(pickle.loads(pickle.dumps(compile_pool.wire(program))))
+        assert back.key == program.key
+        assert [(t.dtype, t.shape, t.requires_grad) for t in back.buffers] == \
+            [(t.dtype, t.shape, t.requires_grad) for t in program.buffers]
+        assert back.scalars == program.scalars
+        assert len(back.grad_loads) == len(program.grad_loads)
+
+
+def test_off_when_the_disk_cache_is_off(cache, monkeypatch):
+    monkeypatch.setenv("FLEXJIT_CACHE", "0")
+    assert not compile_pool.enabled()
+    call = _call()
+    compile_pool.ahead("cute", call)
+    compile_pool.wait("cute", call)
+    assert compile_pool._POOL is None and not compile_pool._PENDING
+
+
+def test_dispatch_starts_the_job_before_the_forward_and_waits_before_the_backward(cache,
+                                                                               monkeypatch):
+    import concurrent.futures as cf
+
+    events = []
+
+    def submit(job):  # a worker's future, finished by the forward below; one per job, as submit's
+        if job.ident in pending:
+            return pending[job.ident]
+        events.append(("submit", job.kind, job.program_key))
+        fut = cf.Future()
+        fut.add_done_callback(lambda f: events.append(("done", job.kind)))
+        pending[job.ident] = fut
+        return fut
+
+    pending = {}
+    monkeypatch.setattr(compile_pool, "submit", submit)
+    monkeypatch.setattr(compile_pool, "enabled", lambda: True)
+    monkeypatch.setattr(compile_pool.cute_cache, "available", lambda: True)
+    real_fwd = dispatch.forward
+
+    def forward(name, call):
+        events.append(("forward", name))
+        # the worker finishes while the forward runs
+        for fut in pending.values():
+            fut.set_result({"compiled": 3, "cached": 0, "seconds": 0.0})
+        return real_fwd(name, call)
+
+    class FakeCute:  # the sm90 backward, which cannot run on the CPU
+        @staticmethod
+        def backward(call, q, k, v, out, lse, dout, dlse):
+            events.append(("backward",))
+            return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
+
+    monkeypatch.setattr(dispatch, "forward", forward)
+    monkeypatch.setitem(dispatch._MODULES, "cute", FakeCute)
+    call = _call(mods.softcap(20.0))
+    choice = dispatch.Choice("reference", "test", (), "cute", "test")
+    out, lse, _ = dispatch.run(choice, call)
+    out.float().sum().backward()
+    assert events[0] == ("submit", "bwd", call.program.key)
+    assert events[1] == ("forward", "reference")
+    assert events.index(("done", "bwd")) < events.index(("backward",))
+    assert [e for e in events if e[0] == "submit"] == [events[0]]  # the backward's wait reused it
+
+
+@pytest.mark.slow
+def test_the_backward_compiles_ahead_in_a_worker_and_loads_from_disk(cache):
+    _needs_cute()
+    import cutlass.cute as cute
+    from flexjit.backends.cute import objects, sm90
+
+    call = _call()
+    t0 = time.perf_counter()
+    compile_pool.ahead("cute", call)
+    assert time.perf_counter() - t0 < 1.0  # it returned before any compile
+    job, fut = next(iter(compile_pool._PENDING.values()))
+    assert job.kind == "bwd" and job.program_key == call.program.key
+    answer = fut.result(timeout=600)
+    assert answer == {"compiled": 3, "cached": 0, "seconds": answer["seconds"]}
+    assert os.getpid() not in compile_pool.pool().pids()
+    assert len(list((cache / "cute").glob("*.o"))) == 3
+
+    real, hits = cute.compile, objects.STATS["hits"]
+    cute.compile = lambda *a, **k: pytest.fail("the backward compiled in the caller")
+    try:
+        compile_pool.wait("cute", call)
+        aux = tuple(sm90._aux_tensor(t, call.q.device) for t in call.program.buffers)
+        sm90._COMPILED_BWD.clear()
+        sm90.compile_backward(call.program, call.q.dtype, D, True, False, aux, head_dim_v=D)
+    finally:
+        cute.compile = real
+    assert objects.STATS["hits"] - hits == 3
+
+
+@pytest.mark.slow
+def test_a_dead_worker_falls_back_with_a_warning_and_is_replaced(cache):
+    _needs_cute()
+    call = _call(mods.softcap(25.0))
+    compile_pool.ahead("cute", call)
+    job, fut = next(iter(compile_pool._PENDING.values()))
+    pool = compile_pool.pool()
+    deadline = time.monotonic() + 60
+    while not pool.pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (pid,) = pool.pids()
+    os.kill(pid, 9)
+    with pytest.warns(compile_pool.CompileWorkerWarning, match="died with exit code -9"):
+        compile_pool.wait("cute", call)
+    assert len(list((cache / "cute").glob("*.o"))) == 3  # compiled here, exported
+    # The next job runs on a fresh worker, which finds the kernels on disk.
+    compile_pool._PENDING.clear()
+    answer = compile_pool.submit(job).result(timeout=600)
+    assert answer["compiled"] == 0 and answer["cached"] == 3
+    assert pid not in pool.pids() and len(pool.pids()) == 1
+
+
+@pytest.mark.slow
+def test_two_processes_sharing_a_cache_compile_a_job_once(cache, tmp_path):
+    _needs_cute()
+    job = compile_pool.backward_job(_call(mods.softcap(40.0)))
+    (tmp_path / "job.pkl").write_bytes(pickle.dumps(job))
+    script = textwrap.dedent(f"""
+        import json, pickle
+        from flexjit.runtime import compile_pool
+        job = pickle.load(open({str(tmp_path / 'job.pkl')!r}, "rb"))
+        print(json.dumps(compile_pool.run_job(job)))
+    """)
+    env = dict(os.environ, FLEXJIT_CACHE_DIR=str(config.settings.cache_dir))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    children = [subprocess.Popen([sys.executable, "-c", script], env=env, cwd=REPO, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                for _ in range(2)]
+    answers = []
+    for child in children:
+        out, err = child.communicate(timeout=900)
+        assert child.returncode == 0, err[-3000:]
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted((a["compiled"], a["cached"]) for a in answers) == [(0, 3), (3, 0)]
