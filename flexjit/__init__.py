@@ -9,9 +9,11 @@ Hopper, Triton on other GPUs, a torch reference on the CPU). docs/DESIGN.md maps
 from flexjit.api import (AuxOutput, AuxRequest, BlockMask, PagedAttention, SelfCheckWarning,
                          TraceError, and_masks, create_block_mask, create_mask, explain,
                          flex_attention, noop_mask, or_masks)
+from flexjit.integrations.warmup import WarmupCall, WarmupSummary, warmup, warmup_model
 
 __version__ = "0.1.0"
 
 __all__ = ["flex_attention", "create_block_mask", "create_mask", "BlockMask", "and_masks",
            "or_masks", "noop_mask", "AuxRequest", "AuxOutput", "explain", "PagedAttention",
-           "TraceError", "SelfCheckWarning", "__version__"]
+           "TraceError", "SelfCheckWarning", "warmup", "warmup_model", "WarmupCall",
+           "WarmupSummary", "__version__"]

@@ -32,10 +32,12 @@ from flexjit.api.attention import flex_attention
 from flexjit.planner.block_mask import BlockMask, and_masks
 from flexjit.api.masks import create_block_mask
 from flexjit.frontend.trace import MASK_MOD, trace_mod
+from flexjit.integrations.warmup import WarmupCall
 
 try:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+    from transformers.masking_utils import (AttentionMaskInterface, causal_mask_function,
+                                            sliding_window_causal_mask_function)
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("flexjit.transformers needs transformers >= 4.56 (AttentionMaskInterface): "
                       "pip install 'flexjit[transformers]'") from e
@@ -146,6 +148,36 @@ def flexjit_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
                          scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def warmup_calls(model_or_config, seq_lens, batch: int = 1, dtype: torch.dtype = torch.bfloat16,
+                 requires_grad: bool = True) -> list[WarmupCall]:
+    """The attention calls a decoder with this config makes under ``attn_implementation=
+    "flexjit"`` (no padding, no packing) at each length: one per layer kind, with the masks
+    transformers builds for it (``causal_mask_function``, ``sliding_window_causal_mask_function``)
+    planned as ``flexjit_mask`` plans them, and the softcap as ``flexjit_attention`` applies it.
+    For ``flexjit.warmup_model``."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    H = cfg.num_attention_heads
+    Hkv = getattr(cfg, "num_key_value_heads", None) or H
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    cap = getattr(cfg, "attn_logit_softcapping", None)
+    score_mod = _softcap(float(cap)) if cap else None
+    calls = []
+    for S in seq_lens:
+        for kind in sorted(kinds):
+            if kind == "full_attention":
+                mask_function = causal_mask_function
+            elif kind == "sliding_attention":
+                mask_function = sliding_window_causal_mask_function(cfg.sliding_window)
+            else:
+                raise NotImplementedError(f"warmup_calls: layer type {kind!r}")
+            bm = flexjit_mask(batch, S, S, mask_function=mask_function, device="cpu")
+            calls.append(WarmupCall(batch, H, S, D, dtype, score_mod, None, Hkv, D, requires_grad,
+                                    bm))
+    return calls
 
 
 def register() -> None:

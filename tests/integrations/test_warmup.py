@@ -1,0 +1,117 @@
+"""``flexjit.warmup`` and ``flexjit.warmup_model``, on the CPU (kernels for sm_90a).
+
+* ``warmup`` compiles a training call's forward and the backward's three kernels on the pool's
+  workers; this process then builds the same call as a run does and loads all four from disk
+  with ``cute.compile`` forbidden; a second warmup (in this process, and in a fresh worker)
+  finds all four cached.
+* ``warmup_model``'s calls are the calls a transformers model makes: the jobs built from them
+  have the identities of the jobs built from the calls a real forward of a tiny Llama and a
+  tiny Gemma 2 (softcap, sliding-window layers) sends to flexjit, and the same forward tiling.
+* A call no sm90 kernel takes (a head dim it lacks, float32) is reported, not compiled.
+"""
+import os
+
+import pytest
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+torch = pytest.importorskip("torch")
+
+import flexjit  # noqa: E402
+from flexjit import mods  # noqa: E402
+from flexjit.backends.cute import sm90  # noqa: E402
+from flexjit.integrations import warmup as wu  # noqa: E402
+from flexjit.runtime import compile_pool  # noqa: E402
+
+S, D, H = 512, 64, 4  # D=64: the sm90 kernels' shortest compile
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
+    compile_pool.shutdown()
+    yield tmp_path / "cache"
+    compile_pool.shutdown()
+
+
+def test_calls_no_sm90_kernel_takes_are_reported(cache):
+    calls = [flexjit.WarmupCall(1, H, S, 40, mask_mod=mods.causal()),
+             flexjit.WarmupCall(1, H, S, D, torch.float32, mask_mod=mods.causal())]
+    summary = flexjit.warmup(calls, progress=False)
+    assert (summary.compiled, summary.cached, len(summary.skipped)) == (0, 0, 2)
+    assert "head dims (40, 40)" in summary.skipped[0] and "float32" in summary.skipped[1]
+    assert compile_pool._POOL is None  # nothing was sent to a worker
+
+
+@pytest.mark.slow
+def test_warmup_compiles_forward_and_backward_and_a_run_loads_them(cache):
+    pytest.importorskip("cutlass")
+    pytest.importorskip("tvm_ffi")
+    import cutlass.cute as cute
+    from flexjit.api.attention import prepare_call
+    from flexjit.backends.cute import objects
+
+    alibi, causal = mods.alibi(H), mods.causal()
+    call = flexjit.WarmupCall(2, H, S, D, score_mod=alibi, mask_mod=causal, requires_grad=True)
+    first = flexjit.warmup([call], progress=False)
+    assert (first.compiled, first.cached) == (4, 0), first
+    assert len(list((cache / "cute").glob("*.o"))) == 4
+
+    # The run's own path: its call (another batch: a runtime value), memory empty, no compiling.
+    q = torch.empty(3, H, S, D, dtype=torch.bfloat16)
+    bm = flexjit.create_block_mask(causal, None, None, S, S, device="cpu")
+    run = prepare_call(q, q, q, alibi, bm, None, False, None)
+    aux = tuple(sm90._aux_tensor(t, q.device) for t in run.program.buffers)
+    sparse = sm90.block_sparse_args(bm)
+    real, hits = cute.compile, objects.STATS["hits"]
+    cute.compile = lambda *a, **k: pytest.fail("a kernel was compiled after the warmup")
+    try:
+        sm90._COMPILED.clear()
+        sm90._COMPILED_BWD.clear()
+        sm90.compile_program(run.program, q, q, q, sparse, aux,
+                             persistent=sm90._persistent_fwd(D, sparse, S, owner=bm))
+        sm90.compile_backward(run.program, q.dtype, D, True, False, aux, head_dim_v=D)
+    finally:
+        cute.compile = real
+    assert objects.STATS["hits"] - hits == 4
+
+    again = flexjit.warmup([call], progress=False)  # this process: its jobs are done
+    assert (again.compiled, again.cached) == (0, 4)
+    compile_pool.shutdown()  # a fresh worker, which looks on disk
+    fresh = flexjit.warmup([call], progress=False)
+    assert (fresh.compiled, fresh.cached) == (0, 4)
+
+
+def _tiny(family: str):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=96, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  max_position_embeddings=1024, attention_dropout=0.0)
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    return transformers.Gemma2Config(**common, sliding_window=128, attn_logit_softcapping=5.0,
+                                     query_pre_attn_scalar=64,
+                                     layer_types=["sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_warmup_model_makes_the_calls_the_model_makes(family, passes_run):
+    transformers = pytest.importorskip("transformers")
+    import flexjit.integrations.transformers as fjt  # noqa: F401  (registers "flexjit")
+
+    cfg = _tiny(family)
+    L, B = 384, 2  # three 128-blocks: the sliding window (128) differs from causal
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="flexjit")
+    model.to(torch.bfloat16)
+    model(torch.randint(0, 96, (B, L))).logits.float().sum().backward()
+    ran = {}
+    for pass_, _, call in passes_run:
+        if pass_ == "fwd":
+            ran[compile_pool.backward_job(call).ident] = sm90._persistent_fwd(
+                D, sm90.block_sparse_args(call.block_mask), L, owner=call.block_mask)
+    warmed = {}
+    for call in fjt.warmup_calls(model, [L], B, torch.bfloat16):
+        found, why = wu.jobs(call)
+        assert not why, why
+        fwd, bwd = found
+        warmed[bwd.ident] = fwd.persistent
+    assert warmed == ran and len(ran) == (2 if family == "gemma2" else 1)
