@@ -51,6 +51,7 @@ FORMATS = {
     "benchmarks.warm_start": ("run", "first_forward"),
     "benchmarks.cpu_block_mask": ("impl", "mask", "S", "status"),
     "benchmarks.host_overhead": ("impl", "variant", "B", "H", "S", "D", "status"),
+    "benchmarks.cold_start": ("case", "impl", "cold_s", "warm_s"),
     "log": ("file", "line"),
 }
 
@@ -407,13 +408,22 @@ def _md_host(rows: list) -> list[str]:
          "dispatch min µs", "status"], body) + [""]
 
 
+def _md_cold(rows: list) -> list[str]:
+    body = [[r["case"], r["impl"], _num(r.get("cold_s"), 2), _num(r.get("warm_s"), 2),
+             r.get("error") or r.get("status", "")] for r in rows]
+    return ["Seconds of a fresh process's first call or training step (synchronised), with empty "
+            "compile caches (cold) and with the caches the cold process filled (warm).", ""] + _table(
+        ["case", "impl", "cold s", "warm s", "status"], body) + [""]
+
+
 def _md_log(rows: list) -> list[str]:
     return [f"- `{r['file']}`: `{r['line']}`" for r in rows] + [""]
 
 
 RENDER = {"benchmarks.run": _md_run, "benchmarks.decode": _md_decode, "benchmarks.train_step": _md_train,
           "benchmarks.fp32": _md_fp32, "benchmarks.grad_accuracy": _md_grad, "benchmarks.warm_start": _md_warm,
-          "benchmarks.cpu_block_mask": _md_block_mask, "benchmarks.host_overhead": _md_host, "log": _md_log}
+          "benchmarks.cpu_block_mask": _md_block_mask, "benchmarks.host_overhead": _md_host, "benchmarks.cold_start": _md_cold,
+          "log": _md_log}
 
 
 def render_md(rows: list, meta: dict) -> str:
