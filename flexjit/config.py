@@ -63,6 +63,18 @@ def _read(generation: int) -> Settings:
 settings = _read(0)
 
 
+def child_environment(**extra: str) -> dict[str, str]:
+    """The environment for a child process that must share these settings (a compile worker):
+    this one's, with ``FLEXJIT_CACHE_DIR`` the folder in use, plus ``extra``."""
+    return dict(os.environ, FLEXJIT_CACHE_DIR=str(settings.cache_dir), **extra)
+
+
+def use_cache_dir(path) -> Settings:
+    """Switch this process to the cache folder ``path`` (a worker following its caller's)."""
+    os.environ["FLEXJIT_CACHE_DIR"] = str(path)
+    return reload()
+
+
 def reload() -> Settings:
     """Read the environment again; returns the new settings."""
     global settings

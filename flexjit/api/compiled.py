@@ -19,7 +19,7 @@ import json
 import torch
 import torch.fx
 
-from flexjit.runtime import dispatch
+from flexjit.runtime import compile_pool, dispatch
 from flexjit.ir import nodes as ir
 from flexjit.planner.block_mask import BlockMask, _dense_to_ordered, _transpose_ordered, plan_blocks
 from flexjit.ir.passes import FLOAT_INDEX_LIMIT, lower
@@ -128,7 +128,9 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: list[
     unless ``want_max``."""
     call = _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_kv_tokens,
                  options, train, want_max)
-    out, lse, max_scores = dispatch.forward(dispatch.select(backend, call).name, call)
+    choice = dispatch.select(backend, call)
+    compile_pool.ahead(choice.backward, call)  # as dispatch.run: the backward compiles meanwhile
+    out, lse, max_scores = dispatch.forward(choice.name, call)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if max_scores is None:
         max_scores = q.new_empty(0, dtype=lse_dtype)

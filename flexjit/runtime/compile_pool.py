@@ -159,8 +159,7 @@ def run_job(job: Job) -> dict:
     """Compile (or load) the job's kernels through the backend's own path, in this process,
     holding the job's lock; {"compiled": kernels compiled, "cached": kernels loaded, "seconds"}."""
     if job.cache_dir and Path(job.cache_dir) != config.settings.cache_dir:
-        os.environ["FLEXJIT_CACHE_DIR"] = job.cache_dir  # a worker follows the caller's folder
-        config.reload()
+        config.use_cache_dir(job.cache_dir)  # a worker follows its caller's folder
     program = unwire(job.program)
     if program.key != job.program_key:  # a wiring bug would compile kernels nobody looks up
         raise RuntimeError(f"the {job.what()}: the rebuilt program's key differs from the caller's")
@@ -207,8 +206,7 @@ class _Worker:
     def __init__(self):
         root = str(Path(__file__).resolve().parents[2])
         path = [] if root in site.getsitepackages() + [site.getusersitepackages()] else [root]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH=ARCH,
-                   FLEXJIT_CACHE_DIR=str(config.settings.cache_dir))
+        env = config.child_environment(CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH=ARCH)
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-c", _BOOT.format(path=path)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
