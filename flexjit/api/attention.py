@@ -68,6 +68,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out, lse, max_scores = _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                          kernel_options, backend, want_max)
     else:
+        if block_mask is not None:
+            block_mask.warn_if_stale()
         call, choice = _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                  kernel_options, backend, want_max)
         if config.settings.debug:

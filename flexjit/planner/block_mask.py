@@ -16,6 +16,7 @@ import itertools
 import logging
 import math
 import time
+import warnings
 import weakref
 from typing import Callable, Sequence
 
@@ -26,6 +27,7 @@ from flexjit.ir import intervals, nodes as ir
 from flexjit.ir.interp import Env, evaluate
 from flexjit.ir.nodes import Op
 from flexjit.ir.passes import widen
+from flexjit.frontend.captures import tensor_name
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
 
 _DEFAULT_BLOCK = 128
@@ -43,6 +45,11 @@ def _version(t) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+class StaleBlockMaskWarning(UserWarning):
+    """A tensor the BlockMask's mask_mod captures was edited in place after the mask was
+    planned: the block lists describe its old values (``BlockMask.warn_if_stale``)."""
 
 
 def noop_mask(b, h, q_idx, kv_idx):
@@ -164,6 +171,9 @@ class BlockMask:
         self.full_q_indices = full_q_indices
         self.BLOCK_SIZE = _block_size(BLOCK_SIZE)
         self.mask_mod = mask_mod if mask_mod is not None else noop_mask
+        # The tensors mask_mod captured when the planner read them, and their version counters
+        # then (``warn_if_stale``); empty for lists not planned here.
+        self._planned_from: tuple[tuple[torch.Tensor, ...], tuple] = ((), ())
 
     _TENSOR_ATTRS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -227,9 +237,9 @@ class BlockMask:
         fkv_num = fkv_idx = None
         if self.full_kv_num_blocks is not None:
             fkv_num, fkv_idx = cut(self.full_kv_num_blocks, self.full_kv_indices)
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE,
-                                        mask_mod=self.mask_mod, seq_lengths=(new_q_len, new_kv_len),
-                                        compute_q_blocks=self.q_indices is not None)
+        return self._inherit(BlockMask.from_kv_blocks(
+            kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+            seq_lengths=(new_q_len, new_kv_len), compute_q_blocks=self.q_indices is not None))
 
     def derived(self, name: str, build):
         """``build()``, remembered on this BlockMask while its list tensors are the same objects
@@ -254,6 +264,30 @@ class BlockMask:
                                    in zip(hit[0], self._list_state())):
             return hit[1]
         return None
+
+    def warn_if_stale(self) -> None:
+        """Warn once (``StaleBlockMaskWarning``) if a tensor mask_mod captures has been edited in
+        place since ``create_block_mask`` planned this mask. The lists were classified from the
+        old values while kernels read the new ones in partial blocks, so the answer matches
+        neither mask. Each call pays one tuple compare of version counters."""
+        tensors, versions = self._planned_from
+        if not tensors or tuple(_version(t) for t in tensors) == versions:
+            return
+        stale = next(t for t, v in zip(tensors, versions) if _version(t) != v)
+        self._planned_from = ((), ())  # once per mask
+        name = tensor_name(self.mask_mod, stale)
+        what = f"`{name}`" if name else f"a captured tensor of shape {tuple(stale.shape)}"
+        mod = getattr(self.mask_mod, "__name__", "mask_mod")
+        warnings.warn(f"{what}, captured by mask_mod `{mod}`, was edited in place after "
+                      f"create_block_mask planned this BlockMask: its block lists follow the old "
+                      f"values, so attention with it matches neither the old mask nor the new one. "
+                      f"Call create_block_mask again after editing {what}.",
+                      StaleBlockMaskWarning, stacklevel=3)
+
+    def _inherit(self, other: "BlockMask") -> "BlockMask":
+        """``other``, a mask derived from this one's lists, with this one's planning record."""
+        other._planned_from = self._planned_from
+        return other
 
     def mean_kv_tokens(self) -> float:
         """Mean number of keys a query block visits (listed partial + full blocks × block width):
@@ -331,7 +365,7 @@ class BlockMask:
         mean = self._remembered("mean_kv_tokens")
         if mean is not None:  # same lists, same mean: no sync on the new device
             out.derived("mean_kv_tokens", lambda: mean)
-        return out
+        return self._inherit(out)
 
     def __getitem__(self, index) -> "BlockMask":
         """Select batches, heads and query blocks; the mask_mod is remapped to match.
@@ -357,9 +391,9 @@ class BlockMask:
         fkv_num, fkv_idx = pick(self.full_kv_num_blocks), pick(self.full_kv_indices)
         q_len = self._sliced_q_len(qmap)
         mask_mod = _remapped_mask(self.mask_mod, bmap, hmap, qmap, self.BLOCK_SIZE[0], sizes)
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE,
-                                        mask_mod=mask_mod, seq_lengths=(q_len, self.seq_lengths[1]),
-                                        compute_q_blocks=self.q_indices is not None)
+        return self._inherit(BlockMask.from_kv_blocks(
+            kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod,
+            seq_lengths=(q_len, self.seq_lengths[1]), compute_q_blocks=self.q_indices is not None))
 
     def _sliced_q_len(self, qmap: torch.Tensor) -> int:
         bq, n_q = self.BLOCK_SIZE[0], self.kv_num_blocks.shape[2]
@@ -485,6 +519,7 @@ def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int
     bm = BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=(bq, bkv),
                                   mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
     bm.mean_kv_tokens()  # on the CPU lists now: kernels choosing a schedule then never sync
+    bm._planned_from = (tuple(traced.buffers), tuple(_version(t) for t in traced.buffers))
     return bm.to(device) if device.type != "cpu" else bm
 
 

@@ -2,13 +2,14 @@
 import resource
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 from flexjit.planner.block_mask import BlockMask, and_masks, create_mask, noop_mask, or_masks
 
-from flexjit import create_block_mask
+from flexjit import StaleBlockMaskWarning, create_block_mask
 from flexjit.api.attention import flex_attention
 from flexjit import mods
 from mods_catalog import CORE, make_case
@@ -272,3 +273,34 @@ def test_index_math_past_int32_matches_torch():
     ref = dense_attention(q, k, v, None, product)[0]
     got = flex_attention(q, k, v, block_mask=bm, backend="reference")
     assert (got - ref).abs().max().item() < 1e-12
+
+
+def test_a_mask_whose_captured_tensor_was_edited_in_place_warns_once():
+    # Document ids edited in place after planning: the lists describe the old documents while
+    # partial blocks read the new ids, so the answer matches neither mask. One warning names
+    # the tensor; a rebuilt mask is silent and right. 96 tokens in blocks of 32: three blocks,
+    # the edit moves a document boundary across one.
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
+    doc_ids = torch.tensor([0] * 40 + [1] * 56)
+    mask = mods.document(doc_ids)
+    bm = create_block_mask(mask, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleBlockMaskWarning)
+        fresh = flex_attention(q, k, v, block_mask=bm)  # nothing edited: no warning
+    assert torch.allclose(fresh.double(), dense_attention(q, k, v, mask_mod=mask)[0], atol=1e-5)
+    doc_ids[:] = torch.tensor([0] * 8 + [1] * 88)
+    want = dense_attention(q, k, v, mask_mod=mask)[0]
+    with pytest.warns(StaleBlockMaskWarning, match=r"`doc_ids`.*create_block_mask again"):
+        stale = flex_attention(q, k, v, block_mask=bm)
+    assert (stale.double() - want).abs().max() > 0.1  # why it warns: the old lists are wrong
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleBlockMaskWarning)
+        flex_attention(q, k, v, block_mask=bm)  # once per mask
+        rebuilt = create_block_mask(mask, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
+        assert torch.allclose(flex_attention(q, k, v, block_mask=rebuilt).double(), want, atol=1e-5)
+    # a mask derived from a stale one (sliced, moved) is stale too
+    bm2 = create_block_mask(mask, 1, 2, 96, 96, device="cpu", BLOCK_SIZE=32)
+    doc_ids[0] = 1
+    with pytest.warns(StaleBlockMaskWarning, match="`doc_ids`"):
+        flex_attention(q, k, v, block_mask=bm2[:, 1:].to("cpu"))
