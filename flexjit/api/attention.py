@@ -62,13 +62,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     want_max = return_aux is not None and return_aux.max_scores
     empty = _empty_result(query, key, value, enable_gqa)
     if empty is not None:
+        if block_mask is not None:
+            _check_block_mask(block_mask, query, key)
         out, lse = empty
         max_scores = lse.clone() if want_max else None  # -inf: no score is kept
     elif torch.compiler.is_compiling():
         out, lse, max_scores = _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                          kernel_options, backend, want_max)
     else:
-        if block_mask is not None:
+        if isinstance(block_mask, BlockMask):  # anything else is refused in prepare_call
             block_mask.warn_if_stale()
         call, choice = _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                  kernel_options, backend, want_max)

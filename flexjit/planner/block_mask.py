@@ -295,6 +295,8 @@ class BlockMask:
         ``create_block_mask`` computes it on its CPU lists and ``to`` carries it, so only a
         BlockMask built by hand from device tensors pays one sync, on its first use."""
         def mean() -> float:
+            if self.kv_num_blocks.numel() == 0:  # a mask of no query blocks visits nothing
+                return 0.0
             blocks = self.kv_num_blocks.float().mean()
             if self.full_kv_num_blocks is not None:
                 blocks = blocks + self.full_kv_num_blocks.float().mean()
@@ -485,8 +487,8 @@ def plan_args(Q_LEN, KV_LEN, device, BLOCK_SIZE) -> tuple[int, int, torch.device
     """(query block, kv block, device) of a ``create_block_mask`` call, checked."""
     bq, bkv = _block_size(BLOCK_SIZE)
     for name, v in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     device = torch.device(device) if device is not None else _default_device()
     return bq, bkv, device
 
@@ -502,8 +504,12 @@ def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int
     B_ = 1 if B is None else int(B)
     H_ = 1 if H is None else int(H)
     t0 = time.perf_counter()
-    mask = widen([traced.out], (B_, H_, Q_LEN, KV_LEN), traced.scalars)[0]
-    kinds = plan_blocks(mask, traced.buffers, traced.scalars, B_, H_, Q_LEN, KV_LEN, bq, bkv)
+    if Q_LEN == 0 or KV_LEN == 0:  # no element to evaluate: every block list is empty (torch's
+        # shapes: nQ or nKV of 0), for the empty inputs flex_attention serves
+        kinds = torch.zeros(B_, H_, -(-Q_LEN // bq), -(-KV_LEN // bkv), dtype=torch.int8)
+    else:
+        mask = widen([traced.out], (B_, H_, Q_LEN, KV_LEN), traced.scalars)[0]
+        kinds = plan_blocks(mask, traced.buffers, traced.scalars, B_, H_, Q_LEN, KV_LEN, bq, bkv)
     if not separate_full_blocks:
         kinds = torch.where(kinds == 2, torch.ones_like(kinds), kinds)
     kv_num, kv_idx = _dense_to_ordered(kinds == 1)
