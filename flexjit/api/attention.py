@@ -90,6 +90,8 @@ def _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     """(call, choice) for a normalised eager call: from ``call_cache`` when a call of the same
     signature was prepared before and its guards hold, else validated, traced, lowered and
     selected afresh (and remembered)."""
+    if isinstance(scale, torch.Tensor):  # keyed by its value now: the cache keeps floats
+        scale = _tensor_scale(scale)
     sig = call_cache.signature(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                kernel_options, backend, want_max)
     if sig is not None:
@@ -126,9 +128,27 @@ def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
 def _scale(scale, query) -> float:
     if scale is None:
         return 1.0 / math.sqrt(query.shape[-1])
-    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    if isinstance(scale, torch.Tensor):
+        return _tensor_scale(scale)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float (or a one-element tensor), got {type(scale).__name__}")
     return float(scale)
+
+
+def _tensor_scale(scale: torch.Tensor) -> float:
+    """A one-element tensor ``scale`` (torch's eager flex_attention broadcasts it) as the float
+    kernels take; read on every call (a device tensor syncs), so an in-place edit is seen."""
+    if scale.numel() != 1 or scale.dtype == torch.bool or scale.is_complex():
+        raise TypeError(f"a tensor scale must hold one real number, got shape {tuple(scale.shape)} "
+                        f"and dtype {scale.dtype}")
+    if scale.device.type == "meta":
+        raise ValueError("scale is a meta tensor, which holds no value; pass a float")
+    if scale.requires_grad:
+        raise NotImplementedError(
+            "scale requires grad, but flex_attention computes no gradient for scale; for a "
+            "learnable scale pass scale=1.0 and multiply in a score_mod, where captured tensors "
+            "get gradients: lambda score, b, h, q_idx, kv_idx: score * scale_tensor")
+    return float(scale.item())
 
 
 def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,

@@ -1,10 +1,13 @@
 """Bad input gets a clear error, never a wrong answer."""
+import warnings
+
 import pytest
 import torch
 
 from flexjit.api.attention import AuxOutput, AuxRequest, explain, flex_attention
 from flexjit import create_block_mask
 from flexjit import mods
+from oracle import FLOOR, assert_close_to_oracle, dense_attention
 
 
 def qkv(B=1, Hq=2, Hkv=2, L=64, S=64, E=16, dtype=torch.float32):
@@ -225,7 +228,29 @@ def test_max_scores():
     assert torch.isneginf(no_keys.max_scores).all() and no_keys.max_scores.shape == (2, 4, 64)
 
 
-def test_scale_must_be_a_number():
+def test_a_tensor_scale_is_taken_as_torch_takes_it():
+    # torch's eager flex_attention multiplies by a one-element tensor scale; flexjit reads its
+    # value on every call (an in-place edit is seen, not cached).
     q, k, v = qkv()
-    with pytest.raises(TypeError, match="scale"):
-        flex_attention(q, k, v, scale=torch.tensor(0.1))
+    scale = torch.tensor(0.3)
+    for value in (0.3, 0.7):
+        scale.fill_(value)
+        got = flex_attention(q, k, v, score_mod=mods.softcap(20.0), scale=scale)
+        assert torch.equal(got, flex_attention(q, k, v, score_mod=mods.softcap(20.0), scale=value))
+        ref = dense_attention(q, k, v, mods.softcap(20.0), scale=value)[0]
+        low = dense_attention(q, k, v, mods.softcap(20.0), scale=value, dtype=torch.float32)[0]
+        assert_close_to_oracle("out", got, ref, low, FLOOR[torch.float32])
+    tfa = pytest.importorskip("torch.nn.attention.flex_attention")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note that its eager path is unfused
+        theirs = tfa.flex_attention(q, k, v, scale=torch.tensor(0.7, dtype=torch.float64))
+    assert torch.allclose(flex_attention(q, k, v, scale=torch.tensor(0.7, dtype=torch.float64)),
+                          theirs, atol=1e-6)
+    assert torch.equal(flex_attention(q, k, v, scale=torch.tensor([0.7])), flex_attention(q, k, v, scale=0.7))
+    with pytest.raises(TypeError, match="one real number"):
+        flex_attention(q, k, v, scale=torch.tensor([0.1, 0.2]))
+    with pytest.raises(TypeError, match="scale must be a float"):
+        flex_attention(q, k, v, scale="0.1")
+    # a gradient for scale would be silently missing: refused, with the way to get one
+    with pytest.raises(NotImplementedError, match="scale=1.0 and multiply in a score_mod"):
+        flex_attention(q, k, v, scale=torch.tensor(0.1, requires_grad=True))
