@@ -199,12 +199,43 @@ class _FlexAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, dmax=None):
-        q, k, v, out, lse, *_ = ctx.saved_tensors
+        q, k, v, out, lse, *buffers = ctx.saved_tensors
         if config.settings.debug:
             print(f"[flexjit] backward on {ctx.backend}")
-        dq, dk, dv, *dbufs = backward(ctx.backend, ctx.call, q, k, v, out, lse, dout, dlse)
+        with torch.no_grad():  # no backend's backward is differentiable
+            dq, dk, dv, *dbufs = backward(ctx.backend, ctx.call, q, k, v, out, lse, dout, dlse)
         wanted = ctx.needs_input_grad[5:]
-        return (None, None, dq, dk, dv, *[g if want else None for g, want in zip(dbufs, wanted)])
+        grads = (dq, dk, dv, *[g if want else None for g, want in zip(dbufs, wanted)])
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative may be asked for
+            grads = _NoDoubleBackward.refuse(grads, (q, k, v, dout, dlse, *buffers))
+        return (None, None, *grads)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The gradients of a backward run with ``create_graph=True``, passed through unchanged, and
+    an error naming the limit when a second derivative reaches them. Without it they would not
+    require grad and autograd's own error ("does not require grad") would not say why."""
+
+    @staticmethod
+    def refuse(grads: tuple, inputs: tuple) -> tuple:
+        anchor = next((t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        present = [g for g in grads if g is not None]
+        if anchor is None or not present:
+            return grads  # nothing upstream could be differentiated twice
+        aliased = iter(_NoDoubleBackward.apply(anchor, *present))
+        return tuple(None if g is None else next(aliased) for g in grads)
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("flex_attention does not support double backward (a derivative of its "
+                           "gradients, e.g. through torch.autograd.grad(..., create_graph=True)): "
+                           "its backward kernels are not differentiable. Use the gradients "
+                           "without differentiating them again, or compute that term with plain "
+                           "torch attention.")
 
 
 def run(choice: Choice, call) -> tuple:

@@ -254,3 +254,17 @@ def test_a_tensor_scale_is_taken_as_torch_takes_it():
     # a gradient for scale would be silently missing: refused, with the way to get one
     with pytest.raises(NotImplementedError, match="scale=1.0 and multiply in a score_mod"):
         flex_attention(q, k, v, scale=torch.tensor(0.1, requires_grad=True))
+
+
+def test_double_backward_is_refused_with_a_reason():
+    # create_graph=True gives the same first gradients, and a term that only reuses them (a
+    # penalty on another tensor's gradient) still works; differentiating flexjit's gradients
+    # again names the limit instead of autograd's "does not require grad".
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=g, requires_grad=True) for _ in range(3))
+    want = torch.autograd.grad(flex_attention(q, k, v, score_mod=mods.softcap(20.0)).sum(), (q, k, v))
+    out = flex_attention(q, k, v, score_mod=mods.softcap(20.0))
+    got = torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        got[0].sum().backward()
