@@ -168,6 +168,7 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
 def _normalize(query, key, value, block_mask, kernel_options, backend, return_aux):
     """The arguments as every backend sees them: autocast applied, a kv batch of 1 broadcast,
     torch's BlockMask and AuxRequest converted, kernel_options checked (and BACKEND read)."""
+    _check_not_meta({"query": query, "key": key, "value": value})
     query, key, value = autocast_inputs(query, key, value)
     key, value = _broadcast_batch(query, key, value)
     kernel_options, backend = options.validate(kernel_options, backend)
@@ -182,6 +183,18 @@ def _aux_request(req):
     if type(req).__name__ == "AuxRequest" and hasattr(req, "lse") and hasattr(req, "max_scores"):
         return AuxRequest(lse=bool(req.lse), max_scores=bool(req.max_scores))
     raise TypeError(f"return_aux must be an AuxRequest (flexjit's or torch's), got {type(req).__name__}")
+
+
+def _check_not_meta(tensors: dict) -> None:
+    """Meta tensors hold shapes and no data: no backend can compute on them (torch's
+    flex_attention refuses them too)."""
+    meta = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_meta]
+    if meta:
+        raise ValueError(f"{', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta "
+                         "device, which holds shapes and no data (a model built under "
+                         "torch.device('meta') and not yet materialised); flex_attention needs "
+                         "real tensors: materialise the module (module.to_empty(device=...), then "
+                         "initialise it) or move the tensors to a real device")
 
 
 def _broadcast_batch(q, k, v):
@@ -249,6 +262,7 @@ def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, ke
                     lengths=lengths)
     if block_mask is not None and program.mask is not None:
         _check_broadcast(block_mask, program, query)
+    _check_not_meta({f"the captured tensor of shape {tuple(t.shape)}": t for t in program.buffers})
     return Call(query, key, value, program, block_mask, float(scale), dict(kernel_options or {}),
                 max_scores=max_scores)
 

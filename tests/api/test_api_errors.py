@@ -268,3 +268,26 @@ def test_double_backward_is_refused_with_a_reason():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(RuntimeError, match="does not support double backward"):
         got[0].sum().backward()
+
+
+def test_meta_tensors_are_refused_with_a_reason():
+    # As torch's flex_attention, meta inputs (shapes, no data) are refused, here before any
+    # backend: by name, with how to materialise them; a captured meta tensor too. The same
+    # call on real tensors gives the reference's answer.
+    q, k, v = qkv(L=32, S=32)
+    with pytest.raises(ValueError, match="^key is on the meta device.*to_empty"):
+        flex_attention(q, k.to("meta"), v)
+    with pytest.raises(ValueError, match="^query, key, value are on the meta device"):
+        explain(q.to("meta"), k.to("meta"), v.to("meta"))
+    with pytest.raises(ValueError, match="meta device"):  # the empty-input path too
+        flex_attention(q[:, :, :0].to("meta"), k, v)
+    bias = torch.randn(32)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+    meta_bias = torch.empty(32, device="meta")
+    with pytest.raises(ValueError, match=r"captured tensor of shape \(32,\) is on the meta device"):
+        flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + meta_bias[kv_idx])
+    ref = dense_attention(q, k, v, biased)[0]
+    low = dense_attention(q, k, v, biased, dtype=torch.float32)[0]
+    assert_close_to_oracle("out", flex_attention(q, k, v, score_mod=biased), ref, low, FLOOR[torch.float32])
