@@ -154,9 +154,10 @@ def _tensor_scale(scale: torch.Tensor) -> float:
 def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
             kernel_options=None, *, return_aux: AuxRequest | None = None,
             backend: str = "auto") -> "dispatch.Choice":
-    """Which backend flex_attention would run for these arguments, and why. Runs nothing: on a
-    Blackwell GPU it says whether the call's sm100 kernel has passed its first-use self-check,
-    failed it (and why), or has not run it yet (it runs on the first call)."""
+    """Which backend flex_attention would run for these arguments, why, and why every other
+    backend was passed over (``Choice.passed_over``), on any device. Runs nothing: on a Blackwell
+    GPU it says whether the call's sm100 kernel has passed its first-use self-check, failed it
+    (and why), or has not run it yet (it runs on the first call)."""
     query, key, value, block_mask, kernel_options, backend, return_aux = _normalize(
         query, key, value, block_mask, kernel_options, backend, return_aux)
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,

@@ -101,6 +101,27 @@ def test_explain_answers_without_running():
     assert choice.name == "reference" and "pure torch" in choice.reason
 
 
+def test_explain_says_why_every_other_backend_was_passed_over(monkeypatch):
+    # On the CPU auto tries only the reference; cute and triton still get their reasons, in
+    # the Choice and in its text, and what explain names is what runs.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = qkv()
+    choice = explain(q, k, v, score_mod=mods.softcap(20.0))
+    why = dict(choice.passed_over)
+    assert set(why) == {"cute", "triton"}
+    assert "needs a CUDA tensor" in why["cute"] and "TRITON_INTERPRET=1" in why["triton"]
+    assert all(f"not {name}: {reason}" in str(choice) for name, reason in why.items())
+    assert torch.equal(flex_attention(q, k, v, score_mod=mods.softcap(20.0)),
+                       flex_attention(q, k, v, score_mod=mods.softcap(20.0), backend="reference"))
+    # the interpreter could run it, but auto leaves it to be asked for
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton = dict(explain(q, k, v).passed_over)["triton"]
+    assert "backend='triton'" in triton or "not installed" in triton, triton
+    # a backend asked for by name: the others were not tried
+    asked = explain(q, k, v, backend="reference")
+    assert dict(asked.passed_over) == {n: "backend='reference' was asked for" for n in ("cute", "triton")}
+
+
 def test_explain_names_the_backward_when_training():
     q, k, v = qkv()
     assert explain(q, k, v).backward is None
