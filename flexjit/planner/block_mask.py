@@ -237,7 +237,7 @@ class BlockMask:
         fkv_num = fkv_idx = None
         if self.full_kv_num_blocks is not None:
             fkv_num, fkv_idx = cut(self.full_kv_num_blocks, self.full_kv_indices)
-        return self._inherit(BlockMask.from_kv_blocks(
+        return self.inherit_planning(BlockMask.from_kv_blocks(
             kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
             seq_lengths=(new_q_len, new_kv_len), compute_q_blocks=self.q_indices is not None))
 
@@ -284,8 +284,9 @@ class BlockMask:
                       f"Call create_block_mask again after editing {what}.",
                       StaleBlockMaskWarning, stacklevel=3)
 
-    def _inherit(self, other: "BlockMask") -> "BlockMask":
-        """``other``, a mask derived from this one's lists, with this one's planning record."""
+    def inherit_planning(self, other: "BlockMask") -> "BlockMask":
+        """``other``, a mask derived from this one's lists (a slice, a copy, a paged or ring
+        conversion), given this one's planning record, so that it warns as this one would."""
         other._planned_from = self._planned_from
         return other
 
@@ -367,7 +368,7 @@ class BlockMask:
         mean = self._remembered("mean_kv_tokens")
         if mean is not None:  # same lists, same mean: no sync on the new device
             out.derived("mean_kv_tokens", lambda: mean)
-        return self._inherit(out)
+        return self.inherit_planning(out)
 
     def __getitem__(self, index) -> "BlockMask":
         """Select batches, heads and query blocks; the mask_mod is remapped to match.
@@ -393,7 +394,7 @@ class BlockMask:
         fkv_num, fkv_idx = pick(self.full_kv_num_blocks), pick(self.full_kv_indices)
         q_len = self._sliced_q_len(qmap)
         mask_mod = _remapped_mask(self.mask_mod, bmap, hmap, qmap, self.BLOCK_SIZE[0], sizes)
-        return self._inherit(BlockMask.from_kv_blocks(
+        return self.inherit_planning(BlockMask.from_kv_blocks(
             kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod,
             seq_lengths=(q_len, self.seq_lengths[1]), compute_q_blocks=self.q_indices is not None))
 
