@@ -7,11 +7,11 @@ torch-like Python; flexjit traces them into its IR and runs them in fused kernel
 Hopper, Triton on other GPUs, a torch reference on the CPU). docs/DESIGN.md maps the package.
 """
 from flexjit.api import (AuxOutput, AuxRequest, BlockMask, PagedAttention, SelfCheckWarning,
-                         TraceError, and_masks, create_block_mask, create_mask, explain,
-                         flex_attention, noop_mask, or_masks)
+                         StaleBlockMaskWarning, TraceError, and_masks, create_block_mask,
+                         create_mask, explain, flex_attention, noop_mask, or_masks)
 
 __version__ = "0.1.0"
 
 __all__ = ["flex_attention", "create_block_mask", "create_mask", "BlockMask", "and_masks",
            "or_masks", "noop_mask", "AuxRequest", "AuxOutput", "explain", "PagedAttention",
-           "TraceError", "SelfCheckWarning", "__version__"]
+           "TraceError", "SelfCheckWarning", "StaleBlockMaskWarning", "__version__"]

@@ -8,9 +8,10 @@ from flexjit.api.attention import AuxOutput, AuxRequest, explain, flex_attention
 from flexjit.api.masks import create_block_mask
 from flexjit.api.paged import PagedAttention
 from flexjit.frontend.trace import TraceError
-from flexjit.planner.block_mask import BlockMask, and_masks, create_mask, noop_mask, or_masks
+from flexjit.planner.block_mask import (BlockMask, StaleBlockMaskWarning, and_masks, create_mask,
+                                        noop_mask, or_masks)
 from flexjit.runtime.selfcheck import SelfCheckWarning
 
 __all__ = ["flex_attention", "create_block_mask", "create_mask", "BlockMask", "and_masks",
            "or_masks", "noop_mask", "AuxRequest", "AuxOutput", "explain", "PagedAttention",
-           "TraceError", "SelfCheckWarning"]
+           "TraceError", "SelfCheckWarning", "StaleBlockMaskWarning"]

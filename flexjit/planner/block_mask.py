@@ -16,6 +16,7 @@ import itertools
 import logging
 import math
 import time
+import warnings
 import weakref
 from typing import Callable, Sequence
 
@@ -26,6 +27,7 @@ from flexjit.ir import intervals, nodes as ir
 from flexjit.ir.interp import Env, evaluate
 from flexjit.ir.nodes import Op
 from flexjit.ir.passes import widen
+from flexjit.frontend.captures import tensor_name
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
 
 _DEFAULT_BLOCK = 128
@@ -43,6 +45,11 @@ def _version(t) -> int | None:
         return t._version
     except RuntimeError:
         return None
+
+
+class StaleBlockMaskWarning(UserWarning):
+    """A tensor the BlockMask's mask_mod captures was edited in place after the mask was
+    planned: the block lists describe its old values (``BlockMask.warn_if_stale``)."""
 
 
 def noop_mask(b, h, q_idx, kv_idx):
@@ -164,6 +171,9 @@ class BlockMask:
         self.full_q_indices = full_q_indices
         self.BLOCK_SIZE = _block_size(BLOCK_SIZE)
         self.mask_mod = mask_mod if mask_mod is not None else noop_mask
+        # The tensors mask_mod captured when the planner read them, and their version counters
+        # then (``warn_if_stale``); empty for lists not planned here.
+        self._planned_from: tuple[tuple[torch.Tensor, ...], tuple] = ((), ())
 
     _TENSOR_ATTRS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
@@ -227,9 +237,9 @@ class BlockMask:
         fkv_num = fkv_idx = None
         if self.full_kv_num_blocks is not None:
             fkv_num, fkv_idx = cut(self.full_kv_num_blocks, self.full_kv_indices)
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE,
-                                        mask_mod=self.mask_mod, seq_lengths=(new_q_len, new_kv_len),
-                                        compute_q_blocks=self.q_indices is not None)
+        return self.inherit_planning(BlockMask.from_kv_blocks(
+            kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+            seq_lengths=(new_q_len, new_kv_len), compute_q_blocks=self.q_indices is not None))
 
     def derived(self, name: str, build):
         """``build()``, remembered on this BlockMask while its list tensors are the same objects
@@ -255,12 +265,39 @@ class BlockMask:
             return hit[1]
         return None
 
+    def warn_if_stale(self) -> None:
+        """Warn once (``StaleBlockMaskWarning``) if a tensor mask_mod captures has been edited in
+        place since ``create_block_mask`` planned this mask. The lists were classified from the
+        old values while kernels read the new ones in partial blocks, so the answer matches
+        neither mask. Each call pays one tuple compare of version counters."""
+        tensors, versions = self._planned_from
+        if not tensors or tuple(_version(t) for t in tensors) == versions:
+            return
+        stale = next(t for t, v in zip(tensors, versions) if _version(t) != v)
+        self._planned_from = ((), ())  # once per mask
+        name = tensor_name(self.mask_mod, stale)
+        what = f"`{name}`" if name else f"a captured tensor of shape {tuple(stale.shape)}"
+        mod = getattr(self.mask_mod, "__name__", "mask_mod")
+        warnings.warn(f"{what}, captured by mask_mod `{mod}`, was edited in place after "
+                      f"create_block_mask planned this BlockMask: its block lists follow the old "
+                      f"values, so attention with it matches neither the old mask nor the new one. "
+                      f"Call create_block_mask again after editing {what}.",
+                      StaleBlockMaskWarning, stacklevel=3)
+
+    def inherit_planning(self, other: "BlockMask") -> "BlockMask":
+        """``other``, a mask derived from this one's lists (a slice, a copy, a paged or ring
+        conversion), given this one's planning record, so that it warns as this one would."""
+        other._planned_from = self._planned_from
+        return other
+
     def mean_kv_tokens(self) -> float:
         """Mean number of keys a query block visits (listed partial + full blocks × block width):
         how long a kernel's kv loop is, which picks its schedule. Remembered (``derived``);
         ``create_block_mask`` computes it on its CPU lists and ``to`` carries it, so only a
         BlockMask built by hand from device tensors pays one sync, on its first use."""
         def mean() -> float:
+            if self.kv_num_blocks.numel() == 0:  # a mask of no query blocks visits nothing
+                return 0.0
             blocks = self.kv_num_blocks.float().mean()
             if self.full_kv_num_blocks is not None:
                 blocks = blocks + self.full_kv_num_blocks.float().mean()
@@ -331,7 +368,7 @@ class BlockMask:
         mean = self._remembered("mean_kv_tokens")
         if mean is not None:  # same lists, same mean: no sync on the new device
             out.derived("mean_kv_tokens", lambda: mean)
-        return out
+        return self.inherit_planning(out)
 
     def __getitem__(self, index) -> "BlockMask":
         """Select batches, heads and query blocks; the mask_mod is remapped to match.
@@ -357,9 +394,9 @@ class BlockMask:
         fkv_num, fkv_idx = pick(self.full_kv_num_blocks), pick(self.full_kv_indices)
         q_len = self._sliced_q_len(qmap)
         mask_mod = _remapped_mask(self.mask_mod, bmap, hmap, qmap, self.BLOCK_SIZE[0], sizes)
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE,
-                                        mask_mod=mask_mod, seq_lengths=(q_len, self.seq_lengths[1]),
-                                        compute_q_blocks=self.q_indices is not None)
+        return self.inherit_planning(BlockMask.from_kv_blocks(
+            kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod,
+            seq_lengths=(q_len, self.seq_lengths[1]), compute_q_blocks=self.q_indices is not None))
 
     def _sliced_q_len(self, qmap: torch.Tensor) -> int:
         bq, n_q = self.BLOCK_SIZE[0], self.kv_num_blocks.shape[2]
@@ -451,8 +488,8 @@ def plan_args(Q_LEN, KV_LEN, device, BLOCK_SIZE) -> tuple[int, int, torch.device
     """(query block, kv block, device) of a ``create_block_mask`` call, checked."""
     bq, bkv = _block_size(BLOCK_SIZE)
     for name, v in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     device = torch.device(device) if device is not None else _default_device()
     return bq, bkv, device
 
@@ -468,8 +505,12 @@ def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int
     B_ = 1 if B is None else int(B)
     H_ = 1 if H is None else int(H)
     t0 = time.perf_counter()
-    mask = widen([traced.out], (B_, H_, Q_LEN, KV_LEN), traced.scalars)[0]
-    kinds = plan_blocks(mask, traced.buffers, traced.scalars, B_, H_, Q_LEN, KV_LEN, bq, bkv)
+    if Q_LEN == 0 or KV_LEN == 0:  # no element to evaluate: every block list is empty (torch's
+        # shapes: nQ or nKV of 0), for the empty inputs flex_attention serves
+        kinds = torch.zeros(B_, H_, -(-Q_LEN // bq), -(-KV_LEN // bkv), dtype=torch.int8)
+    else:
+        mask = widen([traced.out], (B_, H_, Q_LEN, KV_LEN), traced.scalars)[0]
+        kinds = plan_blocks(mask, traced.buffers, traced.scalars, B_, H_, Q_LEN, KV_LEN, bq, bkv)
     if not separate_full_blocks:
         kinds = torch.where(kinds == 2, torch.ones_like(kinds), kinds)
     kv_num, kv_idx = _dense_to_ordered(kinds == 1)
@@ -485,6 +526,7 @@ def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int
     bm = BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=(bq, bkv),
                                   mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
     bm.mean_kv_tokens()  # on the CPU lists now: kernels choosing a schedule then never sync
+    bm._planned_from = (tuple(traced.buffers), tuple(_version(t) for t in traced.buffers))
     return bm.to(device) if device.type != "cpu" else bm
 
 

@@ -127,7 +127,7 @@ def select(requested: str, call) -> Choice:
         if isinstance(choice, str):
             raise NotImplementedError(f"backend={requested!r} cannot run this call: {choice}. "
                                       f"Use backend='auto' to pick one that can.")
-        return choice
+        return _the_others(choice, call, None, lambda n: f"backend={requested!r} was asked for")
     passed = []
     order = _preference(call.q.device)
     if "triton" in order and _decodes(call):
@@ -136,10 +136,34 @@ def select(requested: str, call) -> Choice:
         ok, reason = _supports(name, call)
         choice = _pair(name, reason, call, passed) if ok else reason
         if isinstance(choice, Choice):
-            return choice
+            return _the_others(choice, call, order, lambda n: f"{choice.name} ranks above it on "
+                                                              f"{arch_of(call.q.device)} and runs the call")
         passed.append((name, choice))
     raise NotImplementedError("no backend can run this call:\n" +
                               "\n".join(f"  {n}: {r}" for n, r in passed))
+
+
+def _the_others(choice: Choice, call, order, unreached) -> Choice:
+    """``choice`` with a reason for every backend it lists nowhere (``explain`` says why each
+    other one was passed over): ``unreached(name)`` for one that ``order`` holds but the choice
+    came first (for every one when a backend was asked for by name, ``order`` None), and for one
+    that ``auto`` never tries on this device its own refusal (its ``supports``; no self-check
+    runs) or, if it could run the call, that auto leaves it out."""
+    cute = "cute_sm100" if _sm100(call.q.device) else "cute"
+    listed = {choice.name} | {n for n, _ in choice.passed_over}
+    rest = []
+    for name in (cute, "triton", "reference"):
+        if name in listed:
+            continue
+        if order is None or name in order:
+            rest.append((name, unreached(name)))
+            continue
+        ok, why = (False, f"FLEXJIT_DISABLE lists {name}") if name in config.settings.disabled \
+            else _MODULES[name].supports(call)
+        rest.append((name, why if not ok else f"it could run the call ({why}), but auto does not "
+                                              f"try it on {arch_of(call.q.device)}; ask for it "
+                                              f"with backend={name!r}"))
+    return dataclasses.replace(choice, passed_over=choice.passed_over + tuple(rest))
 
 
 def _sm100(device: torch.device) -> bool:
@@ -199,12 +223,43 @@ class _FlexAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, dmax=None):
-        q, k, v, out, lse, *_ = ctx.saved_tensors
+        q, k, v, out, lse, *buffers = ctx.saved_tensors
         if config.settings.debug:
             print(f"[flexjit] backward on {ctx.backend}")
-        dq, dk, dv, *dbufs = backward(ctx.backend, ctx.call, q, k, v, out, lse, dout, dlse)
+        with torch.no_grad():  # no backend's backward is differentiable
+            dq, dk, dv, *dbufs = backward(ctx.backend, ctx.call, q, k, v, out, lse, dout, dlse)
         wanted = ctx.needs_input_grad[5:]
-        return (None, None, dq, dk, dv, *[g if want else None for g, want in zip(dbufs, wanted)])
+        grads = (dq, dk, dv, *[g if want else None for g, want in zip(dbufs, wanted)])
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative may be asked for
+            grads = _NoDoubleBackward.refuse(grads, (q, k, v, dout, dlse, *buffers))
+        return (None, None, *grads)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The gradients of a backward run with ``create_graph=True``, passed through unchanged, and
+    an error naming the limit when a second derivative reaches them. Without it they would not
+    require grad and autograd's own error ("does not require grad") would not say why."""
+
+    @staticmethod
+    def refuse(grads: tuple, inputs: tuple) -> tuple:
+        anchor = next((t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        present = [g for g in grads if g is not None]
+        if anchor is None or not present:
+            return grads  # nothing upstream could be differentiated twice
+        aliased = iter(_NoDoubleBackward.apply(anchor, *present))
+        return tuple(None if g is None else next(aliased) for g in grads)
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("flex_attention does not support double backward (a derivative of its "
+                           "gradients, e.g. through torch.autograd.grad(..., create_graph=True)): "
+                           "its backward kernels are not differentiable. Use the gradients "
+                           "without differentiating them again, or compute that term with plain "
+                           "torch attention.")
 
 
 def run(choice: Choice, call) -> tuple:
