@@ -170,6 +170,12 @@ def _binary(ctx: _Context, op: Op, a, b) -> "Proxy":
         return _map(ctx, lambda x, y: _binary(ctx, op, x, y), a, b)
     like = next((x.node.dtype for x in (a, b) if isinstance(x, Proxy)), None)
     na, nb = _coerce(ctx, a, like), _coerce(ctx, b, like)
+    if na.dtype is DType.BOOL and nb.dtype is DType.BOOL and op in (Op.ADD, Op.SUB, Op.MUL):
+        # torch's bool arithmetic stays bool: + is or, * is and, and - is refused
+        if op is Op.SUB:
+            ctx.fail("subtracting two bools (torch refuses it too)",
+                     "use ^ or torch.logical_xor, or count with .int() first")
+        return Proxy(ir.node(Op.OR if op is Op.ADD else Op.AND, DType.BOOL, (na, nb)), ctx)
     return Proxy(build_binary(op, na, nb), ctx)
 
 
@@ -555,6 +561,8 @@ def _reduce(ctx: _Context, name: str, row: "Vector", args: tuple, kwargs: dict):
     if dim not in (None, 0, -1):
         ctx.fail(f"`{name}` over dim {dim!r} of a row", "a row has one dimension: dim=-1")
     items = row.items
+    if name in ("sum", "prod"):  # torch counts bools (a bool + bool would be their or)
+        items = [_binary(ctx, Op.ADD, x, 0) if _coerce(ctx, x).dtype is DType.BOOL else x for x in items]
     if name == "sum":
         return _fold(ctx, Op.ADD, items)
     if name == "prod":
@@ -692,7 +700,9 @@ def _dispatch(ctx: _Context, func, args=(), kwargs=None, first=None):
         if "out" in kwargs:
             ctx.fail("an `out=` argument writes in place", "return the value instead")
         return _row_call(ctx, func, tuple(args), kwargs)
-    if func in _FACTORIES and not (func in _HANDLERS and _involves_proxy(args, kwargs)):
+    if func in _FACTORIES:  # a constant (torch.tensor(c)) has a handler; the rest are refused
+        if func in _HANDLERS:
+            return _HANDLERS[func](*args, **kwargs)
         ctx.fail(f"a tensor is created inside the mod (torch.{func.__name__})",
                  "use a Python number (e.g. float('-inf')), or create the tensor "
                  "outside the mod and capture it")

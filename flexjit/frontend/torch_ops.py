@@ -86,6 +86,311 @@ def _h_round(x, *, decimals=0):
     return _unary(_find_ctx((x,), {}), Op.ROUND, x)
 
 
+# --------------------------------------------------------------------------- compositions
+
+
+def _float(ctx: _Context, x) -> Proxy:
+    return Proxy(cast(_coerce(ctx, x), DType.FLOAT32), ctx)
+
+
+def _no_inplace(ctx: _Context, name: str, inplace: bool) -> None:
+    if inplace:
+        ctx.fail(f"an in-place {name}", "use inplace=False")
+
+
+def _h_relu(x, inplace=False):
+    """relu: 0 where x <= 0, else x (NaN stays NaN; the gradient at 0 is 0, as torch's)."""
+    ctx = _find_ctx((x,), {})
+    _no_inplace(ctx, "relu", inplace)
+    return _where(ctx, _binary(ctx, Op.LE, x, 0), 0, x)
+
+
+def _h_leaky_relu(x, negative_slope=0.01, inplace=False):
+    ctx = _find_ctx((x,), {})
+    _no_inplace(ctx, "leaky_relu", inplace)
+    x = _float(ctx, x)
+    return _where(ctx, x > 0, x, x * negative_slope)
+
+
+def _hardtanh(ctx: _Context, x, lo, hi) -> Proxy:
+    """lo below lo, hi above hi, x between; NaN stays NaN; no gradient at or past the bounds
+    (torch's hardtanh_backward)."""
+    return _where(ctx, _binary(ctx, Op.LE, x, lo), lo, _where(ctx, _binary(ctx, Op.GE, x, hi), hi, x))
+
+
+def _h_hardtanh(x, min_val=-1.0, max_val=1.0, inplace=False):
+    ctx = _find_ctx((x,), {})
+    _no_inplace(ctx, "hardtanh", inplace)
+    return _hardtanh(ctx, _float(ctx, x), float(min_val), float(max_val))
+
+
+def _h_relu6(x, inplace=False):
+    ctx = _find_ctx((x,), {})
+    _no_inplace(ctx, "relu6", inplace)
+    return _hardtanh(ctx, _float(ctx, x), 0.0, 6.0)
+
+
+def _h_gelu(x, approximate="none"):
+    """gelu as torch computes it: x·½(1 + erf(x/√2)), or with approximate="tanh"
+    ½x(1 + tanh(√(2/π)(x + 0.044715x³)))."""
+    ctx = _find_ctx((x,), {})
+    x = _float(ctx, x)
+    if approximate == "none":
+        return x * 0.5 * (1.0 + _unary(ctx, Op.ERF, x * _SQRT1_2))
+    if approximate == "tanh":
+        inner = _SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))
+        return 0.5 * x * (1.0 + _unary(ctx, Op.TANH, inner))
+    ctx.fail(f"gelu with approximate={approximate!r}", "use approximate='none' or 'tanh'")
+
+
+_SQRT1_2 = 0.7071067811865476
+_SQRT_2_OVER_PI = 0.7978845608028654
+
+
+def _softplus(ctx: _Context, x: Proxy, beta: float, threshold: float) -> Proxy:
+    """log(1 + exp(βx))/β, and x where βx > threshold (torch's). The exp's argument is capped at
+    the threshold, so the branch not taken stays finite and its zero gradient is not NaN."""
+    xb = x * beta
+    capped = _where(ctx, xb > threshold, threshold, xb)
+    soft = _unary(ctx, Op.LOG1P, _unary(ctx, Op.EXP, capped))
+    return _where(ctx, xb > threshold, x, soft if beta == 1 else soft / beta)
+
+
+def _h_softplus(x, beta=1.0, threshold=20.0):
+    ctx = _find_ctx((x,), {})
+    return _softplus(ctx, _float(ctx, x), float(beta), float(threshold))
+
+
+def _h_logsigmoid(x):
+    """log(sigmoid(x)) = -softplus(-x), stable for large |x|."""
+    ctx = _find_ctx((x,), {})
+    return -_softplus(ctx, -_float(ctx, x), 1.0, 20.0)
+
+
+def _h_mish(x, inplace=False):
+    ctx = _find_ctx((x,), {})
+    _no_inplace(ctx, "mish", inplace)
+    x = _float(ctx, x)
+    return x * _unary(ctx, Op.TANH, _softplus(ctx, x, 1.0, 20.0))
+
+
+def _elu(ctx: _Context, x: Proxy, alpha: float, scale: float = 1.0, input_scale: float = 1.0) -> Proxy:
+    """x·scale for x > 0, else α·scale·expm1(x·input_scale); the expm1 sees min(x, 0), so the
+    branch not taken stays finite."""
+    neg = _where(ctx, x > 0, 0.0, x)
+    below = _unary(ctx, Op.EXPM1, neg * input_scale if input_scale != 1.0 else neg) * (alpha * scale)
+    return _where(ctx, x > 0, x * scale if scale != 1.0 else x, below)
+
+
+def _h_elu(x, alpha=1.0, inplace=False):
+    ctx = _find_ctx((x,), {})
+    _no_inplace(ctx, "elu", inplace)
+    return _elu(ctx, _float(ctx, x), float(alpha))
+
+
+def _h_celu(x, alpha=1.0, inplace=False):
+    ctx = _find_ctx((x,), {})
+    _no_inplace(ctx, "celu", inplace)
+    return _elu(ctx, _float(ctx, x), float(alpha), input_scale=1.0 / float(alpha))
+
+
+def _h_selu(x, inplace=False):
+    ctx = _find_ctx((x,), {})
+    _no_inplace(ctx, "selu", inplace)
+    return _elu(ctx, _float(ctx, x), 1.6732632423543772848170429916717, 1.0507009873554804934193349852946)
+
+
+def _h_hardsigmoid(x, inplace=False):
+    """0 at or below -3, 1 at or above 3, x/6 + 1/2 between (gradient 1/6 strictly inside)."""
+    ctx = _find_ctx((x,), {})
+    _no_inplace(ctx, "hardsigmoid", inplace)
+    x = _float(ctx, x)
+    return _where(ctx, x <= -3.0, 0.0, _where(ctx, x >= 3.0, 1.0, x / 6.0 + 0.5))
+
+
+def _h_hardswish(x, inplace=False):
+    """0 below -3, x above 3, x(x + 3)/6 between, the bounds included (torch's gradient there)."""
+    ctx = _find_ctx((x,), {})
+    _no_inplace(ctx, "hardswish", inplace)
+    x = _float(ctx, x)
+    return _where(ctx, x < -3.0, 0.0, _where(ctx, x <= 3.0, x * (x + 3.0) / 6.0, x))
+
+
+def _h_square(x):
+    return x * x
+
+
+def _h_reciprocal(x):
+    ctx = _find_ctx((x,), {})
+    return _binary(ctx, Op.DIV, 1.0, x)
+
+
+def _h_rsub(a, b, alpha=1):
+    ctx = _find_ctx((a, b), {})
+    return _binary(ctx, Op.SUB, b, a * alpha if alpha != 1 else a)
+
+
+def _h_erfc(x):
+    ctx = _find_ctx((x,), {})
+    return 1.0 - _unary(ctx, Op.ERF, x)
+
+
+def _h_lerp(start, end, weight):
+    """start + w·(end - start) for |w| < 1/2, else end - (end - start)·(1 - w): torch's two forms,
+    exact at both ends (w = 0 gives start, w = 1 gives end)."""
+    ctx = _find_ctx((start, end, weight), {})
+    start, end = _float(ctx, start), _float(ctx, end)
+    diff = end - start
+    low, high = start + weight * diff, end - diff * (1.0 - weight)
+    if isinstance(weight, (int, float)):
+        return low if abs(weight) < 0.5 else high
+    return _where(ctx, _unary(ctx, Op.ABS, weight) < 0.5, low, high)
+
+
+def _h_addcmul(x, t1, t2, *, value=1):
+    return x + value * t1 * t2 if value != 1 else x + t1 * t2
+
+
+def _h_addcdiv(x, t1, t2, *, value=1):
+    ctx = _find_ctx((x, t1, t2), {})
+    return x + value * _binary(ctx, Op.DIV, t1, t2)
+
+
+def _h_masked_fill(x, mask, value):
+    """torch's masked_fill: value where mask, else x, in x's dtype."""
+    ctx = _find_ctx((x, mask, value), {})
+    n = _coerce(ctx, x)
+    if _coerce(ctx, mask).dtype is not DType.BOOL:
+        ctx.fail("masked_fill needs a bool mask", "compare first, e.g. x.masked_fill(q_idx < kv_idx, 0.0)")
+    v = _coerce(ctx, value, n.dtype)
+    return Proxy(ir.node(Op.WHERE, n.dtype, (_coerce(ctx, mask), cast(v, n.dtype), n)), ctx)
+
+
+def _h_isnan(x):
+    ctx = _find_ctx((x,), {})
+    n = _coerce(ctx, x)
+    if not n.dtype.is_float:
+        return Proxy(ir.const(False), ctx)
+    return Proxy(ir.node(Op.NE, DType.BOOL, (n, n)), ctx)
+
+
+def _infinite(ctx: _Context, x, sign: int) -> Proxy:
+    """x is +inf (sign 1), -inf (-1) or either (0)."""
+    n = _coerce(ctx, x)
+    if not n.dtype.is_float:
+        return Proxy(ir.const(False), ctx)
+    if sign == 0:
+        n = ir.node(Op.ABS, DType.FLOAT32, (n,))
+    return Proxy(ir.node(Op.EQ, DType.BOOL, (n, ir.const(float("-inf") if sign < 0 else float("inf")))), ctx)
+
+
+def _h_isfinite(x):
+    ctx = _find_ctx((x,), {})
+    if not _coerce(ctx, x).dtype.is_float:
+        return Proxy(ir.const(True), ctx)
+    return ~(_h_isnan(x) | _infinite(ctx, x, 0))
+
+
+def _h_nan_to_num(x, nan=0.0, posinf=None, neginf=None):
+    """NaN, +inf and -inf replaced (by default 0 and float32's largest finite values: the mod's
+    floats are float32); the gradient flows where x is finite, as torch's."""
+    ctx = _find_ctx((x,), {})
+    n = _coerce(ctx, x)
+    if not n.dtype.is_float:
+        return Proxy(n, ctx)
+    big = torch.finfo(torch.float32).max
+    out = _where(ctx, _infinite(ctx, x, -1), -big if neginf is None else neginf, x)
+    out = _where(ctx, _infinite(ctx, x, 1), big if posinf is None else posinf, out)
+    return _where(ctx, _h_isnan(x), 0.0 if nan is None else nan, out)
+
+
+def _h_isin(elements, test_elements, *, assume_unique=False, invert=False):
+    """Whether the traced value equals any element of a captured tensor (or a Python list): one
+    comparison per element, read at run time, so a new content needs no new kernel."""
+    ctx = _find_ctx((elements, test_elements), {})
+    if not isinstance(elements, Proxy):
+        ctx.fail("torch.isin with a traced value as the test elements",
+                 "test the traced value against a captured tensor: torch.isin(kv_idx, ids)")
+    if isinstance(test_elements, torch.Tensor):
+        n = test_elements.numel()
+        if n > _ISIN_MAX:
+            ctx.fail(f"torch.isin against a captured tensor of {n} elements; at most {_ISIN_MAX} are "
+                     "compared per element",
+                     "build a lookup table outside the mod, e.g. table = torch.zeros(n, dtype=torch.bool); "
+                     "table[ids] = True; then use table[kv_idx]")
+        items = [_index(ctx, test_elements, (), _unravel(j, test_elements.shape)) if test_elements.dim()
+                 else test_elements for j in range(n)]
+    elif isinstance(test_elements, (list, tuple)):
+        items = list(test_elements)
+    else:
+        items = [test_elements]
+    hit = Proxy(ir.const(False), ctx)
+    for item in items:
+        hit = _logic(ctx, Op.OR, hit, _binary(ctx, Op.EQ, elements, item))
+    return ~hit if invert else hit
+
+
+# Elements of an isin test set compared one by one: as many as a row of a captured tensor.
+_ISIN_MAX = 64
+
+
+def _unravel(j: int, shape) -> tuple[int, ...]:
+    out = []
+    for size in reversed(shape):
+        j, r = divmod(j, size)
+        out.append(r)
+    return tuple(reversed(out))
+
+
+# --------------------------------------------------------------------------- constants
+
+
+def _created_inside(ctx: _Context, what: str):
+    ctx.fail(f"a tensor is created inside the mod ({what})",
+             "a mod works on one element: use a Python number or a 0-d tensor (torch.tensor(c)), or "
+             "create the tensor outside the mod and capture it")
+
+
+def _h_constant(func, data_arg: int | None):
+    """torch.tensor(c), torch.full((), c), torch.zeros(()), ... inside a mod: one element, a
+    constant of the IR (torch's dtype; an integer one weakly typed, as a Python int, unless a
+    dtype is given). ``data_arg``: the position of the value argument, which may be traced
+    (``torch.tensor(x)`` of a captured number is that number)."""
+    name = f"torch.{func.__name__}"
+
+    def h(*args, **kwargs):
+        ctx = _find_ctx(args, kwargs)
+        dtype = kwargs.get("dtype")
+        data = args[data_arg] if data_arg is not None and len(args) > data_arg else kwargs.get("fill_value")
+        if isinstance(data, Proxy):
+            if func is torch.full and tuple(args[0]) not in ((), (1,)):
+                _created_inside(ctx, f"{name} of shape {tuple(args[0])}")
+            return _to_dtype(ctx, data, dtype) if dtype is not None else data
+        if any(isinstance(x, Proxy) for x in list(args) + list(kwargs.values())):
+            _created_inside(ctx, f"{name} of traced values")
+        t = func(*args, **kwargs)  # a real tensor: the mode is off inside its handler
+        if t.numel() != 1 or t.dim() > 1:
+            _created_inside(ctx, f"{name} of shape {tuple(t.shape)}")
+        dt = _TORCH_DTYPES.get(t.dtype)
+        if dt is None:
+            ctx.fail(f"{name} of dtype {t.dtype} inside a mod", "use a bool, integer or floating constant")
+        value = t.item()
+        if dt.is_int and dtype is None:
+            return Proxy(ir.const(int(value)), ctx)
+        return Proxy(ir.const(value, dt), ctx)
+    return h
+
+
+def _h_like(value):
+    """zeros_like / ones_like / full_like of a traced value: a constant in its dtype."""
+    def h(x, *args, dtype=None, **kwargs):
+        fill = value if value is not None else (args[0] if args else kwargs.get("fill_value"))
+        if not isinstance(x, Proxy):
+            _created_inside(_find_ctx((x, fill), {}), "a *_like of a captured tensor")
+        return _full_like(x, fill, dtype)
+    return h
+
+
 def _h_rbinary(op):
     return lambda a, b: _binary(_find_ctx((a, b), {}), op, b, a)
 
@@ -96,7 +401,22 @@ def _h_div(a, b, *, rounding_mode=None):
         return _binary(ctx, Op.DIV, a, b)
     if rounding_mode == "floor":
         return _binary(ctx, Op.FLOORDIV, a, b)
-    ctx.fail(f"division with rounding_mode={rounding_mode!r}", "use rounding_mode='floor' or //")
+    if rounding_mode == "trunc":
+        return _trunc_div(ctx, a, b)
+    ctx.fail(f"division with rounding_mode={rounding_mode!r}", "use rounding_mode='floor', 'trunc' or None")
+
+
+def _trunc_div(ctx: _Context, a, b) -> Proxy:
+    """torch.div(a, b, rounding_mode="trunc"): the quotient rounded toward zero. Floats: trunc of
+    the true quotient, as torch computes it. Integers: the floor quotient, plus one where it is
+    inexact and negative (the operands' signs differ), which never leaves the operands' range."""
+    na, nb = _coerce(ctx, a), _coerce(ctx, b)
+    if na.dtype.is_float or nb.dtype.is_float:
+        return _unary(ctx, Op.TRUNC, _binary(ctx, Op.DIV, a, b))
+    q = _binary(ctx, Op.FLOORDIV, a, b)
+    inexact = _binary(ctx, Op.NE, _binary(ctx, Op.MOD, a, b), 0)
+    negative = _binary(ctx, Op.NE, _binary(ctx, Op.LT, a, 0), _binary(ctx, Op.LT, b, 0))
+    return _where(ctx, _logic(ctx, Op.AND, inexact, negative), _binary(ctx, Op.ADD, q, 1), q)
 
 
 def _h_where(cond, a=None, b=None):
@@ -158,10 +478,6 @@ def _h_getitem(t, idx):
     if isinstance(t, Proxy):
         t.ctx.fail("indexing a traced argument", "index captured tensors instead, e.g. bias[q_idx]")
     return _index(_find_ctx((idx,), {}), t, (), idx)
-
-
-def _h_full_like(x, fill_value, *a, dtype=None, **k):
-    return _full_like(x, fill_value, dtype)
 
 
 
@@ -245,9 +561,43 @@ def register():
                      ("bfloat16", torch.bfloat16)]:
         _HANDLERS[getattr(T, name)] = _method_cast(dt)
     _HANDLERS[T.__getitem__] = _h_getitem
-    _HANDLERS[torch.full_like] = _h_full_like
-    _HANDLERS[torch.zeros_like] = lambda x, *a, dtype=None, **k: _full_like(x, 0, dtype)
-    _HANDLERS[torch.ones_like] = lambda x, *a, dtype=None, **k: _full_like(x, 1, dtype)
+    _HANDLERS[torch.full_like] = _h_like(None)
+    _HANDLERS[torch.zeros_like] = _h_like(0)
+    _HANDLERS[torch.ones_like] = _h_like(1)
+    for f, data in [(torch.tensor, 0), (torch.as_tensor, 0), (torch.scalar_tensor, 0), (torch.full, 1),
+                    (torch.zeros, None), (torch.ones, None)]:
+        _HANDLERS[f] = _h_constant(f, data)
+    _register_compositions()
     _HANDLERS[T.detach] = _HANDLERS[T.contiguous] = _HANDLERS[T.clone] = lambda x, *a, **k: x
 
 
+
+
+def _torch_names(name: str) -> list:
+    """Every object a mod may call for torch's ``name``: torch.nn.functional's, torch's, the
+    Tensor method and the ATen binding F's may forward to (what __torch_function__ receives)."""
+    F = torch.nn.functional
+    found = []
+    for owner in (F, torch, torch.Tensor, torch._C._nn, torch.special):
+        f = getattr(owner, name, None)
+        if f is not None and f not in found:
+            found.append(f)
+    return found
+
+
+def _register_compositions():
+    table = {
+        "relu": _h_relu, "leaky_relu": _h_leaky_relu, "hardtanh": _h_hardtanh, "relu6": _h_relu6,
+        "gelu": _h_gelu, "softplus": _h_softplus, "logsigmoid": _h_logsigmoid,
+        "log_sigmoid": _h_logsigmoid, "mish": _h_mish, "elu": _h_elu, "celu": _h_celu,
+        "selu": _h_selu, "hardsigmoid": _h_hardsigmoid, "hardswish": _h_hardswish,
+        "square": _h_square, "reciprocal": _h_reciprocal, "rsub": _h_rsub, "erfc": _h_erfc,
+        "lerp": _h_lerp, "addcmul": _h_addcmul, "addcdiv": _h_addcdiv, "masked_fill": _h_masked_fill,
+        "isnan": _h_isnan, "isinf": lambda x: _infinite(_find_ctx((x,), {}), x, 0),
+        "isposinf": lambda x: _infinite(_find_ctx((x,), {}), x, 1),
+        "isneginf": lambda x: _infinite(_find_ctx((x,), {}), x, -1),
+        "isfinite": _h_isfinite, "nan_to_num": _h_nan_to_num, "isin": _h_isin,
+    }
+    for name, handler in table.items():
+        for f in _torch_names(name):
+            _HANDLERS[f] = handler
