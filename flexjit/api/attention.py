@@ -17,7 +17,7 @@ import torch
 from flexjit import config
 from flexjit.runtime import call_cache, dispatch, options, selfcheck
 from flexjit.api import compiled
-from flexjit.planner.block_mask import BlockMask, from_torch_block_mask, noop_mask
+from flexjit.planner.block_mask import BlockMask, from_torch_block_mask, noop_mask, with_int32_lists
 from flexjit.ir.passes import FLOAT_INDEX_LIMIT, lower
 from flexjit.ir.program import Program
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
@@ -168,13 +168,17 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
 
 def _normalize(query, key, value, block_mask, kernel_options, backend, return_aux):
     """The arguments as every backend sees them: autocast applied, a kv batch of 1 broadcast,
-    torch's BlockMask and AuxRequest converted, kernel_options checked (and BACKEND read)."""
+    torch's BlockMask and AuxRequest converted, the block lists in int32, kernel_options
+    checked (and BACKEND read). Inside a compiled graph the lists reach the custom op as they
+    are, and its real kernel converts them (``compiled._block_mask``): no sync while tracing."""
     _check_not_meta({"query": query, "key": key, "value": value})
     query, key, value = autocast_inputs(query, key, value)
     key, value = _broadcast_batch(query, key, value)
     kernel_options, backend = options.validate(kernel_options, backend)
-    return (query, key, value, from_torch_block_mask(block_mask), kernel_options, backend,
-            _aux_request(return_aux))
+    block_mask = from_torch_block_mask(block_mask)
+    if not torch.compiler.is_compiling():
+        block_mask = with_int32_lists(block_mask)
+    return (query, key, value, block_mask, kernel_options, backend, _aux_request(return_aux))
 
 
 def _aux_request(req):

@@ -21,7 +21,8 @@ import torch.fx
 
 from flexjit.runtime import dispatch
 from flexjit.ir import nodes as ir
-from flexjit.planner.block_mask import BlockMask, _dense_to_ordered, _transpose_ordered, plan_blocks
+from flexjit.planner.block_mask import (BlockMask, _dense_to_ordered, _transpose_ordered, plan_blocks,
+                                        with_int32_lists)
 from flexjit.ir.passes import FLOAT_INDEX_LIMIT, lower
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_bound
 from flexjit.ir.program import TracedMod
@@ -100,7 +101,7 @@ def _block_mask(lists, L: int, S: int, block, mean_kv_tokens: float) -> BlockMas
         mean_kv_tokens = float(S)  # unknown, and no sync is allowed: plan for long kv loops
     if mean_kv_tokens >= 0:
         bm.derived("mean_kv_tokens", lambda: mean_kv_tokens)
-    return bm
+    return with_int32_lists(bm)  # a hand-built mask's int64 lists arrive as they were given
 
 
 def _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_kv_tokens,
@@ -176,10 +177,11 @@ def _setup_attention(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2])  # max_scores, as torch's: no gradient
     ctx.save_for_backward(q, k, v, *output[:2], *[t for t in lists if t is not None], *buffers)
     ctx.present, ctx.n_buffers = present, len(buffers)
-    # How autograd flattens the inputs: a list holding tensors, or an empty one, is a list of
-    # gradients; a non-empty list of numbers is one leaf.
-    ctx.shape_of_inputs = [len(x) if isinstance(x, list) and (not x or any(
-        e is None or isinstance(e, torch.Tensor) for e in x)) else None for x in inputs]
+    # How autograd flattens the inputs (torch._library.autograd): a list of tensors only, or an
+    # empty one, is a list of gradients; any other list (numbers, or block lists with a None:
+    # a BlockMask without full lists) is one leaf.
+    ctx.shape_of_inputs = [len(x) if isinstance(x, list) and all(
+        isinstance(e, torch.Tensor) for e in x) else None for x in inputs]
     ctx.args = (iscalars, fscalars, program, scale, block, mean, options, backend)
 
 

@@ -410,6 +410,47 @@ class BlockMask:
         return (qmap.numel() - 1) * bq + tail
 
 
+_INT32_RANGE = (-(2 ** 31), 2 ** 31 - 1)
+
+
+def with_int32_lists(bm):
+    """``bm`` with its block lists in int32, the dtype every kernel reads them in.
+
+    A BlockMask built by hand (``BlockMask.from_kv_blocks(torch.arange(...))``) may hold int64
+    lists; they are copied to int32 once per BlockMask (``derived``: an edit of the user's lists
+    copies again) and the user's object is left as it is. Lists that are not integers, or hold a
+    value int32 cannot, are refused: a wrapped block index would be a silent wrong answer. The
+    range check reads the lists' min and max, one sync on a GPU, and only for int64 lists."""
+    if bm is None or not isinstance(bm, BlockMask):
+        return bm
+    lists = [(a, getattr(bm, a)) for a in BlockMask._TENSOR_ATTRS]
+    if all(t is None or t.dtype == torch.int32 for _, t in lists):
+        return bm
+    for name, t in lists:
+        if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            raise TypeError(f"BlockMask.{name} has dtype {t.dtype}; block lists are integer "
+                            "tensors (int32, as create_block_mask makes them)")
+    return bm.derived("int32_lists", lambda: _int32_copy(bm, lists))
+
+
+def _int32_copy(bm, lists) -> "BlockMask":
+    moved = []
+    for name, t in lists:
+        if t is not None and t.dtype != torch.int32:
+            if t.numel():
+                lo, hi = int(t.min().item()), int(t.max().item())
+                if lo < _INT32_RANGE[0] or hi > _INT32_RANGE[1]:
+                    raise ValueError(f"BlockMask.{name} holds values in [{lo}, {hi}], outside int32; "
+                                     "block counts and indices must fit in int32")
+            t = t.to(torch.int32)
+        moved.append(t)
+    out = BlockMask(bm.seq_lengths, *moved, BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod)
+    mean = bm._remembered("mean_kv_tokens")
+    if mean is not None:
+        out.derived("mean_kv_tokens", lambda: mean)
+    return out
+
+
 _FROM_TORCH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
