@@ -13,7 +13,9 @@ What this module holds
   ``buffer_ranks``, ``grad_slots``), which the launches pass in the same order.
 
 Semantics follow ``flexjit.interp`` exactly where it matters for masks: integer ``//`` and ``%``
-floor (Python), negative indices wrap, every captured-tensor index is clamped into range, and
+floor (Python), negative indices wrap, every captured-tensor index is clamped into range (a
+guard for the discarded rows past L and S: ``ir.bounds.check`` raised for any index out of range
+in the call before launch), and
 float ops that feed a discontinuity (a comparison, floor, a cast to int, an index) use the
 correctly rounded forms (div_rn, sqrt_rn, libdevice) so block masks agree with the planner.
 Pure text: nothing here imports Triton.
@@ -228,7 +230,9 @@ class _Lowering:
 
     def _clamped(self, slot: int, d: int, s: Node) -> str:
         """Index s into dim d of buffer slot: wrapped if negative (Python), then clamped into
-        [0, size-1] so rows/columns past L/S (computed, then discarded) never read out of bounds."""
+        [0, size-1]. The clamp is a memory-safety guard, not a semantics: ``ir.bounds.check``
+        has raised before launch for any index out of range in the call, so it only keeps
+        rows/columns past L/S (computed, then discarded) in bounds."""
         key = (slot, d, id(s))
         if key not in self.clamped:
             i, size = self.names[id(s)], f"buf{slot}_size{d}"
