@@ -373,6 +373,10 @@ def render_holes(p: Program, which: str) -> dict[str, list[str]]:
     holes["DO_NOT_SPECIALIZE"] = [f"DO_NOT_SPECIALIZE = LENGTH_ARGS + {dns!r}"]
     score_low = _Lowering([n for _, n in _score_roots(p, which == "bwd")], "t")
     score_lines = score_low.assign(_score_roots(p, which == "bwd"))
+    if p.score is not None and ir.varies_with(p.score, {}) != {"q", "kv"}:
+        # A score that varies with neither index, or one (``h + 0.5``, ``q_idx * 0.01``), is a
+        # scalar or a row or column: the softmax reduces a whole tile.
+        score_lines.append("score = tl.full(qk.shape, 0.0, tl.float32) + score")
     holes["SCORE_BWD" if which == "bwd" else "SCORE_MOD"] = score_lines
     if p.mask is not None:
         holes["MASK_MOD"] = _Lowering([p.mask], "m").assign([("mask", p.mask)])
