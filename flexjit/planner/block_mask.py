@@ -23,11 +23,12 @@ from typing import Callable, Sequence
 import torch
 
 from flexjit import config
-from flexjit.ir import intervals, nodes as ir
+from flexjit.ir import bounds, intervals, nodes as ir
 from flexjit.ir.interp import Env, evaluate
 from flexjit.ir.nodes import Op
 from flexjit.ir.passes import widen
 from flexjit.frontend.captures import tensor_name
+from flexjit.ir.program import Program
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
 
 _DEFAULT_BLOCK = 128
@@ -551,6 +552,9 @@ def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int
         kinds = torch.zeros(B_, H_, -(-Q_LEN // bq), -(-KV_LEN // bkv), dtype=torch.int8)
     else:
         mask = widen([traced.out], (B_, H_, Q_LEN, KV_LEN), traced.scalars)[0]
+        # An index out of range raises here, as torch's dense evaluation of the mask would.
+        bounds.check(Program(None, mask, None, (), tuple(traced.buffers), tuple(traced.scalars),
+                             mask_name=traced.name), (B_, H_, Q_LEN, KV_LEN))
         kinds = plan_blocks(mask, traced.buffers, traced.scalars, B_, H_, Q_LEN, KV_LEN, bq, bkv)
     if not separate_full_blocks:
         kinds = torch.where(kinds == 2, torch.ones_like(kinds), kinds)

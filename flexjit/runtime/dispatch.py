@@ -37,6 +37,7 @@ from flexjit.backends import reference, triton
 from flexjit.backends.base import Backend, capability
 from flexjit.backends.cute import sm90 as cute_sm90, sm100 as cute_sm100
 from flexjit.backends.triton import decode as triton_decode
+from flexjit.ir import bounds
 from flexjit.runtime import selfcheck
 
 BACKENDS = ("cute", "triton", "reference")
@@ -192,7 +193,10 @@ def _decodes(call) -> bool:
 
 
 def forward(name: str, call) -> tuple:
-    """(out, lse, max_scores or None) of backend ``name``'s forward, outside autograd and autocast."""
+    """(out, lse, max_scores or None) of backend ``name``'s forward, outside autograd and autocast.
+    A mod that indexes a captured tensor out of range raises ``IndexError`` here, before any
+    backend runs (``ir.bounds``): kernels cannot raise, and their clamp would answer silently."""
+    bounds.check(call.program, (*call.q.shape[:3], call.k.shape[2]))
     device = call.q.device.type
     if not torch.is_autocast_enabled(device):  # the context manager costs ~3 µs a call
         return module(name).forward(call)
