@@ -31,7 +31,10 @@ Keys with a meaning for flexjit:
 Accepted and ignored (they tune torch's own Triton template, which flexjit does not run):
 ``PRESCALE_QK``, ``ROWS_GUARANTEED_SAFE``, ``BLOCKS_ARE_CONTIGUOUS``, ``WRITE_DQ``,
 ``kpack``, ``matrix_instr_nonkdim``, ``waves_per_eu``, ``OUTPUT_LOGSUMEXP``, ``OUTPUT_MAX``,
-``SAFE_HEAD_DIMENSION``, and any other key this torch's ``FlexKernelOptions`` declares.
+``SAFE_HEAD_DIMENSION``, the keys torch's inductor templates read (``num_consumer_groups``,
+``num_buffers_warp_spec``, ``PARTITION_SIZE``, ``SAFE_N_BOUNDARY``, ``IS_DIVISIBLE``,
+``SPLIT_KV``, ``SKIP_MASK_SCORE``), and any other key this torch's ``FlexKernelOptions``
+declares.
 """
 from __future__ import annotations
 
