@@ -116,7 +116,8 @@ def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     _check_tensors(query, key, value, enable_gqa)
     if block_mask is not None:
         _check_block_mask(block_mask, query, key)
-    scale = _scale(scale, query)
+    if scale is not None:  # the default 1/sqrt(E) is formed in the graph (E may be a symbol)
+        scale = _scale(scale, query)
     dispatch.check_backend(backend)  # kernel_options: checked by options.validate already
     mask_mod = None
     if block_mask is not None and not _is_noop(block_mask.mask_mod):

@@ -31,7 +31,6 @@ from flexjit.frontend.captures import tensor_name
 from flexjit.ir.program import Program
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
 
-_DEFAULT_BLOCK = 128
 log = logging.getLogger("flexjit")
 # Elements evaluated per dense batch: 16M int32 intermediates is ~64 MB each.
 _DENSE_BATCH_ELEMS = 1 << 24
@@ -54,8 +53,19 @@ class StaleBlockMaskWarning(UserWarning):
 
 
 def noop_mask(b, h, q_idx, kv_idx):
-    """A mask_mod that allows everything."""
-    return True
+    """A mask_mod that allows everything: a 0-d True tensor like torch's (a constant when
+    traced)."""
+    return b.new_ones((), dtype=torch.bool)
+
+
+def _identity(score, b, h, q_idx, kv_idx):
+    """torch's default score_mod: the score unchanged."""
+    return score
+
+
+# torch's block size for create_block_mask, and its "one block spans everything" size.
+_DEFAULT_SPARSE_BLOCK_SIZE = 128
+_LARGE_SPARSE_BLOCK_SIZE = 1 << 30
 
 
 def _check_mask_mods(mask_mods) -> None:
@@ -70,7 +80,7 @@ def and_masks(*mask_mods: Callable) -> Callable:
     _check_mask_mods(mask_mods)
 
     def and_mask(b, h, q_idx, kv_idx):
-        result = True
+        result = b.new_ones((), dtype=torch.bool)  # a tensor, as torch's and_masks returns
         for m in mask_mods:
             result = result & m(b, h, q_idx, kv_idx)
         return result
@@ -82,7 +92,7 @@ def or_masks(*mask_mods: Callable) -> Callable:
     _check_mask_mods(mask_mods)
 
     def or_mask(b, h, q_idx, kv_idx):
-        result = False
+        result = b.new_zeros((), dtype=torch.bool)
         for m in mask_mods:
             result = result | m(b, h, q_idx, kv_idx)
         return result
@@ -154,7 +164,7 @@ class BlockMask:
 
     def __init__(self, seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                  q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
-                 BLOCK_SIZE=(_DEFAULT_BLOCK, _DEFAULT_BLOCK), mask_mod=None):
+                 BLOCK_SIZE=(_DEFAULT_SPARSE_BLOCK_SIZE, _DEFAULT_SPARSE_BLOCK_SIZE), mask_mod=None):
         if kv_indices.dim() < 2:
             raise RuntimeError("BlockMask must have at least 2 dimensions")
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
@@ -181,7 +191,7 @@ class BlockMask:
 
     @classmethod
     def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
-                       BLOCK_SIZE=_DEFAULT_BLOCK, mask_mod=None, seq_lengths=None,
+                       BLOCK_SIZE=_DEFAULT_SPARSE_BLOCK_SIZE, mask_mod=None, seq_lengths=None,
                        compute_q_blocks=True):
         """Build a BlockMask from kv block lists; q lists are derived by transposing."""
         if kv_indices.dim() < 2:
@@ -537,7 +547,7 @@ def plan_args(Q_LEN, KV_LEN, device, BLOCK_SIZE) -> tuple[int, int, torch.device
 
 
 def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
-                    device=None, BLOCK_SIZE=_DEFAULT_BLOCK,
+                    device=None, BLOCK_SIZE=_DEFAULT_SPARSE_BLOCK_SIZE,
                     separate_full_blocks: bool = True) -> BlockMask:
     """Plan the block sparsity of ``mask_mod`` for (B, H, Q_LEN, KV_LEN), eagerly (the planner
     behind ``flexjit.create_block_mask``, which documents the arguments)."""

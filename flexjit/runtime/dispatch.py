@@ -193,23 +193,63 @@ def _decodes(call) -> bool:
 
 
 def forward(name: str, call) -> tuple:
-    """(out, lse, max_scores or None) of backend ``name``'s forward, outside autograd and autocast.
-    A mod that indexes a captured tensor out of range raises ``IndexError`` here, before any
-    backend runs (``ir.bounds``): kernels cannot raise, and their clamp would answer silently."""
+    """(out, lse, max_scores or None) of backend ``name``'s forward, outside autograd and autocast;
+    out in the query's dimension order (``follow_layout``). A mod that indexes a captured tensor
+    out of range raises ``IndexError`` here, before any backend runs (``ir.bounds``): kernels
+    cannot raise, and their clamp would answer silently."""
     bounds.check(call.program, (*call.q.shape[:3], call.k.shape[2]))
     device = call.q.device.type
     if not torch.is_autocast_enabled(device):  # the context manager costs ~3 µs a call
-        return module(name).forward(call)
-    with torch.autocast(device, enabled=False):
-        return module(name).forward(call)
+        out, lse, max_scores = module(name).forward(call)
+    else:
+        with torch.autocast(device, enabled=False):
+            out, lse, max_scores = module(name).forward(call)
+    return follow_layout(out, call.q), lse, max_scores
 
 
 def backward(name: str, call, q, k, v, out, lse, dout, dlse) -> tuple:
-    """(dq, dk, dv, *captured grads) of backend ``name``'s backward, outside autocast."""
+    """(dq, dk, dv, *captured grads) of backend ``name``'s backward, outside autocast; dq, dk
+    and dv in the layouts of q, k and v."""
     if dout is None:  # only the LSE was used
         dout = torch.zeros_like(out)
     with torch.autocast(q.device.type, enabled=False):
-        return module(name).backward(call, q, k, v, out, lse, dout, dlse)
+        dq, dk, dv, *rest = module(name).backward(call, q, k, v, out, lse, dout, dlse)
+    return (follow_layout(dq, q), follow_layout(dk, k), follow_layout(dv, v), *rest)
+
+
+def layout_order(like: torch.Tensor) -> list[int] | None:
+    """``like``'s dimensions from outermost to innermost, or None where its strides give no
+    order to follow (an expanded or sliced view: not dense)."""
+    order = sorted(range(like.dim()), key=lambda d: -like.stride(d))  # stable: ties keep dim order
+    return order if like.permute(order).is_contiguous() else None
+
+
+def empty_in_layout(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """An empty tensor of ``shape`` whose dimensions lie in ``like``'s order (torch's flex gives its
+    output the query's stride order: a (B, L, H, D) buffer viewed as (B, H, L, D) yields an out
+    that is such a view too); contiguous where ``like`` has no order."""
+    dtype = like.dtype if dtype is None else dtype
+    order = layout_order(like)
+    if order is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return torch.empty([shape[d] for d in order], dtype=dtype, device=like.device).permute(inverse)
+
+
+def follow_layout(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """``t`` (a result shaped like ``like`` but for its last dim) in ``like``'s dimension order: as
+    it is when it already is (the common, contiguous case: no copy), else copied once."""
+    if t is None or like.is_contiguous() and t.is_contiguous():
+        return t
+    order = layout_order(like)
+    if order is None:
+        return t
+    stride, step = [0] * t.dim(), 1
+    for d in reversed(order):
+        stride[d], step = step, step * t.shape[d]
+    if all(a == b for a, b, n in zip(stride, t.stride(), t.shape) if n > 1):
+        return t
+    return empty_in_layout(t.shape, like, t.dtype).copy_(t)
 
 
 class _FlexAttention(torch.autograd.Function):
