@@ -17,7 +17,7 @@ import torch
 from flexjit import config
 from flexjit.runtime import call_cache, dispatch, options, selfcheck
 from flexjit.api import compiled
-from flexjit.planner.block_mask import BlockMask, from_torch_block_mask, noop_mask
+from flexjit.planner.block_mask import BlockMask, from_torch_block_mask, noop_mask, with_int32_lists
 from flexjit.ir.passes import FLOAT_INDEX_LIMIT, lower
 from flexjit.ir.program import Program
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
@@ -62,12 +62,16 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     want_max = return_aux is not None and return_aux.max_scores
     empty = _empty_result(query, key, value, enable_gqa)
     if empty is not None:
+        if block_mask is not None:
+            _check_block_mask(block_mask, query, key)
         out, lse = empty
         max_scores = lse.clone() if want_max else None  # -inf: no score is kept
     elif torch.compiler.is_compiling():
         out, lse, max_scores = _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                          kernel_options, backend, want_max)
     else:
+        if isinstance(block_mask, BlockMask):  # anything else is refused in prepare_call
+            block_mask.warn_if_stale()
         call, choice = _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                  kernel_options, backend, want_max)
         if config.settings.debug:
@@ -86,6 +90,8 @@ def _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     """(call, choice) for a normalised eager call: from ``call_cache`` when a call of the same
     signature was prepared before and its guards hold, else validated, traced, lowered and
     selected afresh (and remembered)."""
+    if isinstance(scale, torch.Tensor):  # keyed by its value now: the cache keeps floats
+        scale = _tensor_scale(scale)
     sig = call_cache.signature(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                kernel_options, backend, want_max)
     if sig is not None:
@@ -110,7 +116,8 @@ def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     _check_tensors(query, key, value, enable_gqa)
     if block_mask is not None:
         _check_block_mask(block_mask, query, key)
-    scale = _scale(scale, query)
+    if scale is not None:  # the default 1/sqrt(E) is formed in the graph (E may be a symbol)
+        scale = _scale(scale, query)
     dispatch.check_backend(backend)  # kernel_options: checked by options.validate already
     mask_mod = None
     if block_mask is not None and not _is_noop(block_mask.mask_mod):
@@ -122,17 +129,36 @@ def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
 def _scale(scale, query) -> float:
     if scale is None:
         return 1.0 / math.sqrt(query.shape[-1])
-    if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    if isinstance(scale, torch.Tensor):
+        return _tensor_scale(scale)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float (or a one-element tensor), got {type(scale).__name__}")
     return float(scale)
+
+
+def _tensor_scale(scale: torch.Tensor) -> float:
+    """A one-element tensor ``scale`` (torch's eager flex_attention broadcasts it) as the float
+    kernels take; read on every call (a device tensor syncs), so an in-place edit is seen."""
+    if scale.numel() != 1 or scale.dtype == torch.bool or scale.is_complex():
+        raise TypeError(f"a tensor scale must hold one real number, got shape {tuple(scale.shape)} "
+                        f"and dtype {scale.dtype}")
+    if scale.device.type == "meta":
+        raise ValueError("scale is a meta tensor, which holds no value; pass a float")
+    if scale.requires_grad:
+        raise NotImplementedError(
+            "scale requires grad, but flex_attention computes no gradient for scale; for a "
+            "learnable scale pass scale=1.0 and multiply in a score_mod, where captured tensors "
+            "get gradients: lambda score, b, h, q_idx, kv_idx: score * scale_tensor")
+    return float(scale.item())
 
 
 def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
             kernel_options=None, *, return_aux: AuxRequest | None = None,
             backend: str = "auto") -> "dispatch.Choice":
-    """Which backend flex_attention would run for these arguments, and why. Runs nothing: on a
-    Blackwell GPU it says whether the call's sm100 kernel has passed its first-use self-check,
-    failed it (and why), or has not run it yet (it runs on the first call)."""
+    """Which backend flex_attention would run for these arguments, why, and why every other
+    backend was passed over (``Choice.passed_over``), on any device. Runs nothing: on a Blackwell
+    GPU it says whether the call's sm100 kernel has passed its first-use self-check, failed it
+    (and why), or has not run it yet (it runs on the first call)."""
     query, key, value, block_mask, kernel_options, backend, return_aux = _normalize(
         query, key, value, block_mask, kernel_options, backend, return_aux)
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
@@ -143,12 +169,17 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
 
 def _normalize(query, key, value, block_mask, kernel_options, backend, return_aux):
     """The arguments as every backend sees them: autocast applied, a kv batch of 1 broadcast,
-    torch's BlockMask and AuxRequest converted, kernel_options checked (and BACKEND read)."""
+    torch's BlockMask and AuxRequest converted, the block lists in int32, kernel_options
+    checked (and BACKEND read). Inside a compiled graph the lists reach the custom op as they
+    are, and its real kernel converts them (``compiled._block_mask``): no sync while tracing."""
+    _check_not_meta({"query": query, "key": key, "value": value})
     query, key, value = autocast_inputs(query, key, value)
     key, value = _broadcast_batch(query, key, value)
     kernel_options, backend = options.validate(kernel_options, backend)
-    return (query, key, value, from_torch_block_mask(block_mask), kernel_options, backend,
-            _aux_request(return_aux))
+    block_mask = from_torch_block_mask(block_mask)
+    if not torch.compiler.is_compiling():
+        block_mask = with_int32_lists(block_mask)
+    return (query, key, value, block_mask, kernel_options, backend, _aux_request(return_aux))
 
 
 def _aux_request(req):
@@ -158,6 +189,18 @@ def _aux_request(req):
     if type(req).__name__ == "AuxRequest" and hasattr(req, "lse") and hasattr(req, "max_scores"):
         return AuxRequest(lse=bool(req.lse), max_scores=bool(req.max_scores))
     raise TypeError(f"return_aux must be an AuxRequest (flexjit's or torch's), got {type(req).__name__}")
+
+
+def _check_not_meta(tensors: dict) -> None:
+    """Meta tensors hold shapes and no data: no backend can compute on them (torch's
+    flex_attention refuses them too)."""
+    meta = [name for name, t in tensors.items() if isinstance(t, torch.Tensor) and t.is_meta]
+    if meta:
+        raise ValueError(f"{', '.join(meta)} {'is' if len(meta) == 1 else 'are'} on the meta "
+                         "device, which holds shapes and no data (a model built under "
+                         "torch.device('meta') and not yet materialised); flex_attention needs "
+                         "real tensors: materialise the module (module.to_empty(device=...), then "
+                         "initialise it) or move the tensors to a real device")
 
 
 def _broadcast_batch(q, k, v):
@@ -225,6 +268,7 @@ def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, ke
                     lengths=lengths)
     if block_mask is not None and program.mask is not None:
         _check_broadcast(block_mask, program, query)
+    _check_not_meta({f"the captured tensor of shape {tuple(t.shape)}": t for t in program.buffers})
     return Call(query, key, value, program, block_mask, float(scale), dict(kernel_options or {}),
                 max_scores=max_scores)
 

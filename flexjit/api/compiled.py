@@ -15,13 +15,15 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import math
 
 import torch
 import torch.fx
 
 from flexjit.runtime import compile_pool, dispatch
 from flexjit.ir import nodes as ir
-from flexjit.planner.block_mask import BlockMask, _dense_to_ordered, _transpose_ordered, plan_blocks
+from flexjit.planner.block_mask import (BlockMask, _dense_to_ordered, _transpose_ordered, plan_blocks,
+                                        with_int32_lists)
 from flexjit.ir.passes import FLOAT_INDEX_LIMIT, lower
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_bound
 from flexjit.ir.program import TracedMod
@@ -100,7 +102,7 @@ def _block_mask(lists, L: int, S: int, block, mean_kv_tokens: float) -> BlockMas
         mean_kv_tokens = float(S)  # unknown, and no sync is allowed: plan for long kv loops
     if mean_kv_tokens >= 0:
         bm.derived("mean_kv_tokens", lambda: mean_kv_tokens)
-    return bm
+    return with_int32_lists(bm)  # a hand-built mask's int64 lists arrive as they were given
 
 
 def _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_kv_tokens,
@@ -142,7 +144,8 @@ def _(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_k
       backend, train, want_max):
     B, Hq, L, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return (q.new_empty(B, Hq, L, v.shape[-1]), q.new_empty(B, Hq, L, dtype=lse_dtype),
+    # out in the query's dimension order, as dispatch.forward returns it
+    return (dispatch.empty_in_layout((B, Hq, L, v.shape[-1]), q), q.new_empty(B, Hq, L, dtype=lse_dtype),
             q.new_empty(*((B, Hq, L) if want_max else (0,)), dtype=lse_dtype))
 
 
@@ -167,7 +170,8 @@ def attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out
 def _(q, k, v, out, lse, dout, dlse, lists, buffers, iscalars, fscalars, program, scale, block,
       mean_kv_tokens, options, backend):
     learnable = _decode(program)["learnable"]
-    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)] + [
+    grads = [dispatch.empty_in_layout(t.shape, t) for t in (q, k, v)]  # as dispatch.backward's
+    return grads + [
         torch.empty_like(b) for b, want in zip(buffers, learnable) if want]
 
 
@@ -178,10 +182,11 @@ def _setup_attention(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2])  # max_scores, as torch's: no gradient
     ctx.save_for_backward(q, k, v, *output[:2], *[t for t in lists if t is not None], *buffers)
     ctx.present, ctx.n_buffers = present, len(buffers)
-    # How autograd flattens the inputs: a list holding tensors, or an empty one, is a list of
-    # gradients; a non-empty list of numbers is one leaf.
-    ctx.shape_of_inputs = [len(x) if isinstance(x, list) and (not x or any(
-        e is None or isinstance(e, torch.Tensor) for e in x)) else None for x in inputs]
+    # How autograd flattens the inputs (torch._library.autograd): a list of tensors only, or an
+    # empty one, is a list of gradients; any other list (numbers, or block lists with a None:
+    # a BlockMask without full lists) is one leaf.
+    ctx.shape_of_inputs = [len(x) if isinstance(x, list) and all(
+        isinstance(e, torch.Tensor) for e in x) else None for x in inputs]
     ctx.args = (iscalars, fscalars, program, scale, block, mean, options, backend)
 
 
@@ -320,12 +325,15 @@ class _Captured:
 
 def _bind_attention(static: tuple, gm: torch.fx.GraphModule):
     """The HOP's wrapper: at AOT-trace time, retrace the mods and call ``flexjit::attention``."""
-    (names, has, n_tensors, present, scale, block, mean, options, backend, float_index, want_max) = static
+    (names, has, n_tensors, present, scale, block, mean, options, backend, want_max) = static
 
     def run(*args):
-        cap = _Captured(gm, args, n_tensors)
-        q, k, v = args[:3]
-        it = iter(args[3:n_tensors])
+        ops = _operands(args, n_tensors)
+        cap = _Captured(gm, args, ops[-1] + 1)
+        q, k, v = (args[i] for i in ops[:3])
+        sm_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        float_index = bool(max(*q.shape[:3], k.shape[2]) < FLOAT_INDEX_LIMIT)  # guards on the bound only
+        it = iter(args[i] for i in ops[3:])
         lists = [next(it) if p else None for p in present]
         score = mask = None
         src_s = src_m = []
@@ -342,13 +350,22 @@ def _bind_attention(static: tuple, gm: torch.fx.GraphModule):
         program = _encode(score, mask, learnable, float_index, kinds)
         lower(score, mask, float_index)  # errors in the mods surface here, at compile time
         train = torch.is_grad_enabled() and any(t.requires_grad for t in [q, k, v, *buffers])
-        out, lse, max_scores = attention_op(q, k, v, lists, buffers, ints, floats, program, scale,
+        out, lse, max_scores = attention_op(q, k, v, lists, buffers, ints, floats, program, sm_scale,
                                             list(block), mean, options, backend, train, want_max)
         extra = [torch.empty(n.meta["example_value"].shape, dtype=n.meta["example_value"].dtype,
                              device=n.meta["example_value"].device)
                  for n in list(gm.graph.output_node().args[0])[3:]]
         return (out, lse, max_scores, *extra)
     return run
+
+
+def _operands(args, n: int) -> list[int]:
+    """The positions of the HOP's first ``n`` tensor operands among the subgraph's arguments:
+    under dynamic shapes dynamo lifts the symbols of each tensor's sizes in before it."""
+    found = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)][:n]
+    if len(found) != n:
+        raise RuntimeError(f"flexjit: the captured mods' graph has {len(found)} tensor inputs, expected {n}")
+    return found
 
 
 def _check_broadcast(mask: TracedMod, kv_num_blocks, q) -> None:
@@ -383,11 +400,13 @@ def _mod_name(fn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def flex_attention(q, k, v, score_mod, block_mask, scale: float, kernel_options, backend: str,
+def flex_attention(q, k, v, score_mod, block_mask, scale: float | None, kernel_options, backend: str,
                    mask_mod, want_max: bool = False):
-    """(out, lse, max_scores or None) of a validated call, inside a graph dynamo is tracing."""
-    B, Hq, L, _ = q.shape
-    S, Ev = k.shape[2], v.shape[-1]
+    """(out, lse, max_scores or None) of a validated call, inside a graph dynamo is tracing.
+    ``scale`` None: 1/sqrt(E), formed where the head dim is known (a symbol under dynamic shapes
+    while dynamo traces)."""
+    B, Hq, L, E = q.shape
+    Ev = v.shape[-1]
     lists = [getattr(block_mask, a) for a in _LIST_ATTRS] if block_mask is not None else []
     present = tuple(t is not None for t in lists)
     # Views make each a graph value of its own, so none is merged with another (q is k is v).
@@ -400,14 +419,17 @@ def flex_attention(q, k, v, score_mod, block_mask, scale: float, kernel_options,
              _mod_name(mask_mod) if mask_mod is not None else "noop")
     if score_mod is None and mask_mod is None:
         train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        scale = scale if scale is not None else 1.0 / math.sqrt(E)
         out, lse, max_scores = attention_op(
             tensors[0], tensors[1], tensors[2], _unflatten(tensors[3:], present), [], [], [], _NO_MODS,
             scale, list(block), mean, options, backend, train, want_max)
         return out, lse, max_scores if want_max else None
     _require_hop()
-    float_index = max(B, Hq, L, S) < FLOAT_INDEX_LIMIT
+    # The HOP's static arguments must be Python constants; what depends on the shapes (the
+    # default scale, the float-index choice) is formed by the wrapper, where dynamic shapes are
+    # symbols that guard on what the value depends on.
     static = (names, (score_mod is not None, mask_mod is not None), len(tensors), present, scale,
-              block, mean, options, backend, float_index, want_max)
+              block, mean, options, backend, want_max)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     def inner(*args):

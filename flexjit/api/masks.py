@@ -6,13 +6,11 @@ from typing import Callable
 import torch
 
 from flexjit.api import compiled
-from flexjit.planner.block_mask import BlockMask, plan_args, plan_block_mask
-
-_DEFAULT_BLOCK = 128
+from flexjit.planner.block_mask import _DEFAULT_SPARSE_BLOCK_SIZE, BlockMask, plan_args, plan_block_mask
 
 
 def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
-                      device=None, BLOCK_SIZE=_DEFAULT_BLOCK, _compile: bool = False,
+                      device=None, BLOCK_SIZE=_DEFAULT_SPARSE_BLOCK_SIZE, _compile: bool = False,
                       separate_full_blocks: bool = True, compute_dq_write_order: bool = False,
                       dq_kv_order: bool = True) -> BlockMask:
     """Plan the block sparsity of ``mask_mod`` for (B, H, Q_LEN, KV_LEN).

@@ -297,7 +297,7 @@ class PagedAttention:
                                        mask_mod=mask_mod, seq_lengths=(Q_LEN, self.kv_len),
                                        compute_q_blocks=bm.q_indices is not None)
         out.mean_kv_tokens()  # remembered now, so a kernel choosing its schedule never syncs
-        return out
+        return bm.inherit_planning(out)
 
     # ------------------------------------------------------------------ mods
 

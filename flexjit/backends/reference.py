@@ -160,8 +160,8 @@ def _gradients(plan: Plan, q, k, v, buffers, dout, dlse) -> tuple:
         with _autograd_on():
             o, l_, _ = _forward_chunk(plan, qc, kd, vd, r0, tuple(bufs), compute)
             outs, grads_in = [o], [dout[:, :, r0:r1].to(compute)]
-            if dlse is not None:
-                outs.append(l_)
+            if dlse is not None and l_.requires_grad:  # a score_mod that ignores the score
+                outs.append(l_)                            # leaves the LSE constant
                 grads_in.append(torch.where(torch.isfinite(l_), dlse[:, :, r0:r1].to(compute),
                                             torch.zeros_like(l_)))
             grads = torch.autograd.grad(outs, [qc, kd, vd, *learn], grads_in, allow_unused=True)

@@ -5,6 +5,7 @@
   tuples of functions) replaced by proxies, so they become run-time SCALAR arguments.
 * ``fingerprint``: everything a trace can depend on, as a hashable value (the trace cache key
   in ``trace.trace_mod``); ``Unfingerprintable`` when a capture cannot be vouched for.
+* ``tensor_name``: the name a mod captures a tensor under, for messages.
 """
 from __future__ import annotations
 
@@ -113,6 +114,46 @@ def _code_facts(code: types.CodeType) -> tuple[bool, tuple[str, ...]]:
     _FACTS[id(code)] = (code, facts)
     return facts
 
+
+
+def tensor_name(fn, t: torch.Tensor, depth: int = 0) -> str | None:
+    """The name under which ``fn`` captures tensor ``t`` (a closure variable or a global its
+    code names, looked up through nested functions, ``functools.partial`` objects and tuples
+    of functions, as ``ScalarRewriter`` walks them), or None: how a message names a tensor
+    the user knows. A view of ``t`` counts as ``t``."""
+    if depth > 8:
+        return None
+    if isinstance(fn, functools.partial):
+        return next((n for n in (tensor_name(x, t, depth + 1) for x in (fn.func, *fn.args,
+                                                                         *fn.keywords.values()))
+                     if n), None)
+    if isinstance(fn, (tuple, list)):
+        return next((n for n in (tensor_name(x, t, depth + 1) for x in fn) if n), None)
+    if not isinstance(fn, types.FunctionType):
+        return None
+    code = fn.__code__
+    found = [(name, cell.cell_contents) for name, cell in zip(code.co_freevars, fn.__closure__ or ())
+             if _filled(cell)]
+    found += [(name, fn.__globals__[name]) for name in sorted(global_names(code))
+              if name in fn.__globals__]
+    for name, v in found:
+        if v is t or isinstance(v, torch.Tensor) and t._base is v:
+            return name
+    for _, v in found:
+        if isinstance(v, (types.FunctionType, functools.partial, tuple, list)) and \
+                not (isinstance(v, types.FunctionType) and is_library_function(v)):
+            name = tensor_name(v, t, depth + 1)
+            if name:
+                return name
+    return None
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not yet assigned
+        return False
+    return True
 
 
 class Unfingerprintable(Exception):

@@ -192,7 +192,7 @@ def _sub_mask(bm: BlockMask, parts: int, i: int, j: int) -> BlockMask:
         out = BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=bm.BLOCK_SIZE,
                                        mask_mod=mask_mod, seq_lengths=(cq, ck))
         out.mean_kv_tokens()  # its one sync now, not in the ring
-        return out
+        return bm.inherit_planning(out)
     return bm.derived(f"cp_sub:{parts}:{i}:{j}", build)
 
 

@@ -11,7 +11,8 @@ Semantics worth knowing:
     float64 reference); loads widen bf16/fp16 buffers to it.
   * integer ``//`` and ``%`` follow Python (floor, sign of the divisor).
   * a negative index counts from the end (Python), an index past the end is an
-    IndexError here; kernels clamp after wrapping, so they never read out of bounds.
+    IndexError here. Kernels cannot raise: ``bounds.check`` raises the same before any
+    kernel runs, and their clamp after wrapping only keeps discarded rows in bounds.
 """
 from __future__ import annotations
 

@@ -333,8 +333,9 @@ def _exact_or_unknown(n: Node, a: list):
 def _load(n: Node, idx: list, env: dict):
     slot, ndim, storage = n.src[0].arg
     bufs: _Buffers | None = env["buffers"]
-    if bufs is None:  # over a whole call: any value the storage dtype holds (float: anything)
-        lo, hi = (torch.tensor(v, dtype=torch.float64) for v in _STORAGE_RANGE.get(storage, (math.nan,) * 2))
+    if bufs is None:  # over a whole call: the tensor's known extremes, or any value its dtype holds
+        extremes = env.get("contents", {}).get(slot) or _STORAGE_RANGE.get(storage, (math.nan,) * 2)
+        lo, hi = (torch.tensor(v, dtype=torch.float64) for v in extremes)
         if n.dtype is DType.BOOL:
             return _bool(lo <= 0, hi >= 1)
         return _clean(lo, hi, n.dtype)
@@ -385,16 +386,17 @@ _STORAGE_RANGE = {"bool": (0.0, 1.0), "uint8": (0.0, 255.0), "int8": (-128.0, 12
                   "int16": (-(2.0 ** 15), 2.0 ** 15 - 1), "int32": _I32, "int64": (-(2.0 ** 63), 2.0 ** 63)}
 
 
-def domain(lengths: tuple[int, int, int, int], scalars) -> dict:
+def domain(lengths: tuple[int, int, int, int], scalars, contents: dict | None = None) -> dict:
     """The environment of :func:`bound` over every position of one call: b, h, q_idx and kv_idx
     over [0, n - 1] for lengths (B, H, L, S), the score anything, the scalars at their values, a
     load of a captured tensor over its storage dtype's whole range (no tensor is read: its
-    values may change)."""
+    values may change), or over ``contents[slot]`` = (min, max) where the caller has read them
+    (NaN: anything)."""
     f64 = torch.float64
     leaves = {op: _num(torch.tensor(0.0, dtype=f64), torch.tensor(float(max(n, 1) - 1), dtype=f64))
               for op, n in zip((Op.B, Op.H, Op.Q_IDX, Op.KV_IDX), lengths)}
     leaves[Op.SCORE] = _num(torch.tensor(math.nan, dtype=f64), torch.tensor(math.nan, dtype=f64))  # any
-    return {"leaves": leaves, "scalars": scalars, "buffers": None}
+    return {"leaves": leaves, "scalars": scalars, "buffers": None, "contents": contents or {}}
 
 
 def bound(n: Node, args: list, env: dict) -> tuple:

@@ -16,19 +16,21 @@ import itertools
 import logging
 import math
 import time
+import warnings
 import weakref
 from typing import Callable, Sequence
 
 import torch
 
 from flexjit import config
-from flexjit.ir import intervals, nodes as ir
+from flexjit.ir import bounds, intervals, nodes as ir
 from flexjit.ir.interp import Env, evaluate
 from flexjit.ir.nodes import Op
 from flexjit.ir.passes import widen
+from flexjit.frontend.captures import tensor_name
+from flexjit.ir.program import Program
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, check_arity, trace_mod
 
-_DEFAULT_BLOCK = 128
 log = logging.getLogger("flexjit")
 # Elements evaluated per dense batch: 16M int32 intermediates is ~64 MB each.
 _DENSE_BATCH_ELEMS = 1 << 24
@@ -45,9 +47,25 @@ def _version(t) -> int | None:
         return None
 
 
+class StaleBlockMaskWarning(UserWarning):
+    """A tensor the BlockMask's mask_mod captures was edited in place after the mask was
+    planned: the block lists describe its old values (``BlockMask.warn_if_stale``)."""
+
+
 def noop_mask(b, h, q_idx, kv_idx):
-    """A mask_mod that allows everything."""
-    return True
+    """A mask_mod that allows everything: a 0-d True tensor like torch's (a constant when
+    traced)."""
+    return b.new_ones((), dtype=torch.bool)
+
+
+def _identity(score, b, h, q_idx, kv_idx):
+    """torch's default score_mod: the score unchanged."""
+    return score
+
+
+# torch's block size for create_block_mask, and its "one block spans everything" size.
+_DEFAULT_SPARSE_BLOCK_SIZE = 128
+_LARGE_SPARSE_BLOCK_SIZE = 1 << 30
 
 
 def _check_mask_mods(mask_mods) -> None:
@@ -62,7 +80,7 @@ def and_masks(*mask_mods: Callable) -> Callable:
     _check_mask_mods(mask_mods)
 
     def and_mask(b, h, q_idx, kv_idx):
-        result = True
+        result = b.new_ones((), dtype=torch.bool)  # a tensor, as torch's and_masks returns
         for m in mask_mods:
             result = result & m(b, h, q_idx, kv_idx)
         return result
@@ -74,7 +92,7 @@ def or_masks(*mask_mods: Callable) -> Callable:
     _check_mask_mods(mask_mods)
 
     def or_mask(b, h, q_idx, kv_idx):
-        result = False
+        result = b.new_zeros((), dtype=torch.bool)
         for m in mask_mods:
             result = result | m(b, h, q_idx, kv_idx)
         return result
@@ -146,7 +164,7 @@ class BlockMask:
 
     def __init__(self, seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                  q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
-                 BLOCK_SIZE=(_DEFAULT_BLOCK, _DEFAULT_BLOCK), mask_mod=None):
+                 BLOCK_SIZE=(_DEFAULT_SPARSE_BLOCK_SIZE, _DEFAULT_SPARSE_BLOCK_SIZE), mask_mod=None):
         if kv_indices.dim() < 2:
             raise RuntimeError("BlockMask must have at least 2 dimensions")
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
@@ -164,13 +182,16 @@ class BlockMask:
         self.full_q_indices = full_q_indices
         self.BLOCK_SIZE = _block_size(BLOCK_SIZE)
         self.mask_mod = mask_mod if mask_mod is not None else noop_mask
+        # The tensors mask_mod captured when the planner read them, and their version counters
+        # then (``warn_if_stale``); empty for lists not planned here.
+        self._planned_from: tuple[tuple[torch.Tensor, ...], tuple] = ((), ())
 
     _TENSOR_ATTRS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
     @classmethod
     def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
-                       BLOCK_SIZE=_DEFAULT_BLOCK, mask_mod=None, seq_lengths=None,
+                       BLOCK_SIZE=_DEFAULT_SPARSE_BLOCK_SIZE, mask_mod=None, seq_lengths=None,
                        compute_q_blocks=True):
         """Build a BlockMask from kv block lists; q lists are derived by transposing."""
         if kv_indices.dim() < 2:
@@ -227,9 +248,9 @@ class BlockMask:
         fkv_num = fkv_idx = None
         if self.full_kv_num_blocks is not None:
             fkv_num, fkv_idx = cut(self.full_kv_num_blocks, self.full_kv_indices)
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE,
-                                        mask_mod=self.mask_mod, seq_lengths=(new_q_len, new_kv_len),
-                                        compute_q_blocks=self.q_indices is not None)
+        return self.inherit_planning(BlockMask.from_kv_blocks(
+            kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod,
+            seq_lengths=(new_q_len, new_kv_len), compute_q_blocks=self.q_indices is not None))
 
     def derived(self, name: str, build):
         """``build()``, remembered on this BlockMask while its list tensors are the same objects
@@ -255,12 +276,39 @@ class BlockMask:
             return hit[1]
         return None
 
+    def warn_if_stale(self) -> None:
+        """Warn once (``StaleBlockMaskWarning``) if a tensor mask_mod captures has been edited in
+        place since ``create_block_mask`` planned this mask. The lists were classified from the
+        old values while kernels read the new ones in partial blocks, so the answer matches
+        neither mask. Each call pays one tuple compare of version counters."""
+        tensors, versions = self._planned_from
+        if not tensors or tuple(_version(t) for t in tensors) == versions:
+            return
+        stale = next(t for t, v in zip(tensors, versions) if _version(t) != v)
+        self._planned_from = ((), ())  # once per mask
+        name = tensor_name(self.mask_mod, stale)
+        what = f"`{name}`" if name else f"a captured tensor of shape {tuple(stale.shape)}"
+        mod = getattr(self.mask_mod, "__name__", "mask_mod")
+        warnings.warn(f"{what}, captured by mask_mod `{mod}`, was edited in place after "
+                      f"create_block_mask planned this BlockMask: its block lists follow the old "
+                      f"values, so attention with it matches neither the old mask nor the new one. "
+                      f"Call create_block_mask again after editing {what}.",
+                      StaleBlockMaskWarning, stacklevel=3)
+
+    def inherit_planning(self, other: "BlockMask") -> "BlockMask":
+        """``other``, a mask derived from this one's lists (a slice, a copy, a paged or ring
+        conversion), given this one's planning record, so that it warns as this one would."""
+        other._planned_from = self._planned_from
+        return other
+
     def mean_kv_tokens(self) -> float:
         """Mean number of keys a query block visits (listed partial + full blocks × block width):
         how long a kernel's kv loop is, which picks its schedule. Remembered (``derived``);
         ``create_block_mask`` computes it on its CPU lists and ``to`` carries it, so only a
         BlockMask built by hand from device tensors pays one sync, on its first use."""
         def mean() -> float:
+            if self.kv_num_blocks.numel() == 0:  # a mask of no query blocks visits nothing
+                return 0.0
             blocks = self.kv_num_blocks.float().mean()
             if self.full_kv_num_blocks is not None:
                 blocks = blocks + self.full_kv_num_blocks.float().mean()
@@ -331,7 +379,7 @@ class BlockMask:
         mean = self._remembered("mean_kv_tokens")
         if mean is not None:  # same lists, same mean: no sync on the new device
             out.derived("mean_kv_tokens", lambda: mean)
-        return out
+        return self.inherit_planning(out)
 
     def __getitem__(self, index) -> "BlockMask":
         """Select batches, heads and query blocks; the mask_mod is remapped to match.
@@ -357,9 +405,9 @@ class BlockMask:
         fkv_num, fkv_idx = pick(self.full_kv_num_blocks), pick(self.full_kv_indices)
         q_len = self._sliced_q_len(qmap)
         mask_mod = _remapped_mask(self.mask_mod, bmap, hmap, qmap, self.BLOCK_SIZE[0], sizes)
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE,
-                                        mask_mod=mask_mod, seq_lengths=(q_len, self.seq_lengths[1]),
-                                        compute_q_blocks=self.q_indices is not None)
+        return self.inherit_planning(BlockMask.from_kv_blocks(
+            kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=mask_mod,
+            seq_lengths=(q_len, self.seq_lengths[1]), compute_q_blocks=self.q_indices is not None))
 
     def _sliced_q_len(self, qmap: torch.Tensor) -> int:
         bq, n_q = self.BLOCK_SIZE[0], self.kv_num_blocks.shape[2]
@@ -371,6 +419,47 @@ class BlockMask:
             raise IndexError("the last (partial) query block can only be selected as the last block")
         tail = (self.seq_lengths[0] - (n_q - 1) * bq) if ragged_pos else bq
         return (qmap.numel() - 1) * bq + tail
+
+
+_INT32_RANGE = (-(2 ** 31), 2 ** 31 - 1)
+
+
+def with_int32_lists(bm):
+    """``bm`` with its block lists in int32, the dtype every kernel reads them in.
+
+    A BlockMask built by hand (``BlockMask.from_kv_blocks(torch.arange(...))``) may hold int64
+    lists; they are copied to int32 once per BlockMask (``derived``: an edit of the user's lists
+    copies again) and the user's object is left as it is. Lists that are not integers, or hold a
+    value int32 cannot, are refused: a wrapped block index would be a silent wrong answer. The
+    range check reads the lists' min and max, one sync on a GPU, and only for int64 lists."""
+    if bm is None or not isinstance(bm, BlockMask):
+        return bm
+    lists = [(a, getattr(bm, a)) for a in BlockMask._TENSOR_ATTRS]
+    if all(t is None or t.dtype == torch.int32 for _, t in lists):
+        return bm
+    for name, t in lists:
+        if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            raise TypeError(f"BlockMask.{name} has dtype {t.dtype}; block lists are integer "
+                            "tensors (int32, as create_block_mask makes them)")
+    return bm.derived("int32_lists", lambda: _int32_copy(bm, lists))
+
+
+def _int32_copy(bm, lists) -> "BlockMask":
+    moved = []
+    for name, t in lists:
+        if t is not None and t.dtype != torch.int32:
+            if t.numel():
+                lo, hi = int(t.min().item()), int(t.max().item())
+                if lo < _INT32_RANGE[0] or hi > _INT32_RANGE[1]:
+                    raise ValueError(f"BlockMask.{name} holds values in [{lo}, {hi}], outside int32; "
+                                     "block counts and indices must fit in int32")
+            t = t.to(torch.int32)
+        moved.append(t)
+    out = BlockMask(bm.seq_lengths, *moved, BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod)
+    mean = bm._remembered("mean_kv_tokens")
+    if mean is not None:
+        out.derived("mean_kv_tokens", lambda: mean)
+    return out
 
 
 _FROM_TORCH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -451,14 +540,14 @@ def plan_args(Q_LEN, KV_LEN, device, BLOCK_SIZE) -> tuple[int, int, torch.device
     """(query block, kv block, device) of a ``create_block_mask`` call, checked."""
     bq, bkv = _block_size(BLOCK_SIZE)
     for name, v in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {v!r}")
     device = torch.device(device) if device is not None else _default_device()
     return bq, bkv, device
 
 
 def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
-                    device=None, BLOCK_SIZE=_DEFAULT_BLOCK,
+                    device=None, BLOCK_SIZE=_DEFAULT_SPARSE_BLOCK_SIZE,
                     separate_full_blocks: bool = True) -> BlockMask:
     """Plan the block sparsity of ``mask_mod`` for (B, H, Q_LEN, KV_LEN), eagerly (the planner
     behind ``flexjit.create_block_mask``, which documents the arguments)."""
@@ -468,8 +557,15 @@ def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int
     B_ = 1 if B is None else int(B)
     H_ = 1 if H is None else int(H)
     t0 = time.perf_counter()
-    mask = widen([traced.out], (B_, H_, Q_LEN, KV_LEN), traced.scalars)[0]
-    kinds = plan_blocks(mask, traced.buffers, traced.scalars, B_, H_, Q_LEN, KV_LEN, bq, bkv)
+    if Q_LEN == 0 or KV_LEN == 0:  # no element to evaluate: every block list is empty (torch's
+        # shapes: nQ or nKV of 0), for the empty inputs flex_attention serves
+        kinds = torch.zeros(B_, H_, -(-Q_LEN // bq), -(-KV_LEN // bkv), dtype=torch.int8)
+    else:
+        mask = widen([traced.out], (B_, H_, Q_LEN, KV_LEN), traced.scalars)[0]
+        # An index out of range raises here, as torch's dense evaluation of the mask would.
+        bounds.check(Program(None, mask, None, (), tuple(traced.buffers), tuple(traced.scalars),
+                             mask_name=traced.name), (B_, H_, Q_LEN, KV_LEN))
+        kinds = plan_blocks(mask, traced.buffers, traced.scalars, B_, H_, Q_LEN, KV_LEN, bq, bkv)
     if not separate_full_blocks:
         kinds = torch.where(kinds == 2, torch.ones_like(kinds), kinds)
     kv_num, kv_idx = _dense_to_ordered(kinds == 1)
@@ -485,6 +581,7 @@ def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int
     bm = BlockMask.from_kv_blocks(kv_num, kv_idx, fkv_num, fkv_idx, BLOCK_SIZE=(bq, bkv),
                                   mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
     bm.mean_kv_tokens()  # on the CPU lists now: kernels choosing a schedule then never sync
+    bm._planned_from = (tuple(traced.buffers), tuple(_version(t) for t in traced.buffers))
     return bm.to(device) if device.type != "cpu" else bm
 
 

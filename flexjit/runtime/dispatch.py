@@ -39,6 +39,7 @@ from flexjit.backends import reference, triton
 from flexjit.backends.base import Backend, capability
 from flexjit.backends.cute import sm90 as cute_sm90, sm100 as cute_sm100
 from flexjit.backends.triton import decode as triton_decode
+from flexjit.ir import bounds
 from flexjit.runtime import compile_pool, selfcheck
 
 BACKENDS = ("cute", "triton", "reference")
@@ -129,7 +130,7 @@ def select(requested: str, call) -> Choice:
         if isinstance(choice, str):
             raise NotImplementedError(f"backend={requested!r} cannot run this call: {choice}. "
                                       f"Use backend='auto' to pick one that can.")
-        return choice
+        return _the_others(choice, call, None, lambda n: f"backend={requested!r} was asked for")
     passed = []
     order = _preference(call.q.device)
     if "triton" in order and _decodes(call):
@@ -138,10 +139,34 @@ def select(requested: str, call) -> Choice:
         ok, reason = _supports(name, call)
         choice = _pair(name, reason, call, passed) if ok else reason
         if isinstance(choice, Choice):
-            return choice
+            return _the_others(choice, call, order, lambda n: f"{choice.name} ranks above it on "
+                                                              f"{arch_of(call.q.device)} and runs the call")
         passed.append((name, choice))
     raise NotImplementedError("no backend can run this call:\n" +
                               "\n".join(f"  {n}: {r}" for n, r in passed))
+
+
+def _the_others(choice: Choice, call, order, unreached) -> Choice:
+    """``choice`` with a reason for every backend it lists nowhere (``explain`` says why each
+    other one was passed over): ``unreached(name)`` for one that ``order`` holds but the choice
+    came first (for every one when a backend was asked for by name, ``order`` None), and for one
+    that ``auto`` never tries on this device its own refusal (its ``supports``; no self-check
+    runs) or, if it could run the call, that auto leaves it out."""
+    cute = "cute_sm100" if _sm100(call.q.device) else "cute"
+    listed = {choice.name} | {n for n, _ in choice.passed_over}
+    rest = []
+    for name in (cute, "triton", "reference"):
+        if name in listed:
+            continue
+        if order is None or name in order:
+            rest.append((name, unreached(name)))
+            continue
+        ok, why = (False, f"FLEXJIT_DISABLE lists {name}") if name in config.settings.disabled \
+            else _MODULES[name].supports(call)
+        rest.append((name, why if not ok else f"it could run the call ({why}), but auto does not "
+                                              f"try it on {arch_of(call.q.device)}; ask for it "
+                                              f"with backend={name!r}"))
+    return dataclasses.replace(choice, passed_over=choice.passed_over + tuple(rest))
 
 
 def _sm100(device: torch.device) -> bool:
@@ -170,21 +195,64 @@ def _decodes(call) -> bool:
 
 
 def forward(name: str, call) -> tuple:
-    """(out, lse, max_scores or None) of backend ``name``'s forward, outside autograd and autocast."""
+    """(out, lse, max_scores or None) of backend ``name``'s forward, outside autograd and autocast;
+    out in the query's dimension order (``follow_layout``). A mod that indexes a captured tensor
+    out of range raises ``IndexError`` here, before any backend runs (``ir.bounds``): kernels
+    cannot raise, and their clamp would answer silently."""
+    bounds.check(call.program, (*call.q.shape[:3], call.k.shape[2]))
     device = call.q.device.type
     if not torch.is_autocast_enabled(device):  # the context manager costs ~3 µs a call
-        return module(name).forward(call)
-    with torch.autocast(device, enabled=False):
-        return module(name).forward(call)
+        out, lse, max_scores = module(name).forward(call)
+    else:
+        with torch.autocast(device, enabled=False):
+            out, lse, max_scores = module(name).forward(call)
+    return follow_layout(out, call.q), lse, max_scores
 
 
 def backward(name: str, call, q, k, v, out, lse, dout, dlse) -> tuple:
-    """(dq, dk, dv, *captured grads) of backend ``name``'s backward, outside autocast."""
+    """(dq, dk, dv, *captured grads) of backend ``name``'s backward, outside autocast; dq, dk
+    and dv in the layouts of q, k and v."""
     if dout is None:  # only the LSE was used
         dout = torch.zeros_like(out)
     compile_pool.wait(name, call)  # the kernels compiled ahead of need (``run``) are on disk now
     with torch.autocast(q.device.type, enabled=False):
-        return module(name).backward(call, q, k, v, out, lse, dout, dlse)
+        dq, dk, dv, *rest = module(name).backward(call, q, k, v, out, lse, dout, dlse)
+    return (follow_layout(dq, q), follow_layout(dk, k), follow_layout(dv, v), *rest)
+
+
+def layout_order(like: torch.Tensor) -> list[int] | None:
+    """``like``'s dimensions from outermost to innermost, or None where its strides give no
+    order to follow (an expanded or sliced view: not dense)."""
+    order = sorted(range(like.dim()), key=lambda d: -like.stride(d))  # stable: ties keep dim order
+    return order if like.permute(order).is_contiguous() else None
+
+
+def empty_in_layout(shape, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """An empty tensor of ``shape`` whose dimensions lie in ``like``'s order (torch's flex gives its
+    output the query's stride order: a (B, L, H, D) buffer viewed as (B, H, L, D) yields an out
+    that is such a view too); contiguous where ``like`` has no order."""
+    dtype = like.dtype if dtype is None else dtype
+    order = layout_order(like)
+    if order is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return torch.empty([shape[d] for d in order], dtype=dtype, device=like.device).permute(inverse)
+
+
+def follow_layout(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """``t`` (a result shaped like ``like`` but for its last dim) in ``like``'s dimension order: as
+    it is when it already is (the common, contiguous case: no copy), else copied once."""
+    if t is None or like.is_contiguous() and t.is_contiguous():
+        return t
+    order = layout_order(like)
+    if order is None:
+        return t
+    stride, step = [0] * t.dim(), 1
+    for d in reversed(order):
+        stride[d], step = step, step * t.shape[d]
+    if all(a == b for a, b, n in zip(stride, t.stride(), t.shape) if n > 1):
+        return t
+    return empty_in_layout(t.shape, like, t.dtype).copy_(t)
 
 
 class _FlexAttention(torch.autograd.Function):
@@ -202,12 +270,43 @@ class _FlexAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, dmax=None):
-        q, k, v, out, lse, *_ = ctx.saved_tensors
+        q, k, v, out, lse, *buffers = ctx.saved_tensors
         if config.settings.debug:
             print(f"[flexjit] backward on {ctx.backend}")
-        dq, dk, dv, *dbufs = backward(ctx.backend, ctx.call, q, k, v, out, lse, dout, dlse)
+        with torch.no_grad():  # no backend's backward is differentiable
+            dq, dk, dv, *dbufs = backward(ctx.backend, ctx.call, q, k, v, out, lse, dout, dlse)
         wanted = ctx.needs_input_grad[5:]
-        return (None, None, dq, dk, dv, *[g if want else None for g, want in zip(dbufs, wanted)])
+        grads = (dq, dk, dv, *[g if want else None for g, want in zip(dbufs, wanted)])
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative may be asked for
+            grads = _NoDoubleBackward.refuse(grads, (q, k, v, dout, dlse, *buffers))
+        return (None, None, *grads)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The gradients of a backward run with ``create_graph=True``, passed through unchanged, and
+    an error naming the limit when a second derivative reaches them. Without it they would not
+    require grad and autograd's own error ("does not require grad") would not say why."""
+
+    @staticmethod
+    def refuse(grads: tuple, inputs: tuple) -> tuple:
+        anchor = next((t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        present = [g for g in grads if g is not None]
+        if anchor is None or not present:
+            return grads  # nothing upstream could be differentiated twice
+        aliased = iter(_NoDoubleBackward.apply(anchor, *present))
+        return tuple(None if g is None else next(aliased) for g in grads)
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("flex_attention does not support double backward (a derivative of its "
+                           "gradients, e.g. through torch.autograd.grad(..., create_graph=True)): "
+                           "its backward kernels are not differentiable. Use the gradients "
+                           "without differentiating them again, or compute that term with plain "
+                           "torch attention.")
 
 
 def run(choice: Choice, call) -> tuple:

@@ -31,17 +31,55 @@ Keys with a meaning for flexjit:
 Accepted and ignored (they tune torch's own Triton template, which flexjit does not run):
 ``PRESCALE_QK``, ``ROWS_GUARANTEED_SAFE``, ``BLOCKS_ARE_CONTIGUOUS``, ``WRITE_DQ``,
 ``kpack``, ``matrix_instr_nonkdim``, ``waves_per_eu``, ``OUTPUT_LOGSUMEXP``, ``OUTPUT_MAX``,
-``SAFE_HEAD_DIMENSION``, and any other key this torch's ``FlexKernelOptions`` declares.
+``SAFE_HEAD_DIMENSION``, the keys torch's inductor templates read (``num_consumer_groups``,
+``num_buffers_warp_spec``, ``PARTITION_SIZE``, ``SAFE_N_BOUNDARY``, ``IS_DIVISIBLE``,
+``SPLIT_KV``, ``SKIP_MASK_SCORE``), and any other key this torch's ``FlexKernelOptions``
+declares.
 """
 from __future__ import annotations
+
+from typing import Literal, TypedDict
 
 MEANINGFUL = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
               "BLOCK_N2", "FAST_MATH", "BACKEND", "FORCE_USE_FLEX_ATTENTION", "USE_TMA",
               "WARP_SPECIALIZE", "PERSISTENT", "DECODE_SPLITS")
 IGNORED = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
            "kpack", "matrix_instr_nonkdim", "waves_per_eu", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
-           "SAFE_HEAD_DIMENSION")
+           "SAFE_HEAD_DIMENSION",
+           # read by torch's inductor templates: warp specialisation, the CPU template's
+           # partition, the decode template's boundary check, the divisibility hint, the split
+           # count (flexjit's is DECODE_SPLITS), the skip of the mask score on the CPU
+           "num_consumer_groups", "num_buffers_warp_spec", "PARTITION_SIZE", "SAFE_N_BOUNDARY",
+           "IS_DIVISIBLE", "SPLIT_KV", "SKIP_MASK_SCORE")
 _BACKENDS = {"AUTO": "auto", "TRITON": "triton", "TRITON_DECODE": "triton", "FLASH": "cute"}
+
+
+class FlexKernelOptions(TypedDict, total=False):
+    """The keys of ``kernel_options`` (torch's ``FlexKernelOptions``, and flexjit's own); each
+    may also carry a ``fwd_`` or ``bwd_`` prefix. The module docstring says what each means
+    here; torch's keys that tune only its own template are accepted and ignored."""
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_M1: int
+    BLOCK_N1: int
+    BLOCK_M2: int
+    BLOCK_N2: int
+    num_warps: int
+    num_stages: int
+    FAST_MATH: bool
+    BACKEND: Literal["AUTO", "TRITON", "FLASH", "TRITON_DECODE"]
+    FORCE_USE_FLEX_ATTENTION: bool
+    USE_TMA: bool
+    WARP_SPECIALIZE: bool
+    PERSISTENT: bool
+    DECODE_SPLITS: int
+    PRESCALE_QK: bool
+    ROWS_GUARANTEED_SAFE: bool
+    BLOCKS_ARE_CONTIGUOUS: bool
+    WRITE_DQ: bool
+    kpack: int
+    matrix_instr_nonkdim: int
+    waves_per_eu: int
 
 
 def _known_keys() -> frozenset:

@@ -1,10 +1,13 @@
 """Bad input gets a clear error, never a wrong answer."""
+import warnings
+
 import pytest
 import torch
 
 from flexjit.api.attention import AuxOutput, AuxRequest, explain, flex_attention
 from flexjit import create_block_mask
 from flexjit import mods
+from oracle import FLOOR, assert_close_to_oracle, dense_attention
 
 
 def qkv(B=1, Hq=2, Hkv=2, L=64, S=64, E=16, dtype=torch.float32):
@@ -96,6 +99,27 @@ def test_explain_answers_without_running():
     q, k, v = qkv()
     choice = explain(q, k, v, score_mod=mods.softcap(20.0))
     assert choice.name == "reference" and "pure torch" in choice.reason
+
+
+def test_explain_says_why_every_other_backend_was_passed_over(monkeypatch):
+    # On the CPU auto tries only the reference; cute and triton still get their reasons, in
+    # the Choice and in its text, and what explain names is what runs.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = qkv()
+    choice = explain(q, k, v, score_mod=mods.softcap(20.0))
+    why = dict(choice.passed_over)
+    assert set(why) == {"cute", "triton"}
+    assert "needs a CUDA tensor" in why["cute"] and "TRITON_INTERPRET=1" in why["triton"]
+    assert all(f"not {name}: {reason}" in str(choice) for name, reason in why.items())
+    assert torch.equal(flex_attention(q, k, v, score_mod=mods.softcap(20.0)),
+                       flex_attention(q, k, v, score_mod=mods.softcap(20.0), backend="reference"))
+    # the interpreter could run it, but auto leaves it to be asked for
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton = dict(explain(q, k, v).passed_over)["triton"]
+    assert "backend='triton'" in triton or "not installed" in triton, triton
+    # a backend asked for by name: the others were not tried
+    asked = explain(q, k, v, backend="reference")
+    assert dict(asked.passed_over) == {n: "backend='reference' was asked for" for n in ("cute", "triton")}
 
 
 def test_explain_names_the_backward_when_training():
@@ -225,7 +249,66 @@ def test_max_scores():
     assert torch.isneginf(no_keys.max_scores).all() and no_keys.max_scores.shape == (2, 4, 64)
 
 
-def test_scale_must_be_a_number():
+def test_a_tensor_scale_is_taken_as_torch_takes_it():
+    # torch's eager flex_attention multiplies by a one-element tensor scale; flexjit reads its
+    # value on every call (an in-place edit is seen, not cached).
     q, k, v = qkv()
-    with pytest.raises(TypeError, match="scale"):
-        flex_attention(q, k, v, scale=torch.tensor(0.1))
+    scale = torch.tensor(0.3)
+    for value in (0.3, 0.7):
+        scale.fill_(value)
+        got = flex_attention(q, k, v, score_mod=mods.softcap(20.0), scale=scale)
+        assert torch.equal(got, flex_attention(q, k, v, score_mod=mods.softcap(20.0), scale=value))
+        ref = dense_attention(q, k, v, mods.softcap(20.0), scale=value)[0]
+        low = dense_attention(q, k, v, mods.softcap(20.0), scale=value, dtype=torch.float32)[0]
+        assert_close_to_oracle("out", got, ref, low, FLOOR[torch.float32])
+    tfa = pytest.importorskip("torch.nn.attention.flex_attention")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note that its eager path is unfused
+        theirs = tfa.flex_attention(q, k, v, scale=torch.tensor(0.7, dtype=torch.float64))
+    assert torch.allclose(flex_attention(q, k, v, scale=torch.tensor(0.7, dtype=torch.float64)),
+                          theirs, atol=1e-6)
+    assert torch.equal(flex_attention(q, k, v, scale=torch.tensor([0.7])), flex_attention(q, k, v, scale=0.7))
+    with pytest.raises(TypeError, match="one real number"):
+        flex_attention(q, k, v, scale=torch.tensor([0.1, 0.2]))
+    with pytest.raises(TypeError, match="scale must be a float"):
+        flex_attention(q, k, v, scale="0.1")
+    # a gradient for scale would be silently missing: refused, with the way to get one
+    with pytest.raises(NotImplementedError, match="scale=1.0 and multiply in a score_mod"):
+        flex_attention(q, k, v, scale=torch.tensor(0.1, requires_grad=True))
+
+
+def test_double_backward_is_refused_with_a_reason():
+    # create_graph=True gives the same first gradients, and a term that only reuses them (a
+    # penalty on another tensor's gradient) still works; differentiating flexjit's gradients
+    # again names the limit instead of autograd's "does not require grad".
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=g, requires_grad=True) for _ in range(3))
+    want = torch.autograd.grad(flex_attention(q, k, v, score_mod=mods.softcap(20.0)).sum(), (q, k, v))
+    out = flex_attention(q, k, v, score_mod=mods.softcap(20.0))
+    got = torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(RuntimeError, match="does not support double backward"):
+        got[0].sum().backward()
+
+
+def test_meta_tensors_are_refused_with_a_reason():
+    # As torch's flex_attention, meta inputs (shapes, no data) are refused, here before any
+    # backend: by name, with how to materialise them; a captured meta tensor too. The same
+    # call on real tensors gives the reference's answer.
+    q, k, v = qkv(L=32, S=32)
+    with pytest.raises(ValueError, match="^key is on the meta device.*to_empty"):
+        flex_attention(q, k.to("meta"), v)
+    with pytest.raises(ValueError, match="^query, key, value are on the meta device"):
+        explain(q.to("meta"), k.to("meta"), v.to("meta"))
+    with pytest.raises(ValueError, match="meta device"):  # the empty-input path too
+        flex_attention(q[:, :, :0].to("meta"), k, v)
+    bias = torch.randn(32)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+    meta_bias = torch.empty(32, device="meta")
+    with pytest.raises(ValueError, match=r"captured tensor of shape \(32,\) is on the meta device"):
+        flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + meta_bias[kv_idx])
+    ref = dense_attention(q, k, v, biased)[0]
+    low = dense_attention(q, k, v, biased, dtype=torch.float32)[0]
+    assert_close_to_oracle("out", flex_attention(q, k, v, score_mod=biased), ref, low, FLOOR[torch.float32])

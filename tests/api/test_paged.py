@@ -9,6 +9,8 @@ logical positions, the query offset per entry captured as a tensor, as a serving
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -285,6 +287,28 @@ def test_without_kv_len_the_mask_must_fit_the_reservation():
     too_long = create_block_mask(flexjit.noop_mask, 1, None, 3, 64, device=DEV, BLOCK_SIZE=16)
     with pytest.raises(ValueError, match="past its reserved capacity of 48"):
         pa.convert_logical_block_mask(too_long, batch_idx=torch.tensor([1]))
+
+
+def test_a_converted_mask_warns_as_its_stale_logical_mask():
+    # The physical mask keeps the logical one's planning record: document ids edited in place
+    # after planning warn through it too. 40 tokens in pages of 16: three pages, ragged.
+    pa = PagedAttention(n_pages=6, page_size=16, max_batch_size=2, device=DEV)
+    pa.reserve(1, 40)
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(1, 1, 40, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    kc, vc = (1e3 * torch.randn(1, 1, 96, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    pa.assign(torch.tensor([1]), torch.arange(40)[None], k, v, kc, vc)
+    q = torch.randn(1, 1, 40, 16, generator=g, dtype=torch.float64)
+    doc_ids = torch.tensor([0] * 20 + [1] * 20)
+    logical = create_block_mask(mods.document(doc_ids), 1, None, 40, 40, device=DEV, BLOCK_SIZE=16)
+    bm = pa.convert_logical_block_mask(logical, batch_idx=torch.tensor([1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flexjit.StaleBlockMaskWarning)
+        out = flex_attention(q, kc, vc, block_mask=bm, backend="reference")
+    assert max_err(out, dense_attention(q, k, v, mask_mod=mods.document(doc_ids))[0]) <= 1e-12
+    doc_ids[:10] = 1
+    with pytest.warns(flexjit.StaleBlockMaskWarning, match="`doc_ids`"):
+        flex_attention(q, kc, vc, block_mask=bm, backend="reference")
 
 
 # --------------------------------------------------------------------------- Triton (interpreter)

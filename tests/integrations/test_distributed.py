@@ -427,3 +427,22 @@ def test_benchmark_runs_on_the_cpu(tmp_path):
     assert all(r["ms"] > 0 and r["fwd_bytes_sent"] == [0] for r in ring.values())
     assert {r["mode"] for r in rows} == {"ring", "plain"}
     assert not dist.is_initialized()
+
+
+def test_a_chunk_mask_warns_as_its_stale_global_mask():
+    # The ring's per-chunk masks keep the global mask's planning record: document ids edited in
+    # place after planning warn in a chunk's call too. 128 tokens in two chunks of 64, blocks
+    # of 32: a chunk spans two blocks.
+    g = torch.Generator().manual_seed(6)
+    doc_ids = torch.tensor([0] * 50 + [1] * 78)
+    bm = flexjit.create_block_mask(mods.document(doc_ids), None, None, 128, 128, device="cpu",
+                                   BLOCK_SIZE=32)
+    q, k, v = (torch.randn(1, 1, 128, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    sub = cp._sub_mask(bm, 2, 1, 0)  # the second query chunk against the first kv chunk
+    out = flexjit.flex_attention(q[:, :, 64:], k[:, :, :64], v[:, :, :64], block_mask=sub)
+    ref = dense_attention(q[:, :, 64:], k[:, :, :64], v[:, :, :64],
+                          mask_mod=lambda b, h, qi, ki: mods.document(doc_ids)(b, h, qi + 64, ki))[0]
+    assert max_err(out, ref) <= 1e-12
+    doc_ids[40:50] = 1
+    with pytest.warns(flexjit.StaleBlockMaskWarning, match="`doc_ids`"):
+        flexjit.flex_attention(q[:, :, 64:], k[:, :, :64], v[:, :, :64], block_mask=sub)

@@ -1,14 +1,16 @@
 """The block-sparsity planner against dense masks, and BlockMask's torch-compatible surface."""
+import math
 import resource
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 from flexjit.planner.block_mask import BlockMask, and_masks, create_mask, noop_mask, or_masks
 
-from flexjit import create_block_mask
+from flexjit import StaleBlockMaskWarning, create_block_mask
 from flexjit.api.attention import flex_attention
 from flexjit import mods
 from mods_catalog import CORE, make_case
@@ -148,8 +150,8 @@ def test_from_kv_blocks_roundtrip():
 def test_bad_block_size_and_lengths():
     with pytest.raises(ValueError, match="multiples of 16"):
         create_block_mask(mods.causal(), 1, 1, 256, 256, device="cpu", BLOCK_SIZE=100)
-    with pytest.raises(ValueError, match="Q_LEN"):
-        create_block_mask(mods.causal(), 1, 1, 0, 256, device="cpu")
+    with pytest.raises(ValueError, match="Q_LEN must be a non-negative int"):
+        create_block_mask(mods.causal(), 1, 1, -1, 256, device="cpu")
     with pytest.raises(TypeError, match="4 arguments"):
         create_block_mask(lambda s, b, h, q, kv: s, 1, 1, 64, 64, device="cpu")
 
@@ -272,3 +274,58 @@ def test_index_math_past_int32_matches_torch():
     ref = dense_attention(q, k, v, None, product)[0]
     got = flex_attention(q, k, v, block_mask=bm, backend="reference")
     assert (got - ref).abs().max().item() < 1e-12
+
+
+def test_a_mask_whose_captured_tensor_was_edited_in_place_warns_once():
+    # Document ids edited in place after planning: the lists describe the old documents while
+    # partial blocks read the new ids, so the answer matches neither mask. One warning names
+    # the tensor; a rebuilt mask is silent and right. 96 tokens in blocks of 32: three blocks,
+    # the edit moves a document boundary across one.
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 96, 16, generator=g) for _ in range(3))
+    doc_ids = torch.tensor([0] * 40 + [1] * 56)
+    mask = mods.document(doc_ids)
+    bm = create_block_mask(mask, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleBlockMaskWarning)
+        fresh = flex_attention(q, k, v, block_mask=bm)  # nothing edited: no warning
+    assert torch.allclose(fresh.double(), dense_attention(q, k, v, mask_mod=mask)[0], atol=1e-5)
+    doc_ids[:] = torch.tensor([0] * 8 + [1] * 88)
+    want = dense_attention(q, k, v, mask_mod=mask)[0]
+    with pytest.warns(StaleBlockMaskWarning, match=r"`doc_ids`.*create_block_mask again"):
+        stale = flex_attention(q, k, v, block_mask=bm)
+    assert (stale.double() - want).abs().max() > 0.1  # why it warns: the old lists are wrong
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleBlockMaskWarning)
+        flex_attention(q, k, v, block_mask=bm)  # once per mask
+        rebuilt = create_block_mask(mask, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
+        assert torch.allclose(flex_attention(q, k, v, block_mask=rebuilt).double(), want, atol=1e-5)
+    # a mask derived from a stale one (sliced, moved) is stale too
+    bm2 = create_block_mask(mask, 1, 2, 96, 96, device="cpu", BLOCK_SIZE=32)
+    doc_ids[0] = 1
+    with pytest.warns(StaleBlockMaskWarning, match="`doc_ids`"):
+        flex_attention(q, k, v, block_mask=bm2[:, 1:].to("cpu"))
+
+
+@pytest.mark.parametrize("L,S", [(0, 300), (300, 0), (0, 0)])
+def test_a_zero_length_mask_is_empty_and_serves_empty_inputs(L, S):
+    # torch's create_block_mask takes a length of 0: every list is empty, in torch's shapes
+    # (nQ or nKV of 0). 300: three ragged 128-blocks on the other side.
+    tfa = pytest.importorskip("torch.nn.attention.flex_attention")
+    causal = mods.causal()
+    bm = create_block_mask(causal, 2, None, L, S, device="cpu")
+    theirs = tfa.create_block_mask(causal, 2, None, L, S, device="cpu")
+    for name in BlockMask._TENSOR_ATTRS:
+        assert torch.equal(getattr(bm, name), getattr(theirs, name)), name
+    assert bm.seq_lengths == (L, S) and bm.mean_kv_tokens() == 0.0
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, L, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, 3, S, 16, generator=g, requires_grad=True) for _ in range(2))
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    # no keys: every row fully masked (out 0, lse -inf); no queries: nothing
+    assert torch.equal(out, torch.zeros(2, 3, L, 16)) and torch.equal(lse, torch.full((2, 3, L), -math.inf))
+    out.sum().backward()
+    assert all(t.grad is not None and not t.grad.any() for t in (q, k, v))
+    with pytest.raises(ValueError, match="create it with Q_LEN"):  # still checked when empty
+        flex_attention(q, k, v, block_mask=create_block_mask(causal, 2, None, L + 1, S + 1,
+                                                             device="cpu"))

@@ -19,7 +19,9 @@ a Blackwell one will too.
 
 Semantics follow ``flexjit.interp``: integer ``//`` floors (the DSL's ``//`` lowers to
 ``arith.floordivsi``), ``%`` is written as ``a - (a // b) * b`` so it takes the divisor's sign,
-indices wrap when negative and are clamped into range, and loads widen to float32.
+indices wrap when negative and are clamped into range (a memory-safety guard for discarded
+rows: ``ir.bounds.check`` raised before launch for any index out of range in the call), and
+loads widen to float32.
 """
 from __future__ import annotations
 

@@ -13,7 +13,9 @@ What this module holds
   ``buffer_ranks``, ``grad_slots``), which the launches pass in the same order.
 
 Semantics follow ``flexjit.interp`` exactly where it matters for masks: integer ``//`` and ``%``
-floor (Python), negative indices wrap, every captured-tensor index is clamped into range, and
+floor (Python), negative indices wrap, every captured-tensor index is clamped into range (a
+guard for the discarded rows past L and S: ``ir.bounds.check`` raised for any index out of range
+in the call before launch), and
 float ops that feed a discontinuity (a comparison, floor, a cast to int, an index) use the
 correctly rounded forms (div_rn, sqrt_rn, libdevice) so block masks agree with the planner.
 Pure text: nothing here imports Triton.
@@ -228,7 +230,9 @@ class _Lowering:
 
     def _clamped(self, slot: int, d: int, s: Node) -> str:
         """Index s into dim d of buffer slot: wrapped if negative (Python), then clamped into
-        [0, size-1] so rows/columns past L/S (computed, then discarded) never read out of bounds."""
+        [0, size-1]. The clamp is a memory-safety guard, not a semantics: ``ir.bounds.check``
+        has raised before launch for any index out of range in the call, so it only keeps
+        rows/columns past L/S (computed, then discarded) in bounds."""
         key = (slot, d, id(s))
         if key not in self.clamped:
             i, size = self.names[id(s)], f"buf{slot}_size{d}"
@@ -369,6 +373,10 @@ def render_holes(p: Program, which: str) -> dict[str, list[str]]:
     holes["DO_NOT_SPECIALIZE"] = [f"DO_NOT_SPECIALIZE = LENGTH_ARGS + {dns!r}"]
     score_low = _Lowering([n for _, n in _score_roots(p, which == "bwd")], "t")
     score_lines = score_low.assign(_score_roots(p, which == "bwd"))
+    if p.score is not None and ir.varies_with(p.score, {}) != {"q", "kv"}:
+        # A score that varies with neither index, or one (``h + 0.5``, ``q_idx * 0.01``), is a
+        # scalar or a row or column: the softmax reduces a whole tile.
+        score_lines.append("score = tl.full(qk.shape, 0.0, tl.float32) + score")
     holes["SCORE_BWD" if which == "bwd" else "SCORE_MOD"] = score_lines
     if p.mask is not None:
         holes["MASK_MOD"] = _Lowering([p.mask], "m").assign([("mask", p.mask)])
