@@ -62,11 +62,12 @@ def _interpreter(monkeypatch, tmp_path):
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path))
 
 
-def _check(backend, mods, mask_mod, device="cpu", dtype=torch.float32, D=16, seed=0):
+def _check(backend, mods, mask_mod, device="cpu", dtype=torch.float32, D=16, seed=0, block=32):
     score_mod, oracle_mod, learnable = mods
     q, k, v = (t.detach().to(device).requires_grad_() for t in
                random_qkv(B, Hq, Hkv, L, S, D, D, dtype, seed))
-    bm = create_block_mask(mask_mod, B, Hq, L, S, device=device, BLOCK_SIZE=32) if mask_mod else None
+    bm = (create_block_mask(mask_mod, B, Hq, L, S, device=device, BLOCK_SIZE=block) if mask_mod
+          else None)
     out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True,
                               return_lse=True, backend=backend)
     ref, ref_lse = dense_attention(q, k, v, oracle_mod, mask_mod, dtype=torch.float64)
@@ -128,4 +129,4 @@ def test_on_the_gpu(monkeypatch, backend, name):
     monkeypatch.setenv("FLEXJIT_POISON", "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     _check(backend, _score_mods("cuda")[name], MASK_MODS["column_mask"], device="cuda",
-           dtype=torch.bfloat16, D=64)
+           dtype=torch.bfloat16, D=64, block=128)  # the sm90 kernel's tiles are 128x128
