@@ -40,7 +40,7 @@ class Captures:
     dims: dict = dataclasses.field(default_factory=dict)  # index name -> its length
 
     def table(self, kind: str, shape: tuple) -> str:
-        name = f"{kind[0]}tab{len(self.tables)}"
+        name = f"{kind[0]}tab{len(self.tables)}" if shape else f"z{len(self.tables)}"
         self.tables.append((name, kind, shape))
         return name
 
@@ -64,7 +64,20 @@ def int_expr(draw, cap: Captures, depth: int):
             return str(draw(st.integers(-3, 9))), False
         return cap.number(draw(st.integers(1, 9))), False
     a, ta = draw(int_expr(cap, depth - 1))
-    op = draw(st.sampled_from(["+", "-", "*", "//", "%", "abs", "where", "load", "minmax"]))
+    op = draw(st.sampled_from(["+", "-", "*", "//", "%", "abs", "where", "load", "minmax", "bits",
+                               "shift", "neg", "clamp", "cast"]))
+    if op == "bits":
+        b, tb = draw(int_expr(cap, depth - 1))
+        return f"({a} {draw(st.sampled_from(['&', '|', '^']))} {b})", ta or tb
+    if op == "shift":
+        return f"({a} {draw(st.sampled_from(['<<', '>>']))} {draw(st.integers(0, 3))})", ta
+    if op == "neg":
+        return f"(-{a})", ta
+    if op == "clamp" and ta:
+        lo = draw(st.integers(-2, 5))
+        return f"torch.clamp({a}, {lo}, {lo + draw(st.integers(0, 20))})", True
+    if op == "cast" and ta:
+        return f"({a}).{draw(st.sampled_from(['int', 'long']))}()", True
     if op in ("+", "-", "*"):
         b, tb = draw(int_expr(cap, depth - 1))
         if op == "*" and ta and tb and depth > 1:  # keeps products of indices small
@@ -122,7 +135,7 @@ def bool_expr(draw, cap: Captures, depth: int):
     return f"({draw(bool_expr(cap, depth - 1))} {op} {draw(bool_expr(cap, depth - 1))})"
 
 
-_UNARY = ["torch.tanh({})", "torch.sin({})", "torch.cos({})", "torch.abs({})", "torch.sigmoid({})",
+_UNARY = ["-{}", "torch.clamp({}, -1.0, 1.0)", "({}) ** 2", "torch.abs({}) ** 1.5", "torch.tanh({})", "torch.sin({})", "torch.cos({})", "torch.abs({})", "torch.sigmoid({})",
           "torch.exp(torch.tanh({}))", "torch.sqrt(torch.abs({}) + 0.5)",
           "torch.log(torch.abs({}) + 1.0)", "torch.erf({})", "torch.atan({})"]
 
@@ -140,10 +153,15 @@ def float_expr(draw, cap: Captures, depth: int, score: bool):
             return cap.number(draw(st.sampled_from([0.3, -1.25, 0.7]))), False
         if kind == "index":
             a, ta = draw(int_expr(cap, 1))
+            if ta and draw(st.integers(0, 3)) == 0:  # rounding of exact values: no flips
+                rnd = draw(st.sampled_from(["floor", "ceil", "round", "trunc"]))
+                return f"(torch.{rnd}({a} * 0.5) * 0.1)", True
             scale = draw(st.sampled_from(["0.1", "0.03", "-0.05"]))
             return (f"({a} * {scale})", True) if ta else (f"{a} * {scale}", False)
+        if draw(st.integers(0, 4)) == 0:  # a captured 0-d tensor
+            return cap.table("float", ()), True
         a, _ = draw(int_expr(cap, 1))
-        return draw(table_load(cap, "float", a)), True
+        return draw(table_load(cap, draw(st.sampled_from(["float", "float", "half"])), a)), True
     op = draw(st.sampled_from(["+", "-", "*", "/", "unary", "unary", "where", "minmax"]))
     a, ta = draw(float_expr(cap, depth - 1, score))
     if op == "unary":
@@ -207,8 +225,11 @@ def _tables(case: Case, device, float_dtype):
     for name, kind, shape in case.cap.tables:
         if kind == "float":
             t = torch.randn(shape, generator=g).to(float_dtype)
+        elif kind == "half":  # low-precision storage, widened on load
+            t = torch.randn(shape, generator=g).to(torch.float16 if len(shape) == 1 else torch.bfloat16)
         elif kind == "int":
-            t = torch.randint(-5, 30, shape, generator=g, dtype=torch.int32)
+            t = torch.randint(-5, 30, shape, generator=g,
+                              dtype=torch.int32 if len(shape) == 1 else torch.int64)
         else:
             t = torch.rand(shape, generator=g) < 0.6
         out[name] = t.to(device)
@@ -255,7 +276,7 @@ def run_case(case: Case, backend: str, device: str = "cpu", block: int = 32):
         tables[n].requires_grad_(True)
     # The oracle's twin reads the same values in float64: autograd would sum a float32 table's
     # gradient in float32, an error as large as the kernel's.
-    tables64 = {n: (t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t)
+    tables64 = {n: (t.detach().double().requires_grad_(t.requires_grad) if t.dtype == torch.float32 else t)
                 for n, t in tables.items()}
     score_mod, mask_mod = _mods(case, tables)
     score64, mask64 = _mods(case, tables64)
@@ -360,7 +381,10 @@ def test_the_generator_covers_the_op_set():
                 "bool table": r"btab", "2-d table": r"tab\d+\[[bh], ", "from the end": r" % \d+ - \d+\]",
                 "scalar": r"\bc0\b", "and": r" & ", "or": r" \| ", "not": r"~", "compare": r" == ",
                 "max": r"torch\.maximum\(", "min": r"torch\.minimum\(", "score": r"\bscore\b",
-                "division": r"/ \(", "constant score": r"full_like", "no mask": r" None$"}
+                "division": r"/ \(", "constant score": r"full_like", "no mask": r" None$",
+                "shift": r" (<<|>>) ", "bitwise": r" \^ ", "cast": r"\.(int|long)\(\)",
+                "clamp": r"torch\.clamp\(", "rounding": r"torch\.(floor|ceil|round|trunc)\(",
+                "pow": r"\*\* ", "0-d tensor": r"\bz\d", "low-precision table": r"htab"}
     seen = set()
 
     @settings(max_examples=400, deadline=None, derandomize=True, database=None)
@@ -385,3 +409,16 @@ def test_interpreted_bf16_outputs_round_to_nearest(_interpreter):
     run_case(case, "triton")
     # and at a size where one ulp of truncation shows in every row
     run_case(dataclasses.replace(case, L=33, S=70, seed=1), "triton")
+
+
+@pytest.mark.skipif(not _triton_ok(), reason="the interpreter tests need triton >= 3.9")
+def test_a_bool_op_of_a_tile_uniform_value_and_a_block(_interpreter):
+    # `(q_idx <= c) | (tab[h, c % 21] > 0)`: the right side is one value per tile, the left a
+    # column; Triton's interpreter failed on `block | scalar` ("ufunc 'bitwise_or' not
+    # supported"). The renderer now selects on the uniform side; & and ^ likewise.
+    cap = Captures(tables=[("ftab0", "float", (2, 21))], numbers=[("c0", 2), ("c1", 3), ("c2", 3)],
+                   dims={"b": 2, "h": 2, "q_idx": 67, "kv_idx": 51})
+    for op in ("|", "&", "^"):
+        mask = f"((kv_idx >= c0) & ((q_idx <= c1) {op} (ftab0[h, (c2) % 21] > 0.0)))"
+        run_case(Case(2, 2, 1, 67, 51, 16, 16, torch.float32, "torch.full_like(score, 0.25)", mask,
+                      cap, False, 205), "triton")
