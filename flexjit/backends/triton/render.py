@@ -120,6 +120,7 @@ class _Lowering:
         self.prefix = prefix
         self.exact = exact_float_nodes(roots)
         self.sign: dict = {}
+        self.varies: dict = {}  # ir.varies_with's memo
         self.clamped: dict[tuple[int, int, int], str] = {}  # (slot, dim, index node) -> name
         self._count = 0
 
@@ -156,6 +157,10 @@ class _Lowering:
             return self._floor_div_mod(n, a[0], a[1])
         if op in (Op.SHL, Op.SHR):
             return self._shift(n, a[0], a[1])
+        if op in (Op.AND, Op.OR, Op.XOR) and n.dtype is DType.BOOL:
+            mixed = self._uniform_and_block(n, a)
+            if mixed is not None:
+                return mixed
         if op in (Op.MAX, Op.MIN):
             if n.dtype is DType.BOOL:
                 return self._tmp(f"{a[0]} | {a[1]}" if op is Op.MAX else f"{a[0]} & {a[1]}")
@@ -166,6 +171,19 @@ class _Lowering:
         if op not in table:
             raise NotImplementedError(f"the Triton renderer has no rule for {op.value}")
         return self._tmp(table[op].format(*a))
+
+    def _uniform_and_block(self, n: Node, a: list[str]) -> str | None:
+        """A bool op of a value uniform over the tile (a scalar) and a block, as a select on the
+        scalar: Triton's interpreter fails on ``block | scalar`` where the scalar compares a
+        loaded float (``(q_idx <= c) | (tab[h] > 0)``). The same select on the GPU. None when
+        both sides are alike."""
+        uniform = [not ir.varies_with(s, self.varies) for s in n.src]
+        if uniform[0] == uniform[1]:
+            return None
+        s, t = (a[0], a[1]) if uniform[0] else (a[1], a[0])
+        code = {Op.OR: f"tl.where({s}, True, {t})", Op.AND: f"tl.where({s}, {t}, False)",
+                Op.XOR: f"tl.where({s}, {t} == 0, {t})"}[n.op]
+        return self._tmp(code)
 
     def _cast(self, n: Node, a: str) -> str:
         src = n.src[0]
