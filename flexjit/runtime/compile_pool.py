@@ -186,7 +186,27 @@ def run_job(job: Job) -> dict:
                                       kv_batch_broadcast=job.kv_batch_broadcast)
     hits = cute_cache.STATS["hits"] - before["hits"]
     misses = cute_cache.STATS["misses"] - before["misses"]
+    marker = done_marker(job)
+    if marker is not None:
+        try:
+            marker.touch()
+        except OSError:  # a read-only folder: later processes only lose the shortcut
+            pass
     return {"compiled": misses, "cached": hits, "seconds": time.perf_counter() - t0}
+
+
+def done_marker(job: Job) -> Path | None:
+    """``<ident>.done`` beside the kernels once a process has built or found them all: a later
+    process skips the worker (whose start and imports cost seconds) and loads them itself. A
+    marker whose kernels have since gone costs only an in-process compile, never a wrong one."""
+    if not cute_cache.available():
+        return None
+    return cute_cache.object_path(job.ident).with_name(f"{job.ident}.done")
+
+
+def _on_disk(job: Job) -> bool:
+    marker = done_marker(job)
+    return job.ident not in _PENDING and marker is not None and marker.exists()
 
 
 # --------------------------------------------------------------------------- workers
@@ -404,7 +424,9 @@ def ahead(backward: str | None, call) -> None:
     """Start compiling the backward a training call will run on ``backward`` (the sm90 backend's
     "cute" only), in a worker, and return at once."""
     if backward == "cute" and enabled():
-        submit(_job_of(call))
+        job = _job_of(call)
+        if not _on_disk(job):
+            submit(job)
 
 
 def wait(backward: str, call) -> None:
@@ -413,4 +435,5 @@ def wait(backward: str, call) -> None:
     the cache compile it once); the backend then finds its kernels in memory or on disk."""
     if backward == "cute" and cute_cache.available():
         job = _job_of(call)
-        result(job, submit(job))
+        if not _on_disk(job):
+            result(job, submit(job))

@@ -126,6 +126,24 @@ def test_dispatch_starts_the_job_before_the_forward_and_waits_before_the_backwar
     assert [e for e in events if e[0] == "submit"] == [events[0]]  # the backward's wait reused it
 
 
+def test_a_job_done_by_an_earlier_process_starts_no_worker(cache, monkeypatch):
+    # A warm cache must not pay a worker's start and imports: the backend loads the kernels.
+    submitted = []
+    monkeypatch.setattr(compile_pool, "submit", lambda job: submitted.append(job))
+    monkeypatch.setattr(compile_pool, "enabled", lambda: True)
+    monkeypatch.setattr(compile_pool.cute_cache, "available", lambda: True)
+    call = _call(mods.softcap(30.0))
+    compile_pool.ahead("cute", call)
+    assert len(submitted) == 1  # nothing on disk yet: the job goes to a worker
+    marker = compile_pool.done_marker(submitted[0])
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()  # what run_job leaves once the kernels are built or found
+    submitted.clear()
+    compile_pool.ahead("cute", call)
+    compile_pool.wait("cute", call)
+    assert submitted == []
+
+
 @pytest.mark.slow
 def test_the_backward_compiles_ahead_in_a_worker_and_loads_from_disk(cache):
     _needs_cute()
