@@ -21,8 +21,6 @@ import contextlib
 import functools
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 from flexjit import config
 from flexjit.backends import kernel_cache as cache
@@ -55,17 +53,6 @@ _MODULES: dict[tuple[str, str, bool], object] = {}
 def forget_imported() -> None:
     """Drop the in-memory modules (as a new process starts): the next load reads the disk cache."""
     _MODULES.clear()
-
-
-_TMP_DIR: list[Path] = []
-
-
-def _source_dir() -> Path:
-    if cache.enabled():
-        return cache.cache_dir("triton")
-    if not _TMP_DIR:  # FLEXJIT_CACHE=0: Triton still needs a real file; keep it per process
-        _TMP_DIR.append(Path(tempfile.mkdtemp(prefix="flexjit-triton-")))
-    return _TMP_DIR[0]
 
 
 @contextlib.contextmanager
@@ -143,19 +130,21 @@ def load_module(p: Program, which: str, interpret: bool | None = None):
 def _import(p: Program, which: str, interpret: bool):
     import_triton()
     key = cache_key(p, which)
-    path = _source_dir() / f"{key}.py"
-    source = None
-    if not path.exists():
-        source = render(p, which)
+    path = cache.cache_dir("triton") / f"{key}.py"
+
+    def source() -> str:  # only on a miss (or to replace a bad entry)
+        text = render(p, which)
         STATS["render"] += 1
         dump = config.settings.dump_dir
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
-            (dump / f"{p.score_name}__{p.mask_name}__{key[:12]}_{which}.py").write_text(source)
+            (dump / f"{p.score_name}__{p.mask_name}__{key[:12]}_{which}.py").write_text(text)
+        return text
     if config.settings.debug:
         print(f"[flexjit] triton {which} kernel for {p.score_name}/{p.mask_name}: {path}")
+    name = f"flexjit_triton_{key}{'_interp' if interpret else ''}"
     with interpret_env(interpret):  # triton.jit reads it at decoration
-        mod = cache.import_source(path, f"flexjit_triton_{key}{'_interp' if interpret else ''}", source)
+        mod = cache.import_source(path, name, source, symbol=f"flex_{which}")
     if interpret:
         mod.libdevice = _interpreter_libdevice()
     STATS["import"] += 1
