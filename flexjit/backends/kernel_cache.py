@@ -110,6 +110,11 @@ def cache_dir(kind: str) -> Path:
             return path
         except OSError as e:  # e.g. a file where the folder should be
             _give_up(path, e)
+    return _private_dir(kind)
+
+
+def _private_dir(kind: str) -> Path:
+    """``kind``'s folder in this process's private temporary folder."""
     if not _PRIVATE:
         _PRIVATE.append(Path(tempfile.mkdtemp(prefix="flexjit-")))
     path = _PRIVATE[0] / kind
@@ -275,11 +280,11 @@ def import_source(path: Path, module_name: str, source: str | Callable[[], str],
         with locked(path):  # exclusive: a reader may have to heal the entry
             return _import_entry(path, module_name, render, symbol)
     except (OSError, TimeoutError) as e:  # the folder went unwritable, or a stuck lock
-        if isinstance(e, OSError):
-            _give_up(path.parent, e)
-        else:
+        if isinstance(e, TimeoutError):  # (an OSError too: tested first)
             _warn_once(f"lock:{path}", f"kernel cache skipped: {e}")
-        fd, private = tempfile.mkstemp(dir=cache_dir("private"), suffix=".py")
+        else:
+            _give_up(path.parent, e)
+        fd, private = tempfile.mkstemp(dir=_private_dir(path.parent.name), suffix=".py")
         os.close(fd)
         private = Path(private)
         atomic_write(private, render())

@@ -97,10 +97,18 @@ def test_bad_triton_source_is_rebuilt(cache_root, how):
     assert sources.STATS["render"] == rendered + 1  # read from disk, not rendered again
 
 
-def test_cache_folder_below_a_file_runs_from_memory(tmp_path, monkeypatch):
-    blocker = tmp_path / "a_file"
+@pytest.mark.parametrize("where", ["root", "kind"])
+def test_cache_folder_below_a_file_runs_from_memory(tmp_path, monkeypatch, where):
+    """The cache root below a regular file, or a file where the Triton folder should be."""
+    if where == "root":
+        blocker = tmp_path / "a_file"
+        root = blocker / "cache"
+    else:
+        root = tmp_path / "cache"
+        root.mkdir()
+        blocker = root / "triton"
     blocker.write_text("not a folder")
-    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(root))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     sources.forget_imported()
     with pytest.warns(cache.CacheWarning, match="cannot be written"):
