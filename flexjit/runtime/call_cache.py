@@ -33,7 +33,6 @@ Entries are kept in LRU order, at most ``MAX_ENTRIES``.
 from __future__ import annotations
 
 import collections
-import os
 import weakref
 
 import torch
@@ -41,14 +40,15 @@ import torch
 from flexjit.runtime import selfcheck
 from flexjit import config
 from flexjit.backends.base import version
+from flexjit.backends.triton.sources import interpret_setting
 from flexjit.frontend.captures import Unfingerprintable, fingerprint
 
 MAX_ENTRIES = 64
 
 def env_state() -> tuple:
     """What of the environment a cached choice depends on: flexjit's settings (``config``, whose
-    generation moves on every reload) and Triton's interpreter switch."""
-    return (config.settings.generation, os.environ.get("TRITON_INTERPRET"))
+    generation moves on every reload) and Triton's interpreter switch, as the user set it."""
+    return (config.settings.generation, interpret_setting())
 
 
 STATS = {"hit": 0, "miss": 0, "uncached": 0}

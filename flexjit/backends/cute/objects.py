@@ -3,7 +3,7 @@
 What this module holds
 ----------------------
 * ``load(key)``: the ``tvm_ffi.Function`` exported under ``key``, or ``None`` (absent,
-  unreadable, disk cache off). Loading an object file takes milliseconds; compiling the sm90
+  bad, disk cache off). Loading an object file takes milliseconds; compiling the sm90
   forward takes seconds.
 * ``store(key, export)``: ``export(path, function_name)`` writes the object file of a
   compiled function; ``store`` gives it its place in the folder.
@@ -25,10 +25,12 @@ orphaned.
 
 Concurrency: processes may share the folder. A writer holds an exclusive ``fcntl.flock`` on
 ``<key>.lock`` while it exports, exports to a private temporary name and ``os.replace``\\ s it
-into place, and skips the export when another process got there first; a reader holds a shared
-lock on the same file while it loads. A reader therefore never sees a half-written file. A
-build holds ``<key>.build.lock`` (``building``) from its disk lookup to its export, so two
-processes that need the same kernel at once compile it once: the second waits, then loads.
+into place, seals it (``cache.seal``: size, checksum, symbol) and skips the export when another
+process got there first; a reader holds a shared lock on the same file while it verifies the
+seal and loads. A reader therefore never sees a half-written file, and a bad file is reported,
+removed and compiled again. A build holds ``<key>.build.lock`` (``building``) from its disk
+lookup to its export, so two processes that need the same kernel at once compile it once: the
+second waits, then loads.
 
 Trap (seen in FlashAttention-4's cache): the object file calls into the DSL runtime libraries
 (``libcute_dsl_runtime.so``, ``libtvm_ffi.so``); they are loaded with ``RTLD_GLOBAL`` before the
@@ -153,31 +155,33 @@ def load(key: str):
 
 def _load(key: str):
     path = object_path(key)
-    if not path.exists():
+    if not os.path.lexists(path):
         return None
+    fn = None
     try:
         with _locked(key, exclusive=False):
-            if not path.exists():
-                return None
-            import cutlass.cute as cute
+            state = cache.verify(path, FUNCTION_NAME)  # the seal: size, checksum, symbol
+            if state == cache.OK:
+                import cutlass.cute as cute
 
-            _preload_runtime_libraries()
-            module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
-            fn = getattr(module, FUNCTION_NAME)
+                _preload_runtime_libraries()
+                module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+                fn = getattr(module, FUNCTION_NAME)
     except TimeoutError as e:
         log.warning("flexjit: disk cache skipped: %s", e)
         return None
-    except Exception as e:  # a truncated/foreign file, a DSL that cannot read it
-        log.warning("flexjit: cannot load %s (%s: %s); recompiling", path, type(e).__name__, e)
+    except Exception as e:  # a sealed file the DSL cannot read (another DSL build's, say)
+        state = f"{type(e).__name__}: {e}"
+    if fn is None and state != cache.ABSENT:
+        cache.report_bad(path, state)
         _discard(key)
-        return None
     return fn
 
 
 def _discard(key: str) -> None:
     try:
         with _locked(key, exclusive=True):
-            object_path(key).unlink(missing_ok=True)
+            cache.discard(object_path(key))
     except (OSError, TimeoutError) as e:
         log.warning("flexjit: cannot remove the bad cache entry %s: %s", key, e)
 
@@ -209,11 +213,15 @@ def store(key: str, export: Callable[[str, str], None]) -> Optional[Path]:
     tmp = path.with_name(f"{key}.{os.getpid()}.{threading.get_ident()}.tmp.o")
     try:
         with _locked(key, exclusive=True):
-            if path.exists():  # another process exported it while we compiled
+            state = cache.verify(path, FUNCTION_NAME)
+            if state == cache.OK:  # another process exported it while we compiled
                 return path
+            if state != cache.ABSENT:
+                cache.discard(path)
             t0 = time.perf_counter()
             export(str(tmp), FUNCTION_NAME)
             os.replace(tmp, path)
+            cache.seal(path, FUNCTION_NAME)
             announce(f"exported {path.name} ({path.stat().st_size >> 10} KiB) in "
                    f"{time.perf_counter() - t0:.2f} s")
         return path

@@ -36,7 +36,7 @@ from flexjit.backends.base import device_buffers
 from flexjit.ir.program import Program
 from flexjit.planner.block_mask import _transpose_ordered
 from flexjit.backends.base import capability
-from flexjit.backends.triton.sources import STATS, cache_key, forget_imported, import_triton, interpret_env, interpreting, load_module, triton_compiles
+from flexjit.backends.triton.sources import STATS, cache_key, compiler_env, forget_imported, import_triton, interpreting, load_module, triton_compiles
 from flexjit.backends.triton.config import _BWD_TABLE, _FWD_TABLE, SHORT_KV_LOOP, BwdConfig, FwdConfig, _fwd_smem, bwd_config, fwd_config, head_pad, smem_limit
 from flexjit.backends.triton.render import buffer_ranks, capture_names, fill, grad_names, grad_slots, render, render_holes, template_text
 
@@ -509,7 +509,7 @@ def compile_launch(plan: Plan, launch: Launch, arch: int):
     runtime = [n for n in fn.arg_names if n not in launch.constexprs]
     if len(runtime) != len(launch.args):
         raise RuntimeError(f"{launch.kernel}: {len(launch.args)} arguments for {len(runtime)} parameters")
-    with interpret_env(False):
+    with compiler_env():
         try:
             from triton.compiler import make_backend
             from triton.runtime.jit import create_function_from_signature

@@ -3,15 +3,19 @@
 What this module holds
 ----------------------
 * ``load_module(program, which, interpret)``: the rendered source is written to
-  ``$FLEXJIT_CACHE_DIR/triton/<key>.py`` (default ``~/.cache/flexjit/triton``; ``flexjit.cache``),
-  imported with importlib (Triton needs a real file) and kept in memory by key. The key
+  ``$FLEXJIT_CACHE_DIR/triton/<key>.py`` (default ``~/.cache/flexjit/triton``), sealed and
+  checked on every import (``kernel_cache.import_source``: a bad file is rebuilt), imported
+  (Triton needs a real file) and kept in memory by key. The key
   (``cache_key``, ``cache.kernel_key``) digests the Program's IR, which template, flexjit's
   sources and the Python/torch/Triton versions. Triton's own cache then compiles once per
   (dtype, head dim, block config, arch) under that source; captured sizes, strides and scalars
   are unspecialised arguments, so new values reuse the binary. ``FLEXJIT_DEBUG=1`` prints the
   generated path; ``FLEXJIT_DUMP_DIR`` keeps a readable copy of every generated kernel.
-* How Triton is imported: always compiled (``import_triton``), with ``TRITON_INTERPRET`` set per
-  module at decoration (``interpret_env``), and a libdevice the interpreter can evaluate.
+* How Triton is imported: always compiled (``import_triton``). A generated module's kernels are
+  made interpreted or compiled per module (``_as_kernels``), never by setting
+  ``TRITON_INTERPRET``: the variable is the whole process's, and another thread's call would
+  see it flipped. Interpreted launches take turns (``_interpreter_kernel``), and get a libdevice
+  the interpreter can evaluate.
 * ``STATS``: what this process rendered, imported and launched (tests count them);
   ``triton_compiles``: the binaries Triton holds for a module.
 """
@@ -21,8 +25,7 @@ import contextlib
 import functools
 import os
 import sys
-import tempfile
-from pathlib import Path
+import threading
 
 from flexjit import config
 from flexjit.backends import kernel_cache as cache
@@ -35,9 +38,23 @@ STATS = {"render": 0, "import": 0, "fwd_launch": 0, "bwd_launch": 0}
 """Counters: files rendered, modules imported and kernels launched by this process (tests)."""
 
 
+# The user's TRITON_INTERPRET while ``compiler_env`` hides it from Triton (see there): flexjit's
+# readers keep seeing the user's value meanwhile.
+_HIDDEN: list[str | None] = []
+_ENV_LOCK = threading.RLock()
+
+
 def interpreting() -> bool:
-    """Whether TRITON_INTERPRET asks for the interpreter."""
-    return os.environ.get(_INTERPRET_ENV, "0") not in ("", "0", "false", "False")
+    """Whether TRITON_INTERPRET asks for the interpreter (for CPU tensors)."""
+    hidden = _HIDDEN  # read once: the list changes only under _ENV_LOCK
+    value = hidden[0] if hidden else os.environ.get(_INTERPRET_ENV)
+    return value not in (None, "", "0", "false", "False")
+
+
+def interpret_setting() -> str | None:
+    """The user's TRITON_INTERPRET, as a cache key (``runtime.call_cache``)."""
+    hidden = _HIDDEN
+    return hidden[0] if hidden else os.environ.get(_INTERPRET_ENV)
 
 
 def cache_key(p: Program, which: str) -> str:
@@ -57,30 +74,25 @@ def forget_imported() -> None:
     _MODULES.clear()
 
 
-_TMP_DIR: list[Path] = []
-
-
-def _source_dir() -> Path:
-    if cache.enabled():
-        return cache.cache_dir("triton")
-    if not _TMP_DIR:  # FLEXJIT_CACHE=0: Triton still needs a real file; keep it per process
-        _TMP_DIR.append(Path(tempfile.mkdtemp(prefix="flexjit-triton-")))
-    return _TMP_DIR[0]
-
-
 @contextlib.contextmanager
-def interpret_env(interpret: bool):
-    """TRITON_INTERPRET set to ``interpret`` for a block (decorating, or compiling: Triton's
-    code generator misbehaves when the variable is on)."""
-    previous = os.environ.get(_INTERPRET_ENV)
-    os.environ[_INTERPRET_ENV] = "1" if interpret else "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[_INTERPRET_ENV]
-        else:
+def compiler_env():
+    """TRITON_INTERPRET off for Triton's compiler while a block runs, for a process whose user
+    turned it on: Triton's own jit functions are decorated at its import, and its code generator
+    reads the variable (constexpr functions). Needed only to import Triton and to compile without
+    a GPU (``prefill.compile_launch``); kernels are never decorated under it (``_as_kernels``).
+    Blocks take turns, and ``interpreting()`` keeps answering with the user's value."""
+    with _ENV_LOCK:
+        previous = os.environ.get(_INTERPRET_ENV)
+        if previous in (None, "", "0"):
+            yield
+            return
+        _HIDDEN.append(previous)
+        os.environ[_INTERPRET_ENV] = "0"
+        try:
+            yield
+        finally:
             os.environ[_INTERPRET_ENV] = previous
+            _HIDDEN.clear()
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,11 +165,53 @@ def _round_bf16_to_nearest_in_the_interpreter() -> None:
 def import_triton():
     """Import Triton itself compiled, whatever TRITON_INTERPRET says: its own jit helpers are
     fixed at import, and only compiled ones let one process both build kernels and interpret
-    ours (the templates call no library jit function, so interpreted kernels work either way)."""
-    if "triton" not in sys.modules:
-        with interpret_env(False):
+    ours (the interpreter runs the library's compiled combine functions as well)."""
+    if "triton.language.extra.libdevice" not in sys.modules:
+        with compiler_env():
             import triton.language  # noqa: F401
             from triton.language.extra import libdevice  # noqa: F401
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_kernel():
+    """Triton's InterpretedFunction, launched one at a time: the interpreter keeps the grid
+    position in one global builder and patches ``triton.language`` for the whole process while a
+    kernel runs, so two interpreted launches at once read each other's program ids."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    lock = threading.Lock()
+
+    class TakingTurns(InterpretedFunction):
+        def run(self, *args, **kwargs):
+            with lock:
+                return super().run(*args, **kwargs)
+    return TakingTurns
+
+
+def _as_kernels(mod, interpret: bool) -> None:
+    """Make the module's Triton functions interpreted or compiled, whatever ``triton.jit`` made
+    of them at import (it follows TRITON_INTERPRET, the process's setting). Their globals are
+    the module's, so calls between them find the replacements."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    wanted = _interpreter_kernel() if interpret else JITFunction
+    for name, fn in list(vars(mod).items()):
+        if type(fn) is wanted or not isinstance(fn, (JITFunction, InterpretedFunction)):
+            continue
+        if getattr(fn.fn, "__globals__", None) is not vars(mod):
+            continue  # a library function: left as Triton made it
+        if isinstance(fn, InterpretedFunction):
+            options = dict(getattr(fn, "kwargs", {}))
+        else:  # the decorator's arguments, as JITFunction keeps them (``repr`` as ``_repr``)
+            options = {arg: getattr(fn, attr) for arg, attr in _JIT_OPTIONS if hasattr(fn, attr)}
+        setattr(mod, name, wanted(fn.fn, **options))
+
+
+_JIT_OPTIONS = (("version", "version"), ("do_not_specialize", "do_not_specialize"),
+                ("do_not_specialize_on_alignment", "do_not_specialize_on_alignment"),
+                ("debug", "debug"), ("noinline", "noinline"), ("repr", "_repr"),
+                ("launch_metadata", "launch_metadata"))
 
 
 def load_module(p: Program, which: str, interpret: bool | None = None):
@@ -169,19 +223,21 @@ def load_module(p: Program, which: str, interpret: bool | None = None):
 def _import(p: Program, which: str, interpret: bool):
     import_triton()
     key = cache_key(p, which)
-    path = _source_dir() / f"{key}.py"
-    source = None
-    if not path.exists():
-        source = render(p, which)
+    path = cache.cache_dir("triton") / f"{key}.py"
+
+    def source() -> str:  # only on a miss (or to replace a bad entry)
+        text = render(p, which)
         STATS["render"] += 1
         dump = config.settings.dump_dir
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
-            (dump / f"{p.score_name}__{p.mask_name}__{key[:12]}_{which}.py").write_text(source)
+            (dump / f"{p.score_name}__{p.mask_name}__{key[:12]}_{which}.py").write_text(text)
+        return text
     if config.settings.debug:
         print(f"[flexjit] triton {which} kernel for {p.score_name}/{p.mask_name}: {path}")
-    with interpret_env(interpret):  # triton.jit reads it at decoration
-        mod = cache.import_source(path, f"flexjit_triton_{key}{'_interp' if interpret else ''}", source)
+    name = f"flexjit_triton_{key}{'_interp' if interpret else ''}"
+    mod = cache.import_source(path, name, source, symbol=f"flex_{which}")
+    _as_kernels(mod, interpret)
     if interpret:
         mod.libdevice = _interpreter_libdevice()
         _round_bf16_to_nearest_in_the_interpreter()

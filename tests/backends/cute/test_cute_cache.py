@@ -121,7 +121,8 @@ def test_store_writes_once_under_the_key(cache_dir):
     assert path == cache_dir / "k1.o" and path.read_text() == "first"
     # The export went to a private temporary name, replaced into place, and nothing is left over.
     assert calls and Path(calls[0]).name != "k1.o"
-    assert sorted(p.name for p in cache_dir.iterdir()) == ["k1.lock", "k1.o"]
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["k1.lock", "k1.o", "k1.o.meta"]
+    assert cache.verify(path, cute_cache.FUNCTION_NAME) == cache.OK  # sealed
     # Already there (another process won the race): no second export, the file is untouched.
     assert cute_cache.store("k1", _writer("second", calls)) == path
     assert len(calls) == 1 and path.read_text() == "first"
@@ -147,8 +148,29 @@ def test_failed_export_leaves_no_file(cache_dir):
 
 def test_corrupt_file_is_dropped(cache_dir):
     cute_cache.store("k4", _writer("not an object file"))
-    assert cute_cache.load("k4") is None
+    with pytest.warns(cache.CacheWarning, match="k4.o"):
+        assert cute_cache.load("k4") is None
     assert not (cache_dir / "k4.o").exists()  # so the next compile's export replaces it
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "directory"])
+def test_damaged_object_file_is_reported_and_replaced(cache_dir, damage):
+    """A sealed file damaged afterwards is never handed to the DSL: one warning naming it, the
+    file removed, and the next store writes a good one (the stand-in's bytes are not loadable,
+    so this stops at the seal, where a real object file would load)."""
+    path = cute_cache.store(f"d-{damage}", _writer("payload " * 100))
+    if damage == "directory":
+        path.unlink()
+        path.mkdir()
+        (path / "inside").write_text("x")
+    else:
+        path.write_bytes({"truncated": path.read_bytes()[:50], "empty": b"",
+                          "garbage": os.urandom(800)}[damage])
+    with pytest.warns(cache.CacheWarning, match=path.name):
+        assert cute_cache.load(f"d-{damage}") is None
+    assert not path.exists()
+    assert cute_cache.store(f"d-{damage}", _writer("payload " * 100)) == path
+    assert cache.verify(path, cute_cache.FUNCTION_NAME) == cache.OK
 
 
 def test_racing_processes_export_once(cache_dir):
