@@ -998,7 +998,7 @@ class FlexAttentionBwdSm90:
         # stalling the first exp2 right behind the wait (the wait is a memory fence to ptxas:
         # it does not hoist shared loads above it). Not with kv_batch_broadcast: its 16 more
         # live registers across the waits spill there (4 bytes), and on the H200 the early reads
-        # measured within 0-2.5% (gpu-s8 NOTES, stage 5); that kernel reads them after the waits.
+        # measured within 0-2.5% of the later reads; that kernel reads them after the waits.
         if const_expr(not self.kv_batch_broadcast):
             rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
         if const_expr(self.overlap_dp):

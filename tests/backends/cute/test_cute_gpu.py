@@ -88,7 +88,7 @@ def test_d64_and_4k(name):
     run_case(name, B=1, Hq=16, Hkv=16, L=4096, S=4096, D=64)
 
 
-# Issue #13's head dims: each with causal (block-sparse, 128-row tiles) and one more mod;
+# The head dims beyond 64/128/256: each with causal (block-sparse, 128-row tiles) and one more mod;
 # relative_bias has no mask_mod, so it runs the dense path (every kv tile visited, a gathered
 # bias). (192, 128): q/k wider than v. Ragged L = S = 1000, GQA 8/2. 192 has no
 # persistent variant: both fixture runs launch the same per-tile kernel.
