@@ -51,7 +51,7 @@ def assert_counter_reset(fn, device, stream=None):
     """After a dynamic launch has finished, its (device, stream) counter is back at [0, 0]."""
     with torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(
             torch.cuda.current_stream()):
-        counter = importlib.import_module("flexjit.templates.cute.common").scheduler_counter(device)
+        counter = importlib.import_module("flexjit.templates.cute.tile_scheduler").scheduler_counter(device)
     assert counter.tolist() == [0, 0], f"tile counter not reset: {counter.tolist()}"
 
 
