@@ -799,8 +799,8 @@ class FlexAttentionBwdSm90(config.Kernel):
         # lse2 into registers before the Sᵀ wait: the loads land under the GEMMs instead of
         # stalling the first exp2 right behind the wait (the wait is a memory fence to ptxas:
         # it does not hoist shared loads above it). Not with kv_batch_broadcast: its 16 more
-        # live registers across the waits spill there (4 bytes), and on the H200 the early reads
-        # measured within 0-2.5% of the later reads; that kernel reads them after the waits.
+        # live registers across the waits spill there (4 bytes), for no measurable gain: that
+        # kernel reads them after the waits.
         if const_expr(not self.kv_batch_broadcast):
             rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
         if const_expr(self.overlap_dp):

@@ -76,7 +76,7 @@ when a mask_mod is given, else as full tiles (dense mode, the last/ragged tile f
 
 Scheduling: a 1-D grid of q-tiles. Block-sparse launches group (head, batch) pairs into sections
 whose K/V fit in L2 and run the longest q-tiles (the last ones, under causal masks) first; dense
-launches walk one head's q-tiles together (``hb_per_section`` = 1), measured faster.
+launches walk one head's q-tiles together (``hb_per_section`` = 1: they stream the same K/V).
 
 The holes: the score_mod / mask_mod contract
 --------------------------------------------
@@ -163,7 +163,7 @@ HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (
 
 def dynamic_schedule_default() -> bool:
     """Whether persistent tilings built without an explicit choice claim tiles dynamically: yes
-    (it beat the static grid stride on every short-loop case measured; docs/performance.md)."""
+    (docs/performance.md compares it with the static grid stride)."""
     return True
 
 
