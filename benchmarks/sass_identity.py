@@ -20,6 +20,11 @@ interfaces that both trees have (the backend's ``compile_backward``, the tracer,
 an older tree compares too. ``--no-backward-matrix`` leaves them out (about a minute per tree
 on two CPU cores).
 
+``--arch sm_100a`` compares the Blackwell kernels instead, by their PTX (no sm_100a disassembler
+ships with Triton): the forward and the backward's main and post kernels of ``SM100_CASES``,
+compiled from each tree's templates, with ``.loc``/``.file`` lines and comments dropped (they
+name source lines, which a refactor moves). About two minutes per tree.
+
 The forward's matrix (``FWD_CASES``) likewise goes through the backend's ``compile_program``:
 head dims 32 to 256 and (192, 128), the one-tile-per-CTA and the persistent (dynamic) kernels,
 D = 64's three-consumer dense tile, ``write_max``, and the heavy mods. ``--no-forward-matrix``
@@ -71,6 +76,89 @@ FWD_CASES = (
     ("d128_alibi_write_max", 128, 128, "learnable_alibi", False, True),
     ("d128_heavy_persistent", 128, 128, "heavy", True, False),
 )
+
+# The sm100 matrix: (name, head_dim, mods, block-sparse, deterministic, captured gradients).
+SM100_CASES = (
+    ("d128_dense", 128, "none", False, False, False),
+    ("d128_causal", 128, "causal", True, False, False),
+    ("d64_causal_det", 64, "causal", True, True, False),
+    ("d128_learnable_bias", 128, "learnable_bias", True, False, True),
+    ("d128_heavy", 128, "heavy", True, False, False),
+)
+
+_CHILD_SM100 = textwrap.dedent('''
+    import json, os, re, sys, tempfile
+    tree, cases = sys.argv[1], json.loads(sys.argv[2])
+    sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # this tree only
+    sys.path.insert(0, tree)
+    os.environ["FLEXJIT_CACHE_DIR"] = tempfile.mkdtemp()
+    import importlib, importlib.abc, importlib.util
+
+
+    class TreeTemplates(importlib.abc.MetaPathFinder):
+        """flexjit.templates from this tree's templates/ folder (what its pyproject maps)."""
+
+        def find_spec(self, name, path, target=None):
+            if name != "flexjit.templates" and not name.startswith("flexjit.templates."):
+                return None
+            base = os.path.join(tree, "templates", *name.split(".")[2:])
+            if os.path.isdir(base):
+                return importlib.util.spec_from_file_location(
+                    name, os.path.join(base, "__init__.py"), submodule_search_locations=[base])
+            if os.path.exists(base + ".py"):
+                return importlib.util.spec_from_file_location(name, base + ".py")
+            return None
+    sys.meta_path.insert(0, TreeTemplates())
+    import cutlass, torch
+    from flexjit import mods as fmods
+    from flexjit.backends.cute.sm90 import _aux_tensor, load_mods
+    from flexjit.ir.passes import lower
+    from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_mod
+    fwd = importlib.import_module("flexjit.templates.cute.sm100.fwd")
+    bwd = importlib.import_module("flexjit.templates.cute.sm100.bwd")
+
+    def text(compiled):
+        ptx = compiled.__ptx__
+        if len(ptx) < 4096 and os.path.exists(ptx):
+            ptx = open(ptx).read()
+        return [line.strip() for line in ptx.splitlines() if line.strip()
+                and not re.match(r"\\s*(\\.loc|\\.file|//)", line)]
+
+    torch.manual_seed(0)
+    H, L = 4, 500
+    docs = torch.randint(0, 3, (L,)).sort().values
+
+    def heavy_score(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    def heavy_mask(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
+    builders = {"none": lambda: (None, None), "causal": lambda: (None, fmods.causal()),
+                "learnable_bias": lambda: (fmods.relative_bias(torch.randn(H, 33).requires_grad_(True)),
+                                           fmods.causal()),
+                "heavy": lambda: (heavy_score, heavy_mask)}
+    out = {}
+    for name, d, mods, sparse, deterministic, grads in cases:
+        score_mod, mask_mod = builders[mods]()
+        program = lower(trace_mod(score_mod, SCORE_MOD) if score_mod else None,
+                        trace_mod(mask_mod, MASK_MOD) if mask_mod else None, float_index=True)
+        m = load_mods(program)
+        aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
+        opts = f"--keep-ptx --dump-dir {tempfile.mkdtemp()}"
+        if not deterministic and not grads:
+            cfg = fwd.FwdConfig(d, d, cutlass.BFloat16, m.score_mod, m.mask_mod, has_block_mask=sparse,
+                                score_loads=bool(program.buffers) and score_mod is not None)
+            q = torch.randn(2, H, L, d, dtype=torch.bfloat16)
+            out[f"sm100_fwd_{name}"] = text(fwd.compile_fwd(cfg, q, aux, program.scalars, options=opts).compiled)
+        cfg = bwd.BwdConfig(d, d, cutlass.BFloat16, m.score_mod_and_grad, m.mask_mod, has_block_mask=sparse,
+                            deterministic=deterministic,
+                            score_grads=getattr(m, "score_grads", None) if grads else None,
+                            grad_offsets=getattr(m, "grad_offsets", None) if grads else None)
+        fn = bwd.compile_bwd(cfg, aux, program.scalars, options=opts, parts=("main", "post"))
+        for part, compiled in fn.parts.items():
+            out[f"sm100_bwd_{name}_{part}"] = text(compiled.compiled)
+    print(json.dumps(out))
+''')
 
 _CHILD = textwrap.dedent('''
     import json, os, pathlib, re, subprocess, sys, tempfile
@@ -200,6 +288,16 @@ def sass_of(tree: str, matrix=BWD_CASES, fwd_matrix=FWD_CASES) -> dict[str, list
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def ptx_of_sm100(tree: str, cases=SM100_CASES) -> dict[str, list[str]]:
+    """The sm100 kernels' PTX lines (the source-location lines dropped), built from ``tree``."""
+    res = subprocess.run([sys.executable, "-c", _CHILD_SM100, os.path.abspath(tree),
+                          json.dumps(cases)], capture_output=True, text=True,
+                         cwd=tempfile.gettempdir())
+    if res.returncode:
+        raise SystemExit(f"building from {tree} failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sass_identity", description=__doc__.split("\n")[0])
     p.add_argument("before")
@@ -208,10 +306,15 @@ def main(argv=None) -> int:
                    help="only the four sass_compare kernels (fwd/bwd main, dense/causal, D=128)")
     p.add_argument("--no-forward-matrix", action="store_true",
                    help="leave out the forward's matrix (FWD_CASES)")
+    p.add_argument("--arch", choices=("sm_90a", "sm_100a"), default="sm_90a",
+                   help="sm_100a: compare the Blackwell kernels' PTX (SM100_CASES) instead")
     args = p.parse_args(argv)
     matrix = () if args.no_backward_matrix else BWD_CASES
     fwd_matrix = () if args.no_forward_matrix else FWD_CASES
-    a, b = sass_of(args.before, matrix, fwd_matrix), sass_of(args.after, matrix, fwd_matrix)
+    if args.arch == "sm_100a":
+        a, b = ptx_of_sm100(args.before), ptx_of_sm100(args.after)
+    else:
+        a, b = sass_of(args.before, matrix, fwd_matrix), sass_of(args.after, matrix, fwd_matrix)
     same = set(a) == set(b)
     for name in sorted(set(a) | set(b)):
         if name not in a:
@@ -220,7 +323,7 @@ def main(argv=None) -> int:
         digest = lambda lines: hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]  # noqa: E731
         equal = a[name] == b.get(name) and len(a[name]) > 0  # no SASS read is no proof
         same &= equal
-        print(f"{name}: {len(a[name])} / {len(b.get(name, []))} instructions, "
+        print(f"{name}: {len(a[name])} / {len(b.get(name, []))} lines, "
               f"{digest(a[name])} / {digest(b.get(name, []))}: {'identical' if equal else 'DIFFERENT'}")
     return 0 if same else 1
 

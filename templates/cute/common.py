@@ -1,34 +1,14 @@
-"""What the CuTeDSL kernels share: the Hopper forward and backward today, Blackwell's next.
+"""What the CuTeDSL kernels share on the device: the holes' contract (``Aux``, ``FloatIndices``),
+smem and fragment layouts, the sm90 warpgroup GEMM, reductions over DSL scalars, constants."""
 
-Imported normally by the kernel templates (``from flexjit.templates.cute_common import ...``);
-nothing here is a template of its own.
-
-* The holes' contract: ``Aux`` (what the generated mods receive as ``aux``) and
-  ``FloatIndices`` (their float32 index arguments, see the forward template's "holes" section).
-* Shared-memory and fragment layouts: ``smem_layout`` (swizzled K-major, optionally staged),
-  ``permute``, ``transposed``; the sm90 accumulator views ``rows_cols_layout``/``rows_cols`` and
-  ``acc_as_operand_a`` (Hopper wgmma fragments: an sm100 kernel keeps its accumulators in tensor
-  memory and brings its own).
-* ``wgmma_gemm``: one warpgroup GEMM over all k-blocks, committed as one group (sm90).
-* Reductions over DSL scalars: ``tree`` (pairwise), ``quad_allreduce`` (the 4 threads of an
-  accumulator row), ``fadd``.
-* Host plumbing for the TVM-FFI launch path: ``tvm_ffi_enabled``, ``placeholder`` (compile-time
-  stand-ins for torch tensors), ``aux_cutlass_dtype``, ``as_scalar``, ``ffi_function``,
-  ``stream_context``, ``check_kv_batch`` (K/V's batch against the kernel's broadcast flag);
-  for persistent kernels, ``scheduler_counter`` (the dynamic scheduler's zeroed
-  per-stream counter, from a memory pool of its own) and ``device_num_sms``.
-* Constants: ``MASK_BLOCK`` (the BlockMask's 128x128 granularity), ``LOG2_E``, ``LN_2``.
-"""
-
-import functools
 import math
 from typing import NamedTuple, Optional
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import warpgroup
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 MASK_BLOCK = 128  # FlexAttention BlockMask granularity, rows and columns
@@ -154,134 +134,37 @@ def fadd(a, b):
     return a + b
 
 
-def as_scalar(x):
-    if isinstance(x, (Float32, Int32)):
-        return x
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
-    return Int32(x) if isinstance(x, int) else Float32(x)
+def kernel_aux(aux_tensors, aux_scalars) -> Aux:
+    """The captured tensors and scalars (None when empty: empty tuples are not jit arguments)
+    as the rendered mods take them."""
+    return Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
+               tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
 
 
-def tvm_ffi_enabled() -> bool:
-    """Whether compiles use the TVM-FFI launch path (``tvm_ffi`` importable and the DSL has the
-    placeholder API)."""
-    try:
-        import tvm_ffi  # noqa: F401  (importable: the launch path exists)
-    except ImportError:
-        return False
-    return all(hasattr(cute.runtime, n) for n in ("make_fake_tensor", "make_fake_stream"))
+def tma_tiles(atom: cute.CopyAtom, s: cute.Tensor, g: cute.Tensor):
+    """TMA partition of a 2-D tile (its two modes grouped into the TMA box mode): (smem, gmem)."""
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                 cute.group_modes(g, 0, 2))
 
 
-def aux_cutlass_dtype(torch_dtype):
-    import torch
-
-    table = {torch.float32: Float32, torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
-             torch.float64: cutlass.Float64, torch.int32: Int32, torch.int64: cutlass.Int64,
-             torch.int16: cutlass.Int16, torch.int8: cutlass.Int8, torch.uint8: cutlass.Uint8,
-             torch.bool: cutlass.Boolean}
-    if torch_dtype not in table:
-        raise TypeError(f"cute_sm90_fwd: unsupported aux tensor dtype {torch_dtype}")
-    return table[torch_dtype]
+def launch(kernel, grid, threads: int, stream, one_cta_per_sm: bool = True) -> None:
+    """Launch a kernel body (``self.kernel(...)``) with ``threads`` threads per CTA.
+    ``one_cta_per_sm``: ``min_blocks_per_mp=1``, without which ptxas caps every thread at
+    65536 / threads registers and ignores setmaxnreg."""
+    if one_cta_per_sm:
+        kernel.launch(grid=grid, block=[threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+    else:
+        kernel.launch(grid=grid, block=[threads, 1, 1], stream=stream)
 
 
-def placeholder(dtype, ndim: int, align: int, stride_div: int = 1):
-    """A compile-time stand-in for a torch tensor of this dtype and rank: every size is a runtime
-    Int32, every stride a runtime Int64 (divisible by ``stride_div``) but the last, which is 1 —
-    the same type ``from_dlpack(t).mark_layout_dynamic(leading_dim=ndim - 1)`` gives a CUDA
-    tensor (global memory), plus the divisibility the TMA contract already requires."""
-    shape = tuple(cute.sym_int32() for _ in range(ndim))
-    stride = tuple(cute.sym_int64(divisibility=stride_div) for _ in range(ndim - 1)) + (1,)
-    return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
+def smem_buffer(dtype, layout, align: int = 1024):
+    """A shared-storage field holding a tensor of ``layout`` (or that many elements), aligned
+    to ``align`` bytes (1024: a swizzle atom, what TMA and the MMA descriptors need)."""
+    n = layout if isinstance(layout, int) else cute.cosize(layout)
+    return cute.struct.Align[cute.struct.MemRange[dtype, n], align]
 
 
-def check_kv_batch(kv_batch_broadcast: bool, q, k, v) -> None:
-    """K/V's batch against the query's: equal, or 1 for a kernel compiled with
-    ``kv_batch_broadcast`` (whose K/V batch stride must then be nonzero: a TMA descriptor is
-    built over it). Neither kernel reads another batch entry than these allow: an unflagged
-    kernel given a K/V batch of 1 would read past it (zeros from the TMA unit, a silent wrong
-    answer), hence the check on the host."""
-    want = 1 if kv_batch_broadcast else q.shape[0]
-    for name, t in (("k", k), ("v", v)):
-        if t.shape[0] != want:
-            raise ValueError(f"{name} has batch {t.shape[0]}, the kernel takes {want} "
-                             f"(query batch {q.shape[0]}, kv_batch_broadcast={kv_batch_broadcast})")
-        if t.stride(0) == 0 and (t.shape[0] > 1 or kv_batch_broadcast):
-            raise ValueError(f"{name}: a zero batch stride; pass the un-expanded (1, H, S, D) "
-                             "tensor to a kv_batch_broadcast kernel")
-
-
-def ffi_function(compiled):
-    """The bare ``tvm_ffi.Function`` of a TVM-FFI compile: positional arguments, no stream (the
-    environment stream is implicit), no Python wrapper. A function loaded from an exported
-    object file is already one."""
-    get = getattr(compiled, "__tvm_ffi_object__", None)
-    fn = get() if get is not None else compiled
-    if fn is None:
-        raise RuntimeError("the TVM-FFI function was not created (compiled for another arch?)")
-    return fn
-
-
-def stream_context(stream):
-    """Run under ``stream`` (a torch stream, a CUstream or a raw handle) as torch's current
-    stream, which the TVM-FFI wrapper launches on."""
-    import torch
-
-    if isinstance(stream, torch.cuda.Stream):
-        return torch.cuda.stream(stream)
-    return torch.cuda.stream(torch.cuda.ExternalStream(int(stream)))
-
-
-# Dynamic scheduler counters, one (2,) int32 tensor per (device, stream): [0] tiles claimed
-# beyond the first grid_dim, [1] CTAs finished. Zeroed once when allocated (on the launch
-# stream, so stream-ordered before the first launch); each launch leaves them at zero again
-# (the last CTA to finish resets them), and launches on one stream are serialised, so no
-# per-launch memset is needed. A different stream gets its own counter (concurrent launches
-# must not share one). Dropping entries is safe: the caching allocator reuses a freed block
-# only in stream order after the kernels of the stream it was allocated on.
-_TILE_COUNTERS = {}
-_MAX_TILE_COUNTERS = 64
-
-
-def scheduler_counter(device):
-    """A persistent kernel's dynamic-scheduler counter for ``device`` and torch's current stream
-    there (the launch stream: callers switch to it first)."""
-    import torch
-
-    if device.type != "cuda":  # compile-only (CPU example tensors)
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.current_stream(index).cuda_stream)
-    counter = _TILE_COUNTERS.get(key)
-    if counter is None:
-        if len(_TILE_COUNTERS) >= _MAX_TILE_COUNTERS:
-            _TILE_COUNTERS.clear()
-        # Counters live for the process: they come from a pool of their own, never from a CUDA
-        # graph's (torch.compile's mode="reduce-overhead" warms up in its graph pool and refuses
-        # tensors there that outlive the call).
-        with torch.cuda.device(index), _counter_pool(index):
-            counter = torch.zeros(2, dtype=torch.int32, device=device)
-        _TILE_COUNTERS[key] = counter
-    return counter
-
-
-_COUNTER_POOLS: dict = {}
-
-
-def _counter_pool(index: int):
-    import contextlib
-
-    import torch
-
-    if not hasattr(torch.cuda, "use_mem_pool"):  # torch < 2.6: no pools of one's own
-        return contextlib.nullcontext()
-    pool = _COUNTER_POOLS.get(index)
-    if pool is None:
-        pool = _COUNTER_POOLS[index] = torch.cuda.MemPool()
-    return torch.cuda.use_mem_pool(pool, device=index)
-
-
-@functools.lru_cache(maxsize=None)
-def device_num_sms(index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def shared_storage(name: str, fields: dict):
+    """A ``cute.struct`` of ``fields`` (name -> field type, in layout order): a kernel's shared
+    memory, built from the fields its configuration needs."""
+    return cute.struct(type(name, (), {"__annotations__": dict(fields)}))

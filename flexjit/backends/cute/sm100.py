@@ -35,7 +35,6 @@ from typing import Callable
 
 import torch
 
-from flexjit.backends import kernel_cache as cache
 from flexjit.ir import nodes as ir
 from flexjit.ir.nodes import Op
 from flexjit.ir.program import Program
@@ -43,7 +42,7 @@ from flexjit.backends.base import capability
 from flexjit.backends.cute import objects as cute_cache, templates
 from flexjit.backends.cute import sm100_bwd
 from flexjit.backends.self_checked import Pending, layout, require
-from flexjit.backends.cute.sm90 import _aux_tensor, _cutlass_dtype, _key_options, _scalar_signature, block_sparse_args, load_mods
+from flexjit.backends.cute.sm90 import _aux_tensor, _cutlass_dtype, _key_options, _scalar_signature, block_sparse_args, call_refusal, forward_disk_key, forward_label, load_mods, operands_refusal
 
 # (head_dim, head_dim_v) pairs the sm100 forward has a tile for (``cute_sm100_fwd.HEAD_DIMS``,
 # repeated so that refusing needs no cutlass import).
@@ -122,23 +121,16 @@ def supports(call) -> tuple[bool, str]:
     if tuple(cap) != (10, 0):
         return False, (f"the sm100 kernel is built for sm_100a (B200/GB200), this GPU is "
                        f"sm_{cap[0]}{cap[1]}")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return False, f"dtype {q.dtype} (the sm100 kernel takes fp16/bf16)"
-    D, Dv = q.shape[-1], v.shape[-1]
-    if (D, Dv) not in HEAD_DIMS:
-        return False, (f"head dims ({D}, {Dv}); the sm100 kernel takes (head_dim, head_dim_v) in "
-                       f"{HEAD_DIMS}")
+    refusal = operands_refusal(q, k, v, HEAD_DIMS, "sm100")
+    if refusal:
+        return refusal
     for name, t in (("query", q), ("key", k), ("value", v)):
-        if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
-            return False, f"{name} needs a contiguous last dim and 16-byte aligned strides for TMA"
         if t.shape[0] > 1 and t.stride(0) == 0:
             return False, (f"{name} is broadcast over the batch (stride 0), which the sm100 "
                            "kernel's TMA descriptors are not built for")
-    bm = call.block_mask
-    if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
-        return False, f"block size {bm.BLOCK_SIZE}; the sm100 kernel takes 128x128 mask blocks"
-    if call.program.score is None and call.scale < 0:
-        return False, f"scale {call.scale} < 0 without a score_mod (the sm100 forward folds the scale)"
+    refusal = call_refusal(call, "sm100")
+    if refusal:
+        return refusal
     if SEAM.compile is _compile:
         try:
             _template()
@@ -287,13 +279,9 @@ def compile_program(program: Program, q, v, has_block_mask: bool, aux_tensors, o
     cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
                         has_block_mask=has_block_mask, rescale_threshold=rescale_threshold,
                         write_max=write_max, score_loads=score_loads(program))
-    what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
-    disk_key = None
-    if tpl.tvm_ffi_enabled() and cute_cache.available():
-        disk_key = cache.kernel_key(program.key, "cute_sm100_fwd",
-                                    _kernel_config(cfg, aux_tensors, program, options), "sm100")
-    if keys is not None:
-        keys["fwd"] = disk_key
+    what = forward_label(program, q.dtype, D)
+    disk_key = forward_disk_key(tpl, program, "sm100", keys,
+                                lambda: _kernel_config(cfg, aux_tensors, program, options))
     return cute_cache.cached_kernel(
         _COMPILED, key, label=f"sm100 forward for {what}", disk_key=disk_key, options=options,
         compile=lambda: tpl.compile_fwd(cfg, q, aux_tensors, program.scalars, options=options),

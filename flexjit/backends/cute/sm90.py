@@ -80,6 +80,32 @@ def _scalar_signature(program: Program) -> tuple:
     return tuple(type(as_scalar(x)).__name__ for x in program.scalars)
 
 
+def operands_refusal(q, k, v, head_dims, kernel: str) -> tuple[bool, str] | None:
+    """Why a CuTe kernel cannot take these q/k/v (dtype, head dims, TMA strides), or None."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False, f"dtype {q.dtype} (the {kernel} kernel takes fp16/bf16)"
+    D, Dv = q.shape[-1], v.shape[-1]
+    if (D, Dv) not in head_dims:
+        return False, (f"head dims ({D}, {Dv}); the {kernel} kernel takes (head_dim, head_dim_v) "
+                       f"in {head_dims}")
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False, f"{name} needs a contiguous last dim and 16-byte aligned strides for TMA"
+    return None
+
+
+def call_refusal(call, kernel: str) -> tuple[bool, str] | None:
+    """Why a CuTe forward cannot take this call's block mask or scale, or None. Without a
+    score_mod the kernel folds the scale into exp2's multiplier and takes the row max of the raw
+    q·k: right only for a scale >= 0."""
+    bm = call.block_mask
+    if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
+        return False, f"block size {bm.BLOCK_SIZE}; the {kernel} kernel takes 128x128 mask blocks"
+    if call.program.score is None and call.scale < 0:
+        return False, f"scale {call.scale} < 0 without a score_mod (the {kernel} forward folds the scale)"
+    return None
+
+
 def supports(call) -> tuple[bool, str]:
     q, k, v = call.q, call.k, call.v
     if q.device.type != "cuda":
@@ -87,28 +113,18 @@ def supports(call) -> tuple[bool, str]:
     major, minor = capability(q.device)
     if (major, minor) != (9, 0):
         return False, f"the sm90 kernel needs Hopper (sm_90), this GPU is sm_{major}{minor}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return False, f"dtype {q.dtype} (the sm90 kernel takes fp16/bf16)"
-    D, Dv = q.shape[-1], v.shape[-1]
-    if (D, Dv) not in _HEAD_DIMS:
-        return False, (f"head dims ({D}, {Dv}); the sm90 kernel takes (head_dim, head_dim_v) in "
-                       f"{_HEAD_DIMS}")
-    for name, t in (("query", q), ("key", k), ("value", v)):
-        if t.stride(-1) != 1 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
-            return False, f"{name} needs a contiguous last dim and 16-byte aligned strides for TMA"
+    refusal = operands_refusal(q, k, v, _HEAD_DIMS, "sm90")
+    if refusal:
+        return refusal
     if q.shape[0] > 1 and q.stride(0) == 0:
         return False, ("query is broadcast over the batch (stride 0), which the sm90 kernel's "
                        "TMA descriptors are not built for")
     if q.shape[0] > 1 and (k.stride(0) == 0) != (v.stride(0) == 0):
         return False, ("only one of key and value is broadcast over the batch (stride 0); the sm90 "
                        "kernel takes both broadcast or neither")
-    bm = call.block_mask
-    if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
-        return False, f"block size {bm.BLOCK_SIZE}; the sm90 kernel's tiles are 128x128"
-    if call.program.score is None and call.scale < 0:
-        # Without a score_mod the kernel folds the scale into exp2's multiplier and takes the
-        # row max of the raw q·k: right only for a scale >= 0.
-        return False, f"scale {call.scale} < 0 without a score_mod (the sm90 forward folds the scale)"
+    refusal = call_refusal(call, "sm90")
+    if refusal:
+        return refusal
     try:
         _template()
     except ImportError as e:
@@ -251,15 +267,11 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
                         tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent,
                                                  dynamic_schedule=dynamic), write_max=write_max,
                         rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast)
-    what = f"{program.score_name}/{program.mask_name} D={D} {str(q.dtype).replace('torch.', '')}"
+    what = forward_label(program, q.dtype, D)
     if kv_batch_broadcast:
         what += " (K/V batch broadcast)"
-    disk_key = None
-    if tpl.tvm_ffi_enabled() and cute_cache.available():
-        disk_key = cache.kernel_key(program.key, "cute_sm90_fwd",
-                                    _frozen_config(cfg, aux_tensors, program, options), "sm90")
-    if keys is not None:
-        keys["fwd"] = disk_key
+    disk_key = forward_disk_key(tpl, program, "sm90", keys,
+                                lambda: _frozen_config(cfg, aux_tensors, program, options))
 
     def build():
         o = torch.empty(*q.shape[:-1], Dv, dtype=q.dtype, device=q.device)
@@ -272,6 +284,21 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
         compile=build, from_disk=lambda fn: tpl.CompiledFwd(
             cfg, None, sig + _scalar_signature(program), ffi_fn=fn),
         export=lambda fn: fn.export if fn.tvm_ffi else None)
+
+
+def forward_label(program: Program, dtype, head_dim: int) -> str:
+    return f"{program.score_name}/{program.mask_name} D={head_dim} {str(dtype).replace('torch.', '')}"
+
+
+def forward_disk_key(tpl, program: Program, arch: str, keys, material) -> str | None:
+    """A forward's disk-cache key (None with the disk cache off or without TVM-FFI), from the
+    key ``material()``; recorded as ``keys["fwd"]`` when ``keys`` is given (``flexjit.aot``)."""
+    disk_key = None
+    if tpl.tvm_ffi_enabled() and cute_cache.available():
+        disk_key = cache.kernel_key(program.key, f"cute_{arch}_fwd", material(), arch)
+    if keys is not None:
+        keys["fwd"] = disk_key
+    return disk_key
 
 
 def block_sparse_args(bm):

@@ -13,8 +13,7 @@ What this module holds
   The preprocess (delta = rowsum(dO∘O) − dLSE, lse2 = LSE·log2 e, the dQ accumulator and the
   semaphores zeroed) is the sm90 backward's ``FlexAttentionBwdPreSm90``: plain loads, stores and
   shuffles, no architecture in it, compiled here for sm_100a.
-* The host half: ``compile_bwd`` -> ``CompiledBwd`` (TVM-FFI placeholders; pre → main → post on
-  torch's current stream).
+* The host half: ``compile_bwd`` -> ``CompiledBwd`` (``host``'s launch, pre → main → post).
 
 Math: exactly the sm90 backward's (``cute_sm90_bwd``, "Algorithm"), with s = score_mod(q·k·scale)::
 
@@ -73,21 +72,20 @@ Per tile j, the MMA warp issues (pipelines in brackets; Sᵀ(0) before the loop)
     [Q(j+1) full, s empty] Sᵀ(j+1) = K Qᵀ → [s full]        (not after the last tile)
     [ds full] dK += dSᵀ(j) Q; dQ(j) = dS K → [dq full, ds empty, Q(j) empty]
 
-so the next tile's Sᵀ runs while the compute warps form this tile's dS. Every hand-off is wrapped in tcgen05 fences (``tcgen05_fence``), as in the forward.
+so the next tile's Sᵀ runs while the compute warps form this tile's dS. Every hand-off is wrapped
+in tcgen05 fences (``tcgen05_fence``), as in the forward.
 
-Block lists: ``cute_sm90_bwd``'s contract (``QBlockLists``, ``QOrder``), unchanged: partial q
-blocks apply mask_mod, full ones skip it (bounds still checked on a tile crossing L or S);
-deterministic launches walk ``dq_order``'s merged list with its full flags.
-
-The holes: ``cute_sm90_bwd``'s ("The holes"): the same rendered module fills both backwards.
+Block lists (``block_sparse.QBlockLists``, ``QOrder``) and the holes: the sm90 backward's
+contract; the same rendered module fills both backwards.
 
 Shapes: q (B, Hq, L, D), k/v (B, Hkv, S, D / Dv), out/dout (B, Hq, L, Dv), lse/dlse (B, Hq, L)
 fp32; dq/dk/dv like q/k/v. Last dims contiguous, 16-byte aligned, other strides multiples of 8
 elements (TMA); bf16 or fp16; Hq = g·Hkv; ragged L and S.
 """
 
+from collections import namedtuple
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
 import cuda.bindings.driver as cuda
 
@@ -99,13 +97,15 @@ import cutlass.utils.blackwell_helpers as sm100_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
-from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, FloatIndices, permute
-from flexjit.templates.cute.sm100.common import BAR_TMEM_FREE, GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, check_head_dims, compile_options, free_tmem, kernel_aux, launch, launcher, require_tvm_ffi, tcgen05_fence, thread_group, tmem_address, tmem_allocator, tvm_ffi_enabled
-from flexjit.templates.cute.sm90.bwd import BwdConfig as _Sm90BwdConfig, FlexAttentionBwdPreSm90, QBlockLists, QOrder, _bcast, _opaque_i32
-# The host half the two archs' backwards share: the launch (argument checks, workspaces, the
-# three kernels' calls), the compile loop, the placeholders of the kernels' arguments.
-from flexjit.templates.cute.sm90 import bwd_host as _host
-from flexjit.templates.cute.sm90.bwd_host import _block_args, _Part, _placeholder_main_args, _placeholder_post_args, _placeholder_pre_args, _tma_ready, aux_signature, compile_parts, num_grad_accs, padded_len
+from flexjit.templates.cute import captured_grads, common, config, host, softmax
+from flexjit.templates.cute.block_sparse import QBlockLists, QOrder, order_rows, q_lists
+from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, kernel_aux, permute, smem_buffer
+from flexjit.templates.cute.host import PARTS, tvm_ffi_enabled  # noqa: F401  (the template's API)
+from flexjit.templates.cute.mask import kept, mask_word
+from flexjit.templates.cute.opaque import opaque_i32
+from flexjit.templates.cute.pipeline import thread_group, tma_pipelines
+from flexjit.templates.cute.sm100.common import BAR_TMEM_FREE, GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, free_tmem, launch, tcgen05_fence, tmem_address, tmem_allocator
+from flexjit.templates.cute.sm90.bwd import BwdConfig as _Sm90BwdConfig, FlexAttentionBwdPreSm90
 
 HEAD_DIMS = ((64, 64), (128, 128))
 TILE_N = 128  # keys per CTA (the M of the swapped MMAs; one mask block)
@@ -120,40 +120,26 @@ _TMEM_DP = TILE_M
 
 # Warp roles.
 _REDUCE_WARP0 = 0
-_COMPUTE_WARP0 = 4  # and MMA_WARP, LOAD_WARP of cute_sm100_common
+_COMPUTE_WARP0 = 4  # and MMA_WARP, LOAD_WARP of sm100.common
 # 128 · (reduce + 2 · compute + other) = 65536: setmaxnreg only moves registers between warpgroups.
 # Measured with ptxas (sm_100a): 56/200/56 is the split where every core mod compiles without
 # spills at D = 64 and 128 (72/184/72 spilled t5_bias; 88/184/56 and 80/192/48 spilled the MMA
 # warp before its k-block loops were rolled).
 _REDUCE_REGS, _COMPUTE_REGS, _OTHER_REGS = 56, 200, 56
 
-# Named barriers (0 is __syncthreads; 1 and 2 are cute_sm100_common's: BAR_TMEM_ALLOC, reduce,
+# Named barriers (0 is __syncthreads; 1 and 2 are sm100.common's: BAR_TMEM_ALLOC, reduce,
 # compute ×2 and the MMA warp wait for the TMEM address; BAR_TMEM_FREE, reduce + compute: every
 # TMEM read done before warp 0 frees it).
 _BAR_REDUCE = 3  # the reduce warpgroup: semaphore acquired / adds issued (deterministic)
 
 
 @dataclass(frozen=True)
-class BwdConfig:
-    """Frozen compile-time configuration. Everything not here is a runtime argument."""
-
-    head_dim: int
-    head_dim_v: int
-    dtype: type  # cutlass.BFloat16 or cutlass.Float16
-    score_mod_and_grad: Optional[Callable] = None
-    mask_mod: Optional[Callable] = None
-    has_block_mask: bool = False
-    deterministic: bool = False
-    # Gradients of captured tensors (the renderer's ``score_grads`` / ``grad_offsets``, or None).
-    score_grads: Optional[Callable] = None
-    grad_offsets: Optional[Callable] = None
+class BwdConfig(config.BwdConfig):
+    """The sm100 backward's configuration: the shared fields, no more."""
 
     def __post_init__(self):
-        check_head_dims("cute_sm100_bwd", self.head_dim, self.head_dim_v, HEAD_DIMS)
-        if (self.score_grads is None) != (self.grad_offsets is None):
-            raise ValueError("score_grads and grad_offsets come together")
-        if self.score_grads is not None and self.score_mod_and_grad is None:
-            raise ValueError("captured-tensor gradients need a score_mod")
+        config.check_head_dims("cute_sm100_bwd", self.head_dim, self.head_dim_v, HEAD_DIMS)
+        super().__post_init__()
 
 
 def stages(head_dim: int) -> tuple:
@@ -178,17 +164,9 @@ def tmem_columns(cfg: BwdConfig) -> int:
     return 2 * TILE_M + cfg.head_dim + cfg.head_dim_v
 
 
-class _Sched(NamedTuple):
-    """Per-CTA work description (trace-time container of DSL values)."""
-
-    n_block: object  # kv block
-    head_kv: object
-    batch: object
-    group: object  # query heads per kv head
-    seqlen_q: object
-    seqlen_k: object
-    n_q_tiles: object
-    n_kv_tiles: object
+# Per-CTA work description (trace-time container of DSL values). n_block: kv block; group: query
+# heads per kv head.
+_Sched = namedtuple("_Sched", "n_block head_kv batch group seqlen_q seqlen_k n_q_tiles n_kv_tiles")
 
 
 @dataclass(frozen=True)
@@ -204,17 +182,12 @@ class _Pipes:
     dkv: object  # MMA -> compute: the last dK/dV MMA has completed
 
 
-class FlexAttentionBwdSm100:
+class FlexAttentionBwdSm100(config.Kernel):
     """Warp-specialised FA4-style backward for sm_100a with score/mask holes."""
 
     def __init__(self, cfg: BwdConfig):
-        self.cfg = cfg
-        self.dtype = cfg.dtype
-        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
+        super().__init__(cfg)
         self.q_stages, self.do_stages = stages(cfg.head_dim)
-        self.score_mod = cfg.score_mod_and_grad
-        self.mask_mod = cfg.mask_mod
-        self.sparse = cfg.has_block_mask
         self.deterministic = cfg.deterministic
         self.score_grads, self.grad_offsets = cfg.score_grads, cfg.grad_offsets
         self.tmem_dv = 2 * TILE_M
@@ -327,11 +300,11 @@ class FlexAttentionBwdSm100:
             mbar_dq: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_dkv: cute.struct.MemRange[cutlass.Int64, 2]
             tmem_addr: Int32
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sK: smem_buffer(self.dtype, sK_layout)
+            sV: smem_buffer(self.dtype, sV_layout)
+            sQ: smem_buffer(self.dtype, sQ_layout)
+            sdO: smem_buffer(self.dtype, sdO_layout)
+            sdS: smem_buffer(self.dtype, sdS_layout)
 
         self.shared_storage = SharedStorage
 
@@ -441,13 +414,9 @@ class FlexAttentionBwdSm100:
 
     def _make_pipelines(self, storage) -> _Pipes:
         warp, compute, reduce_wg = thread_group(1), thread_group(256), thread_group(128)
-        tma = pipeline.PipelineTmaUmma.create
-        kv = tma(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=warp,
-                 consumer_group=warp, tx_count=self.tx_kv, defer_sync=True)
-        q = tma(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages,
-                producer_group=warp, consumer_group=warp, tx_count=self.tx_q, defer_sync=True)
-        do = tma(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.do_stages,
-                 producer_group=warp, consumer_group=warp, tx_count=self.tx_do, defer_sync=True)
+        kv, q, do = tma_pipelines(
+            1, (storage.mbar_kv, 1, self.tx_kv), (storage.mbar_q, self.q_stages, self.tx_q),
+            (storage.mbar_do, self.do_stages, self.tx_do), create=pipeline.PipelineTmaUmma.create)
         to_threads = pipeline.PipelineUmmaAsync.create
         to_mma = pipeline.PipelineAsyncUmma.create
         s = to_threads(barrier_storage=storage.mbar_s.data_ptr(), num_stages=1,
@@ -478,22 +447,8 @@ class FlexAttentionBwdSm100:
         return _Sched(n_block, head_kv, batch, q_per_kv, mQ.shape[0], mK.shape[0],
                       cute.ceil_div(mQ.shape[0], TILE_M), n_kv)
 
-    @cute.jit
     def _q_lists(self, qblocks: QBlockLists, sched: _Sched, head: Int32):
-        cnt, idx = qblocks.q_num_blocks, qblocks.q_indices
-        b, h = _bcast(sched.batch, cnt.shape[0]), _bcast(head, cnt.shape[1])
-        n_part = cnt[b, h, sched.n_block]
-        part_row = idx[b, h, sched.n_block, None]
-        cnt, idx = qblocks.full_q_num_blocks, qblocks.full_q_indices
-        n_full = cnt[b, h, sched.n_block]
-        full_row = idx[b, h, sched.n_block, None]
-        return n_part, n_full, part_row, full_row
-
-    @cute.jit
-    def _order_rows(self, qorder: QOrder, sched: _Sched, head: Int32):
-        t = qorder.rank
-        b, h = _bcast(sched.batch, t.shape[0]), _bcast(head, t.shape[1])
-        return qorder.rank[b, h, sched.n_block, None], qorder.full[b, h, sched.n_block, None]
+        return q_lists(qblocks, sched.batch, head, sched.n_block, 1)
 
     @cute.jit
     def _num_tiles(self, sched: _Sched, qblocks) -> Int32:
@@ -778,9 +733,7 @@ class FlexAttentionBwdSm100:
             thr_s.partition_C(cute.make_identity_tensor((TILE_N, TILE_M))),
             cute.make_layout((TILE_N, cols)))).shape
 
-        c = Float32(LOG2_E)
-        if const_expr(self.score_mod is None):
-            c = softmax_scale * LOG2_E
+        c = softmax.exp2_multiplier(self.score_mod, softmax_scale)
         cx = _ComputeCtx(ld, tTtS, tTtdP, tTcS, st, tTtP, tTtdS, w_shape, sdS, c,
                          softmax_scale, sched, aux, accs, tidx, col0, wg, mLSE2, mDelta)
         Cons, Prod = pipeline.PipelineUserType.Consumer, pipeline.PipelineUserType.Producer
@@ -792,7 +745,7 @@ class FlexAttentionBwdSm100:
             head = sched.head_kv * g + gi
             if const_expr(self.sparse and self.deterministic):
                 n_part, _, part_row, _ = self._q_lists(qblocks, sched, head)
-                _, full_row = self._order_rows(qorder, sched, head)
+                _, full_row = order_rows(qorder, sched.batch, head, sched.n_block)
                 for j in cutlass.range(n_part, unroll=1):
                     m = part_row[j]
                     if full_row[j] != 0:
@@ -871,7 +824,7 @@ class FlexAttentionBwdSm100:
         # 64-row column of swizzle atoms: HALF = 64.)
         sdS_rows = cute.make_tensor(cx.sdS.iterator, cute.make_layout(
             (HALF, TILE_M // HALF, TILE_N), stride=(1, HALF * TILE_N, HALF)))
-        my_dS = sdS_rows[None, _opaque_i32(cx.wg), _opaque_i32(cx.tidx)]  # this key's 64 queries
+        my_dS = sdS_rows[None, opaque_i32(cx.wg), opaque_i32(cx.tidx)]  # this key's 64 queries
         for ci in cutlass.range_constexpr(n_chunks):
             rdP = cute.make_rmem_tensor(cx.tTcS.shape, Float32)
             cute.copy(cx.ld, cx.tTtdP[ci], rdP)
@@ -925,7 +878,7 @@ class FlexAttentionBwdSm100:
             ok = None
             if const_expr(bits is not None):
                 col = col0 + i
-                ok = ((bits[col // 32] >> (col % 32)) & cutlass.Uint32(1)) != cutlass.Uint32(0)
+                ok = kept(bits, col)
             elif const_expr(use_bound):
                 ok = cutlass.and_(q_idx < sched.seqlen_q, kv_in)
             if const_expr(ok is not None):
@@ -952,16 +905,8 @@ class FlexAttentionBwdSm100:
         kv_idx = sched.n_block * TILE_N + cx.tidx
         w0 = w1 = cutlass.Uint32(0)
         for w in cutlass.range(HALF // 32, unroll=1):
-            base = q0 + 32 * w
-            limit = sched.seqlen_q - base
-            indices = FloatIndices(base, kv_idx)
-            word = cutlass.Uint32(0)
-            for i in cutlass.range_constexpr(32):
-                q_idx = base + i
-                keep = self.mask_mod(sched.batch, head, q_idx, kv_idx, cx.aux,
-                                     *indices.args(self.mask_mod, q_idx, kv_idx))
-                bit = cutlass.Uint32(1 << i) if keep else cutlass.Uint32(0)
-                word = word | (bit if i < limit else cutlass.Uint32(0))
+            word = mask_word(self.mask_mod, sched.batch, head, kv_idx, q0 + 32 * w,
+                             sched.seqlen_q, cx.aux, False)
             w0 = word if w == 0 else w0
             w1 = word if w == 1 else w1
         if kv_idx >= sched.seqlen_k:
@@ -982,59 +927,29 @@ class FlexAttentionBwdSm100:
         # math, float indices and load addresses of the score_mod's evaluation in
         # ``_probabilities`` (the same expressions), keeping them live across the dPᵀ wait.
         after_dp = Int32(cutlass.select_(rdP[0] != rdP[0], Int32(1), Int32(0)))
-        kv_idx = _opaque_i32(sched.n_block * TILE_N + cx.tidx) + after_dp
-        q_first = _opaque_i32(q_first) + after_dp
-        head_o = _opaque_i32(head)
+        kv_idx = opaque_i32(sched.n_block * TILE_N + cx.tidx) + after_dp
+        q_first = opaque_i32(q_first) + after_dp
+        head_o = opaque_i32(head)
         indices = FloatIndices(q_first, kv_idx)
-        uniform = self.grad_offsets.uniform
-        acc_of = self.grad_offsets.acc
-        zero = Float32(0.0)
         sums = list(sums)
         for i in cutlass.range_constexpr(CHUNK):
             q_idx = q_first + i
             g = rP[i] * (rdP[i] - rD[i])
-            derivs = self.score_grads(sched.batch, head_o, q_idx, kv_idx, cx.aux,
-                                      *indices.args(self.score_grads, q_idx, kv_idx))
-            offsets = None
-            if const_expr(not all(uniform)):
-                offsets = self.grad_offsets(sched.batch, head_o, q_idx, kv_idx, cx.aux,
-                                            *indices.args(self.grad_offsets, q_idx, kv_idx))
-            for j in cutlass.range_constexpr(len(uniform)):
-                contrib = Float32(cutlass.select_(g == zero, zero, g * derivs[1 + j]))
-                if const_expr(uniform[j]):
-                    sums[j] = sums[j] + contrib
-                else:
-                    if contrib != zero:
-                        # red, not atom: an unused returned fp64 held 2 registers per add.
-                        cute.arch.red(cx.accs[acc_of[j]].iterator + offsets[j],
-                                      contrib.to(cutlass.Float64), op="add", dtype="f64",
-                                      sem="relaxed", scope="gpu")
-            if const_expr(self.score_grads.unit_dscore):
-                rdP[i] = g
-            else:
-                rdP[i] = Float32(cutlass.select_(g == zero, zero, g * derivs[0]))
+            rdP[i] = captured_grads.element(g, sched.batch, head_o, q_idx, kv_idx, cx.aux, indices,
+                                            sums, self.score_grads, self.grad_offsets, cx.accs,
+                                            None, True)
         return sums
 
     @cute.jit
     def _flush_uniform_grads(self, cx, sums, head: Int32, q_first: Int32):
         """The uniform loads' per-thread sums: a warp butterfly, then one fp64 add by lane 0."""
-        uniform = self.grad_offsets.uniform
-        acc_of = self.grad_offsets.acc
-        if const_expr(any(uniform)):
+        if const_expr(any(self.grad_offsets.uniform)):
             sched = cx.sched
             kv_idx = sched.n_block * TILE_N + cx.tidx
             indices = FloatIndices(q_first, kv_idx)
             offsets = self.grad_offsets(sched.batch, head, q_first, kv_idx, cx.aux,
                                         *indices.args(self.grad_offsets, q_first, kv_idx))
-            for j in cutlass.range_constexpr(len(uniform)):
-                if const_expr(uniform[j]):
-                    total = sums[j]
-                    for sh in cutlass.range_constexpr(5):
-                        total = total + cute.arch.shuffle_sync_bfly(total, offset=16 >> sh)
-                    if cute.arch.lane_idx() == 0:
-                        cute.arch.red(cx.accs[acc_of[j]].iterator + offsets[j],
-                                      total.to(cutlass.Float64), op="add", dtype="f64",
-                                      sem="relaxed", scope="gpu")
+            captured_grads.flush_uniform(sums, offsets, self.grad_offsets, cx.accs, True)
 
     @cute.jit
     def epilogue(self, cx, t_ptr, mma_dv, mma_dk, pipes: _Pipes, wg: Int32, mdK, mdV, qblocks):
@@ -1112,7 +1027,7 @@ class FlexAttentionBwdSm100:
             if const_expr(self.sparse):
                 n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
                 if const_expr(self.deterministic):
-                    rank_row, _ = self._order_rows(qorder, sched, head)
+                    rank_row, _ = order_rows(qorder, sched.batch, head, sched.n_block)
                     for j in cutlass.range(n_part, unroll=1):
                         state = self._reduce_tile(rx, pipes, state, head, part_row[j],
                                                   rank_row[j])
@@ -1165,60 +1080,21 @@ class FlexAttentionBwdSm100:
         return state
 
 
-class _Smem(NamedTuple):
-    """The MMA warp's smem operands, each a (tile, swizzle) pair."""
-
-    sK: object
-    sKt: object
-    sV: object
-    sQ: object
-    sQt: object
-    sdO: object
-    sdOt: object
-    sdS: object
+# The MMA warp's smem operands, each a (tile, swizzle) pair.
+_Smem = namedtuple("_Smem", "sK sKt sV sQ sQt sdO sdOt sdS")
 
 
-class _MmaOps(NamedTuple):
-    tSrK: object
-    tSrQ: object
-    tPrV: object
-    tPrdO: object
-    tVrdO: object
-    tKrQ: object
-    tQrdS: object
-    tQrK: object
+# The MMA warp's smem operand fragments, per MMA: Sᵀ (K, Q), dPᵀ (V, dO), dV (dO), dK (Q), dQ (dS, K).
+_MmaOps = namedtuple("_MmaOps", "tSrK tSrQ tPrV tPrdO tVrdO tKrQ tQrdS tQrK")
 
 
-class _ComputeCtx(NamedTuple):
-    ld: object
-    tTtS: object
-    tTtdP: object
-    tTcS: object
-    st: object
-    tTtP: object
-    tTtdS: object
-    w_shape: object
-    sdS: object
-    c: object
-    softmax_scale: object
-    sched: object
-    aux: object
-    accs: object
-    tidx: object
-    col0: object
-    wg: object
-    mLSE2: object
-    mDelta: object
+# A compute warpgroup's state threaded through the per-tile helpers (trace-time).
+_ComputeCtx = namedtuple("_ComputeCtx", "ld tTtS tTtdP tTcS st tTtP tTtdS w_shape sdS c "
+                         "softmax_scale sched aux accs tidx col0 wg mLSE2 mDelta")
 
 
-class _ReduceCtx(NamedTuple):
-    ld: object
-    tTt: object
-    shape: object
-    tidx: object
-    sched: object
-    mdQacc: object
-    mSem: object
+# The dQ reduce warpgroup's state (trace-time).
+_ReduceCtx = namedtuple("_ReduceCtx", "ld tTt shape tidx sched mdQacc mSem")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1237,7 +1113,8 @@ class FlexAttentionBwdPostSm100:
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
                  stream: cuda.CUstream):
         grid = [cute.ceil_div(mdQ.shape[2], self.rows_per_cta), mdQ.shape[1], mdQ.shape[0]]
-        self.kernel(mdQacc, mdQ, softmax_scale).launch(grid=grid, block=[128, 1, 1], stream=stream)
+        common.launch(self.kernel(mdQacc, mdQ, softmax_scale), grid, 128, stream,
+                      one_cta_per_sm=False)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
@@ -1256,9 +1133,6 @@ class FlexAttentionBwdPostSm100:
 # ---------------------------------------------------------------------------------------------
 # Host API (TVM-FFI only)
 # ---------------------------------------------------------------------------------------------
-PARTS = ("pre", "main", "post")
-
-
 def _pre_config(cfg: BwdConfig) -> _Sm90BwdConfig:
     """The sm90 preprocess's configuration: it reads the dtype, head dims, its semaphore tile
     (2 semaphores per 64 rows, a superset of this kernel's one per 128) and determinism."""
@@ -1273,10 +1147,9 @@ def _sem_len(cfg: BwdConfig, lpad: int) -> int:
     return n
 
 
-class CompiledBwd(_host.CompiledBwd):
+class CompiledBwd(host.CompiledBwd):
     """The three compiled kernels of one sm100 backward (never launched: no Blackwell GPU has
-    run them), launched as the sm90 backward's (``cute_sm90_bwd_host.CompiledBwd``: the same
-    arguments, checks and workspaces) with this kernel's semaphore count and operand checks."""
+    run them), launched by ``host.CompiledBwd`` with this kernel's semaphore count and checks."""
 
     NAME = "cute_sm100_bwd"
 
@@ -1288,7 +1161,7 @@ class CompiledBwd(_host.CompiledBwd):
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"{self.NAME}: inconsistent shapes")
         for name, t in (("q", q), ("k", k), ("v", v), ("dq", dq), ("dk", dk), ("dv", dv)):
-            if not _tma_ready(t):
+            if not host.tma_ready(t):
                 raise ValueError(f"cute_sm100_bwd: {name} needs a contiguous last dim, a 16-byte "
                                  "aligned base and 16-byte multiple strides")
 
@@ -1304,19 +1177,19 @@ def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "
     """Compile the backward's kernels for sm_100a (whatever CUTE_DSL_ARCH says); sizes, strides,
     batch and heads stay runtime values. With ``options='--keep-ptx --dump-dir X'`` each part's
     ``compiled.__ptx__`` names its PTX."""
-    require_tvm_ffi("cute_sm100_bwd")
-    signature = aux_signature(aux_tensors, aux_scalars)
+    host.require_tvm_ffi("cute_sm100_bwd")
     kernels = {
-        "pre": lambda: (FlexAttentionBwdPreSm90(_pre_config(cfg)), _placeholder_pre_args(cfg)),
+        "pre": lambda: (FlexAttentionBwdPreSm90(_pre_config(cfg)), host.placeholder_pre_args(cfg)),
         "main": lambda: (FlexAttentionBwdSm100(cfg),
-                         _placeholder_main_args(cfg, aux_tensors, aux_scalars)),
-        "post": lambda: (FlexAttentionBwdPostSm100(cfg), _placeholder_post_args(cfg)),
+                         host.placeholder_main_args(cfg, aux_tensors, aux_scalars)),
+        "post": lambda: (FlexAttentionBwdPostSm100(cfg), host.placeholder_post_args(cfg)),
     }
-    return CompiledBwd(cfg, compile_parts(kernels, compile_options(options), parts, launcher),
-                       signature)
+    built = host.compile_parts(kernels, host.compile_options(options, GPU_ARCH), parts,
+                               host.launcher)
+    return CompiledBwd(cfg, built, host.aux_signature(aux_tensors, aux_scalars))
 
 
 def load_bwd(cfg: BwdConfig, ffi_fns: dict, signature=()) -> CompiledBwd:
     """A ``CompiledBwd`` from functions loaded from the disk cache ({part: tvm_ffi.Function}):
-    nothing in it was compiled in this process (``_Part.compiled`` is None)."""
-    return CompiledBwd(cfg, {name: _Part(None, fn) for name, fn in ffi_fns.items()}, signature)
+    nothing in it was compiled in this process (``Part.compiled`` is None)."""
+    return CompiledBwd(cfg, host.load_parts(ffi_fns), signature)

@@ -1,33 +1,13 @@
-"""What the Blackwell (sm_100a) forward and backward templates share.
-
-What this module holds
-----------------------
-* The target and its budgets: ``GPU_ARCH`` (passed to every sm100 compile, whatever
-  CUTE_DSL_ARCH says), ``TMEM_COLUMNS``, ``SMEM_CAPACITY``.
-* The CTA shape both kernels use: 16 warps (``NUM_WARPS``), the MMA-issuing warp ``MMA_WARP``
-  and the TMA warp ``LOAD_WARP``, the named barriers of the TMEM allocation
-  (``BAR_TMEM_ALLOC``, ``BAR_TMEM_FREE``), and ``launch`` (one CTA per SM: each allocates all
-  512 TMEM columns).
-* Device helpers: ``tcgen05_fence``, ``thread_group`` (a pipeline's cooperative group),
-  ``tmem_allocator``, ``tmem_address`` and ``free_tmem`` (the allocating warp's release after
-  every reader), ``kernel_aux`` (the captured tensors and scalars as the mods take them).
-* Host helpers: ``check_head_dims`` (the configs'), ``compile_options``, ``require_tvm_ffi``,
-  ``launcher`` (the TVM-FFI function of a compile, or None where this process cannot launch
-  sm_100a code).
-
-Only trace-time Python lives here: each helper emits, at its call site, the operations the
-kernel body wrote out before, so moving code here leaves the generated kernels unchanged (the
-kernel classes stay in their templates: their qualified names are the PTX entry names).
-"""
+"""What the Blackwell (sm_100a) kernels share: the target and its budgets, the CTA's warp roles
+and TMEM barriers, the one-CTA-per-SM launch, TMEM allocation (a CTA takes all 512 columns)."""
 
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
-from cutlass import Float32, const_expr, dsl_user_op
+from cutlass import Float32, dsl_user_op
 from cutlass._mlir.dialects import nvvm
 
-# tvm_ffi_enabled: re-exported, the templates' API.
-from flexjit.templates.cute.common import Aux, ffi_function, tvm_ffi_enabled  # noqa: F401
+from flexjit.templates.cute import common
 
 GPU_ARCH = "sm_100a"  # passed to every compile, whatever CUTE_DSL_ARCH says (B200/GB200)
 TMEM_COLUMNS = 512
@@ -58,12 +38,7 @@ def launch(kernel, grid, stream) -> None:
     """Launch a kernel body (``self.kernel(...)``) with ``NUM_WARPS`` warps and one CTA per SM
     (``min_blocks_per_mp=1``: setmaxnreg needs it, and a second resident CTA would wait in
     tcgen05.alloc for the first)."""
-    kernel.launch(grid=grid, block=[32 * NUM_WARPS, 1, 1], stream=stream, min_blocks_per_mp=1)
-
-
-def thread_group(threads: int):
-    """A pipeline's producer or consumer: ``threads`` threads, each arriving."""
-    return pipeline.CooperativeGroup(pipeline.Agent.Thread, threads)
+    common.launch(kernel, grid, 32 * NUM_WARPS, stream)
 
 
 def tmem_allocator(storage, allocator_warp: int, num_threads: int):
@@ -95,40 +70,3 @@ def free_tmem(tmem, t_ptr, num_threads: int) -> None:
     tcgen05_fence(after=True)
     tmem.relinquish_alloc_permit()
     tmem.free(t_ptr)
-
-
-def kernel_aux(aux_tensors, aux_scalars) -> Aux:
-    """The captured tensors and scalars (None when empty: empty tuples are not jit arguments)
-    as the rendered mods take them."""
-    return Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
-               tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
-
-
-# ---------------------------------------------------------------------------------------------
-# Host
-# ---------------------------------------------------------------------------------------------
-def check_head_dims(template: str, head_dim: int, head_dim_v: int, head_dims) -> None:
-    """A config's head dims must be a pair the template has a tile for."""
-    if (head_dim, head_dim_v) not in head_dims:
-        raise NotImplementedError(
-            f"{template}: head dims ({head_dim}, {head_dim_v}) not in {head_dims}")
-
-
-def compile_options(options: str) -> str:
-    """The caller's options, the target arch and the TVM-FFI launch path."""
-    return f"{options} --gpu-arch {GPU_ARCH} --enable-tvm-ffi".strip()
-
-
-def require_tvm_ffi(template: str) -> None:
-    if not tvm_ffi_enabled():
-        raise RuntimeError(f"{template} compiles through TVM-FFI only (tvm_ffi not importable "
-                           ")")
-
-
-def launcher(compiled):
-    """The TVM-FFI function of a compile, or None: compiled for an arch this process cannot
-    launch (CUTE_DSL_ARCH differs, or a CPU-only machine)."""
-    try:
-        return ffi_function(compiled)
-    except RuntimeError:
-        return None

@@ -76,9 +76,9 @@ kv < S bound apply), 2 = full (no mask_mod; only the bound where the block cross
 holds k0 | (k1 << 2). Without a block mask every kv tile is visited, partial with a mask_mod and
 full without one.
 
-The holes: the contract of ``templates/cute_sm90_fwd.py`` ("The holes"), unchanged: the same
+The holes: the contract of ``sm90/fwd.py`` ("The holes"), unchanged: the same
 rendered modules (``flexjit/backends/cute_render.py``) fill both kernels. ``aux`` is a
-``cute_common.Aux``; mods marked ``float_indices`` get ``cute_common.FloatIndices`` arguments.
+``common.Aux``; mods marked ``float_indices`` get ``common.FloatIndices`` arguments.
 
 Shapes: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), o (B, Hq, L, Dv), lse (B, Hq, L) fp32;
 last dim contiguous, 16-byte aligned, other strides multiples of 8 elements; bf16 or fp16.
@@ -86,7 +86,7 @@ Head dims: ``HEAD_DIMS``.
 """
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -98,8 +98,13 @@ import cutlass.utils.blackwell_helpers as sm100_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
-from flexjit.templates.cute.common import LN_2, LOG2_E, Aux, FloatIndices, as_scalar, aux_cutlass_dtype, fadd, permute, placeholder, tree
-from flexjit.templates.cute.sm100.common import GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, check_head_dims, compile_options, free_tmem, kernel_aux, launch, launcher, require_tvm_ffi, tcgen05_fence, thread_group, tmem_address, tmem_allocator, tvm_ffi_enabled
+from flexjit.templates.cute import config, host, softmax
+from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, KIND_SKIP, BlockSparse256, count_of, row_of
+from flexjit.templates.cute.common import Aux, FloatIndices, fadd, kernel_aux, permute, smem_buffer, tree
+from flexjit.templates.cute.host import placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
+from flexjit.templates.cute.mask import kept, mask_word
+from flexjit.templates.cute.pipeline import thread_group, tma_pipelines
+from flexjit.templates.cute.sm100.common import GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, free_tmem, launch, tcgen05_fence, tmem_address, tmem_allocator
 
 HEAD_DIMS = ((64, 64), (128, 128))
 SUB_M = 128  # rows of one sub-tile (the tcgen05 M, one TMEM lane per row)
@@ -107,27 +112,15 @@ CTA_M = 2 * SUB_M  # query rows per CTA
 TILE_N = 128  # keys per kv tile (= the mask block; _mask_bits assumes 4 words of 32)
 S_CHUNK = 16  # S columns the softmax reads from TMEM (and mods) at a time
 
-# Warp roles (and MMA_WARP, LOAD_WARP of cute_sm100_common).
+# Warp roles (and MMA_WARP, LOAD_WARP of sm100.common).
 _SOFTMAX_WARPS = ((0, 1, 2, 3), (4, 5, 6, 7))
 _CORRECTION_WARP0 = 8
 _SOFTMAX_REGS, _CORRECTION_REGS, _OTHER_REGS = 208, 56, 40
 
-# Named barriers (cute_sm100_common's): BAR_TMEM_ALLOC, softmax ×2, correction and the MMA warp
+# Named barriers (sm100.common's): BAR_TMEM_ALLOC, softmax ×2, correction and the MMA warp
 # wait for the TMEM address; BAR_TMEM_FREE, the correction warpgroup, before warp 8 frees TMEM.
 
-# Kinds of a kv block for one sub-tile (block-sparse lists).
-KIND_SKIP, KIND_PARTIAL, KIND_FULL = 0, 1, 2
-
 _VEC_SLOTS = 4  # per row in sVec: rescale factor, running sum, running max, true max
-
-
-class BlockSparse256(NamedTuple):
-    """Per 256-row query tile (Bm, Hm, nQ2 = ceil(nQB / 2)), int32: ``num`` blocks, their kv
-    block ``indices`` (Bm, Hm, nQ2, nKVB) and ``kinds`` (same shape, k0 | k1 << 2)."""
-
-    num: cute.Tensor
-    indices: cute.Tensor
-    kinds: cute.Tensor
 
 
 def num_stages(head_dim: int) -> int:
@@ -146,23 +139,15 @@ def smem_bytes(cfg: "FwdConfig") -> int:
 
 
 @dataclass(frozen=True)
-class FwdConfig:
-    """Frozen compile-time configuration. Everything not here is a runtime argument."""
+class FwdConfig(config.FwdConfig):
+    """The sm100 forward's configuration: the shared fields and ``score_loads``."""
 
-    head_dim: int
-    head_dim_v: int
-    dtype: type  # cutlass.BFloat16 or cutlass.Float16
-    score_mod: Optional[Callable] = None
-    mask_mod: Optional[Callable] = None
-    has_block_mask: bool = False
-    rescale_threshold: float = 0.0  # log2 units; 0.0 rescales whenever a row max grows
-    write_max: bool = False  # also write each row's max modded score (AuxRequest(max_scores))
     # The score_mod loads per element (bias tables): the softmax takes two passes over S in
     # TMEM instead of holding 128 scores in registers beside those loads (see ``_step``).
     score_loads: bool = False
 
     def __post_init__(self):
-        check_head_dims("cute_sm100_fwd", self.head_dim, self.head_dim_v, HEAD_DIMS)
+        config.check_head_dims("cute_sm100_fwd", self.head_dim, self.head_dim_v, HEAD_DIMS)
 
 
 class _Sched(NamedTuple):
@@ -178,16 +163,12 @@ class _Sched(NamedTuple):
     seqlen_k: object
 
 
-class FlexAttentionFwdSm100:
+class FlexAttentionFwdSm100(config.Kernel):
     """Warp-specialised FA4-style forward for sm_100a with score/mask holes."""
 
     def __init__(self, cfg: FwdConfig):
-        self.cfg = cfg
-        self.dtype = cfg.dtype
-        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
+        super().__init__(cfg)
         self.num_stages = num_stages(cfg.head_dim)
-        self.score_mod, self.mask_mod = cfg.score_mod, cfg.mask_mod
-        self.sparse = cfg.has_block_mask
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.write_max = bool(cfg.write_max)
         self.qk_tiler = (SUB_M, TILE_N, self.head_dim)
@@ -266,9 +247,9 @@ class FlexAttentionFwdSm100:
             mbar_o: cute.struct.MemRange[cutlass.Int64, 2 * 2]
             tmem_addr: Int32
             sVec: cute.struct.Align[cute.struct.MemRange[Float32, 2 * _VEC_SLOTS * SUB_M], 16]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sQ: smem_buffer(self.dtype, sQ_layout)
+            sK: smem_buffer(self.dtype, sK_layout)
+            sV: smem_buffer(self.dtype, sV_layout)
 
         self.shared_storage = SharedStorage
 
@@ -352,16 +333,10 @@ class FlexAttentionFwdSm100:
 
     def _make_pipelines(self, storage):
         """See the module docstring for what each pipeline's phases mean."""
+        pipe_q, pipe_k, pipe_v = tma_pipelines(
+            1, (storage.mbar_q, 2, self.tx_q), (storage.mbar_k, self.num_stages, self.tx_k),
+            (storage.mbar_v, self.num_stages, self.tx_v), create=pipeline.PipelineTmaUmma.create)
         warp, wg = thread_group(1), thread_group(128)
-        tma = pipeline.PipelineTmaUmma.create
-        pipe_q = tma(barrier_storage=storage.mbar_q.data_ptr(), num_stages=2, producer_group=warp,
-                     consumer_group=warp, tx_count=self.tx_q, defer_sync=True)
-        pipe_k = tma(barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
-                     producer_group=warp, consumer_group=warp, tx_count=self.tx_k,
-                     defer_sync=True)
-        pipe_v = tma(barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
-                     producer_group=warp, consumer_group=warp, tx_count=self.tx_v,
-                     defer_sync=True)
         # One stage per sub-tile: stage t is sub-tile t's. The MMA warp and the correction
         # warpgroup serve the sub-tiles in turn (their states advance by one), each softmax
         # warpgroup only its own stage (its states start at t and advance by two).
@@ -388,12 +363,9 @@ class FlexAttentionFwdSm100:
         idx_row = None
         kind_row = None
         if const_expr(self.sparse):
-            cnt = blocks.num
-            n = cnt[batch % cnt.shape[0], head % cnt.shape[1], m_block]
-            idx = blocks.indices
-            idx_row = idx[batch % idx.shape[0], head % idx.shape[1], m_block, None]
-            kinds = blocks.kinds
-            kind_row = kinds[batch % kinds.shape[0], head % kinds.shape[1], m_block, None]
+            n = count_of(blocks.num, batch, head, m_block)
+            idx_row = row_of(blocks.indices, batch, head, m_block)
+            kind_row = row_of(blocks.kinds, batch, head, m_block)
         return _Sched(m_block, head, batch, n, idx_row, kind_row, mO.shape[0], seqlen_k)
 
     @cute.jit
@@ -610,9 +582,7 @@ class FlexAttentionFwdSm100:
         tTtP = [st.partition_D(cute.make_tensor(tStP.iterator + 32 * h, tStP.layout))
                 for h in range(p_cols // 32)]
 
-        c = Float32(LOG2_E)
-        if const_expr(self.score_mod is None):
-            c = softmax_scale * LOG2_E
+        c = softmax.exp2_multiplier(self.score_mod, softmax_scale)
         row = 2 * sched.m_block * SUB_M + t * SUB_M + tTcS[0][0]
         row_max = -Float32.inf
         row_sum = Float32(0.0)
@@ -711,12 +681,8 @@ class FlexAttentionFwdSm100:
             blk_max = tree(values, cute.arch.fmax)
             if const_expr(self.write_max):
                 row_peak = cute.arch.fmax(row_peak, blk_max)
-            grow = (blk_max - row_max) * c > self.rescale_threshold  # false for NaN (-inf - -inf)
-            m_new = blk_max if grow else row_max
-            # Only where the max moved: m_old = m_new = -inf would give NaN.
-            scale = cute.math.exp2((row_max - m_new) * c, fastmath=True) if grow else Float32(1.0)
-            row_max = m_new
-            bias = (Float32(0.0) if m_new == -Float32.inf else m_new) * c
+            scale, row_max = softmax.max_step(blk_max, row_max, c, self.rescale_threshold)
+            bias = softmax.exp2_bias(row_max, c)
             for rS in chunks:
                 for i in cutlass.range_constexpr(cute.size(rS)):
                     rS[i] = cute.math.exp2(cute.fma(rS[i], c, -bias), fastmath=True)
@@ -759,11 +725,8 @@ class FlexAttentionFwdSm100:
         cute.arch.fence_view_async_tmem_store()  # pass 2 reads what pass 1 wrote
         if const_expr(self.write_max):
             row_peak = cute.arch.fmax(row_peak, blk_max)
-        grow = (blk_max - row_max) * c > self.rescale_threshold  # false for NaN (-inf - -inf)
-        m_new = blk_max if grow else row_max
-        scale = cute.math.exp2((row_max - m_new) * c, fastmath=True) if grow else Float32(1.0)
-        row_max = m_new
-        bias = (Float32(0.0) if m_new == -Float32.inf else m_new) * c
+        scale, row_max = softmax.max_step(blk_max, row_max, c, self.rescale_threshold)
+        bias = softmax.exp2_bias(row_max, c)
         blk_sum = Float32(0.0)
         per_piece = 32 * per_col // S_CHUNK
         for h in cutlass.range_constexpr(len(tTtP)):
@@ -783,22 +746,13 @@ class FlexAttentionFwdSm100:
 
     @cute.jit
     def _mask_bits(self, tile: Int32, row: Int32, sched: _Sched, aux: Aux):
-        """mask_mod and the kv < S bound of this row over kv tile ``tile``, as TILE_N / 32 words:
-        bit i of word w keeps column 32·w + i. A runtime loop over the words (not unrolled):
-        unrolled, ptxas kept all 128 kv indices and mask values live at once and spilled."""
+        """mask_mod and the kv < S bound of this row over kv tile ``tile``, as TILE_N / 32 words
+        (``mask_word``): bit i of word w keeps column 32·w + i."""
         kv0 = tile * TILE_N
         w0 = w1 = w2 = w3 = cutlass.Uint32(0)
         for w in cutlass.range(TILE_N // 32, unroll=1):
-            base = kv0 + 32 * w
-            limit = sched.seqlen_k - base
-            indices = FloatIndices(row, base)
-            word = cutlass.Uint32(0)
-            for i in cutlass.range_constexpr(32):
-                kv_idx = base + i
-                keep = self.mask_mod(sched.batch, sched.head, row, kv_idx, aux,
-                                     *indices.args(self.mask_mod, row, kv_idx))
-                bit = cutlass.Uint32(1 << i) if keep else cutlass.Uint32(0)
-                word = word | (bit if i < limit else cutlass.Uint32(0))
+            word = mask_word(self.mask_mod, sched.batch, sched.head, row, kv0 + 32 * w,
+                             sched.seqlen_k, aux, True)
             w0 = word if w == 0 else w0
             w1 = word if w == 1 else w1
             w2 = word if w == 2 else w2
@@ -824,7 +778,7 @@ class FlexAttentionFwdSm100:
                 s = self.score_mod(s * softmax_scale, sched.batch, sched.head, row, kv_idx, aux,
                                    *indices.args(self.score_mod, row, kv_idx))
             if const_expr(bits is not None):
-                keep = ((bits[col // 32] >> (col % 32)) & cutlass.Uint32(1)) != cutlass.Uint32(0)
+                keep = kept(bits, col)
                 s = s if keep else neg_inf
             elif const_expr(use_bound):
                 s = s if col < limit else neg_inf
@@ -909,15 +863,8 @@ class FlexAttentionFwdSm100:
         """O_t / rowsum to global memory from registers (this thread's row, 16-byte stores),
         LSE (and max_scores). Rows >= L are skipped; an empty row (n = 0, or every key masked)
         gives O = 0 and LSE = -inf."""
-        c = Float32(LOG2_E)
-        if const_expr(self.score_mod is None):
-            c = softmax_scale * LOG2_E
-        ok = row_sum > 0.0  # false for an all-masked row (0) and for NaN
-        inv = cute.arch.rcp_approx(row_sum if ok else Float32(1.0))
-        inv = inv if ok else Float32(0.0)
-        m_safe = Float32(0.0) if row_max == -Float32.inf else row_max
-        lse = (m_safe * c + cute.math.log2(row_sum if ok else Float32(1.0), fastmath=True)) * LN_2
-        lse = lse if ok else -Float32.inf
+        c = softmax.exp2_multiplier(self.score_mod, softmax_scale)
+        inv, lse = softmax.finalize(row_sum, row_max, c)
         row = 2 * sched.m_block * SUB_M + t * SUB_M + tTcO[0][0]
         in_bounds = row < sched.seqlen_q
         # tcgen05.ld is warp-collective (.sync.aligned): every lane loads, whatever its row;
@@ -962,34 +909,20 @@ class _Pipes:
 # ---------------------------------------------------------------------------------------------
 # Host API (TVM-FFI only: compile against placeholders, call with torch tensors)
 # ---------------------------------------------------------------------------------------------
-def _cutlass_dtype(torch_dtype):
-    import torch
-
-    table = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
-    if torch_dtype not in table:
-        raise TypeError(f"cute_sm100_fwd: unsupported dtype {torch_dtype}")
-    return table[torch_dtype]
-
-
 def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
     q, k, v, o = [placeholder(cfg.dtype, 4, 16, 8) for _ in range(4)]  # TMA: 16 B, 8 elems
     lse = placeholder(Float32, 3, 4)
     blocks = None
     if cfg.has_block_mask:
         blocks = BlockSparse256(*[placeholder(Int32, n, 4) for n in (3, 4, 4)])
-    tensors = tuple(placeholder(aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
-                    for t in aux_tensors)
-    scalars = tuple(as_scalar(x) for x in aux_scalars)
     row_max = placeholder(Float32, 3, 4) if cfg.write_max else None
-    return (q, k, v, o, lse, Float32(1.0), blocks, tensors or None, scalars or None, row_max)
+    return (q, k, v, o, lse, Float32(1.0), blocks, *host.aux_placeholders(aux_tensors, aux_scalars),
+            row_max)
 
 
-class CompiledFwd:
+class CompiledFwd(host.CompiledFwd):
     """A compiled sm100 forward; ``__call__`` launches it through TVM-FFI on torch's current
     stream (never exercised: no Blackwell GPU has run it)."""
-
-    def __init__(self, cfg: FwdConfig, compiled, signature, ffi_fn):
-        self.cfg, self.compiled, self.signature, self.ffi_fn = cfg, compiled, signature, ffi_fn
 
     def __call__(self, q, k, v, o, lse, softmax_scale: float, blocks=None, aux_tensors=(),
                  aux_scalars=(), max_scores=None):
@@ -997,14 +930,12 @@ class CompiledFwd:
         if self.ffi_fn is None:
             raise RuntimeError(f"this sm100 forward was compiled for {GPU_ARCH} in a process that "
                                "cannot launch it (CUTE_DSL_ARCH differs): compile-only")
-        if (max_scores is not None) != self.cfg.write_max:
-            raise ValueError("max_scores must be given exactly when the kernel writes it (write_max)")
+        self.check_max_scores(max_scores)
         if (blocks is not None) != self.cfg.has_block_mask:
             raise ValueError("block lists must be given exactly when compiled with a block mask")
-        tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in aux_tensors) or None
         lists = None if blocks is None else BlockSparse256(*[t.contiguous() for t in blocks])
-        self.ffi_fn(q, k, v, o, lse, float(softmax_scale), lists, tensors,
-                    tuple(aux_scalars) or None, max_scores)
+        self.ffi_fn(q, k, v, o, lse, float(softmax_scale), lists,
+                    *host.aux_args(aux_tensors, aux_scalars), max_scores)
         return o, lse
 
 
@@ -1014,13 +945,11 @@ def compile_fwd(cfg: FwdConfig, q, aux_tensors=(), aux_scalars=(),
     Always targets ``GPU_ARCH`` (a CPU-only machine needs no CUTE_DSL_ARCH); read
     ``result.compiled.__ptx__`` with ``options='--keep-ptx'`` (a path to the dumped file when
     ``--dump-dir`` is given)."""
-    require_tvm_ffi("cute_sm100_fwd")
-    if _cutlass_dtype(q.dtype) is not cfg.dtype:
+    host.require_tvm_ffi("cute_sm100_fwd")
+    if host.cutlass_dtype(q.dtype, "cute_sm100_fwd") is not cfg.dtype:
         raise TypeError("q dtype does not match the config")
-    signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
-        type(as_scalar(x)).__name__ for x in aux_scalars)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     compiled = cute.compile(FlexAttentionFwdSm100(cfg),
-                            *_placeholder_args(cfg, aux_tensors, aux_scalars), stream,
-                            options=compile_options(options))
-    return CompiledFwd(cfg, compiled, signature, launcher(compiled))
+                            *_placeholder_args(cfg, aux_tensors, aux_scalars), host.env_stream(),
+                            options=host.compile_options(options, GPU_ARCH))
+    return CompiledFwd(cfg, compiled, host.aux_signature(aux_tensors, aux_scalars),
+                       host.launcher(compiled))

@@ -14,15 +14,12 @@ What this module holds
   - ``FlexAttentionBwdPostSm90`` (postprocess): ``dQ = accumulator · softmax_scale`` in the
     input dtype.
 * The host half (compiling against placeholders, the workspaces, the argument checks and the
-  launch: ``compile_bwd`` / ``CompiledBwd`` / ``load_bwd``) is ``cute_sm90_bwd_host``; this
+  launch: ``compile_bwd`` / ``CompiledBwd`` / ``load_bwd``) is ``bwd_host`` (on ``host``); this
   module holds what runs on the device and the configuration it is traced with. ``Lpad`` below
-  is ``cute_sm90_bwd_host.padded_len(L)``: whole mask blocks.
+  is ``host.padded_len(L)``: whole mask blocks.
 
-Gradients of captured tensors that require grad (``BwdConfig.score_grads``/``grad_offsets``,
-rendered by the backend): per element, P∘(dP − delta) · d score_mod / d load is added into an
-fp64 accumulator per tensor (``FlexAttentionBwdSm90._captured_grads``); warp-reduced first where
-the load's index is uniform over the tile. Supported when those derivatives and the indices do
-not depend on the score itself (the backend checks; else the Triton backward serves).
+Gradients of captured tensors that require grad: ``captured_grads``, supported when those
+derivatives and the indices do not depend on the score (else the Triton backward serves).
 Out of scope here: head dims other than 32, 64, 96, 128, 192 and (192, 128) (``HEAD_DIMS``), and
 sm100.
 
@@ -68,10 +65,10 @@ owns half of dK's, dV's and dQ's columns; warpgroup 0 alone stores dSᵀ. Smem 2
 185 KB (192, 128).
 
 dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
-swizzle: see ``_dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
+swizzle: see ``dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
 warpgroup, 160 threads); the writer issues ``cp.reduce.async.bulk.tensor...add.f32`` of the box
 into the accumulator (B, Hq, Lpad, D) and frees the box once the bulk copy has read it. The
-accumulator holds dQ permuted within each 16-row × 8-column block (``_dq_box_view``) so that
+accumulator holds dQ permuted within each 16-row × 8-column block (``dq_box_view``) so that
 a thread's accumulator values form 16-byte runs in the box (one STS.128 per 4 values instead of
 an STS.64 per 2); the postprocess undoes the permutation.
 
@@ -109,7 +106,7 @@ and columns kv >= S can reach them and their results are discarded).
 Block lists (FlexAttention's BlockMask, mask block 128×128, int32, Bm ∈ {1, B}, Hm ∈ {1, Hq}):
 ``q_num_blocks`` (Bm, Hm, nKV) + ``q_indices`` (Bm, Hm, nKV, nQ) list the PARTIAL q blocks of
 each kv block (mask_mod applied), ``full_q_*`` the FULL ones (mask_mod skipped; bounds still
-checked on a tile that crosses L or S). The host API (``cute_sm90_bwd_host``) takes all 8
+checked on a tile that crosses L or S). The host API (``bwd_host``) takes all 8
 BlockMask tensors (the kernel reads the q lists; deterministic mode reads ``dq_order``'s merged
 ones). Without a block mask every q tile is visited (partial with a mask_mod, else full).
 
@@ -119,8 +116,9 @@ fp16, ragged L and S, L != S, Hq = g·Hkv.
 """
 
 import math
+from collections import namedtuple
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -131,37 +129,20 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory.smem import SmemAllocator
 
-# Shared with the forward (and the kernels to come): the aux container the generated mods index,
-# layout helpers. The placeholder/TVM-FFI plumbing is the host module's (cute_sm90_bwd_host).
-from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, FloatIndices, permute, smem_layout, transposed, wgmma_gemm
+from flexjit.templates.cute import captured_grads, config, softmax
+from flexjit.templates.cute.block_sparse import QBlockLists, QOrder, listed_tile, order_rows, q_lists
+from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, FloatIndices, kernel_aux, launch, permute, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
+from flexjit.templates.cute.opaque import opaque_i32, opaque_smem, opaque_thread_idx
+from flexjit.templates.cute.pipeline import tma_pipelines
+from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols, store_dq_acc
 
 # Named barrier ids (0 is __syncthreads).
 _BAR_MMA = 1  # the 256 MMA threads: dS tile complete in smem; epilogue
 _BAR_DQ_EMPTY = 2  # + warpgroup: its dQ warp lets the warpgroup write its dQ box
 _BAR_DQ_FULL = 4  # + warpgroup: the warpgroup's dQ box is written
 _DQ_BAR_THREADS = 128 + 32
-
-
-class QBlockLists(NamedTuple):
-    """Transposed lists, int32: counts (Bm, Hm, nKV), indices (Bm, Hm, nKV, nQ)."""
-
-    q_num_blocks: cute.Tensor
-    q_indices: cute.Tensor
-    full_q_num_blocks: cute.Tensor
-    full_q_indices: cute.Tensor
-
-
-class QOrder(NamedTuple):
-    """Deterministic block-sparse launches (``dq_order``): per entry of the merged q list, int32,
-    shaped like q_indices: how many kv blocks add into that q block before this one, and whether
-    the entry is a full block (mask_mod skipped)."""
-
-    rank: cute.Tensor
-    full: cute.Tensor
 
 
 # (head_dim, head_dim_v) pairs with a row in ``choose_bwd_tiling``'s table.
@@ -204,7 +185,7 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
     * D = 96: D = 128's row, but overlap always: dV + dK = 96 registers leave room for every
       core mod's temporaries beside Sᵀ, dPᵀ and P (all 18 compile spill-free overlapped, heavy
       ones included). Smem 153 KB.
-      K's swizzle atom is 32 bytes, not 64 (``_k_atom_cols``: the dQ GEMM splits K's 96 columns
+      K's swizzle atom is 32 bytes, not 64 (``k_atom_cols``: the dQ GEMM splits K's 96 columns
       at 48 between the warpgroups).
     * D = 192 and (192, 128): 64 × 64 with the head dims split between the warpgroups. With
       64 keys per warpgroup (the wgmma M) dK + dV alone are D/2 + Dv/2 = 192 (160) registers
@@ -214,7 +195,7 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       The price: each warpgroup computes the whole Sᵀ and dPᵀ (7 GEMM units of work for 5)
       and Q/dO are streamed once per 64 keys instead of 128. FA3 instead uses 64 × 96 tiles
       with swapped dK/dV GEMMs; a 96-key tile would straddle mask blocks. Q, dO, K and V get
-      32-column swizzle atoms at 192 (``_k_atom_cols``: each half starts on an atom); V and dO
+      32-column swizzle atoms at 192 (``k_atom_cols``: each half starts on an atom); V and dO
       keep 64-column atoms at Dv = 128.
     Registers: 2 MMA warpgroups at 240 + the producer warpgroup at 24 = 64512 (the launch's
     168 per thread × 384): setmaxnreg.inc can only take what .dec released, so 240/24 is the
@@ -230,24 +211,13 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 
 
 @dataclass(frozen=True)
-class BwdConfig:
-    """Frozen compile-time configuration. Everything not here is a runtime argument."""
+class BwdConfig(config.BwdConfig):
+    """The sm90 backward's configuration: the shared fields, its tiling and the K/V batch
+    broadcast."""
 
-    head_dim: int
-    head_dim_v: int
-    dtype: type  # cutlass.BFloat16 or cutlass.Float16
-    score_mod_and_grad: Optional[Callable] = None
-    mask_mod: Optional[Callable] = None
-    has_block_mask: bool = False
-    deterministic: bool = False
     # Form P under the dP GEMM (faster, more registers). None: only when there are no mods;
     # the backend passes True for light mods (no loads, no transcendentals in the IR).
     overlap_dp: Optional[bool] = None
-    # Gradients of captured tensors (the renderer's ``score_grads`` / ``grad_offsets``, or None):
-    # the main kernel then takes one fp64 accumulator per learnable tensor (see
-    # ``FlexAttentionBwdSm90._captured_grads``).
-    score_grads: Optional[Callable] = None
-    grad_offsets: Optional[Callable] = None
     tiling: BwdTiling = field(default=None)
     # K/V of batch extent 1 serve every query batch (torch's batch broadcast; the paged caches):
     # the main kernel loads them at batch 0 and still writes dK/dV per query batch, into
@@ -255,6 +225,7 @@ class BwdConfig:
     kv_batch_broadcast: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         if self.tiling is None:
             overlap = self.overlap_dp
             if overlap is None:
@@ -269,88 +240,12 @@ def _transposed_2d(s: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def _bcast(i: Int32, n: Int32) -> Int32:
-    """Index ``i`` into a block-list dim of size ``n`` ∈ {1, full}: a size-1 dim broadcasts.
-    (A select, where ``i % n`` would cost an integer division per list.)"""
-    return Int32(cutlass.select_(n == 1, Int32(0), i))
-
-
-@dsl_user_op
-def _opaque_thread_idx(*, loc=None, ip=None) -> Int32:
-    """%tid.x through a volatile asm statement: a value the compiler cannot merge with (or
-    hoist above) earlier thread-index arithmetic."""
-    value = llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r", has_side_effects=True,
-                            is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return Int32(value)
-
-
-@dsl_user_op
-def _opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
-    """``x`` through a volatile asm move: the compiler cannot CSE what is computed from the
-    result with what was computed from ``x`` before (nor hoist it above that point)."""
-    value = llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.u32 $0, $1;", "=r,r",
-                            has_side_effects=True, is_align_stack=False,
-                            asm_dialect=llvm.AsmDialect.AD_ATT)
-    return Int32(value)
-
-
-def _opaque_smem(t: cute.Tensor, swizzle) -> cute.Tensor:
-    """``t``, a ``swizzle``d smem tile starting on a 1024-byte boundary (a swizzle atom), rebased
-    on its address passed through a volatile move: the same tile, the same wgmma descriptors.
-
-    It keeps ptxas from splitting the descriptors' 64-bit adds. From an address the compiler
-    can follow (a stage slice ``sQ[None, None, idx]``, or a constant offset from the smem base),
-    the DSL forms each k-block's descriptor as a 64-bit add to one whose high word is the
-    constant 0x40000040 (stride byte offset and swizzle mode), and ptxas turns each add into
-    UIADD3 + UIADD3.X plus UMOVs that re-materialise the high word; from an opaque address it
-    builds the tile's descriptor once and adds each k-block's offset with one UIADD3.64 (a
-    ULOP3 on the low word where the DSL knows the offset's bits are clear). Call
-    it inside the Q-tile loop: rebased once before it, K and V's descriptors are hoisted into
-    vector registers (an R2UR per use, and registers the elementwise work needs).
-
-    The rebased pointer claims 16-byte alignment only (true: the tile is 1024-aligned; the
-    descriptor's address field is addr >> 4 either way, and the swizzle acts on the address
-    bits, not on what the compiler assumes). Claiming 1024 lets the DSL OR the first k-blocks'
-    offsets into the low word, each OR needing the high word 0x40000040 re-materialised (UMOV);
-    at 16 it adds them (UIADD3.64): CPU SASS hot loop D=128 4 fewer instructions, D=64 0-1
-    (32 and 128 give the same code as 1024)."""
-    addr = _opaque_i32(t.iterator.toint())
-    ptr = cute.make_ptr(t.element_type, addr, cute.AddressSpace.smem, assumed_align=16,
-                        swizzle_=swizzle)
-    return cute.make_tensor(ptr, t.layout)
-
-
-@cute.jit
-def _store_dq_acc(acc: cute.Tensor, dst: cute.Tensor):
-    """The dQ accumulator ((2, 2, V), MMA_M, MMA_N) -> its smem box partition ``dst`` (same
-    shape, through ``_dq_box_view``): the 4 values (e, h) of each 8-column group are adjacent
-    in smem and 16-byte aligned (the box starts on 1024 bytes, the run on a multiple of 4
-    fp32): one 128-bit store each."""
-    for m in cutlass.range_constexpr(cute.size(acc, mode=[1])):
-        for n in cutlass.range_constexpr(cute.size(acc, mode=[2])):
-            for g in cutlass.range_constexpr(cute.size(acc.shape[0][2])):
-                run = cute.make_rmem_tensor((4,), Float32)
-                for h in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(2):
-                        run[2 * h + e] = acc[(e, h, g), m, n]
-                at = dst.iterator + cute.crd2idx(((0, 0, g), m, n), dst.layout)
-                ptr = cute.make_ptr(Float32, at.toint(), cute.AddressSpace.smem, assumed_align=16)
-                cute.autovec_copy(run, cute.make_tensor(ptr, cute.make_layout(4)))
-
-
-@cute.jit
 def _copy_if(pred, atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor):
     """``cute.copy`` under a runtime predicate, in its own function: a branch in the caller
     would carry the caller's trace-time state (shapes included) through the branch as runtime
     values."""
     if pred:
         cute.copy(atom, src, dst)
-
-
-def _tma_tiles(atom: cute.CopyAtom, s: cute.Tensor, g: cute.Tensor):
-    """TMA partition of a 2-D tile (its two modes grouped into the TMA box mode): (smem, gmem)."""
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
-                                 cute.group_modes(g, 0, 2))
 
 
 def _as_acc_layout(frag_a: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
@@ -362,73 +257,21 @@ def _as_acc_layout(frag_a: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(frag_a.iterator, cute.make_layout(acc.shape))
 
 
-def _dq_box_view(box_rows: int, box_cols: int):
-    """(row, column) of dQ in one box -> smem offset in the box: (row layout, column layout).
-
-    Row r = 16a + 8h + ρ, column c = 8g + 2t + e (the wgmma accumulator gives lane 4ρ + t of
-    a warp rows ρ and ρ + 8 (h), columns 2t + e of every 8-column group g) is stored at box row
-    16a + 2ρ + t // 2, box column 8g + 4·(t % 2) + 2h + e: a permutation within each
-    16-row × 8-column block, the same for every box and kv block, that puts a thread's 4
-    values (e, h) of group g (4 consecutive accumulator registers) in one 16-byte run: one
-    STS.128 per 4 values instead of an STS.64 per 2, no register moves. A warp's store covers
-    512 contiguous bytes (conflict-free). ``FlexAttentionBwdPostSm90`` reads it back. Box
-    (row, column) sits at 8·row + (column % 8) + 8·rows·(column // 8) (``_dq_smem_layout``)."""
-    assert box_rows % 16 == 0
-    rows = cute.make_layout((8, 2, box_rows // 16), stride=(16, 2, 128))
-    cols = cute.make_layout((2, (2, 2), box_cols // 8), stride=(1, (4, 8), 8 * box_rows))
-    return rows, cols
-
-
-def _k_atom_cols(head_dim: int, dq_split: str) -> int:
-    """The column count K's smem swizzle atom is chosen for. The dQ GEMM reads K MN-major with
-    each warpgroup's N = D/2 columns ("cols" split), and a warpgroup's columns must start on a
-    swizzle-atom boundary unless all of D lies in one atom: D = 96 would get 32-column (64-byte)
-    atoms and split at column 48, so it takes 16-column (32-byte) atoms instead; D = 192 takes
-    32-column (64-byte) atoms (split at 96). Every other head dim keeps the atom of its full
-    width (64 and 128: 128-byte, 32: 64-byte). In the dim split (D = 192) the dK/dV GEMMs read
-    Q and dO MN-major split the same way, so Q, dO and V take this atom count too."""
-    atom = next(a for a in (64, 32, 16, 8) if head_dim % a == 0)  # 16-bit elements per atom
-    half = head_dim // 2
-    return half if dq_split == "cols" and head_dim > atom and half % atom else head_dim
-
-
-def _dq_smem_layout(box_rows: int, box_cols: int):
-    """Two box_rows × box_cols fp32 boxes (one per MMA warpgroup), each stored as column groups
-    of (box_rows × 8 columns) row-major, no swizzle: (rows, (8, cols/8), 2) : (8, (1, 8·rows),
-    rows·cols).
-
-    Why not a swizzled 128-byte layout: a thread's accumulator pairs sit at several column
-    groups × 2 row halves; with a swizzle their smem addresses differ by non-constant amounts,
-    and the compiler hoists all of them (16 for D = 128) out of the Q-tile loop, live across it:
-    spills at the 240-register cap. Here every address is one base + a constant, and a warp's
-    STS.128 (dQ placed through ``_dq_box_view``) covers 512 contiguous bytes, conflict-free. The
-    TMA unit
-    reduces the box as cols/8 boxes of 8 × rows (32-byte rows: the L2 sector size)."""
-    return cute.make_layout((box_rows, (8, box_cols // 8), 2),
-                            stride=(8, (1, 8 * box_rows), box_rows * box_cols))
-
-
 # ---------------------------------------------------------------------------------------------
 # Main kernel
 # ---------------------------------------------------------------------------------------------
-class FlexAttentionBwdSm90:
+class FlexAttentionBwdSm90(config.Kernel):
     """Warp-specialised FlashAttention-3 style backward for sm_90a with score/mask holes."""
 
     def __init__(self, cfg: BwdConfig):
+        super().__init__(cfg)
         t = cfg.tiling
-        self.cfg = cfg
-        self.dtype = cfg.dtype
-        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
-        self.tile_m, self.tile_n = t.tile_m, t.tile_n
-        self.num_stages = t.num_stages
+        self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
         self.dq_split = t.dq_split
         self.overlap_dp = t.overlap_dp
         self.num_mma_threads = 256
         self.num_threads = 128 + self.num_mma_threads
         self.mma_regs, self.load_regs = t.mma_regs, t.load_regs
-        self.score_mod = cfg.score_mod_and_grad
-        self.mask_mod = cfg.mask_mod
-        self.sparse = cfg.has_block_mask
         self.deterministic = cfg.deterministic
         self.kv_batch_broadcast = bool(cfg.kv_batch_broadcast)
         self.score_grads, self.grad_offsets = cfg.score_grads, cfg.grad_offsets
@@ -482,16 +325,16 @@ class FlexAttentionBwdSm90:
         D, Dv, tm, tn, st = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.num_stages
         if const_expr(self.dim_split):
             # dK/dV read Q and dO MN-major split at D/2 and Dv/2: whole swizzle atoms per half.
-            sQ_layout = smem_layout(self.dtype, tm, D, st, atom_cols=_k_atom_cols(D, "cols"))
-            sdO_layout = smem_layout(self.dtype, tm, Dv, st, atom_cols=_k_atom_cols(Dv, "cols"))
+            sQ_layout = smem_layout(self.dtype, tm, D, st, atom_cols=k_atom_cols(D, "cols"))
+            sdO_layout = smem_layout(self.dtype, tm, Dv, st, atom_cols=k_atom_cols(Dv, "cols"))
         else:
             sQ_layout = smem_layout(self.dtype, tm, D, st)
             sdO_layout = smem_layout(self.dtype, tm, Dv, st)
-        sK_layout = smem_layout(self.dtype, tn, D, atom_cols=_k_atom_cols(D, self.dq_split))
+        sK_layout = smem_layout(self.dtype, tn, D, atom_cols=k_atom_cols(D, self.dq_split))
         sV_layout = smem_layout(self.dtype, tn, Dv, atom_cols=(
-            _k_atom_cols(Dv, "cols") if const_expr(self.dim_split) else None))
+            k_atom_cols(Dv, "cols") if const_expr(self.dim_split) else None))
         sdS_layout = smem_layout(self.dtype, tm, tn, st)
-        sdQ_layout = _dq_smem_layout(*self.dq_box)
+        sdQ_layout = dq_smem_layout(*self.dq_box)
         sRow_layout = cute.make_layout((tm, st))  # lse2 / delta stages
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
@@ -543,12 +386,12 @@ class FlexAttentionBwdSm90:
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * st]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            sQ: smem_buffer(self.dtype, sQ_layout)
+            sdO: smem_buffer(self.dtype, sdO_layout)
+            sK: smem_buffer(self.dtype, sK_layout)
+            sV: smem_buffer(self.dtype, sV_layout)
+            sdS: smem_buffer(self.dtype, sdS_layout)
+            sdQ: smem_buffer(Float32, sdQ_layout)
 
         self.shared_storage = SharedStorage
 
@@ -561,18 +404,13 @@ class FlexAttentionBwdSm90:
         num_n = self._num_kv_tiles(k.shape[0])
         # The batch extent: K's, or the query's (and dK's) when K/V are broadcast over it.
         num_b = q.shape[3] if const_expr(self.kv_batch_broadcast) else k.shape[3]
-        self.kernel(
+        launch(self.kernel(
             tQ, tK, tV, tdO, tLSE, tDelta, tdQ, tdK, tdV,
             tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta, tma_dq, tma_dk, tma_dv,
             mma_sdp, mma_dkv, mma_dv, mma_dq, softmax_scale, q_per_kv, qblocks, qorder, mSem,
             aux_tensors, aux_scalars, grad_accs,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
-        ).launch(
-            grid=[num_n, k.shape[2], num_b],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        ), [num_n, k.shape[2], num_b], self.num_threads, stream)
 
     # -----------------------------------------------------------------------------------------
     @cute.kernel
@@ -628,7 +466,7 @@ class FlexAttentionBwdSm90:
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        # Each GEMM operand tile's swizzle (``_opaque_smem`` rebuilds the tiles with them: one
+        # Each GEMM operand tile's swizzle (``opaque_smem`` rebuilds the tiles with them: one
         # 128-byte swizzle for D = 64 and 128; 32 and 96 have narrower atoms for Q, dO, K, V);
         # each tile and stage is whole swizzle atoms, so every start is 1024-byte aligned.
         swizzles = tuple(layout.inner for layout in
@@ -644,8 +482,7 @@ class FlexAttentionBwdSm90:
         sLSE = storage.sLSE.get_tensor(sRow_layout)
         sDelta = storage.sDelta.get_tensor(sRow_layout)
 
-        aux = Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
-                  tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
+        aux = kernel_aux(aux_tensors, aux_scalars)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.load_regs)
             sched = self._schedule(mQ, mK, q_per_kv)  # per role: nothing crosses the setmaxnreg boundary
@@ -684,46 +521,20 @@ class FlexAttentionBwdSm90:
                             cute.ceil_div(mQ.shape[0], self.tile_m), n_kv_tiles, mask_block)
 
     def _make_pipelines(self, storage):
-        """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each. TMA producer
-        = 1 thread; consumers arrive once per MMA warp."""
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        make = pipeline.PipelineTmaAsync.create
-        pipe_kv = make(barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1,
-                       producer_group=producer, consumer_group=consumers, tx_count=self.tx_kv,
-                       defer_sync=True)
-        pipe_q = make(barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages,
-                      producer_group=producer, consumer_group=consumers, tx_count=self.tx_q,
-                      defer_sync=True)
-        pipe_do = make(barrier_storage=storage.mbar_do.data_ptr(), num_stages=self.num_stages,
-                       producer_group=producer, consumer_group=consumers, tx_count=self.tx_do,
-                       defer_sync=True)
-        return pipe_kv, pipe_q, pipe_do
+        """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each; consumers
+        arrive once per MMA warp."""
+        return tma_pipelines(self.num_mma_threads // 32, (storage.mbar_kv, 1, self.tx_kv),
+                             (storage.mbar_q, self.num_stages, self.tx_q),
+                             (storage.mbar_do, self.num_stages, self.tx_do))
 
     # -----------------------------------------------------------------------------------------
     # Scheduling: which q tiles, in which order. Every role walks the same sequence:
     # for each query head of the group, the partial list, then the full list (dense: 0..nQ-1;
     # deterministic: one merged list, the full lists empty).
     # -----------------------------------------------------------------------------------------
-    @cute.jit
     def _q_lists(self, qblocks: QBlockLists, sched, head: Int32):
-        """(partial tile count, full tile count, partial row, full row) of this kv block for
-        query head ``head`` (broadcast dims of the lists resolved here)."""
-        per = self.tiles_per_mask_block
-        n = sched.mask_block
-        cnt, idx = qblocks.q_num_blocks, qblocks.q_indices
-        b, h = _bcast(sched.batch, cnt.shape[0]), _bcast(head, cnt.shape[1])
-        n_part = cnt[b, h, n] * per
-        part_row = idx[b, h, n, None]
-        cnt, idx = qblocks.full_q_num_blocks, qblocks.full_q_indices
-        n_full = cnt[b, h, n] * per
-        full_row = idx[b, h, n, None]
-        return n_part, n_full, part_row, full_row
-
-    @cute.jit
-    def _listed_tile(self, row: cute.Tensor, j: Int32) -> Int32:
-        per = self.tiles_per_mask_block
-        return row[j // per] * per + j % per
+        """(partial tile count, full tile count, partial row, full row) of this kv block."""
+        return q_lists(qblocks, sched.batch, head, sched.mask_block, self.tiles_per_mask_block)
 
     # -----------------------------------------------------------------------------------------
     # Producer warp
@@ -741,8 +552,8 @@ class FlexAttentionBwdSm90:
                              (sched.n_block, 0))
         gV = cute.local_tile(mV[None, None, sched.head_kv, kv_batch], (self.tile_n, self.head_dim_v),
                              (sched.n_block, 0))
-        tKsK, tKgK = _tma_tiles(tma_k, sK, gK)
-        tVsV, tVgV = _tma_tiles(tma_v, sV, gV)
+        tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
@@ -757,8 +568,8 @@ class FlexAttentionBwdSm90:
             gdO = cute.local_tile(mdO[None, None, head, b], (tm, self.head_dim_v), (None, 0))
             gL = cute.local_tile(mLSE2[None, head, b], (tm,), (None,))
             gD = cute.local_tile(mDelta[None, head, b], (tm,), (None,))
-            tQsQ, tQgQ = _tma_tiles(tma_q, sQ, gQ)
-            tOsO, tOgO = _tma_tiles(tma_do, sdO, gdO)
+            tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+            tOsO, tOgO = tma_tiles(tma_do, sdO, gdO)
             tLsL, tLgL = cpasync.tma_partition(tma_lse, 0, one, sLSE, gL)
             tDsD, tDgD = cpasync.tma_partition(tma_delta, 0, one, sDelta, gD)
             tiles = (tQsQ, tQgQ, tOsO, tOgO, tLsL, tLgL, tDsD, tDgD)
@@ -766,11 +577,11 @@ class FlexAttentionBwdSm90:
                 n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
                 for j in cutlass.range(n_part, unroll=1):
                     state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
-                                              pipe_do, state, self._listed_tile(part_row, j))
+                                              pipe_do, state, listed_tile(part_row, j, self.tiles_per_mask_block))
                 if const_expr(not self.deterministic):
                     for j in cutlass.range(n_full, unroll=1):
                         state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
-                                                  pipe_do, state, self._listed_tile(full_row, j))
+                                                  pipe_do, state, listed_tile(full_row, j, self.tiles_per_mask_block))
             else:
                 for m in cutlass.range(sched.n_q_tiles, unroll=1):
                     state = self._load_q_tile(tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q,
@@ -808,12 +619,12 @@ class FlexAttentionBwdSm90:
         for gi in cutlass.range(g, unroll=1):
             head = sched.head_kv * g + gi
             gdQ = cute.local_tile(mdQacc[None, None, head, sched.batch], self.dq_box, (None, None))
-            tSs, tSg = _tma_tiles(tma_dq, sdQ, gdQ)
+            tSs, tSg = tma_tiles(tma_dq, sdQ, gdQ)
             sem_row = mSem[sched.batch, head, None] if const_expr(self.deterministic) else None
             if const_expr(self.sparse):
                 n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
                 if const_expr(self.deterministic):
-                    rank_row, _ = self._order_rows(qorder, sched, head)
+                    rank_row, _ = order_rows(qorder, sched.batch, head, sched.mask_block)
                     for j in cutlass.range(n_part, unroll=1):
                         rank = rank_row[j // per]
                         if const_expr(self.dim_split):
@@ -821,27 +632,20 @@ class FlexAttentionBwdSm90:
                             # block, its last tile first (decreasing kv order).
                             kvp = self.kv_per_block
                             rank = rank * kvp + (kvp - 1 - sched.n_block % kvp)
-                        self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(part_row, j), box,
+                        self._store_dq_box(tma_dq, tSs, tSg, listed_tile(part_row, j, self.tiles_per_mask_block), box,
                                            sem_row, rank)
                 else:
                     for j in cutlass.range(n_part, unroll=1):
-                        self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(part_row, j), box,
+                        self._store_dq_box(tma_dq, tSs, tSg, listed_tile(part_row, j, self.tiles_per_mask_block), box,
                                            sem_row, None)
                     for j in cutlass.range(n_full, unroll=1):
-                        self._store_dq_box(tma_dq, tSs, tSg, self._listed_tile(full_row, j), box,
+                        self._store_dq_box(tma_dq, tSs, tSg, listed_tile(full_row, j, self.tiles_per_mask_block), box,
                                            sem_row, None)
             else:
                 rank = sched.n_kv_tiles - 1 - sched.n_block if const_expr(self.deterministic) else None
                 for m in cutlass.range(sched.n_q_tiles, unroll=1):
                     self._store_dq_box(tma_dq, tSs, tSg, m, box, sem_row, rank)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _order_rows(self, qorder: QOrder, sched, head: Int32):
-        """(rank row, full-flag row) of this kv block's merged q list for query head ``head``."""
-        t = qorder.rank
-        b, h = _bcast(sched.batch, t.shape[0]), _bcast(head, t.shape[1])
-        return qorder.rank[b, h, sched.mask_block, None], qorder.full[b, h, sched.mask_block, None]
 
     @cute.jit
     def _store_dq_box(self, tma_dq, tSs, tSg, m: Int32, box: cutlass.Constexpr, sem_row, rank):
@@ -912,9 +716,9 @@ class FlexAttentionBwdSm90:
             tidx % 128 if const_expr(self.dim_split) else tidx)
         tSsdS = thr_st_t.partition_D(transposed(smem.sdS))
         # dQ accumulator -> this warpgroup's fp32 box, viewed as the whole (tm, D) tile.
-        # Rows and columns through _dq_box_view (16-byte runs per thread).
+        # Rows and columns through dq_box_view (16-byte runs per thread).
         box_r, box_c = self.dq_box
-        rows, cols = _dq_box_view(box_r, box_c)
+        rows, cols = dq_box_view(box_r, box_c)
         box_stride = box_r * box_c
         if const_expr(self.dq_split == "cols"):
             # (64, (cols, 2)): D = 128 split by columns
@@ -926,9 +730,7 @@ class FlexAttentionBwdSm90:
                 ((rows.shape, 2), cols.shape), stride=((rows.stride, box_stride), cols.stride)))
         tQsdQ = mma_dq.get_slice(tidx).partition_C(sdQ_tile)
 
-        c = Float32(LOG2_E)
-        if const_expr(self.score_mod is None):
-            c = softmax_scale * LOG2_E
+        c = softmax.exp2_multiplier(self.score_mod, softmax_scale)
         ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dv, mma_dq, wg_sdp, wg_dkv, wg_dv, wg_dq, smem, tVrP, tKrdS, acc_dV,
                       acc_dK, tScS, tSsLSE, tSsDelta, thr_st_t, st_t, tSsdS, tQsdQ,
                       wg_sdp.partition_shape_C((tn, tm)),
@@ -945,10 +747,10 @@ class FlexAttentionBwdSm90:
             if const_expr(self.sparse and self.deterministic):
                 # One merged list; full entries flagged (see Deterministic mode).
                 n_part, _, part_row, _ = self._q_lists(qblocks, sched, head)
-                _, full_row = self._order_rows(qorder, sched, head)
+                _, full_row = order_rows(qorder, sched.batch, head, sched.mask_block)
                 per = self.tiles_per_mask_block
                 for j in cutlass.range(n_part, unroll=1):
-                    m = self._listed_tile(part_row, j)
+                    m = listed_tile(part_row, j, self.tiles_per_mask_block)
                     if full_row[j // per] != 0:
                         state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head, m, kv_ragged)
                     else:
@@ -957,10 +759,10 @@ class FlexAttentionBwdSm90:
                 n_part, n_full, part_row, full_row = self._q_lists(qblocks, sched, head)
                 for j in cutlass.range(n_part, unroll=1):
                     state = self._q_tile(ctx, pipe_q, pipe_do, state, head,
-                                         self._listed_tile(part_row, j), "partial")
+                                         listed_tile(part_row, j, self.tiles_per_mask_block), "partial")
                 for j in cutlass.range(n_full, unroll=1):
                     state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head,
-                                              self._listed_tile(full_row, j), kv_ragged)
+                                              listed_tile(full_row, j, self.tiles_per_mask_block), kv_ragged)
             else:
                 for m in cutlass.range(sched.n_q_tiles, unroll=1):
                     if const_expr(self.mask_mod is not None):
@@ -997,8 +799,8 @@ class FlexAttentionBwdSm90:
         # lse2 into registers before the Sᵀ wait: the loads land under the GEMMs instead of
         # stalling the first exp2 right behind the wait (the wait is a memory fence to ptxas:
         # it does not hoist shared loads above it). Not with kv_batch_broadcast: its 16 more
-        # live registers across the waits spill there (4 bytes), and on the H200 the early reads
-        # measured within 0-2.5% (gpu-s8 NOTES, stage 5); that kernel reads them after the waits.
+        # live registers across the waits spill there (4 bytes), for no measurable gain: that
+        # kernel reads them after the waits.
         if const_expr(not self.kv_batch_broadcast):
             rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
         if const_expr(self.overlap_dp):
@@ -1038,7 +840,7 @@ class FlexAttentionBwdSm90:
         # time for the dK GEMM (after the barrier) instead of keeping what the stmatrix used.
         rdS_words = cute.recast_tensor(rdS, Int32)
         for i in cutlass.range_constexpr(cute.size(rdS_words)):
-            rdS_words[i] = _opaque_i32(rdS_words[i])
+            rdS_words[i] = opaque_i32(rdS_words[i])
         # dSᵀ -> smem; both warpgroups' halves are needed by each dQ GEMM.
         if const_expr(self.dim_split):
             # Both warpgroups hold all of dS: one stores it.
@@ -1054,7 +856,7 @@ class FlexAttentionBwdSm90:
         wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ops.tKrQ, zero_init=False)
         warpgroup.wait_group(1)  # dQ done
         cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
-        _store_dq_acc(acc_dQ, ctx.tQsdQ)
+        store_dq_acc(acc_dQ, ctx.tQsdQ)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
         cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
         warpgroup.wait_group(0)  # dK done: Q is free
@@ -1076,12 +878,12 @@ class FlexAttentionBwdSm90:
 
     def _smem_operands(self, ctx, idx: Int32) -> "_SmemOperands":
         """This tile's smem GEMM operands: K, V and stage ``idx`` of Q, dO, dS, each rebased on
-        an opaque address (``_opaque_smem``: shorter descriptor arithmetic, same descriptors).
+        an opaque address (``opaque_smem``: shorter descriptor arithmetic, same descriptors).
         The B operands of dV/dK/dQ are the same smem viewed transposed (MN-major)."""
         sm = ctx.smem
-        sQ, sdO, sdS = [_opaque_smem(t[None, None, idx], sw)
+        sQ, sdO, sdS = [opaque_smem(t[None, None, idx], sw)
                         for t, sw in ((sm.sQ, sm.swQ), (sm.sdO, sm.swdO), (sm.sdS, sm.swdS))]
-        sK, sV = [_opaque_smem(t, sw) for t, sw in ((sm.sK, sm.swK), (sm.sV, sm.swV))]
+        sK, sV = [opaque_smem(t, sw) for t, sw in ((sm.sK, sm.swK), (sm.sV, sm.swV))]
         sdp, dkv, dv, dq = ctx.wg_sdp, ctx.wg_dkv, ctx.wg_dv, ctx.wg_dq
         return _SmemOperands(
             tSrK=sdp.make_fragment_A(sdp.partition_A(sK)),
@@ -1143,21 +945,9 @@ class FlexAttentionBwdSm90:
     @cute.jit
     def _captured_grads(self, ctx, acc_P: cute.Tensor, acc_dP: cute.Tensor, tDelta: cute.Tensor,
                         head: Int32, m: Int32):
-        """dS with captured-tensor gradients. ``acc_P`` holds P (not P∘dscore), ``acc_dP`` dPᵀ.
-        Per element: g = P∘(dP − delta) (the gradient w.r.t. the score_mod's output; 0 where
-        masked or out of bounds, since P is), then for every learnable load j
-        ``acc_j[offset_j] += g · d score/d load_j`` in fp64, and dS = g · d score/d score into
-        ``acc_dP``.
-
-        A load whose offset varies with neither q_idx nor kv_idx (``slopes[h]``: uniform over the
-        tile) is summed over the thread's 32 elements in fp32, then over the warp by butterfly
-        shuffles at the end of the tile (``_flush_uniform_grads``); lane 0 adds the warp's sum:
-        one atomic per warp and tile. Any other load
-        (``table[h, clamp(kv - q)]``) adds per element, predicated off where g = 0 (masked
-        elements add nothing). The adds are ``red.global.add.f64`` into a zeroed accumulator: fp64
-        because a table entry can receive ~L·S/2 adds (fp32 running sums lose ~1e-4 there);
-        their order is not fixed, so these gradients are not bit-reproducible run to run even in
-        deterministic mode (dQ, dK, dV are)."""
+        """dS with captured-tensor gradients (``captured_grads``). ``acc_P`` holds P (not
+        P∘dscore), ``acc_dP`` dPᵀ: g = P∘(dP − delta) (0 where masked or out of bounds, since P
+        is); dS = g · d score/d score goes into ``acc_dP``; returns the uniform loads' sums."""
         sched = ctx.sched
         # The first register's (q, kv) through an opaque move: otherwise the compiler reuses the
         # per-element indices, float indices and load addresses that _probabilities computed
@@ -1167,53 +957,31 @@ class FlexAttentionBwdSm90:
         # and would hoist the index arithmetic above the dPᵀ wait otherwise (152 bytes of
         # spills for ALiBi slopes at D = 128).
         after_dp = Int32(cutlass.select_(acc_dP[0] != acc_dP[0], Int32(1), Int32(0)))
-        qb = _opaque_i32(m * self.tile_m + ctx.tScS[0][1]) + after_dp
-        kb = _opaque_i32(sched.n_block * self.tile_n + ctx.tScS[0][0]) + after_dp
+        qb = opaque_i32(m * self.tile_m + ctx.tScS[0][1]) + after_dp
+        kb = opaque_i32(sched.n_block * self.tile_n + ctx.tScS[0][0]) + after_dp
         q0 = qb - ctx.tScS[0][1]
         k0 = kb - ctx.tScS[0][0]
         indices = FloatIndices(qb, kb)
         uniform = self.grad_offsets.uniform
-        acc_of = self.grad_offsets.acc
         n_loads = len(uniform)
         sums = [Float32(0.0) for _ in range(n_loads)]
-        zero = Float32(0.0)
+        wg0 = None  # the dim split: both warpgroups hold the same elements
+        if const_expr(self.dim_split):
+            wg0 = ctx.wg
         for i in cutlass.range_constexpr(cute.size(acc_dP)):
             kv_idx = k0 + ctx.tScS[i][0]
             q_idx = q0 + ctx.tScS[i][1]
             g = acc_P[i] * (acc_dP[i] - tDelta[i])
-            derivs = self.score_grads(sched.batch, head, q_idx, kv_idx, ctx.aux,
-                                      *indices.args(self.score_grads, q_idx, kv_idx))
-            offsets = None
-            if const_expr(not all(uniform)):
-                offsets = self.grad_offsets(sched.batch, head, q_idx, kv_idx, ctx.aux,
-                                            *indices.args(self.grad_offsets, q_idx, kv_idx))
-            for j in cutlass.range_constexpr(n_loads):
-                # A derivative may be inf/NaN where the element is masked (g = 0): select.
-                contrib = Float32(cutlass.select_(g == zero, zero, g * derivs[1 + j]))
-                if const_expr(self.dim_split):
-                    # Both warpgroups hold the same elements: only warpgroup 0 adds them.
-                    contrib = Float32(cutlass.select_(ctx.wg == 0, contrib, zero))
-                if const_expr(uniform[j]):
-                    sums[j] = sums[j] + contrib
-                else:
-                    if contrib != zero:
-                        cute.arch.atomic_add(ctx.grad_accs[acc_of[j]].iterator + offsets[j],
-                                             contrib.to(cutlass.Float64))
-            if const_expr(self.score_grads.unit_dscore):
-                acc_dP[i] = g
-            else:
-                acc_dP[i] = Float32(cutlass.select_(g == zero, zero, g * derivs[0]))
+            acc_dP[i] = captured_grads.element(g, sched.batch, head, q_idx, kv_idx, ctx.aux, indices,
+                                               sums, self.score_grads, self.grad_offsets,
+                                               ctx.grad_accs, wg0, False)
         return sums
 
     @cute.jit
     def _flush_uniform_grads(self, ctx, sums, head: Int32, m: Int32):
-        """The uniform loads' per-thread sums (``_captured_grads``): a warp butterfly, then one
-        fp64 add by lane 0. Done at the end of the tile, when dS is no longer in registers
-        (right after dS was formed, ptxas spilled at D = 128)."""
-        uniform = self.grad_offsets.uniform
-        acc_of = self.grad_offsets.acc
-        n_loads = len(uniform)
-        if const_expr(any(uniform)):
+        """The uniform loads' sums, flushed at the end of the tile, when dS is no longer in
+        registers (right after dS was formed, ptxas spilled at D = 128)."""
+        if const_expr(any(self.grad_offsets.uniform)):
             sched = ctx.sched
             qb = m * self.tile_m + ctx.tScS[0][1]
             kb = sched.n_block * self.tile_n + ctx.tScS[0][0]
@@ -1221,14 +989,7 @@ class FlexAttentionBwdSm90:
             # Any element's indices serve: the offset varies with neither.
             offsets = self.grad_offsets(sched.batch, head, qb, kb, ctx.aux,
                                         *indices.args(self.grad_offsets, qb, kb))
-            for j in cutlass.range_constexpr(n_loads):
-                if const_expr(uniform[j]):
-                    total = sums[j]
-                    for sh in cutlass.range_constexpr(5):
-                        total = total + cute.arch.shuffle_sync_bfly(total, offset=16 >> sh)
-                    if cute.arch.lane_idx() == 0:
-                        cute.arch.atomic_add(ctx.grad_accs[acc_of[j]].iterator + offsets[j],
-                                             total.to(cutlass.Float64))
+            captured_grads.flush_uniform(sums, offsets, self.grad_offsets, ctx.grad_accs, False)
 
     # -----------------------------------------------------------------------------------------
     # Epilogue
@@ -1240,7 +1001,7 @@ class FlexAttentionBwdSm90:
         clipped by the TMA unit)."""
         # A fresh thread index the compiler cannot merge with the loop's: otherwise the index
         # arithmetic shared with the prologue stays live across the whole Q-tile loop.
-        tidx = _opaque_thread_idx() - 128
+        tidx = opaque_thread_idx() - 128
         rdK = cute.make_rmem_tensor_like(ctx.acc_dK, self.dtype)
         rdK.store((ctx.acc_dK.load() * ctx.softmax_scale).to(self.dtype))
         rdV = cute.make_rmem_tensor_like(ctx.acc_dV, self.dtype)
@@ -1264,7 +1025,7 @@ class FlexAttentionBwdSm90:
                 dim = self.head_dim if const_expr(which == 0) else self.head_dim_v
                 gX = cute.local_tile(mX[None, None, sched.head_kv, sched.batch],
                                      (self.tile_n, dim), (sched.n_block, 0))
-                tXsX, tXgX = _tma_tiles(atom, sX, gX)
+                tXsX, tXgX = tma_tiles(atom, sX, gX)
                 cute.copy(atom, tXsX, tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1284,66 +1045,23 @@ class _BwdSchedule(NamedTuple):
     mask_block: object  # the kv mask block (= n_block unless kv_per_block > 1): block-list column
 
 
-class _SmemTiles(NamedTuple):
-    """The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V
-    (kv tile, D), all K-major, and the swizzle of each."""
-
-    sQ: object
-    sdO: object
-    sK: object
-    sV: object
-    sdS: object
-    swQ: object
-    swdO: object
-    swK: object
-    swV: object
-    swdS: object
+# The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V (kv tile, D),
+# all K-major, and the swizzle of each.
+_SmemTiles = namedtuple("_SmemTiles", "sQ sdO sK sV sdS swQ swdO swK swV swdS")
 
 
-class _SmemOperands(NamedTuple):
-    """One Q tile's smem wgmma fragments (``FlexAttentionBwdSm90._smem_operands``)."""
-
-    tSrK: object  # Sᵀ = K Qᵀ
-    tSrQ: object
-    tPrV: object  # dPᵀ = V dOᵀ
-    tPrdO: object
-    tVrdO: object  # dV += Pᵀ dO (B)
-    tKrQ: object  # dK += dSᵀ Q (B)
-    tQrdS: object  # dQ = dS K
-    tQrK: object
+# One Q tile's smem wgmma fragments (``FlexAttentionBwdSm90._smem_operands``). tSrK: Sᵀ = K Qᵀ;
+# tPrV: dPᵀ = V dOᵀ; tVrdO: dV += Pᵀ dO (B); tKrQ: dK += dSᵀ Q (B); tQrdS: dQ = dS K.
+_SmemOperands = namedtuple("_SmemOperands", "tSrK tSrQ tPrV tPrdO tVrdO tKrQ tQrdS tQrK")
 
 
-class _BwdCtx(NamedTuple):
-    """Per-CTA MMA-warpgroup state threaded through the per-tile helpers (trace-time)."""
-
-    mma_sdp: object
-    mma_dkv: object
-    mma_dv: object  # = mma_dkv unless the head dims are split between the warpgroups
-    mma_dq: object
-    wg_sdp: object  # the warpgroup's slices of the tiled MMAs
-    wg_dkv: object
-    wg_dv: object
-    wg_dq: object
-    smem: object  # _SmemTiles
-    tVrP: object
-    tKrdS: object
-    acc_dV: object
-    acc_dK: object
-    tScS: object
-    tSsLSE: object
-    tSsDelta: object
-    thr_st_t: object
-    st_t: object
-    tSsdS: object
-    tQsdQ: object
-    s_shape: object
-    dq_shape: object
-    c: object
-    softmax_scale: object
-    sched: object
-    aux: object
-    wg: object
-    grad_accs: object  # fp64 accumulators of the captured tensors' gradients (or ())
+# Per-CTA MMA-warpgroup state threaded through the per-tile helpers (trace-time). mma_dv: =
+# mma_dkv unless the head dims are split between the warpgroups; wg_sdp: the warpgroup's slices of
+# the tiled MMAs; smem: _SmemTiles; grad_accs: fp64 accumulators of the captured tensors'
+# gradients (or ()).
+_BwdCtx = namedtuple("_BwdCtx", "mma_sdp mma_dkv mma_dv mma_dq wg_sdp wg_dkv wg_dv wg_dq smem tVrP "
+                     "tKrdS acc_dV acc_dK tScS tSsLSE tSsDelta thr_st_t st_t tSsdS tQsdQ "
+                     "s_shape dq_shape c softmax_scale sched aux wg grad_accs")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1366,8 +1084,8 @@ class FlexAttentionBwdPreSm90:
                  has_dlse: Int32, mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
                  mSem: Optional[cute.Tensor], stream: cuda.CUstream):
         grid = [cute.ceil_div(mLSE2.shape[2], self.rows_per_cta), mO.shape[1], mO.shape[0]]
-        self.kernel(mO, mdO, mLSE, mdLSE, has_dlse, mLSE2, mDelta, mdQacc, mSem).launch(
-            grid=grid, block=[128, 1, 1], stream=stream)
+        launch(self.kernel(mO, mdO, mLSE, mdLSE, has_dlse, mLSE2, mDelta, mdQacc, mSem), grid, 128,
+               stream, one_cta_per_sm=False)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
@@ -1428,7 +1146,7 @@ def _lanes_per_row(head_dim: int) -> int:
 class FlexAttentionBwdPostSm90:
     """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only).
 
-    The accumulator is dQ permuted within 16-row × 8-column blocks (``_dq_box_view``): a
+    The accumulator is dQ permuted within 16-row × 8-column blocks (``dq_box_view``): a
     thread takes accumulator rows 16a + 2ρ + {0, 1}, columns 8g..8g+7 (two 16-byte loads per
     row), which hold dQ rows 16a + ρ + {0, 8}, columns 8g..8g+7 (one 16-byte store each)."""
 
@@ -1445,7 +1163,7 @@ class FlexAttentionBwdPostSm90:
                  stream: cuda.CUstream):
         grid = [cute.ceil_div(cute.ceil_div(mdQ.shape[2], 16) * 8, self.units_per_cta),
                 mdQ.shape[1], mdQ.shape[0]]
-        self.kernel(mdQacc, mdQ, softmax_scale).launch(grid=grid, block=[128, 1, 1], stream=stream)
+        launch(self.kernel(mdQacc, mdQ, softmax_scale), grid, 128, stream, one_cta_per_sm=False)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):

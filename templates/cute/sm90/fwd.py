@@ -7,13 +7,9 @@ What this module holds
   the ``@cute.jit`` ``__call__`` builds the TMA atoms, smem layouts and tiled MMAs and launches;
   the ``@cute.kernel`` body splits warpgroups into roles: ``load`` (producer warpgroup),
   ``mma`` (one per consumer warpgroup: both GEMMs plus the online softmax) and ``epilogue``.
-* A small host API: ``compile_fwd`` returns a ``CompiledFwd`` (the backend caches it and calls
-  it again with new shapes: sequence lengths, batch, heads and strides are runtime values),
-  launched on the current torch stream. Shared pieces (``Aux``, layouts, reductions, the
-  TVM-FFI plumbing) come from ``cute_common``. By default the kernel is compiled
-  for TVM-FFI and called with the torch tensors themselves (a few microseconds of host time
-  per call instead of ~100 µs of per-call DLPack wrapping), and ``CompiledFwd.export`` writes
-  it to an object file another process can load; see "Host API" below.
+* The host API: ``compile_fwd`` returns a ``CompiledFwd`` (sequence lengths, batch, heads and
+  strides are runtime values), launched on the current torch stream, by default through
+  TVM-FFI with the torch tensors themselves (``CompiledFwd.export`` writes an object file).
 
 Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pipelining)
 -------------------------------------------------------------------------------------
@@ -31,14 +27,10 @@ Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pi
   softmax hides under the other's GEMMs (on for head_dim <= 128). Trap: the code between
   ``wait_group(1)`` and ``wait_group(0)`` must be branch-free; ptxas otherwise waits for the PV
   GEMM at the branch's join and the first overlap is lost (seen in SASS, cost ~5% end to end).
-* Softmax in the exp2 domain: p = exp2(s·c − m·c) is one FFMA + one MUFU.EX2 where
-  c = softmax_scale·log2(e) (or log2(e) when a score_mod already produced natural-unit scores).
-  Row max / row sum are per thread and reduced over the 4 threads of a row with butterfly
-  shuffles. O is rescaled only when some row's max grew by more than ``rescale_threshold`` (log2
-  units; default 0): below that the stale max is kept, which stays exact in exact arithmetic
-  because the sum and the LSE use the same stale max (p values stay below 2**threshold). The
-  rescale is skipped per warp by vote. Measured on the H200, a threshold of 8 (FA4's) raised
-  the bf16 output's mean error 3-10% above torch Flex-Triton's; 0 matches it.
+* Softmax (``softmax``): exp2 domain, one FFMA + one MUFU.EX2 per score; row max and row sum per
+  thread, reduced over the 4 threads of a row with butterfly shuffles; O is rescaled only when
+  some row's max grew by more than ``rescale_threshold`` (log2 units; default 0, which keeps the
+  bf16 error at torch Flex-Triton's), skipped per warp by vote.
 * Epilogue: O is normalised, converted, written to smem over Q's buffer with stmatrix and stored
   by TMA (rows >= L are clipped by the TMA unit). LSE (natural log, fp32) = (m·c + log2(Σp))·ln2.
   A row with no unmasked key gives O = 0 and LSE = -inf, never NaN.
@@ -47,7 +39,7 @@ Persistent variant (``Tiling.persistent``; the backend picks it for short kv loo
 -------------------------------------------------------------------------------
 The grid is min(num_tiles, num_sms) CTAs (``num_sms`` is a runtime argument: the device's SM
 count on the host path, 132 for a CPU compile); CTA i runs tiles i, i + grid, i + 2·grid, ... in
-``_tile_coords``'s order, so longest-first and the L2 sections still hold. The producer warp and
+``tile_scheduler.tile_coords``'s order, so longest-first and the L2 sections still hold. The producer warp and
 each consumer warpgroup run that loop with their own copy of ``_schedule`` per tile, and carry
 their pipeline states (Q: one stage, K/V: a ring) from tile to tile: ``_load_tile`` /
 ``_mainloop`` both advance the K/V state once per kv tile visited, i.e. past V(last).
@@ -67,39 +59,10 @@ their pipeline states (Q: one stage, K/V: a ring) from tile to tile: ``_load_til
   the first kv tile instead). Warpgroups cannot drift apart across tiles: the epilogue barriers
   join all consumer threads every tile.
 
-Dynamic tile scheduler (``Tiling.dynamic_schedule``, persistent only; ``choose_tiling``'s default)
------------------------------------------------------------------------------------------------
-Static striding fixes each CTA's tile set up front; causal tiles cost 1..n kv tiles, so CTAs
-finish unevenly (the per-tile kernel gets greedy balancing from the hardware block scheduler).
-With this option a CTA's first tile is block_idx and each further one is ``grid +
-atomicAdd(counter[0], 1)``, an index into the same longest-first order, so idle CTAs pick up
-the remaining tiles greedily (FA3's dynamic persistent scheduler).
-* Counter: a (2,) int32 global tensor, a kernel argument (``tile_counter``), owned by the host
-  side of this module: one per (device, stream), zeroed when allocated (on the launch stream).
-  It is never memset per launch: each launch leaves it at zero. Every CTA's producer, after its
-  last claim, adds 1 to counter[1] (acq_rel, so its claims are ordered before); the CTA that
-  reads grid − 1 is the last, no claim can follow, and it stores 0 to both words. Launches on
-  one stream are serialised, so the next one starts from zero; another stream has its own.
-* Claim: the producer warp's lane 0 issues the atomic right after the current tile's Q load
-  and the result is shuffled to the warp only at the end of the tile's K/V loads, so the
-  atomic's round trip hides under them. Claiming when a tile's Q is issued (the consumers are
-  finishing the previous tile) keeps claims one tile ahead, as FA3 does.
-* Handshake, piggybacked on the Q pipeline (one stage): the producer waits for Q's empty
-  barrier, then ONE elected thread writes the tile index to an smem slot and arrives on Q's
-  full barrier (arrive.expect_tx; the Q TMA follows). Consumers wait for Q full, read the slot,
-  sync their warp, and only then go on to use Q. No race: the arrive has release semantics
-  and the consumers' wait acquire semantics, so the slot is visible with Q; the producer
-  rewrites the slot only after the NEXT empty-barrier phase, which needs every consumer warp's
-  release of Q, issued after that warp read the slot (the warp sync orders all lanes' reads
-  before lane 0's release arrive). The slot thus has the same lifetime as sQ itself.
-* Termination: a claim >= num_tiles is the sentinel. The producer still publishes it (wait for
-  Q empty, write the slot, a PLAIN mbarrier arrive: the full barrier expects one arrival and,
-  with no expect_tx, zero bytes, so the phase completes without a TMA), then exits; the
-  consumers read it after their Q wait and leave the tile loop (then the last-store wait).
-  The K/V rings and the ping-pong token are unchanged: all roles walk the same tile sequence.
-* Cost: one global atomic per tile, one more per CTA, 8 bytes of smem. The consumers compute
-  ``_schedule`` after the Q wait rather than before it (its loads usually hit L1: the producer
-  warp read the same block counts moments before).
+Dynamic tile scheduler (``Tiling.dynamic_schedule``, persistent only; ``choose_tiling``'s default):
+``tile_scheduler``'s protocol, the tile index published to the consumers with each tile's Q (the
+Q pipeline's one stage and an 8-byte smem slot); the K/V rings and the ping-pong token are
+unchanged, all roles walking the same tile sequence.
 
 Block sparsity (FlexAttention's BlockMask, mask block 128×128)
 --------------------------------------------------------------
@@ -113,7 +76,7 @@ when a mask_mod is given, else as full tiles (dense mode, the last/ragged tile f
 
 Scheduling: a 1-D grid of q-tiles. Block-sparse launches group (head, batch) pairs into sections
 whose K/V fit in L2 and run the longest q-tiles (the last ones, under causal masks) first; dense
-launches walk one head's q-tiles together (``hb_per_section`` = 1), measured faster.
+launches walk one head's q-tiles together (``hb_per_section`` = 1: they stream the same K/V).
 
 The holes: the score_mod / mask_mod contract
 --------------------------------------------
@@ -148,8 +111,9 @@ Hq = g·Hkv (query head h reads kv head h // g). Supported head dims (D, Dv): ``
 D == Dv in {32, 64, 96, 128, 192, 256} and (192, 128).
 """
 
+from collections import namedtuple
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import cuda.bindings.driver as cuda
 
@@ -162,20 +126,15 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
-from flexjit.templates.cute.common import LN_2, LOG2_E, MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, as_scalar, aux_cutlass_dtype, check_kv_batch, device_num_sms, fadd, ffi_function, permute, placeholder, quad_allreduce, rows_cols, rows_cols_layout, scheduler_counter, smem_layout, stream_context, transposed, tree, tvm_ffi_enabled, wgmma_gemm
+from flexjit.templates.cute import config, host, softmax, tile_scheduler
+from flexjit.templates.cute.block_sparse import BlockSparse, count_of, listed_tile, row_of
+from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, fadd, kernel_aux, launch, permute, quad_allreduce, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
+from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
+from flexjit.templates.cute.pipeline import tma_pipelines
 
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPILOGUE = 1
 _BAR_PINGPONG_BASE = 2  # 2 + consumer warpgroup index
-
-
-class BlockSparse(NamedTuple):
-    """FlexAttention BlockMask tensors, int32: counts (Bm, Hm, nQB), indices (Bm, Hm, nQB, nKVB)."""
-
-    kv_num_blocks: cute.Tensor
-    kv_indices: cute.Tensor
-    full_kv_num_blocks: cute.Tensor
-    full_kv_indices: cute.Tensor
 
 
 @dataclass(frozen=True)
@@ -188,7 +147,7 @@ class Tiling:
     mma_regs: int
     load_regs: int
     # Persistent: min(num_tiles, num_SMs) CTAs each walk tiles block_idx, block_idx + grid, ...
-    # in ``_tile_coords``'s order; O gets its own smem buffer (see "Persistent variant").
+    # in ``tile_scheduler.tile_coords``'s order; O gets its own smem buffer (see "Persistent variant").
     persistent: bool = False
     # Persistent only: after its first tile (block_idx) a CTA takes the next unclaimed tile of
     # the same order from a global atomic counter instead of striding by the grid size (see
@@ -204,7 +163,7 @@ HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (
 
 def dynamic_schedule_default() -> bool:
     """Whether persistent tilings built without an explicit choice claim tiles dynamically: yes
-    (it beat the static grid stride on every short-loop case measured; docs/performance.md)."""
+    (docs/performance.md compares it with the static grid stride)."""
     return True
 
 
@@ -292,18 +251,11 @@ def smem_bytes(cfg: "FwdConfig") -> int:
 
 
 @dataclass(frozen=True)
-class FwdConfig:
-    """Frozen compile-time configuration. Everything not here is a runtime argument."""
+class FwdConfig(config.FwdConfig):
+    """The sm90 forward's configuration: the shared fields, its tiling (``choose_tiling``'s row
+    by default) and the K/V batch broadcast."""
 
-    head_dim: int
-    head_dim_v: int
-    dtype: type  # cutlass.BFloat16 or cutlass.Float16
-    score_mod: Optional[Callable] = None
-    mask_mod: Optional[Callable] = None
-    has_block_mask: bool = False
-    rescale_threshold: float = 0.0  # log2 units; 0.0 rescales whenever a row max grows
     tiling: Tiling = field(default=None)
-    write_max: bool = False  # also write each row's max modded score (AuxRequest(max_scores))
     # K/V of batch extent 1 serve every query batch (torch's batch broadcast; the paged caches):
     # their TMA loads take batch coordinate 0. Off: K/V have the query's batch.
     kv_batch_broadcast: bool = False
@@ -315,30 +267,20 @@ class FwdConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout helpers
-# ---------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------
-class FlexAttentionFwdSm90:
+class FlexAttentionFwdSm90(config.Kernel):
     """Warp-specialised FlashAttention-3 style forward for sm_90a with score/mask holes."""
 
     def __init__(self, cfg: FwdConfig):
+        super().__init__(cfg)
         t = cfg.tiling
-        self.cfg = cfg
-        self.dtype = cfg.dtype
-        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
-        self.tile_m, self.tile_n = t.tile_m, t.tile_n
-        self.num_stages = t.num_stages
+        self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
         self.num_mma_wgs = t.num_mma_wgs
         self.num_mma_threads = 128 * t.num_mma_wgs
         self.num_threads = 128 + self.num_mma_threads
         self.mma_regs, self.load_regs = t.mma_regs, t.load_regs
         self.pingpong = t.pingpong and t.num_mma_wgs >= 2
-        self.score_mod, self.mask_mod = cfg.score_mod, cfg.mask_mod
-        self.sparse = cfg.has_block_mask
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.write_max = bool(cfg.write_max)
         self.kv_batch_broadcast = bool(cfg.kv_batch_broadcast)
@@ -407,64 +349,37 @@ class FlexAttentionFwdSm90:
             (64, Dv), warpgroup.OperandSource.RMEM,
         )
 
-        if const_expr(not self.persistent):
-            q_elems = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))  # O reuses Q's buffer
-
-            @cute.struct
-            class SharedStorage:
-                mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
-                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-
-            self.shared_storage = SharedStorage
-        elif const_expr(self.dynamic):
-            # Dynamic scheduler: plus one int32 slot through which the producer publishes each
-            # tile index (or the end sentinel) with that tile's Q (see "Dynamic tile scheduler").
-            @cute.struct
-            class SharedStorageDynamic:
-                mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-                tile_idx: cute.struct.MemRange[Int32, 2]
-                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
-
-            self.shared_storage = SharedStorageDynamic
-        else:
-            # Persistent: the producer may load the next tile's Q while this tile's O is staged,
-            # so O has a buffer of its own.
-            @cute.struct
-            class SharedStoragePersistent:
-                mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-                mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-                mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-                sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-                sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-                sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-                sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
-
-            self.shared_storage = SharedStoragePersistent
+        # O reuses Q's buffer with one tile per CTA; persistent, the producer may load the next
+        # tile's Q while this tile's O is staged, so O has a buffer of its own. The dynamic
+        # scheduler adds the int32 slot the producer publishes each tile index through.
+        Int64 = cutlass.Int64
+        fields = {"mbar_q": cute.struct.MemRange[Int64, 2],
+                  "mbar_k": cute.struct.MemRange[Int64, 2 * self.num_stages],
+                  "mbar_v": cute.struct.MemRange[Int64, 2 * self.num_stages]}
+        if const_expr(self.dynamic):
+            fields["tile_idx"] = cute.struct.MemRange[Int32, 2]
+        name, q_elems = "SharedStorage", max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+        if const_expr(self.persistent):
+            name, q_elems = "SharedStoragePersistent", cute.cosize(sQ_layout)
+        if const_expr(self.dynamic):
+            name = "SharedStorageDynamic"
+        fields["sQ"] = smem_buffer(self.dtype, q_elems)
+        fields["sK"] = smem_buffer(self.dtype, sK_layout)
+        fields["sV"] = smem_buffer(self.dtype, sV_layout)
+        if const_expr(self.persistent):
+            fields["sO"] = smem_buffer(self.dtype, sO_layout)
+        self.shared_storage = shared_storage(name, fields)
 
         num_m_blocks = cute.ceil_div(q.shape[0], tm)
         num_tiles = num_m_blocks * q.shape[2] * q.shape[3]
         num_ctas = num_tiles
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_tiles, cutlass.max(num_sms, 1))
-        self.kernel(
+        launch(self.kernel(
             tQ, tK, tV, tO, lse, tma_q, tma_k, tma_v, tma_o, mma_qk, mma_pv,
             softmax_scale, hb_per_section, blocks, aux_tensors, aux_scalars,
             sQ_layout, sK_layout, sV_layout, sO_layout, tile_counter, row_max,
-        ).launch(
-            grid=[num_ctas, 1, 1],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        ), [num_ctas, 1, 1], self.num_threads, stream)
 
     # -----------------------------------------------------------------------------------------
     @cute.kernel
@@ -519,8 +434,7 @@ class FlexAttentionFwdSm90:
         if const_expr(self.dynamic):
             sTile = storage.tile_idx.get_tensor(cute.make_layout(2))
 
-        aux = Aux(tuple(aux_tensors) if const_expr(aux_tensors is not None) else (),
-                  tuple(aux_scalars) if const_expr(aux_scalars is not None) else ())
+        aux = kernel_aux(aux_tensors, aux_scalars)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.load_regs)
             if warp_idx == 0:
@@ -532,50 +446,15 @@ class FlexAttentionFwdSm90:
                      pipe_k, pipe_v, softmax_scale, hb_per_section, blocks, aux, sched, sTile, mMax)
 
     def _make_pipelines(self, storage):
-        """Q: one stage; K and V: ``num_stages`` each. TMA producer = 1 thread; consumers arrive
-        once per warp (PipelineTmaAsync releases from lane 0 of each consumer warp)."""
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        make = pipeline.PipelineTmaAsync.create
-        pipe_q = make(barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
-                      producer_group=producer, consumer_group=consumers, tx_count=self.tx_q,
-                      defer_sync=True)
-        pipe_k = make(barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
-                      producer_group=producer, consumer_group=consumers, tx_count=self.tx_k,
-                      defer_sync=True)
-        pipe_v = make(barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
-                      producer_group=producer, consumer_group=consumers, tx_count=self.tx_v,
-                      defer_sync=True)
-        return pipe_q, pipe_k, pipe_v
+        """Q: one stage; K and V: ``num_stages`` each; consumers arrive once per warp
+        (PipelineTmaAsync releases from lane 0 of each consumer warp)."""
+        return tma_pipelines(self.num_mma_threads // 32, (storage.mbar_q, 1, self.tx_q),
+                             (storage.mbar_k, self.num_stages, self.tx_k),
+                             (storage.mbar_v, self.num_stages, self.tx_v))
 
     # -----------------------------------------------------------------------------------------
     # Scheduling: which tile, which kv tiles
     # -----------------------------------------------------------------------------------------
-    def _num_tiles(self, mQ: cute.Tensor):
-        """q-tiles × query heads × batch: the non-persistent grid size."""
-        return cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
-
-    @cute.jit
-    def _tile_coords(self, mQ: cute.Tensor, hb_per_section: Int32, tile: Optional[Int32]):
-        """Linear tile index (the CTA id, or the persistent loop's index) -> (m_block, head,
-        batch). (head, batch) pairs are grouped in sections whose K/V fit in L2; inside a
-        section the heads vary fastest and the q-tiles run from the last (longest under causal
-        masks) to the first: longest-processing-time-first order."""
-        num_m = cute.ceil_div(mQ.shape[0], self.tile_m)
-        num_hq = mQ.shape[2]
-        num_hb = num_hq * mQ.shape[3]
-        if const_expr(tile is None):
-            tile, _, _ = cute.arch.block_idx()  # non-persistent: the CTA id
-        per_section = hb_per_section * num_m
-        section = tile // per_section
-        rest = tile - section * per_section
-        hb_here = cutlass.min(hb_per_section, num_hb - section * hb_per_section)
-        m_rev = rest // hb_here
-        hb = section * hb_per_section + (rest - m_rev * hb_here)
-        head = hb % num_hq
-        batch = hb // num_hq
-        return num_m - 1 - m_rev, head, batch
-
     @cute.jit
     def _schedule(self, mQ: cute.Tensor, mK: cute.Tensor, hb_per_section: Int32,
                   blocks: Optional[BlockSparse], tile: Optional[Int32]):
@@ -583,7 +462,7 @@ class FlexAttentionFwdSm90:
         the number of partial and full kv TILES (a mask block is 128/tile_n tiles) and, with a
         block mask, 1-D views of this q-tile's two index lists (broadcast dims resolved here, so
         the mainloops index a plain row)."""
-        m_block, head, batch = self._tile_coords(mQ, hb_per_section, tile)
+        m_block, head, batch = tile_scheduler.tile_coords(mQ, self.tile_m, hb_per_section, tile)
         n_dense = cute.ceil_div(mK.shape[0], self.tile_n)
         n_partial = Int32(0)
         n_full = Int32(0)
@@ -592,12 +471,10 @@ class FlexAttentionFwdSm90:
         first = n_dense - 1
         if const_expr(self.sparse):
             per = self.tiles_per_mask_block
-            cnt, idx = blocks.kv_num_blocks, blocks.kv_indices
-            n_partial = cnt[batch % cnt.shape[0], head % cnt.shape[1], m_block] * per
-            part_row = idx[batch % idx.shape[0], head % idx.shape[1], m_block, None]
-            cnt, idx = blocks.full_kv_num_blocks, blocks.full_kv_indices
-            n_full = cnt[batch % cnt.shape[0], head % cnt.shape[1], m_block] * per
-            full_row = idx[batch % idx.shape[0], head % idx.shape[1], m_block, None]
+            n_partial = count_of(blocks.kv_num_blocks, batch, head, m_block) * per
+            part_row = row_of(blocks.kv_indices, batch, head, m_block)
+            n_full = count_of(blocks.full_kv_num_blocks, batch, head, m_block) * per
+            full_row = row_of(blocks.full_kv_indices, batch, head, m_block)
             # The first tile's index is read from both lists at once (entry 0 always exists)
             # instead of after the counts: one dependent global load less before K(0).
             first_partial = part_row[0] * per
@@ -622,16 +499,14 @@ class FlexAttentionFwdSm90:
         else:
             per = self.tiles_per_mask_block
             if const_expr(which == "partial"):
-                tile = sched.part_row[j // per] * per + j % per
+                tile = listed_tile(sched.part_row, j, per)
             elif const_expr(which == "full"):
-                jj = cutlass.max(j - sched.n_partial, 0)
-                tile = sched.full_row[jj // per] * per + jj % per
+                tile = listed_tile(sched.full_row, cutlass.max(j - sched.n_partial, 0), per)
             else:
                 if j < sched.n_partial:
-                    tile = sched.part_row[j // per] * per + j % per
+                    tile = listed_tile(sched.part_row, j, per)
                 else:
-                    jj = j - sched.n_partial
-                    tile = sched.full_row[jj // per] * per + jj % per
+                    tile = listed_tile(sched.full_row, j - sched.n_partial, per)
         return tile
 
     # -----------------------------------------------------------------------------------------
@@ -655,18 +530,16 @@ class FlexAttentionFwdSm90:
           tile's epilogue: the next tile's Q is issued as soon as the consumers release Q (after
           their last QK GEMM) and its K/V as soon as stages free up, so these loads overlap the
           current tile's last PV GEMM and epilogue.
-        * Dynamic scheduler (see "Dynamic tile scheduler"): the first tile is block_idx; each
-          tile's index is published with its Q (``_publish_tile``), and right after that tile's
-          Q load the next one is claimed (grid + atomicAdd(counter, 1)), so the atomic's
-          latency hides under this tile's K/V loads. A claim >= num_tiles ends the loop: it is
-          published as the sentinel (a plain arrive on Q's full barrier, no TMA), then the CTA
-          counts itself finished and the last CTA to finish zeroes the counter."""
+        * Dynamic scheduler (``tile_scheduler``'s protocol): the first tile is block_idx; each
+          tile's index is published with its Q, and right after that tile's Q load the next one
+          is claimed, so the atomic's latency hides under this tile's K/V loads. A claim >=
+          num_tiles ends the loop: it is published as the sentinel, then the CTA retires."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         if const_expr(not self.persistent):
             self._load_tile(ld, cta_sched, q_state, kv)
         elif const_expr(not self.dynamic):
-            num_tiles = self._num_tiles(ld.mQ)
+            num_tiles = tile_scheduler.num_tiles(ld.mQ, self.tile_m)
             first_tile = cute.arch.block_idx()[0]
             step = cute.arch.grid_dim()[0]
             for tile_id in cutlass.range(first_tile, num_tiles, step, unroll=1):
@@ -674,7 +547,7 @@ class FlexAttentionFwdSm90:
                 kv, _ = self._load_tile(ld, sched, q_state, kv)
                 q_state.advance()
         else:
-            num_tiles = self._num_tiles(ld.mQ)
+            num_tiles = tile_scheduler.num_tiles(ld.mQ, self.tile_m)
             grid = Int32(cute.arch.grid_dim()[0])
             tile_id = Int32(cute.arch.block_idx()[0])  # < num_tiles: grid = min(num_tiles, SMs)
             while tile_id < num_tiles:
@@ -683,44 +556,8 @@ class FlexAttentionFwdSm90:
                 q_state.advance()
                 tile_id = cute.arch.shuffle_sync(claimed, 0) + grid
             # The sentinel: consumers waiting for the next Q learn that there is none.
-            self._publish_tile(ld.pipe_q, q_state, sTile, tile_id, with_q=False)
-            # Counter reset for the next launch. Every CTA's producer adds 1 to counter[1] once,
-            # after its last claim (the acq_rel atomic orders that claim before it); the CTA that
-            # sees grid - 1 is the last one, so no claim can follow: it zeroes both words. The next
-            # launch on this stream starts after this kernel has finished (stream order).
-            if cute.arch.lane_idx() == 0:
-                done = cute.arch.atomic_add(tile_counter.iterator + 1, Int32(1), sem="acq_rel",
-                                            scope="gpu")
-                if done == grid - 1:
-                    tile_counter[0] = Int32(0)
-                    tile_counter[1] = Int32(0)
-
-    @cute.jit
-    def _publish_tile(self, pipe_q: pipeline.PipelineAsync, q_state, sTile: cute.Tensor,
-                      tile_id: Int32, with_q: cutlass.Constexpr):
-        """Wait until Q's stage is free (every consumer warp has released the previous tile's
-        Q, after reading that tile's index), write ``tile_id`` to the smem slot, then arrive on
-        Q's full barrier from the same thread (the arrive releases the write; the consumers'
-        wait acquires it). ``with_q``: arrive.expect_tx(Q bytes), the Q TMA follows; else (the
-        sentinel) a plain arrive: no bytes expected, so the phase completes at once."""
-        pipe_q.sync_object_empty.wait(q_state.index, q_state.phase)
-        with cute.arch.elect_one():
-            sTile[0] = tile_id
-            if const_expr(with_q):
-                cute.arch.mbarrier_arrive_and_expect_tx(pipe_q.producer_get_barrier(q_state),
-                                                        self.tx_q)
-            else:
-                cute.arch.mbarrier_arrive(pipe_q.producer_get_barrier(q_state))
-
-    @cute.jit
-    def _claim_tile(self, tile_counter: cute.Tensor) -> Int32:
-        """Lane 0 claims the next tile: the counter's old value (the caller adds grid_dim and
-        broadcasts it with a shuffle only when it needs it, so the atomic's latency hides)."""
-        got = Int32(0)
-        if cute.arch.lane_idx() == 0:
-            got = cute.arch.atomic_add(tile_counter.iterator, Int32(1), sem="relaxed",
-                                       scope="gpu")
-        return got
+            tile_scheduler.publish_tile(ld.pipe_q, q_state, sTile, tile_id, self.tx_q, with_q=False)
+            tile_scheduler.retire(tile_counter, grid)  # the counter is zero again
 
     @cute.jit
     def _load_tile(
@@ -749,19 +586,18 @@ class FlexAttentionFwdSm90:
                              (self.tile_m, self.head_dim), (sched.m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, kv_batch], (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, kv_batch], (self.tile_n, self.head_dim_v), (None, 0))
-        one = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+        tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_v, sV, gV)
 
         if const_expr(sTile is None):
             pipe_q.producer_acquire(q_state)
         else:
-            self._publish_tile(pipe_q, q_state, sTile, tile_id, with_q=True)
+            tile_scheduler.publish_tile(pipe_q, q_state, sTile, tile_id, self.tx_q, with_q=True)
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         claimed = None
         if const_expr(tile_counter is not None):
-            claimed = self._claim_tile(tile_counter)
+            claimed = tile_scheduler.claim_tile(tile_counter)
 
         total = sched.n_partial + sched.n_full
         if total > 0:
@@ -848,7 +684,7 @@ class FlexAttentionFwdSm90:
                 if wg == 0:
                     cute.arch.barrier_arrive(barrier_id=_BAR_PINGPONG_BASE,
                                              number_of_threads=2 * 128)
-            num_tiles = self._num_tiles(mQ)
+            num_tiles = tile_scheduler.num_tiles(mQ, self.tile_m)
             setup = (mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max,
                      row_sum, c, softmax_scale, aux, wg, row_peak)
             out = (mQ, mK, mO, mLSE, sO, tma_o, pipe_q, pipe_k, pipe_v, hb_per_section, blocks, tidx,
@@ -860,11 +696,11 @@ class FlexAttentionFwdSm90:
                     q_state, kv = self._consumer_tile(setup, out, tile_id, q_state, kv)
             else:
                 pipe_q.consumer_wait(q_state)
-                tile_id = self._read_tile(sTile)
+                tile_id = tile_scheduler.read_tile(sTile)
                 while tile_id < num_tiles:
                     q_state, kv = self._consumer_tile(setup, out, tile_id, q_state, kv)
                     pipe_q.consumer_wait(q_state)
-                    tile_id = self._read_tile(sTile)
+                    tile_id = tile_scheduler.read_tile(sTile)
             # The last TMA store must finish reading sO before the CTA's shared memory goes away.
             warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
             if warp_idx == 4:
@@ -888,15 +724,6 @@ class FlexAttentionFwdSm90:
         return q_state, kv
 
     @cute.jit
-    def _read_tile(self, sTile: cute.Tensor) -> Int32:
-        """The tile index published with the Q just waited for. The warp sync orders every
-        lane's read before the warp's later release of Q (lane 0's arrive), after which the
-        producer may overwrite the slot."""
-        tile_id = sTile[0]
-        cute.arch.sync_warp()
-        return tile_id
-
-    @cute.jit
     def _consumer_setup(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
                         sK: cute.Tensor, sVt: cute.Tensor, softmax_scale: Float32, tidx: Int32,
                         wg: Int32):
@@ -918,9 +745,7 @@ class FlexAttentionFwdSm90:
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
         # exp2 multiplier: scores are raw q·k without a score_mod, natural units with one.
-        c = Float32(LOG2_E)
-        if const_expr(self.score_mod is None):
-            c = softmax_scale * LOG2_E
+        c = softmax.exp2_multiplier(self.score_mod, softmax_scale)
         return thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum, c
 
     @cute.jit
@@ -1025,7 +850,7 @@ class FlexAttentionFwdSm90:
                     self._mods(ctx, acc_S, tile, "bounded")
                 else:
                     self._mods(ctx, acc_S, tile, "full")
-        self._online_softmax(ctx, acc_S, first=True)
+        self._online_softmax(ctx, acc_S, True)
         ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
 
     @cute.jit
@@ -1047,11 +872,11 @@ class FlexAttentionFwdSm90:
         warpgroup.wait_group(1)
         pipe_k.consumer_release(kv)
         self._mods(ctx, acc_S, tile, kind)
-        row_scale = self._online_softmax(ctx, acc_S, first=False)
+        row_scale = self._online_softmax(ctx, acc_S, False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
         ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-        self._rescale_o(ctx.acc_O, row_scale)
+        softmax.rescale_rows(ctx.acc_O, row_scale)
         return kv
 
     @cute.jit
@@ -1108,51 +933,11 @@ class FlexAttentionFwdSm90:
                 s = s if kv_idx < ctx.sched.seqlen_k else neg_inf
             acc_S[i] = s
 
-    @cute.jit
-    def _online_softmax(self, ctx, acc_S: cute.Tensor, first: cutlass.Constexpr):
-        """One online-softmax step over S (in place -> P, unnormalised). Returns the per-row
-        factor O must be multiplied by (1.0 where the kept max did not change)."""
-        s_rc = rows_cols(acc_S)
-        n_rows = cute.size(s_rc, mode=[0])
-        n_cols = cute.size(s_rc, mode=[1])
-        c = ctx.c
-        row_scale = cute.make_rmem_tensor(n_rows, Float32)
-        for r in cutlass.range_constexpr(n_rows):
-            blk_max = tree([s_rc[r, k] for k in range(n_cols)], cute.arch.fmax)
-            blk_max = quad_allreduce(blk_max, cute.arch.fmax)
-            if const_expr(self.write_max):
-                ctx.row_peak[r] = cute.arch.fmax(ctx.row_peak[r], blk_max)
-            m_new = blk_max
-            scale = Float32(1.0)
-            if const_expr(not first):
-                m_old = ctx.row_max[r]
-                # NaN (both -inf) compares false: keep -inf. Below the threshold keep the stale max.
-                grow = (blk_max - m_old) * c > self.rescale_threshold
-                m_new = blk_max if grow else m_old
-                # Only evaluated where the max moved: m_old = m_new = -inf would give NaN.
-                scale = cute.math.exp2((m_old - m_new) * c, fastmath=True) if grow else Float32(1.0)
-            ctx.row_max[r] = m_new
-            m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
-            bias = m_safe * c
-            for k in cutlass.range_constexpr(n_cols):
-                s_rc[r, k] = cute.math.exp2(cute.fma(s_rc[r, k], c, -bias), fastmath=True)
-            blk_sum = tree([s_rc[r, k] for k in range(n_cols)], fadd)
-            if const_expr(first):
-                ctx.row_sum[r] = blk_sum
-            else:
-                ctx.row_sum[r] = ctx.row_sum[r] * scale + blk_sum
-            row_scale[r] = scale
-        return row_scale
-
-    @cute.jit
-    def _rescale_o(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
-        """O *= row_scale, skipped when no row of this warp changed its kept max."""
-        smallest = tree([row_scale[r] for r in range(cute.size(row_scale))], cute.arch.fmin)
-        if cute.arch.vote_any_sync(smallest < 1.0):
-            o_rc = rows_cols(acc_O)
-            for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
-                for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
-                    o_rc[r, k] = o_rc[r, k] * row_scale[r]
+    def _online_softmax(self, ctx, acc_S: cute.Tensor, first: bool):
+        """One online-softmax step over S (in place -> P); the per-row factor O is rescaled by."""
+        return softmax.online_softmax(acc_S, ctx.row_max, ctx.row_sum,
+                                      ctx.row_peak if self.write_max else None, ctx.c,
+                                      self.rescale_threshold, first)
 
     # -----------------------------------------------------------------------------------------
     # Epilogue
@@ -1168,13 +953,7 @@ class FlexAttentionFwdSm90:
         lse = cute.make_rmem_tensor(n_rows, Float32)
         for r in cutlass.range_constexpr(n_rows):
             total = quad_allreduce(ctx.row_sum[r], fadd)
-            ok = total > 0.0  # false for an all-masked row (0) and for NaN
-            inv = cute.arch.rcp_approx(total if ok else Float32(1.0))
-            inv = inv if ok else Float32(0.0)
-            m = ctx.row_max[r]
-            m_safe = Float32(0.0) if m == -Float32.inf else m
-            lse_r = (m_safe * ctx.c + cute.math.log2(total if ok else Float32(1.0), fastmath=True)) * LN_2
-            lse[r] = lse_r if ok else -Float32.inf
+            inv, lse[r] = softmax.finalize(total, ctx.row_max[r], ctx.c)
             for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
                 o_rc[r, k] = o_rc[r, k] * inv
 
@@ -1201,8 +980,7 @@ class FlexAttentionFwdSm90:
         if warp_idx == 4:
             gO = cute.local_tile(mO[None, None, ctx.sched.head, ctx.sched.batch],
                                  (self.tile_m, self.head_dim_v), (ctx.sched.m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1),
-                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+            tOsO, tOgO = tma_tiles(tma_o, sO, gO)
             cute.copy(tma_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             if const_expr(not self.persistent):
@@ -1242,95 +1020,32 @@ class _Schedule(NamedTuple):
     first_tile: object  # the kv tile visited first
 
 
-class _Loads(NamedTuple):
-    """What the producer warp loads from and into: global tensors (TMA views), their smem
-    buffers, the TMA atoms and the three pipelines."""
-    mQ: object  # (L, D, Hq, B)
-    mK: object  # (S, D, Hkv, B)
-    mV: object  # (S, Dv, Hkv, B)
-    sQ: object  # (tile_m, D)
-    sK: object  # (tile_n, D, stages)
-    sV: object  # (tile_n, Dv, stages)
-    tma_q: object
-    tma_k: object
-    tma_v: object
-    pipe_q: object
-    pipe_k: object
-    pipe_v: object
+# What the producer warp loads from and into: global tensors (TMA views), their smem buffers, the
+# TMA atoms and the three pipelines. mQ: (L, D, Hq, B); mK: (S, D, Hkv, B); mV: (S, Dv, Hkv, B);
+# sQ: (tile_m, D); sK: (tile_n, D, stages); sV: (tile_n, Dv, stages).
+_Loads = namedtuple("_Loads", "mQ mK mV sQ sK sV tma_q tma_k tma_v pipe_q pipe_k pipe_v")
 
 
-class _MmaCtx(NamedTuple):
-    """Per-CTA consumer state threaded through the mainloop helpers (trace-time container)."""
-
-    mma_qk: object
-    mma_pv: object
-    thr_qk: object
-    tSrQ: object
-    tSrK: object
-    tOrVt: object
-    tOrP: object
-    acc_O: object
-    s_shape: object
-    row_max: object
-    row_sum: object
-    c: object
-    softmax_scale: object
-    sched: object
-    aux: object
-    wg: object
-    row_peak: object = None  # the true row max, write_max only
-    mMax: object = None  # (L, Hq, B), write_max only
+# Per-CTA consumer state threaded through the mainloop helpers (trace-time container). row_peak:
+# the true row max, write_max only; mMax: (L, Hq, B), write_max only.
+_MmaCtx = namedtuple("_MmaCtx", "mma_qk mma_pv thr_qk tSrQ tSrK tOrVt tOrP acc_O s_shape row_max "
+                     "row_sum c softmax_scale sched aux wg row_peak mMax", defaults=(None, None))
 
 
 # ---------------------------------------------------------------------------------------------
-# Host API
-#
-# Two launch paths, one kernel:
-# * TVM-FFI (default when ``import tvm_ffi`` works; ``FLEXJIT_TVM_FFI=0`` turns it off): the
-#   kernel is compiled once against placeholder tensors (``make_fake_tensor``: dtype, rank,
-#   alignment and stride divisibility only, so a compile needs no data) with
-#   ``--enable-tvm-ffi``, and is then called with the torch tensors themselves and plain Python
-#   floats/ints. The generated C wrapper checks every argument (rank, dtype, device, 16-byte
-#   base alignment, the stride-1 last dim, strides divisible by 8 elements) and launches on
-#   torch's current stream (the "environment stream"), so no Python object is built per call.
-#   The compiled function can be exported to an object file and loaded by another process.
+# Host API. Two launch paths, one kernel:
+# * TVM-FFI (default when ``import tvm_ffi`` works; ``FLEXJIT_TVM_FFI=0`` turns it off): compiled
+#   once against placeholder tensors, then called with the torch tensors themselves; the
+#   generated C wrapper checks every argument and launches on torch's current stream, and the
+#   function can be exported to an object file another process loads.
 # * DLPack (the fallback): ``from_dlpack(...).mark_layout_dynamic(...)`` per tensor per call,
 #   checks in Python, and an explicit CUstream.
 # ---------------------------------------------------------------------------------------------
-def _cutlass_dtype(torch_dtype):
-    import torch
-
-    table = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
-    if torch_dtype not in table:
-        raise TypeError(f"cute_sm90_fwd: unsupported dtype {torch_dtype}")
-    return table[torch_dtype]
-
-
 def _as_cute(t, align: int = 16):
     """torch tensor -> cute tensor with dynamic shape/strides, last dim the static stride-1 dim."""
     from cutlass.cute.runtime import from_dlpack
 
     return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.ndim - 1)
-
-
-def _hb_per_section(seqlen_k: int, head_dim: int, head_dim_v: int, elem_bytes: int,
-                    num_hb: int, q_per_kv: int, l2_budget: int = 40 * 1024 * 1024) -> int:
-    """How many (head, batch) pairs to schedule together so their K/V stay in L2."""
-    kv_bytes = max(1, seqlen_k * (head_dim + head_dim_v) * elem_bytes)
-    kv_heads = max(1, l2_budget // kv_bytes)
-    n = 1 << (kv_heads.bit_length() - 1)  # power of two
-    return int(max(1, min(num_hb, n * q_per_kv)))
-
-
-def _default_hb_per_section(cfg, q, k, block_mask) -> int:
-    # Dense: every q-tile costs the same, so walk one head's q-tiles together (they stream
-    # the same K/V in lockstep; measured 643 vs 618 TFLOP/s against 8-head sections, H200).
-    # Block-sparse: longest-first over L2-sized head sections (573 vs 559 for causal).
-    if block_mask is None:
-        return 1
-    b, hq = q.shape[0], q.shape[1]
-    return _hb_per_section(k.shape[2], cfg.head_dim, cfg.head_dim_v, q.element_size(), b * hq,
-                           hq // k.shape[1])
 
 
 def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
@@ -1341,37 +1056,16 @@ def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
     blocks = None
     if cfg.has_block_mask:
         blocks = BlockSparse(*[placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
-    tensors = tuple(placeholder(aux_cutlass_dtype(t.dtype), t.ndim, t.element_size())
-                    for t in aux_tensors)
-    scalars = tuple(as_scalar(x) for x in aux_scalars)
     counter = placeholder(Int32, 1, 4) if cfg.tiling.dynamic_schedule else None
     row_max = placeholder(Float32, 3, 4) if cfg.write_max else None
-    return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks, tensors or None, scalars or None,
-            Int32(_CPU_NUM_SMS), counter, row_max)
+    return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks,
+            *host.aux_placeholders(aux_tensors, aux_scalars),
+            Int32(tile_scheduler.CPU_NUM_SMS), counter, row_max)
 
 
-class CompiledFwd:
-    """A compiled kernel plus the facts needed to launch it again on new shapes.
-
-    ``compiled`` is what ``cute.compile`` returned (``None`` for a function loaded from disk);
-    ``ffi_fn`` is set on the TVM-FFI path: the bare function that ``__call__`` invokes."""
-
-    def __init__(self, cfg: FwdConfig, compiled, signature, ffi_fn=None):
-        self.cfg = cfg
-        self.compiled = compiled
-        self.signature = signature  # what the compile was specialised on (for cache checks)
-        self.ffi_fn = ffi_fn
-
-    @property
-    def tvm_ffi(self) -> bool:
-        return self.ffi_fn is not None
-
-    def export(self, object_file_path: str, function_name: str) -> None:
-        """Write the compiled function to an object file (TVM-FFI path only);
-        ``cute.runtime.load_module(path, enable_tvm_ffi=True).<function_name>`` loads it back."""
-        if not self.tvm_ffi or self.compiled is None:
-            raise RuntimeError("only a function compiled here through TVM-FFI can be exported")
-        self.compiled.export_to_c(object_file_path=object_file_path, function_name=function_name)
+class CompiledFwd(host.CompiledFwd):
+    """A compiled sm90 forward; ``ffi_fn`` is set on the TVM-FFI path, else ``compiled`` is
+    called through DLPack."""
 
     def __call__(self, q, k, v, o, lse, softmax_scale: float, block_mask=None, aux_tensors=(),
                  aux_scalars=(), stream=None, hb_per_section: Optional[int] = None,
@@ -1379,78 +1073,47 @@ class CompiledFwd:
         """``num_sms`` caps the persistent grid (default: the device's SM count); tests pass a
         small value to make each CTA run many tiles. Ignored by the non-persistent kernel.
         ``max_scores``: lse's shape and dtype, written by a ``write_max`` kernel (which needs it)."""
-        if (max_scores is not None) != self.cfg.write_max:
-            raise ValueError("max_scores must be given exactly when the kernel writes it (write_max)")
+        self.check_max_scores(max_scores)
+        args = (self.cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
+                hb_per_section, num_sms, max_scores)
         if self.ffi_fn is None:
             import torch
 
             if stream is None:
                 stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-                args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
-                                    aux_tensors, aux_scalars, hb_per_section, num_sms, max_scores)
+                self.compiled(*_launch_args(*args), stream)
             else:
-                with stream_context(stream):  # the tile counter belongs to the launch stream
-                    args = _launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
-                                        aux_tensors, aux_scalars, hb_per_section, num_sms,
-                                        max_scores)
-            self.compiled(*args, stream)
-            return o, lse
-        if stream is None:
-            self.ffi_fn(*_ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale, block_mask,
-                                          aux_tensors, aux_scalars, hb_per_section, num_sms,
-                                          max_scores))
+                with host.stream_context(stream):  # the tile counter belongs to the launch stream
+                    self.compiled(*_launch_args(*args), stream)
+        elif stream is None:
+            self.ffi_fn(*_ffi_launch_args(*args))
         else:
-            with stream_context(stream):  # the tile counter too belongs to the launch stream
-                self.ffi_fn(*_ffi_launch_args(self.cfg, q, k, v, o, lse, softmax_scale,
-                                              block_mask, aux_tensors, aux_scalars,
-                                              hb_per_section, num_sms, max_scores))
+            with host.stream_context(stream):  # the tile counter too belongs to the launch stream
+                self.ffi_fn(*_ffi_launch_args(*args))
         return o, lse
-
-
-_CPU_NUM_SMS = 132  # H100/H200 SXM; what a compile (or a launch on CPU tensors) assumes
-
-def _num_sms(cfg, q, num_sms=None) -> int:
-    """The persistent grid cap: the device's SM count (cached per device) unless given. The
-    non-persistent kernel ignores it (1, no device query)."""
-    if num_sms is not None:
-        return int(num_sms)
-    if not cfg.tiling.persistent:
-        return 1
-    if q.device.type != "cuda":
-        return _CPU_NUM_SMS
-    index = q.device.index
-    if index is None:
-        import torch
-
-        index = torch.cuda.current_device()
-    return device_num_sms(index)
 
 
 def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
                      hb_per_section=None, num_sms=None, max_scores=None) -> tuple:
-    """TVM-FFI call arguments: the torch tensors themselves. The C wrapper checks what the old
-    Python checks did (alignment, last-dim stride, strides % 8, dtypes, block-mask presence);
-    only the copies that make block lists / aux buffers contiguous happen here. The last one is
-    the dynamic scheduler's tile counter for the current stream (None without it)."""
-    check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
+    """TVM-FFI call arguments: the torch tensors themselves (the C wrapper checks alignment,
+    strides, dtypes and block-mask presence); only the copies that make block lists / aux
+    buffers contiguous happen here. The tile counter is the current stream's."""
+    host.check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
     blocks = None
     if block_mask is not None:
         blocks = BlockSparse(*[t if t.is_contiguous() else t.contiguous() for t in block_mask])
     if hb_per_section is None:
-        hb_per_section = _default_hb_per_section(cfg, q, k, block_mask)
-    tensors = tuple(t if t.is_contiguous() else t.contiguous() for t in aux_tensors) or None
-    for x in aux_scalars:
-        if isinstance(x, bool) or not isinstance(x, (int, float)):
-            raise TypeError(f"aux scalar must be a Python int or float, got {type(x)}")
-    counter = scheduler_counter(q.device) if cfg.tiling.dynamic_schedule else None
-    return (q, k, v, o, lse, float(softmax_scale), int(hb_per_section), blocks, tensors,
-            tuple(aux_scalars) or None, _num_sms(cfg, q, num_sms), counter, max_scores)
+        hb_per_section = tile_scheduler.default_hb_per_section(cfg, q, k, block_mask)
+    counter = tile_scheduler.scheduler_counter(q.device) if cfg.tiling.dynamic_schedule else None
+    return (q, k, v, o, lse, float(softmax_scale), int(hb_per_section), blocks,
+            *host.aux_args(aux_tensors, aux_scalars), tile_scheduler.num_sms(cfg, q, num_sms),
+            counter, max_scores)
 
 
 def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
                  hb_per_section=None, num_sms=None, max_scores=None):
     """DLPack-path call arguments (the fallback): cute tensors built per call."""
-    check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
+    host.check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
             raise ValueError(f"{name}: last dim must be contiguous and the base 16-byte aligned")
@@ -1462,16 +1125,15 @@ def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, a
     if block_mask is not None:
         blocks = BlockSparse(*[_as_cute(t.contiguous(), align=4) for t in block_mask])
     if hb_per_section is None:
-        hb_per_section = _default_hb_per_section(cfg, q, k, block_mask)
-    hb = hb_per_section
+        hb_per_section = tile_scheduler.default_hb_per_section(cfg, q, k, block_mask)
     tensors = tuple(_as_cute(t.contiguous(), align=t.element_size()) for t in aux_tensors)
     scalars = tuple(as_scalar(x) for x in aux_scalars)
     counter = None
     if cfg.tiling.dynamic_schedule:
-        counter = _as_cute(scheduler_counter(q.device), align=4)
+        counter = _as_cute(tile_scheduler.scheduler_counter(q.device), align=4)
     return (_as_cute(q), _as_cute(k), _as_cute(v), _as_cute(o), _as_cute(lse, align=4),
-            Float32(softmax_scale), Int32(hb), blocks, tensors or None, scalars or None,
-            Int32(_num_sms(cfg, q, num_sms)), counter,
+            Float32(softmax_scale), Int32(hb_per_section), blocks, tensors or None,
+            scalars or None, Int32(tile_scheduler.num_sms(cfg, q, num_sms)), counter,
             None if max_scores is None else _as_cute(max_scores, align=4))
 
 
@@ -1483,20 +1145,17 @@ def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=()
     ``use_tvm_ffi``: None picks TVM-FFI when available (``tvm_ffi_enabled()``)."""
     if use_tvm_ffi is None:
         use_tvm_ffi = tvm_ffi_enabled()
-    signature = tuple((t.dtype, t.ndim) for t in aux_tensors) + tuple(
-        type(as_scalar(x)).__name__ for x in aux_scalars
-    )
+    signature = host.aux_signature(aux_tensors, aux_scalars)
     kernel = FlexAttentionFwdSm90(cfg)
     if not use_tvm_ffi:
         args = _launch_args(cfg, q, k, v, o, lse, 1.0, block_mask, aux_tensors, aux_scalars,
                             max_scores=lse.new_empty(lse.shape) if cfg.write_max else None)
         compiled = cute.compile(kernel, *args, cuda.CUstream(0), options=options)
         return CompiledFwd(cfg, compiled, signature)
-    if _cutlass_dtype(q.dtype) is not cfg.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
+    if host.cutlass_dtype(q.dtype, "cute_sm90_fwd") is not cfg.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError("q/k/v dtype does not match the config")
     if (block_mask is not None) != cfg.has_block_mask:
         raise ValueError("block_mask presence must match FwdConfig.has_block_mask")
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    compiled = cute.compile(kernel, *_placeholder_args(cfg, aux_tensors, aux_scalars), stream,
-                            options=f"{options} --enable-tvm-ffi".strip())
-    return CompiledFwd(cfg, compiled, signature, ffi_fn=ffi_function(compiled))
+    compiled = cute.compile(kernel, *_placeholder_args(cfg, aux_tensors, aux_scalars),
+                            host.env_stream(), options=host.compile_options(options))
+    return CompiledFwd(cfg, compiled, signature, ffi_fn=host.ffi_function(compiled))

@@ -1,4 +1,4 @@
-"""The sm90 kernels' K/V batch broadcast (``kv_batch_broadcast``, issue #16) on the CPU.
+"""The sm90 kernels' K/V batch broadcast (``kv_batch_broadcast``: one paged K/V cache for every query batch) on the CPU.
 
 * The flagged forward and backward compile for sm_90a (CUTE_DSL_ARCH) through the backend, with
   the instructions the design depends on (wgmma, setmaxnreg, TMA), spill-free, and their K/V

@@ -1,4 +1,4 @@
-"""A key/value batch of 1 broadcast over the query's batch, on the sm90 kernels (issue #16).
+"""A key/value batch of 1 broadcast over the query's batch, on the sm90 kernels.
 
     python -m pytest -q -m gpu tests/backends/cute/test_cute_broadcast_gpu.py
 

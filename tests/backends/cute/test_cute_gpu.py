@@ -51,7 +51,7 @@ def assert_counter_reset(fn, device, stream=None):
     """After a dynamic launch has finished, its (device, stream) counter is back at [0, 0]."""
     with torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(
             torch.cuda.current_stream()):
-        counter = importlib.import_module("flexjit.templates.cute.common").scheduler_counter(device)
+        counter = importlib.import_module("flexjit.templates.cute.tile_scheduler").scheduler_counter(device)
     assert counter.tolist() == [0, 0], f"tile counter not reset: {counter.tolist()}"
 
 
@@ -88,7 +88,7 @@ def test_d64_and_4k(name):
     run_case(name, B=1, Hq=16, Hkv=16, L=4096, S=4096, D=64)
 
 
-# Issue #13's head dims: each with causal (block-sparse, 128-row tiles) and one more mod;
+# The head dims beyond 64/128/256: each with causal (block-sparse, 128-row tiles) and one more mod;
 # relative_bias has no mask_mod, so it runs the dense path (every kv tile visited, a gathered
 # bias). (192, 128): q/k wider than v. Ragged L = S = 1000, GQA 8/2. 192 has no
 # persistent variant: both fixture runs launch the same per-tile kernel.

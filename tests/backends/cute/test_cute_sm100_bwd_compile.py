@@ -35,6 +35,7 @@ from sm100_ptx import (assert_blackwell_path, assert_scalars_not_baked, ptx_text
                        spill_bytes)
 
 tpl = importlib.import_module("flexjit.templates.cute.sm100.bwd")
+cute_host = importlib.import_module("flexjit.templates.cute.host")
 
 if not tpl.tvm_ffi_enabled():
     pytest.skip("the sm100 backward compiles through TVM-FFI only", allow_module_level=True)
@@ -93,7 +94,7 @@ def test_deterministic(tmp_path, head_dim, sparse):
 
 
 # Every core mod compiles for sm_100a with a block mask where it has a mask_mod (the way a call
-# reaches the kernel): in CI at D = 128 (issue #15 asks it of CI, ~4 s a compile);
+# reaches the kernel): in CI at D = 128 (every mod a user can pass is checked there, ~4 s a compile);
 # FLEXJIT_COMPILE_ALL=1 adds every core mod at 64.
 _EVERY = os.environ.get("FLEXJIT_COMPILE_ALL") == "1"
 _CASES = [(n, d) for d in (128, 64) for n in CORE if _EVERY or d == 128]
@@ -122,7 +123,7 @@ def test_captured_tensor_grads(tmp_path, name, head_dim):
     assert program.grad_loads
     cfg, ptx = _compile(tmp_path, head_dim, program, sparse=case.mask_mod is not None,
                         grads=True)
-    assert tpl.num_grad_accs(cfg) == 1
+    assert cute_host.num_grad_accs(cfg) == 1
     main = ptx["main"]
     _assert_blackwell_main(main)
     assert re.search(r"(red|atom)(\.\w+)*\.global(\.\w+)*\.add\.f64", main), "no fp64 atomic add"
@@ -214,12 +215,12 @@ def test_merged_q_lists_for_deterministic_mode_only():
     deterministic mode needs ``dq_order``'s lists."""
     cfg = tpl.BwdConfig(64, 64, cutlass.BFloat16, has_block_mask=True, deterministic=True)
     with pytest.raises(ValueError, match="presence"):
-        tpl._block_args(cfg, None, None)
+        cute_host.block_args(cfg, None, None)
     lists = tuple(torch.zeros(1, 1, 2, dtype=torch.int32) for _ in range(8))
     with pytest.raises(ValueError, match="q_order"):
-        tpl._block_args(cfg, lists, None)
+        cute_host.block_args(cfg, lists, None)
     with pytest.raises(ValueError, match="full_q_idx"):
-        tpl._block_args(cfg, lists[:4], None)
+        cute_host.block_args(cfg, lists[:4], None)
 
 
 def test_launch_marshalling():
@@ -238,7 +239,7 @@ def test_launch_marshalling():
 
     cfg = tpl.BwdConfig(128, 128, cutlass.BFloat16, None, None, has_block_mask=True,
                         deterministic=True)
-    fn = tpl.CompiledBwd(cfg, {n: tpl._Part(None, recorder(n)) for n in tpl.PARTS}, ())
+    fn = tpl.CompiledBwd(cfg, {n: cute_host.Part(None, recorder(n)) for n in tpl.PARTS}, ())
     B, Hq, Hkv, L, S, D = 2, 8, 2, 300, 500, 128
     q, out = torch.randn(B, Hq, L, D).bfloat16(), torch.randn(B, Hq, L, D).bfloat16()
     k, v = torch.randn(B, Hkv, S, D).bfloat16(), torch.randn(B, Hkv, S, D).bfloat16()

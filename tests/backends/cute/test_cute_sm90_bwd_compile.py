@@ -42,6 +42,7 @@ from ptx_checks import assert_no_spills  # noqa: E402
 
 tpl = importlib.import_module("flexjit.templates.cute.sm90.bwd")
 host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")
+cute_host = importlib.import_module("flexjit.templates.cute.host")
 
 
 def _program(score_mod, mask_mod):
@@ -105,7 +106,7 @@ def _assert_deterministic_machinery(ptx):
     assert "fence.proxy.async.global" in ptx, "no proxy fence around the bulk reduce"
 
 
-# 64 and 128, then issue #13's 32 and 96; (192, 192) and (192, 128) (the 64-key "dim split"
+# 64 and 128, then 32 and 96; (192, 192) and (192, 128) (the 64-key "dim split"
 # tile) in the tests below that take both head dims.
 HEAD_DIMS = [64, 128, 32, 96]
 # (head_dim, head_dim_v) of the 64-key tile: the kv tile is half a mask block, both MMA
@@ -217,7 +218,7 @@ def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
 
 @pytest.mark.parametrize("causal,head_dim", [(False, 128), (True, 128), (False, 64)])
 def test_row_values_are_read_before_the_waits(tmp_path, causal, head_dim):
-    # Issue #13 (the 2026-12-01 ncu profile: short-scoreboard stalls twice FA4's): lse2 and delta
+    # An ncu profile showed short-scoreboard stalls twice FA4's: lse2 and delta
     # are read from smem into registers before the Sᵀ / dPᵀ wgmma waits, so their LDS latency
     # runs under the GEMMs. On the SASS of the steady-state loop (sass_compare's path): every
     # one of the 16 LDS.64 per 64 query rows crosses a wgmma wait before its first use, and no
@@ -238,7 +239,7 @@ def test_row_values_are_read_before_the_waits(tmp_path, causal, head_dim):
 
 def test_backward_tile_table():
     """One 64 × 128 row for every head dim (the kv tile is the mask block), P formed under dP
-    always for D <= 96; 64/128 exactly as before issue #13; K's swizzle atom narrows only for D = 96 (its dQ split at column 48);
+    always for D <= 96; 64/128 exactly as they were before the other head dims came; K's swizzle atom narrows only for D = 96 (its dQ split at column 48);
     192 and (192, 128) take a 64-key tile (half a mask block; dK + dV with 128 keys would take
     192 / 160 of 240 registers), P under dP always; Q and K there get 32-column atoms, V and
     dO too at Dv = 192 (each warpgroup's half of the head dims starts on an atom)."""
@@ -248,7 +249,7 @@ def test_backward_tile_table():
     assert tpl.choose_bwd_tiling(64, 64, False) == T(64, 128, 2, "cols", True, 240, 24)
     assert tpl.choose_bwd_tiling(32, 32, False) == T(64, 128, 2, "cols", True, 240, 24)
     assert tpl.choose_bwd_tiling(96, 96, False) == T(64, 128, 2, "cols", True, 240, 24)
-    assert [tpl._k_atom_cols(d, "cols") for d in (32, 64, 96, 128, 192)] == [32, 64, 48, 128, 96]
+    assert [importlib.import_module("flexjit.templates.cute.sm90.dq").k_atom_cols(d, "cols") for d in (32, 64, 96, 128, 192)] == [32, 64, 48, 128, 96]
     for dv in (192, 128):
         assert tpl.choose_bwd_tiling(192, dv, False) == T(64, 64, 2, "cols", True, 240, 24)
     # Pre/postprocess: a row's lanes are a power of two within one warp, covering the row.
@@ -283,9 +284,9 @@ def _clean_main_ptx(tmp_path, cfg, program) -> str:
 # CI compiles every core mod at 128 (the register-tight head dim; "full" is test_no_mods[128]'s
 # main kernel), and at 96, 192 and (192, 128) the mods with the most live state beside dK + dV
 # (a per-head slope, a tanh, document ids, a mask); every core mod at 192 / (192, 128) passed on
-# the CPU (2026-12-01-cpu-bwd192-NOTES.md) and their GPU tests on the H200, and at 96 in every
+# the CPU and their GPU tests on the H200, and at 96 in every
 # CI run up to 2026-12-01. FLEXJIT_COMPILE_ALL=1 compiles every pair (about 7 more minutes on 2
-# cores: 2026-12-01-cpu-citrim-NOTES.md).
+# cores).
 _WIDE = {"causal", "alibi", "softcap", "document"}
 
 
@@ -330,7 +331,7 @@ def _captured_grads_cases():
 
 @pytest.mark.parametrize("name,head_dim", list(_captured_grads_cases()))
 def test_captured_tensor_grads(tmp_path, name, head_dim):
-    # Issue #6: a learnable captured tensor's gradient from the sm90 backward itself. The
+    # A learnable captured tensor's gradient from the sm90 backward itself. The
     # relative-bias table's index varies per element (one predicated fp64 atomic per element),
     # the ALiBi slopes' index is uniform over the tile (warp butterfly, one atomic per warp).
     # Causal block mask, D = 128 (register-tight: 0 spills before this change; must stay 0) and 64.
@@ -344,7 +345,7 @@ def test_captured_tensor_grads(tmp_path, name, head_dim):
                         mods.mask_mod, has_block_mask=True,
                         overlap_dp=True if light_mods(program) else None,
                         score_grads=mods.score_grads, grad_offsets=mods.grad_offsets)
-    assert host.num_grad_accs(cfg) == 1
+    assert cute_host.num_grad_accs(cfg) == 1
     ptx = _clean_main_ptx(tmp_path, cfg, program)
     assert re.search(r"(red|atom)\.global(\.\w+)*\.add\.f64", ptx), "no fp64 atomic add"
     if name == "learnable_alibi":
@@ -445,7 +446,7 @@ def test_dq_order_matches_brute_force(case):
 
 def test_padded_len_covers_whole_mask_blocks():
     for L, want in ((1, 128), (128, 128), (129, 256), (1000, 1024)):
-        assert host.padded_len(L) == want
+        assert cute_host.padded_len(L) == want
 
 
 def test_host_launch_marshals_workspaces_and_lists():
@@ -516,7 +517,7 @@ def test_host_launch_with_narrower_v():
 
 
 def test_pointwise_ops_compile_forward_and_backward(tmp_path):
-    # Issue #14's pointwise ops (mods_catalog.POINTWISE: tan, atan, sinh, cosh, asin, acos, log1p,
+    # The pointwise ops (mods_catalog.POINTWISE: tan, atan, sinh, cosh, asin, acos, log1p,
     # expm1, erf, round, trunc, sign, fmod on floats and ints, silu, logical ops on ints) through
     # the CuTe renderer into both sm90 kernels: every one of them is in the DSL's math and compiles.
     from mods_catalog import POINTWISE
@@ -541,7 +542,7 @@ def test_pointwise_ops_compile_forward_and_backward(tmp_path):
 
 
 def test_int64_index_math_compiles_forward_and_backward(tmp_path):
-    # Issue #14: index arithmetic that leaves int32 at the call's lengths is int64 in the program
+    # Index arithmetic that leaves int32 at the call's lengths is int64 in the program
     # (passes.widen); both sm90 kernels render and compile it (the values: the Triton and
     # reference tests against torch's eager mods).
     from flexjit.ir.passes import lower

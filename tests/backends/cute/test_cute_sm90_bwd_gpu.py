@@ -240,7 +240,7 @@ def test_api_deterministic_mode_is_bit_identical():
     assert_bit_identical(runs, "api")
 
 
-# Issue #13's head dims with a backward tile: causal (light: P under dP) and two heavier mods
+# The head dims beyond 64 and 128 with a backward tile: causal (light: P under dP) and two heavier mods
 # (softcap's tanh, document's loads; at D <= 96 and 192 they overlap too). Ragged L = S = 1000,
 # GQA 8/2. 192 and (192, 128): the 64-key tile (two kv tiles per mask block; S = 1000 leaves
 # the last mask block's second tile with 104 - 64 = 40 keys, and the dense relative_bias runs
@@ -308,7 +308,7 @@ def test_head_dim_192_through_the_api_on_cute(D, Dv, name, monkeypatch):
 
 
 def _no_triton_backward(monkeypatch):
-    """Make any hand-off to the Triton backward fail the test (issue #6: the sm90 backward must
+    """Make any hand-off to the Triton backward fail the test (the sm90 backward must
     produce the captured tensors' gradients itself)."""
     from flexjit.backends import triton as triton_backend_entry
 
@@ -341,7 +341,7 @@ def _captured_grads_check(name, B, Hq, Hkv, L, S, D, seed, run_kernel):
 
 @pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
 def test_captured_tensor_grads_through_the_api(name, monkeypatch, capsys):
-    # Issue #6: a captured tensor that requires grad; the cute backend's backward computes its
+    # A captured tensor that requires grad; the cute backend's backward computes its
     # gradient on the sm90 backward (no Triton hand-off), D = 128, GQA 8/2, ragged L = S = 1000.
     from flexjit.api.attention import prepare_call
     from flexjit.backends.cute import sm90 as cute_sm90

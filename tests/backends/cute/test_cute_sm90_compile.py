@@ -91,7 +91,7 @@ def _assert_hopper_path(ptx):
     assert "ex2.approx" in ptx, "softmax is not in the exp2 domain"
 
 
-# Every (D, Dv) of the tile table: the original three, then issue #13's 32, 96, 192 and
+# Every (D, Dv) of the tile table: the original three, then 32, 96, 192 and
 # (192, 128) (DeepSeek-style q/k wider than v).
 HEAD_DIMS = [64, 128, 256, 32, 96, 192, (192, 128)]
 _IDS = [f"d{d[0]}_v{d[1]}" if isinstance(d, tuple) else f"d{d}" for d in HEAD_DIMS]
@@ -130,7 +130,7 @@ def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
 
 
 def test_tile_table():
-    """The table's rows: 64/128/256 exactly as before issue #13 (their kernels must stay
+    """The table's rows: 64/128/256 exactly as they were before the other rows came (their kernels must stay
     byte-identical), and for every (D, Dv) with a block mask a 128-row tile whose tile_n divides
     the 128-key mask block; every row within the 227 KB of shared memory."""
     T = _tpl.Tiling

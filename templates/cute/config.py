@@ -1,0 +1,64 @@
+"""The kernels' frozen compile-time configuration, one family for both archs: ``FwdConfig`` and
+``BwdConfig`` hold what every kernel reads; an arch's template subclasses them for its own
+fields, and every kernel class derives from ``Kernel``."""
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """A forward's compile-time configuration. Everything not here is a runtime argument."""
+
+    head_dim: int
+    head_dim_v: int
+    dtype: type  # cutlass.BFloat16 or cutlass.Float16
+    score_mod: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+    has_block_mask: bool = False
+    rescale_threshold: float = 0.0  # log2 units; 0.0 rescales whenever a row max grows
+    write_max: bool = False  # also write each row's max modded score (AuxRequest(max_scores))
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """A backward's compile-time configuration. Everything not here is a runtime argument."""
+
+    head_dim: int
+    head_dim_v: int
+    dtype: type  # cutlass.BFloat16 or cutlass.Float16
+    score_mod_and_grad: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+    has_block_mask: bool = False
+    deterministic: bool = False
+    # Gradients of captured tensors (the renderer's ``score_grads`` / ``grad_offsets``, or None):
+    # the main kernel then takes one fp64 accumulator per learnable tensor.
+    score_grads: Optional[Callable] = None
+    grad_offsets: Optional[Callable] = None
+
+    def __post_init__(self):
+        if (self.score_grads is None) != (self.grad_offsets is None):
+            raise ValueError("score_grads and grad_offsets come together")
+        if self.score_grads is not None and self.score_mod_and_grad is None:
+            raise ValueError("captured-tensor gradients need a score_mod")
+
+
+def check_head_dims(template: str, head_dim: int, head_dim_v: int, head_dims) -> None:
+    """A config's head dims must be a pair the template has a tile for."""
+    if (head_dim, head_dim_v) not in head_dims:
+        raise NotImplementedError(
+            f"{template}: head dims ({head_dim}, {head_dim_v}) not in {head_dims}")
+
+
+class Kernel:
+    """A kernel class's base: what every kernel reads from its configuration (the config, the
+    element type, the head dims, the two mods, whether block lists come)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.dtype = cfg.dtype
+        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
+        bwd = isinstance(cfg, BwdConfig)
+        self.score_mod = cfg.score_mod_and_grad if bwd else cfg.score_mod
+        self.mask_mod = cfg.mask_mod
+        self.sparse = cfg.has_block_mask
