@@ -260,20 +260,15 @@ def _as_acc_layout(frag_a: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Main kernel
 # ---------------------------------------------------------------------------------------------
-class FlexAttentionBwdSm90(config.Kernel):
+class FlexAttentionBwdSm90(config.TiledKernel):
     """Warp-specialised FlashAttention-3 style backward for sm_90a with score/mask holes."""
 
     def __init__(self, cfg: BwdConfig):
-        super().__init__(cfg)
+        super().__init__(cfg, 256)
         t = cfg.tiling
-        self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
         self.dq_split = t.dq_split
         self.overlap_dp = t.overlap_dp
-        self.num_mma_threads = 256
-        self.num_threads = 128 + self.num_mma_threads
-        self.mma_regs, self.load_regs = t.mma_regs, t.load_regs
         self.deterministic = cfg.deterministic
-        self.kv_batch_broadcast = bool(cfg.kv_batch_broadcast)
         self.score_grads, self.grad_offsets = cfg.score_grads, cfg.grad_offsets
         assert (self.score_grads is None) == (self.grad_offsets is None)
         assert self.score_grads is None or self.score_mod is not None

@@ -269,21 +269,16 @@ class FwdConfig(config.FwdConfig):
 # ---------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------
-class FlexAttentionFwdSm90(config.Kernel):
+class FlexAttentionFwdSm90(config.TiledKernel):
     """Warp-specialised FlashAttention-3 style forward for sm_90a with score/mask holes."""
 
     def __init__(self, cfg: FwdConfig):
-        super().__init__(cfg)
         t = cfg.tiling
-        self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
+        super().__init__(cfg, 128 * t.num_mma_wgs)
         self.num_mma_wgs = t.num_mma_wgs
-        self.num_mma_threads = 128 * t.num_mma_wgs
-        self.num_threads = 128 + self.num_mma_threads
-        self.mma_regs, self.load_regs = t.mma_regs, t.load_regs
         self.pingpong = t.pingpong and t.num_mma_wgs >= 2
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.write_max = bool(cfg.write_max)
-        self.kv_batch_broadcast = bool(cfg.kv_batch_broadcast)
         if self.sparse:
             assert self.tile_m == MASK_BLOCK and MASK_BLOCK % self.tile_n == 0
         self.tiles_per_mask_block = max(1, MASK_BLOCK // self.tile_n)
