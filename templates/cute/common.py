@@ -4,6 +4,8 @@ smem and fragment layouts, the sm90 warpgroup GEMM, reductions over DSL scalars,
 import math
 from typing import NamedTuple, Optional
 
+import cuda.bindings.driver as cuda
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
@@ -168,3 +170,24 @@ def shared_storage(name: str, fields: dict):
     """A ``cute.struct`` of ``fields`` (name -> field type, in layout order): a kernel's shared
     memory, built from the fields its configuration needs."""
     return cute.struct(type(name, (), {"__annotations__": dict(fields)}))
+
+
+class DqPostprocess:
+    """A dQ postprocess kernel's base: dQ = accumulator · softmax_scale in the input dtype, one
+    128-thread CTA per ``per_cta`` work items (a row or a unit of rows), ``lanes_per_row``
+    threads (16-byte vectors) per row. A subclass says its ``grid`` and writes its ``kernel``."""
+
+    def __init__(self, cfg):
+        self.dtype = cfg.dtype
+        self.head_dim = cfg.head_dim
+        self.lanes_per_row = self.head_dim // 8
+        self.per_cta = 128 // self.lanes_per_row
+
+    def grid(self, mdQ: cute.Tensor) -> list:
+        raise NotImplementedError
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+                 stream: cuda.CUstream):
+        launch(self.kernel(mdQacc, mdQ, softmax_scale), self.grid(mdQ), 128, stream,
+               one_cta_per_sm=False)

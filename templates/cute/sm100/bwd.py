@@ -1100,27 +1100,18 @@ _ReduceCtx = namedtuple("_ReduceCtx", "ld tTt shape tidx sched mdQacc mSem")
 # ---------------------------------------------------------------------------------------------
 # Postprocess: dQ = accumulator · scale (row-major accumulator, 16-byte vectors)
 # ---------------------------------------------------------------------------------------------
-class FlexAttentionBwdPostSm100:
-    """dq[b, h, row] = dqacc[b, h, row] · softmax_scale in the input dtype, rows < L."""
+class FlexAttentionBwdPostSm100(common.DqPostprocess):
+    """dq[b, h, row] = dqacc[b, h, row] · softmax_scale in the input dtype, rows < L (one row a
+    work item)."""
 
-    def __init__(self, cfg: BwdConfig):
-        self.dtype = cfg.dtype
-        self.head_dim = cfg.head_dim
-        self.lanes_per_row = self.head_dim // 8
-        self.rows_per_cta = 128 // self.lanes_per_row
-
-    @cute.jit
-    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
-                 stream: cuda.CUstream):
-        grid = [cute.ceil_div(mdQ.shape[2], self.rows_per_cta), mdQ.shape[1], mdQ.shape[0]]
-        common.launch(self.kernel(mdQacc, mdQ, softmax_scale), grid, 128, stream,
-                      one_cta_per_sm=False)
+    def grid(self, mdQ: cute.Tensor) -> list:
+        return [cute.ceil_div(mdQ.shape[2], self.per_cta), mdQ.shape[1], mdQ.shape[0]]
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
-        row = bx * self.rows_per_cta + tidx // self.lanes_per_row
+        row = bx * self.per_cta + tidx // self.lanes_per_row
         part = tidx % self.lanes_per_row
         if row < mdQ.shape[2]:
             acc = cute.make_rmem_tensor((8,), Float32)

@@ -133,7 +133,7 @@ from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute import captured_grads, config, softmax
 from flexjit.templates.cute.block_sparse import QBlockLists, QOrder, listed_tile, order_rows, q_lists
-from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, FloatIndices, kernel_aux, launch, permute, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
+from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, DqPostprocess, FloatIndices, kernel_aux, launch, permute, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
 from flexjit.templates.cute.opaque import opaque_i32, opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.pipeline import tma_pipelines
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols, store_dq_acc
@@ -1138,34 +1138,25 @@ def _lanes_per_row(head_dim: int) -> int:
     return n & -n
 
 
-class FlexAttentionBwdPostSm90:
+class FlexAttentionBwdPostSm90(DqPostprocess):
     """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only).
 
     The accumulator is dQ permuted within 16-row × 8-column blocks (``dq_box_view``): a
     thread takes accumulator rows 16a + 2ρ + {0, 1}, columns 8g..8g+7 (two 16-byte loads per
     row), which hold dQ rows 16a + ρ + {0, 8}, columns 8g..8g+7 (one 16-byte store each)."""
 
-    def __init__(self, cfg: BwdConfig):
-        self.dtype = cfg.dtype
-        self.head_dim = cfg.head_dim
-        self.lanes_per_row = self.head_dim // 8
-        # A unit: 2 accumulator rows. D = 96: 12 lanes, 10 units; the 8 spare threads redo the
-        # next CTA's first unit, writing the same values (no reduction here, so that is benign).
-        self.units_per_cta = 128 // self.lanes_per_row
-
-    @cute.jit
-    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
-                 stream: cuda.CUstream):
-        grid = [cute.ceil_div(cute.ceil_div(mdQ.shape[2], 16) * 8, self.units_per_cta),
+    def grid(self, mdQ: cute.Tensor) -> list:
+        # A work item (unit): 2 accumulator rows. D = 96: 12 lanes, 10 units; the 8 spare threads
+        # redo the next CTA's first unit, writing the same values (no reduction here: benign).
+        return [cute.ceil_div(cute.ceil_div(mdQ.shape[2], 16) * 8, self.per_cta),
                 mdQ.shape[1], mdQ.shape[0]]
-        launch(self.kernel(mdQacc, mdQ, softmax_scale), grid, 128, stream, one_cta_per_sm=False)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         lpr = self.lanes_per_row
-        unit = bx * self.units_per_cta + tidx // lpr  # = 8a + ρ
+        unit = bx * self.per_cta + tidx // lpr  # = 8a + ρ
         g = tidx % lpr
         base = 16 * (unit // 8) + unit % 8  # dQ row 16a + ρ
         if base < mdQ.shape[2]:
