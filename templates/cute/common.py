@@ -1,5 +1,21 @@
 """What the CuTeDSL kernels share on the device: the holes' contract (``Aux``, ``FloatIndices``),
-smem and fragment layouts, the sm90 warpgroup GEMM, reductions over DSL scalars, constants."""
+smem and fragment layouts, the sm90 warpgroup GEMM, reductions over DSL scalars, constants.
+
+The operands' layouts, one list for every kernel's ``__call__`` and ``kernel`` (their parameter
+order is each kernel's argument layout, so each keeps its own list; the shapes are here):
+
+- ``__call__`` (host): mQ (B, Hq, L, D), mK (B, Hkv, S, D), mV (B, Hkv, S, Dv), mO / mdO
+  (B, Hq, L, Dv), dK / dV like K / V; mLSE (B, Hq, L) fp32; the backward's mLSE2 and mDelta
+  (B, Hq, Lpad) fp32 (LSE2 in log2 units), mdQacc (B, Hq, Lpad, D) fp32 zeroed, mSem
+  (B, Hq, >= Lpad / 128) int32 zeroed (deterministic mode, else None); mMax (B, Hq, L) fp32,
+  the row max of the modded scores, or None. ``aux_tensors`` / ``aux_scalars`` /
+  ``grad_accs`` are None when empty (empty tuples are not valid jit args).
+- ``kernel`` (device): the same tensors with the sequence first and (head, batch) last:
+  Q (L, D, Hq, B), K (S, D, Hkv, B), V (S, Dv, Hkv, B) (the sm100 forward's V view is
+  (Dv, S, (Hkv, B))), O / dO (L, Dv, Hq, B), LSE (L, Hq, B), LSE2 / Delta (Lpad, Hq, B), dQacc
+  (Lpad, D, Hq, B); TMA views where a ``tma_*`` atom goes with them (sm100: (head, batch)
+  grouped as one mode).
+"""
 
 import math
 from typing import NamedTuple, Optional

@@ -410,45 +410,21 @@ class FlexAttentionBwdSm90(config.TiledKernel):
     # -----------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(
-        self,
-        mQ: cute.Tensor,  # TMA view (L, D, Hq, B)
-        mK: cute.Tensor,  # TMA view (S, D, Hkv, B)
-        mV: cute.Tensor,  # TMA view (S, Dv, Hkv, B)
-        mdO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
-        mLSE2: cute.Tensor,  # TMA view (Lpad, Hq, B)
-        mDelta: cute.Tensor,  # TMA view (Lpad, Hq, B)
-        mdQacc: cute.Tensor,  # TMA view (Lpad, D, Hq, B)
-        mdK: cute.Tensor,  # TMA view (S, D, Hkv, B)
-        mdV: cute.Tensor,  # TMA view (S, Dv, Hkv, B)
-        tma_q: cute.CopyAtom,
-        tma_k: cute.CopyAtom,
-        tma_v: cute.CopyAtom,
-        tma_do: cute.CopyAtom,
-        tma_lse: cute.CopyAtom,
-        tma_delta: cute.CopyAtom,
-        tma_dq: cute.CopyAtom,
-        tma_dk: cute.CopyAtom,
-        tma_dv: cute.CopyAtom,
-        mma_sdp: cute.TiledMma,
-        mma_dkv: cute.TiledMma,
-        mma_dv: cute.TiledMma,
-        mma_dq: cute.TiledMma,
-        softmax_scale: Float32,
-        q_per_kv: Int32,
-        qblocks: Optional[QBlockLists],
-        qorder: Optional[QOrder],
-        mSem: Optional[cute.Tensor],
-        aux_tensors: Optional[tuple],
-        aux_scalars: Optional[tuple],
-        grad_accs: Optional[tuple],
-        sQ_layout: cute.ComposedLayout,
-        sdO_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout,
-        sdQ_layout: cute.Layout,
-        sRow_layout: cute.Layout,
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+        mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
+        tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom, tma_dq: cute.CopyAtom,
+        tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
+        mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dv: cute.TiledMma,
+        mma_dq: cute.TiledMma, softmax_scale: Float32, q_per_kv: Int32,
+        qblocks: Optional[QBlockLists], qorder: Optional[QOrder], mSem: Optional[cute.Tensor],
+        aux_tensors: Optional[tuple], aux_scalars: Optional[tuple], grad_accs: Optional[tuple],
+        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.Layout, sRow_layout: cute.Layout,
     ):
+        """The operands' layouts: ``common``'s docstring (every tensor here a TMA view)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta):
