@@ -841,10 +841,7 @@ class FlexAttentionBwdSm100(config.Kernel):
             if const_expr(self.score_grads is not None):
                 rS[i] = p  # P∘(dP − delta) comes first (``_captured_grads``)
             elif const_expr(self.score_mod is not None):
-                pd = p * ds
-                if const_expr(ok is not None):
-                    pd = pd if ok else Float32(0.0)  # dscore may be inf/NaN where masked
-                rS[i] = pd
+                rS[i] = softmax.p_dscore(p, ds, ok)
             else:
                 rS[i] = p
 

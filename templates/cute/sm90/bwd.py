@@ -904,10 +904,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
                 acc_S[i] = p
             elif const_expr(self.score_mod is not None):
                 rP[i] = p.to(self.dtype)
-                pd = p * ds
-                if const_expr(ok is not None):
-                    pd = pd if ok else Float32(0.0)  # dscore may be inf/NaN where masked
-                acc_S[i] = pd
+                acc_S[i] = softmax.p_dscore(p, ds, ok)
             else:
                 acc_S[i] = p
         if const_expr(self.score_mod is None):
