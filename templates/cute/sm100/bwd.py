@@ -748,11 +748,7 @@ class FlexAttentionBwdSm100(config.Kernel):
         pipes.p.producer_acquire(p_state)  # the last dV has read Pᵀ
         kept = []
         for ci in cutlass.range_constexpr(n_chunks):
-            rS = cute.make_rmem_tensor(cx.tTcS.shape, Float32)
-            cute.copy(cx.ld, cx.tTtS[ci], rS)
-            cute.arch.fence_view_async_tmem_load()
-            rL = cute.make_rmem_tensor((CHUNK,), Float32)
-            cute.autovec_copy(cute.local_tile(lse_row, (CHUNK,), (q0 // CHUNK + ci,)), rL)
+            rS, rL = self._load_chunk(cx, cx.tTtS, lse_row, q0, ci)
             rP32 = cute.make_rmem_tensor(cx.w_shape, Float32)
             self._probabilities(cx, rS, rL, cute.recast_tensor(rP32, self.dtype), head,
                                 q0, CHUNK * ci, kind, bits)
@@ -779,11 +775,7 @@ class FlexAttentionBwdSm100(config.Kernel):
             (HALF, TILE_M // HALF, TILE_N), stride=(1, HALF * TILE_N, HALF)))
         my_dS = sdS_rows[None, opaque_i32(cx.wg), opaque_i32(cx.tidx)]  # this key's 64 queries
         for ci in cutlass.range_constexpr(n_chunks):
-            rdP = cute.make_rmem_tensor(cx.tTcS.shape, Float32)
-            cute.copy(cx.ld, cx.tTtdP[ci], rdP)
-            cute.arch.fence_view_async_tmem_load()
-            rD = cute.make_rmem_tensor((CHUNK,), Float32)
-            cute.autovec_copy(cute.local_tile(delta_row, (CHUNK,), (q0 // CHUNK + ci,)), rD)
+            rdP, rD = self._load_chunk(cx, cx.tTtdP, delta_row, q0, ci)
             if const_expr(self.score_grads is not None):
                 sums = self._captured_grads(cx, kept[ci], rdP, rD, head, q0 + CHUNK * ci, sums)
             else:
@@ -844,6 +836,17 @@ class FlexAttentionBwdSm100(config.Kernel):
                 rS[i] = softmax.p_dscore(p, ds, ok)
             else:
                 rS[i] = p
+
+    def _load_chunk(self, cx, tTt, row: cute.Tensor, q0: Int32, ci: int):
+        """Chunk ``ci`` of this thread's TMEM column ``tTt`` (Sᵀ or dPᵀ, by chunk) into registers,
+        and the matching CHUNK of the per-query vector ``row`` (LSE2 or Delta) from query ``q0``
+        on: (column, vector)."""
+        r = cute.make_rmem_tensor(cx.tTcS.shape, Float32)
+        cute.copy(cx.ld, tTt[ci], r)
+        cute.arch.fence_view_async_tmem_load()
+        rv = cute.make_rmem_tensor((CHUNK,), Float32)
+        cute.autovec_copy(cute.local_tile(row, (CHUNK,), (q0 // CHUNK + ci,)), rv)
+        return r, rv
 
     @cute.jit
     def _mask_bits(self, cx, head: Int32, q0: Int32):
