@@ -1,8 +1,26 @@
 """What the CuTeDSL kernels share on the device: the holes' contract (``Aux``, ``FloatIndices``),
-smem and fragment layouts, the sm90 warpgroup GEMM, reductions over DSL scalars, constants."""
+smem and fragment layouts, the sm90 warpgroup GEMM, reductions over DSL scalars, constants.
+
+The operands' layouts, one list for every kernel's ``__call__`` and ``kernel`` (their parameter
+order is each kernel's argument layout, so each keeps its own list; the shapes are here):
+
+- ``__call__`` (host): mQ (B, Hq, L, D), mK (B, Hkv, S, D), mV (B, Hkv, S, Dv), mO / mdO
+  (B, Hq, L, Dv), dK / dV like K / V; mLSE (B, Hq, L) fp32; the backward's mLSE2 and mDelta
+  (B, Hq, Lpad) fp32 (LSE2 in log2 units), mdQacc (B, Hq, Lpad, D) fp32 zeroed, mSem
+  (B, Hq, >= Lpad / 128) int32 zeroed (deterministic mode, else None); mMax (B, Hq, L) fp32,
+  the row max of the modded scores, or None. ``aux_tensors`` / ``aux_scalars`` /
+  ``grad_accs`` are None when empty (empty tuples are not valid jit args).
+- ``kernel`` (device): the same tensors with the sequence first and (head, batch) last:
+  Q (L, D, Hq, B), K (S, D, Hkv, B), V (S, Dv, Hkv, B) (the sm100 forward's V view is
+  (Dv, S, (Hkv, B))), O / dO (L, Dv, Hq, B), LSE (L, Hq, B), LSE2 / Delta (Lpad, Hq, B), dQacc
+  (Lpad, D, Hq, B); TMA views where a ``tma_*`` atom goes with them (sm100: (head, batch)
+  grouped as one mode).
+"""
 
 import math
 from typing import NamedTuple, Optional
+
+import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
@@ -168,3 +186,24 @@ def shared_storage(name: str, fields: dict):
     """A ``cute.struct`` of ``fields`` (name -> field type, in layout order): a kernel's shared
     memory, built from the fields its configuration needs."""
     return cute.struct(type(name, (), {"__annotations__": dict(fields)}))
+
+
+class DqPostprocess:
+    """A dQ postprocess kernel's base: dQ = accumulator · softmax_scale in the input dtype, one
+    128-thread CTA per ``per_cta`` work items (a row or a unit of rows), ``lanes_per_row``
+    threads (16-byte vectors) per row. A subclass says its ``grid`` and writes its ``kernel``."""
+
+    def __init__(self, cfg):
+        self.dtype = cfg.dtype
+        self.head_dim = cfg.head_dim
+        self.lanes_per_row = self.head_dim // 8
+        self.per_cta = 128 // self.lanes_per_row
+
+    def grid(self, mdQ: cute.Tensor) -> list:
+        raise NotImplementedError
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+                 stream: cuda.CUstream):
+        launch(self.kernel(mdQacc, mdQ, softmax_scale), self.grid(mdQ), 128, stream,
+               one_cta_per_sm=False)

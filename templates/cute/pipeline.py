@@ -18,3 +18,11 @@ def tma_pipelines(consumers: int, *rings, create=pipeline.PipelineTmaAsync.creat
                         producer_group=producer, consumer_group=consumer, tx_count=tx,
                         defer_sync=True)
                  for bars, stages, tx in rings)
+
+
+def group_pipeline(create, bars, stages: int, producer, consumer):
+    """A pipeline of ``stages`` stages between two thread groups (no TMA; ``create`` says which
+    agents: ``pipeline.PipelineUmmaAsync.create`` and the like), its barriers in ``bars``,
+    initialised without a sync like ``tma_pipelines``'."""
+    return create(barrier_storage=bars.data_ptr(), num_stages=stages, producer_group=producer,
+                  consumer_group=consumer, defer_sync=True)

@@ -90,3 +90,13 @@ def rescale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor):
         for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
             for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
                 o_rc[r, k] = o_rc[r, k] * row_scale[r]
+
+
+@cute.jit
+def p_dscore(p: Float32, ds: Float32, ok):
+    """A backward's P∘(d modded / d score), 0 where ``ok`` (the mask and bounds, None where
+    nothing is dropped) drops the entry: the derivative may be inf/NaN there."""
+    pd = p * ds
+    if const_expr(ok is not None):
+        pd = pd if ok else Float32(0.0)
+    return pd

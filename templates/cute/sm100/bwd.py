@@ -103,8 +103,8 @@ from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, kernel_
 from flexjit.templates.cute.host import PARTS, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.mask import kept, mask_word
 from flexjit.templates.cute.opaque import opaque_i32
-from flexjit.templates.cute.pipeline import thread_group, tma_pipelines
-from flexjit.templates.cute.sm100.common import BAR_TMEM_FREE, GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, free_tmem, launch, tcgen05_fence, tmem_address, tmem_allocator
+from flexjit.templates.cute.pipeline import group_pipeline, thread_group, tma_pipelines
+from flexjit.templates.cute.sm100.common import BAR_TMEM_FREE, GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, free_tmem, launch, tcgen05_fence, tma_operand, tmem_address, tmem_allocator
 from flexjit.templates.cute.sm90.bwd import BwdConfig as _Sm90BwdConfig, FlexAttentionBwdPreSm90
 
 HEAD_DIMS = ((64, 64), (128, 128))
@@ -205,26 +205,14 @@ class FlexAttentionBwdSm100(config.Kernel):
     # -----------------------------------------------------------------------------------------
     @cute.jit
     def __call__(
-        self,
-        mQ: cute.Tensor,  # (B, Hq, L, D)
-        mK: cute.Tensor,  # (B, Hkv, S, D)
-        mV: cute.Tensor,  # (B, Hkv, S, Dv)
-        mdO: cute.Tensor,  # (B, Hq, L, Dv)
-        mLSE2: cute.Tensor,  # (B, Hq, Lpad) fp32, log2 units
-        mDelta: cute.Tensor,  # (B, Hq, Lpad) fp32
-        mdQacc: cute.Tensor,  # (B, Hq, Lpad, D) fp32, zeroed
-        mdK: cute.Tensor,  # (B, Hkv, S, D)
-        mdV: cute.Tensor,  # (B, Hkv, S, Dv)
-        softmax_scale: Float32,
-        q_per_kv: Int32,
-        qblocks: Optional[QBlockLists],
-        qorder: Optional[QOrder],
-        mSem: Optional[cute.Tensor],  # (B, Hq, >= Lpad / 128) int32, zeroed (deterministic)
-        aux_tensors: Optional[tuple],
-        aux_scalars: Optional[tuple],
-        grad_accs: Optional[tuple],
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+        mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+        mdV: cute.Tensor, softmax_scale: Float32, q_per_kv: Int32,
+        qblocks: Optional[QBlockLists], qorder: Optional[QOrder], mSem: Optional[cute.Tensor],
+        aux_tensors: Optional[tuple], aux_scalars: Optional[tuple], grad_accs: Optional[tuple],
         stream: cuda.CUstream,
     ):
+        """The operands' layouts: ``common``'s docstring."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
             raise TypeError("q/k dtype does not match the config")
         D, Dv = self.head_dim, self.head_dim_v
@@ -321,43 +309,21 @@ class FlexAttentionBwdSm100(config.Kernel):
     # -----------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(
-        self,
-        mma_s: cute.TiledMma,
-        mma_dv: cute.TiledMma,
-        mma_dk: cute.TiledMma,
+        self, mma_s: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
         mma_dq: cute.TiledMma,
-        tma_k: cute.CopyAtom,
-        mK: cute.Tensor,  # TMA view (S, D, (Hkv, B))
-        tma_v: cute.CopyAtom,
-        mV: cute.Tensor,  # TMA view (S, Dv, (Hkv, B))
-        tma_q: cute.CopyAtom,
-        mQ: cute.Tensor,  # TMA view (L, D, (Hq, B))
-        tma_do: cute.CopyAtom,
-        mdO: cute.Tensor,  # TMA view (L, Dv, (Hq, B))
-        mLSE2: cute.Tensor,  # (Lpad, Hq, B)
-        mDelta: cute.Tensor,  # (Lpad, Hq, B)
-        mdQacc: cute.Tensor,  # (Lpad, D, Hq, B)
-        mdK: cute.Tensor,  # (S, D, Hkv, B)
-        mdV: cute.Tensor,  # (S, Dv, Hkv, B)
-        softmax_scale: Float32,
-        q_per_kv: Int32,
-        qblocks: Optional[QBlockLists],
-        qorder: Optional[QOrder],
-        mSem: Optional[cute.Tensor],
-        aux_tensors: Optional[tuple],
-        aux_scalars: Optional[tuple],
-        grad_accs: Optional[tuple],
-        sK_layout: cute.ComposedLayout,
-        sKt_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sQ_layout: cute.ComposedLayout,
-        sQt_layout: cute.ComposedLayout,
-        sdO_layout: cute.ComposedLayout,
-        sdOt_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout,
-        tP_layout: cute.ComposedLayout,
-        tdS_layout: cute.ComposedLayout,
+        tma_k: cute.CopyAtom, mK: cute.Tensor, tma_v: cute.CopyAtom, mV: cute.Tensor,
+        tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_do: cute.CopyAtom, mdO: cute.Tensor,
+        mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+        mdV: cute.Tensor, softmax_scale: Float32, q_per_kv: Int32,
+        qblocks: Optional[QBlockLists], qorder: Optional[QOrder], mSem: Optional[cute.Tensor],
+        aux_tensors: Optional[tuple], aux_scalars: Optional[tuple], grad_accs: Optional[tuple],
+        sK_layout: cute.ComposedLayout, sKt_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
+        sQt_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+        sdOt_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+        tP_layout: cute.ComposedLayout, tdS_layout: cute.ComposedLayout,
     ):
+        """The operands' layouts: ``common``'s docstring (mdK / mdV are plain views)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == LOAD_WARP:
             for atom in (tma_k, tma_v, tma_q, tma_do):
@@ -417,20 +383,16 @@ class FlexAttentionBwdSm100(config.Kernel):
         kv, q, do = tma_pipelines(
             1, (storage.mbar_kv, 1, self.tx_kv), (storage.mbar_q, self.q_stages, self.tx_q),
             (storage.mbar_do, self.do_stages, self.tx_do), create=pipeline.PipelineTmaUmma.create)
-        to_threads = pipeline.PipelineUmmaAsync.create
-        to_mma = pipeline.PipelineAsyncUmma.create
-        s = to_threads(barrier_storage=storage.mbar_s.data_ptr(), num_stages=1,
-                       producer_group=warp, consumer_group=compute, defer_sync=True)
-        dp = to_threads(barrier_storage=storage.mbar_dp.data_ptr(), num_stages=1,
-                        producer_group=warp, consumer_group=compute, defer_sync=True)
-        p = to_mma(barrier_storage=storage.mbar_p.data_ptr(), num_stages=1,
-                   producer_group=compute, consumer_group=warp, defer_sync=True)
-        ds = to_mma(barrier_storage=storage.mbar_ds.data_ptr(), num_stages=1,
-                    producer_group=compute, consumer_group=warp, defer_sync=True)
-        dq = to_threads(barrier_storage=storage.mbar_dq.data_ptr(), num_stages=1,
-                        producer_group=warp, consumer_group=reduce_wg, defer_sync=True)
-        dkv = to_threads(barrier_storage=storage.mbar_dkv.data_ptr(), num_stages=1,
-                         producer_group=warp, consumer_group=compute, defer_sync=True)
+        to_threads, to_mma = pipeline.PipelineUmmaAsync.create, pipeline.PipelineAsyncUmma.create
+        s, dp, p, ds, dq, dkv = (
+            group_pipeline(create, bars, 1, producer, consumer)
+            for create, bars, producer, consumer in (
+                (to_threads, storage.mbar_s, warp, compute),
+                (to_threads, storage.mbar_dp, warp, compute),
+                (to_mma, storage.mbar_p, compute, warp),
+                (to_mma, storage.mbar_ds, compute, warp),
+                (to_threads, storage.mbar_dq, warp, reduce_wg),
+                (to_threads, storage.mbar_dkv, warp, compute)))
         return _Pipes(kv, q, do, s, dp, p, ds, dq, dkv)
 
     # -----------------------------------------------------------------------------------------
@@ -475,20 +437,11 @@ class FlexAttentionBwdSm100(config.Kernel):
         """K and V once, then Q(m) and dO(m) per tile in the walk's order; nothing at all for a
         kv block that no q tile visits (no TMA may be left in flight at exit)."""
         thr = mma_s.get_slice(0)
-        one = cute.make_layout(1)
         D, Dv = self.head_dim, self.head_dim_v
-        gK = thr.partition_A(cute.flat_divide(mK, (TILE_N, D)))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 3),
-                                           cute.group_modes(gK, 0, 3))
-        gV = thr.partition_A(cute.flat_divide(mV, (TILE_N, Dv)))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 3),
-                                           cute.group_modes(gV, 0, 3))
-        gQ = thr.partition_B(cute.flat_divide(mQ, (TILE_M, D)))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 3),
-                                           cute.group_modes(gQ, 0, 3))
-        gdO = thr.partition_B(cute.flat_divide(mdO, (TILE_M, Dv)))
-        tOsO, tOgO = cpasync.tma_partition(tma_do, 0, one, cute.group_modes(sdO, 0, 3),
-                                           cute.group_modes(gdO, 0, 3))
+        tKsK, tKgK = tma_operand(tma_k, thr.partition_A, mK, (TILE_N, D), sK)
+        tVsV, tVgV = tma_operand(tma_v, thr.partition_A, mV, (TILE_N, Dv), sV)
+        tQsQ, tQgQ = tma_operand(tma_q, thr.partition_B, mQ, (TILE_M, D), sQ)
+        tOsO, tOgO = tma_operand(tma_do, thr.partition_B, mdO, (TILE_M, Dv), sdO)
         hb_kv = (sched.head_kv, sched.batch)
         total = self._num_tiles(sched, qblocks)
         if total > 0:
@@ -795,11 +748,7 @@ class FlexAttentionBwdSm100(config.Kernel):
         pipes.p.producer_acquire(p_state)  # the last dV has read Pᵀ
         kept = []
         for ci in cutlass.range_constexpr(n_chunks):
-            rS = cute.make_rmem_tensor(cx.tTcS.shape, Float32)
-            cute.copy(cx.ld, cx.tTtS[ci], rS)
-            cute.arch.fence_view_async_tmem_load()
-            rL = cute.make_rmem_tensor((CHUNK,), Float32)
-            cute.autovec_copy(cute.local_tile(lse_row, (CHUNK,), (q0 // CHUNK + ci,)), rL)
+            rS, rL = self._load_chunk(cx, cx.tTtS, lse_row, q0, ci)
             rP32 = cute.make_rmem_tensor(cx.w_shape, Float32)
             self._probabilities(cx, rS, rL, cute.recast_tensor(rP32, self.dtype), head,
                                 q0, CHUNK * ci, kind, bits)
@@ -826,11 +775,7 @@ class FlexAttentionBwdSm100(config.Kernel):
             (HALF, TILE_M // HALF, TILE_N), stride=(1, HALF * TILE_N, HALF)))
         my_dS = sdS_rows[None, opaque_i32(cx.wg), opaque_i32(cx.tidx)]  # this key's 64 queries
         for ci in cutlass.range_constexpr(n_chunks):
-            rdP = cute.make_rmem_tensor(cx.tTcS.shape, Float32)
-            cute.copy(cx.ld, cx.tTtdP[ci], rdP)
-            cute.arch.fence_view_async_tmem_load()
-            rD = cute.make_rmem_tensor((CHUNK,), Float32)
-            cute.autovec_copy(cute.local_tile(delta_row, (CHUNK,), (q0 // CHUNK + ci,)), rD)
+            rdP, rD = self._load_chunk(cx, cx.tTtdP, delta_row, q0, ci)
             if const_expr(self.score_grads is not None):
                 sums = self._captured_grads(cx, kept[ci], rdP, rD, head, q0 + CHUNK * ci, sums)
             else:
@@ -888,12 +833,20 @@ class FlexAttentionBwdSm100(config.Kernel):
             if const_expr(self.score_grads is not None):
                 rS[i] = p  # P∘(dP − delta) comes first (``_captured_grads``)
             elif const_expr(self.score_mod is not None):
-                pd = p * ds
-                if const_expr(ok is not None):
-                    pd = pd if ok else Float32(0.0)  # dscore may be inf/NaN where masked
-                rS[i] = pd
+                rS[i] = softmax.p_dscore(p, ds, ok)
             else:
                 rS[i] = p
+
+    def _load_chunk(self, cx, tTt, row: cute.Tensor, q0: Int32, ci: int):
+        """Chunk ``ci`` of this thread's TMEM column ``tTt`` (Sᵀ or dPᵀ, by chunk) into registers,
+        and the matching CHUNK of the per-query vector ``row`` (LSE2 or Delta) from query ``q0``
+        on: (column, vector)."""
+        r = cute.make_rmem_tensor(cx.tTcS.shape, Float32)
+        cute.copy(cx.ld, tTt[ci], r)
+        cute.arch.fence_view_async_tmem_load()
+        rv = cute.make_rmem_tensor((CHUNK,), Float32)
+        cute.autovec_copy(cute.local_tile(row, (CHUNK,), (q0 // CHUNK + ci,)), rv)
+        return r, rv
 
     @cute.jit
     def _mask_bits(self, cx, head: Int32, q0: Int32):
@@ -1100,27 +1053,18 @@ _ReduceCtx = namedtuple("_ReduceCtx", "ld tTt shape tidx sched mdQacc mSem")
 # ---------------------------------------------------------------------------------------------
 # Postprocess: dQ = accumulator · scale (row-major accumulator, 16-byte vectors)
 # ---------------------------------------------------------------------------------------------
-class FlexAttentionBwdPostSm100:
-    """dq[b, h, row] = dqacc[b, h, row] · softmax_scale in the input dtype, rows < L."""
+class FlexAttentionBwdPostSm100(common.DqPostprocess):
+    """dq[b, h, row] = dqacc[b, h, row] · softmax_scale in the input dtype, rows < L (one row a
+    work item)."""
 
-    def __init__(self, cfg: BwdConfig):
-        self.dtype = cfg.dtype
-        self.head_dim = cfg.head_dim
-        self.lanes_per_row = self.head_dim // 8
-        self.rows_per_cta = 128 // self.lanes_per_row
-
-    @cute.jit
-    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
-                 stream: cuda.CUstream):
-        grid = [cute.ceil_div(mdQ.shape[2], self.rows_per_cta), mdQ.shape[1], mdQ.shape[0]]
-        common.launch(self.kernel(mdQacc, mdQ, softmax_scale), grid, 128, stream,
-                      one_cta_per_sm=False)
+    def grid(self, mdQ: cute.Tensor) -> list:
+        return [cute.ceil_div(mdQ.shape[2], self.per_cta), mdQ.shape[1], mdQ.shape[0]]
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
-        row = bx * self.rows_per_cta + tidx // self.lanes_per_row
+        row = bx * self.per_cta + tidx // self.lanes_per_row
         part = tidx % self.lanes_per_row
         if row < mdQ.shape[2]:
             acc = cute.make_rmem_tensor((8,), Float32)

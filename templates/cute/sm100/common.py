@@ -6,6 +6,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass import Float32, dsl_user_op
 from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import cpasync
 
 from flexjit.templates.cute import common
 
@@ -70,3 +71,11 @@ def free_tmem(tmem, t_ptr, num_threads: int) -> None:
     tcgen05_fence(after=True)
     tmem.relinquish_alloc_permit()
     tmem.free(t_ptr)
+
+
+def tma_operand(atom: cute.CopyAtom, partition, m: cute.Tensor, tile, s: cute.Tensor):
+    """TMA partition of ``m``'s ``tile``-tiles as an MMA operand (``partition``: the MMA slice's
+    ``partition_A`` or ``partition_B``) against its smem buffer ``s``: (smem, gmem)."""
+    g = partition(cute.flat_divide(m, tile))
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 3),
+                                 cute.group_modes(g, 0, 3))

@@ -103,8 +103,8 @@ from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, KIND_SK
 from flexjit.templates.cute.common import Aux, FloatIndices, fadd, kernel_aux, permute, smem_buffer, tree
 from flexjit.templates.cute.host import placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.mask import kept, mask_word
-from flexjit.templates.cute.pipeline import thread_group, tma_pipelines
-from flexjit.templates.cute.sm100.common import GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, free_tmem, launch, tcgen05_fence, tmem_address, tmem_allocator
+from flexjit.templates.cute.pipeline import group_pipeline, thread_group, tma_pipelines
+from flexjit.templates.cute.sm100.common import GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, free_tmem, launch, tcgen05_fence, tma_operand, tmem_address, tmem_allocator
 
 HEAD_DIMS = ((64, 64), (128, 128))
 SUB_M = 128  # rows of one sub-tile (the tcgen05 M, one TMEM lane per row)
@@ -184,19 +184,12 @@ class FlexAttentionFwdSm100(config.Kernel):
     # -----------------------------------------------------------------------------------------
     @cute.jit
     def __call__(
-        self,
-        mQ: cute.Tensor,  # (B, Hq, L, D)
-        mK: cute.Tensor,  # (B, Hkv, S, D)
-        mV: cute.Tensor,  # (B, Hkv, S, Dv)
-        mO: cute.Tensor,  # (B, Hq, L, Dv)
-        mLSE: cute.Tensor,  # (B, Hq, L) fp32
-        softmax_scale: Float32,
-        blocks: Optional[BlockSparse256],
-        aux_tensors: Optional[tuple],  # None when empty (empty tuples are not valid jit args)
-        aux_scalars: Optional[tuple],
-        mMax: Optional[cute.Tensor],  # (B, Hq, L) fp32 row max of the modded scores, or None
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        softmax_scale: Float32, blocks: Optional[BlockSparse256],
+        aux_tensors: Optional[tuple], aux_scalars: Optional[tuple], mMax: Optional[cute.Tensor],
         stream: cuda.CUstream,
     ):
+        """The operands' layouts: ``common``'s docstring."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
             raise TypeError("q/k dtype does not match the config")
         # MMA views: Q (L, D, (Hq, B)) and K (S, D, (Hkv, B)) K-major, V (Dv, S, (Hkv, B)) MN-major.
@@ -263,27 +256,17 @@ class FlexAttentionFwdSm100(config.Kernel):
     # -----------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(
-        self,
-        mma_qk: cute.TiledMma,
-        mma_pv: cute.TiledMma,
-        tma_q: cute.CopyAtom,
-        mQ: cute.Tensor,  # TMA view (L, D, (Hq, B))
-        tma_k: cute.CopyAtom,
-        mK: cute.Tensor,  # TMA view (S, D, (Hkv, B))
-        tma_v: cute.CopyAtom,
-        mV: cute.Tensor,  # TMA view (Dv, S, (Hkv, B))
-        mO: cute.Tensor,  # (L, Dv, Hq, B)
-        mLSE: cute.Tensor,  # (L, Hq, B)
-        mMax: Optional[cute.Tensor],  # (L, Hq, B) or None
-        softmax_scale: Float32,
-        blocks: Optional[BlockSparse256],
-        aux_tensors: Optional[tuple],
-        aux_scalars: Optional[tuple],
-        sQ_layout: cute.ComposedLayout,  # ((MMA), MMA_M, MMA_K, 2)
-        sK_layout: cute.ComposedLayout,  # ((MMA), MMA_N, MMA_K, stages)
-        sV_layout: cute.ComposedLayout,  # ((MMA), MMA_N, MMA_K, stages)
-        tP_layout: cute.ComposedLayout,  # P as the PV A operand, in TMEM
+        self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+        tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+        tma_v: cute.CopyAtom, mV: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor, mMax: Optional[cute.Tensor],
+        softmax_scale: Float32, blocks: Optional[BlockSparse256],
+        aux_tensors: Optional[tuple], aux_scalars: Optional[tuple],
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
     ):
+        """The operands' layouts: ``common``'s docstring. Smem: sQ ((MMA), MMA_M, MMA_K, 2),
+        sK and sV ((MMA), MMA_N, MMA_K, stages); tP: P as the PV A operand, in TMEM."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == LOAD_WARP:
             for atom in (tma_q, tma_k, tma_v):
@@ -340,15 +323,9 @@ class FlexAttentionFwdSm100(config.Kernel):
         # One stage per sub-tile: stage t is sub-tile t's. The MMA warp and the correction
         # warpgroup serve the sub-tiles in turn (their states advance by one), each softmax
         # warpgroup only its own stage (its states start at t and advance by two).
-        pipe_s = pipeline.PipelineUmmaAsync.create(
-            barrier_storage=storage.mbar_s.data_ptr(), num_stages=2, producer_group=warp,
-            consumer_group=wg, defer_sync=True)
-        pipe_vec = pipeline.PipelineAsync.create(
-            barrier_storage=storage.mbar_vec.data_ptr(), num_stages=2, producer_group=wg,
-            consumer_group=wg, defer_sync=True)
-        pipe_o = pipeline.PipelineAsyncUmma.create(
-            barrier_storage=storage.mbar_o.data_ptr(), num_stages=2, producer_group=wg,
-            consumer_group=warp, defer_sync=True)
+        pipe_s = group_pipeline(pipeline.PipelineUmmaAsync.create, storage.mbar_s, 2, warp, wg)
+        pipe_vec = group_pipeline(pipeline.PipelineAsync.create, storage.mbar_vec, 2, wg, wg)
+        pipe_o = group_pipeline(pipeline.PipelineAsyncUmma.create, storage.mbar_o, 2, wg, warp)
         return _Pipes(pipe_q, pipe_k, pipe_v, pipe_s, pipe_vec, pipe_o)
 
     # -----------------------------------------------------------------------------------------
@@ -391,16 +368,12 @@ class FlexAttentionFwdSm100(config.Kernel):
         hb_q = (sched.head, sched.batch)
         group = n_hq // mK.shape[2][0]
         hb_kv = (sched.head // group, sched.batch)
-        one = cute.make_layout(1)
-        gQ = thr_qk.partition_A(cute.flat_divide(mQ, cute.select(self.qk_tiler, mode=[0, 2])))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, one, cute.group_modes(sQ, 0, 3),
-                                           cute.group_modes(gQ, 0, 3))
-        gK = thr_qk.partition_B(cute.flat_divide(mK, cute.select(self.qk_tiler, mode=[1, 2])))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, one, cute.group_modes(sK, 0, 3),
-                                           cute.group_modes(gK, 0, 3))
-        gV = thr_pv.partition_B(cute.flat_divide(mV, cute.select(self.pv_tiler, mode=[1, 2])))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, one, cute.group_modes(sV, 0, 3),
-                                           cute.group_modes(gV, 0, 3))
+        tQsQ, tQgQ = tma_operand(tma_q, thr_qk.partition_A, mQ,
+                                 cute.select(self.qk_tiler, mode=[0, 2]), sQ)
+        tKsK, tKgK = tma_operand(tma_k, thr_qk.partition_B, mK,
+                                 cute.select(self.qk_tiler, mode=[1, 2]), sK)
+        tVsV, tVgV = tma_operand(tma_v, thr_pv.partition_B, mV,
+                                 cute.select(self.pv_tiler, mode=[1, 2]), sV)
         tQgQ = tQgQ[None, None, 0, hb_q]  # (TMA, 128-row blocks)
         tKgK = tKgK[None, None, 0, hb_kv]  # (TMA, kv tiles)
         tVgV = tVgV[None, 0, None, hb_kv]  # (TMA, kv tiles)
@@ -617,12 +590,8 @@ class FlexAttentionFwdSm100(config.Kernel):
                 scale, row_max, row_sum, row_peak = self._step(
                     "partial", step, row_max, row_sum, row_peak)
             elif const_expr(not self.sparse):
-                if crosses:
-                    scale, row_max, row_sum, row_peak = self._step(
-                        "bounded", step, row_max, row_sum, row_peak)
-                else:
-                    scale, row_max, row_sum, row_peak = self._step(
-                        "full", step, row_max, row_sum, row_peak)
+                scale, row_max, row_sum, row_peak = self._unmasked_step(
+                    crosses, step, row_max, row_sum, row_peak)
             else:
                 if kind == KIND_PARTIAL:
                     scale, row_max, row_sum, row_peak = self._step(
@@ -630,12 +599,9 @@ class FlexAttentionFwdSm100(config.Kernel):
                 elif kind == KIND_SKIP:
                     scale, row_max, row_sum, row_peak = self._step(
                         "skip", step, row_max, row_sum, row_peak)
-                elif crosses:
-                    scale, row_max, row_sum, row_peak = self._step(
-                        "bounded", step, row_max, row_sum, row_peak)
                 else:
-                    scale, row_max, row_sum, row_peak = self._step(
-                        "full", step, row_max, row_sum, row_peak)
+                    scale, row_max, row_sum, row_peak = self._unmasked_step(
+                        crosses, step, row_max, row_sum, row_peak)
             pipes.s.consumer_release(s_state)
             s_state.advance(2)
             pipes.vec.producer_acquire(v_state)
@@ -645,6 +611,18 @@ class FlexAttentionFwdSm100(config.Kernel):
             sVec[tidx, 3, t] = row_peak
             pipes.vec.producer_commit(v_state)
             v_state.advance(2)
+
+    @cute.jit
+    def _unmasked_step(self, crosses, step: tuple, row_max: Float32, row_sum: Float32,
+                       row_peak: Float32):
+        """``_step`` on a tile without mask_mod work: "bounded" where it ``crosses`` S, "full"
+        elsewhere (one branch around each whole step, as in the caller)."""
+        scale = Float32(1.0)
+        if crosses:
+            scale, row_max, row_sum, row_peak = self._step("bounded", step, row_max, row_sum, row_peak)
+        else:
+            scale, row_max, row_sum, row_peak = self._step("full", step, row_max, row_sum, row_peak)
+        return scale, row_max, row_sum, row_peak
 
     @cute.jit
     def _step(self, kind: cutlass.Constexpr, step: tuple, row_max: Float32, row_sum: Float32,

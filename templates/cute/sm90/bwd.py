@@ -133,7 +133,7 @@ from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute import captured_grads, config, softmax
 from flexjit.templates.cute.block_sparse import QBlockLists, QOrder, listed_tile, order_rows, q_lists
-from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, FloatIndices, kernel_aux, launch, permute, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
+from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, DqPostprocess, FloatIndices, kernel_aux, launch, permute, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
 from flexjit.templates.cute.opaque import opaque_i32, opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.pipeline import tma_pipelines
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols, store_dq_acc
@@ -260,20 +260,15 @@ def _as_acc_layout(frag_a: cute.Tensor, acc: cute.Tensor) -> cute.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Main kernel
 # ---------------------------------------------------------------------------------------------
-class FlexAttentionBwdSm90(config.Kernel):
+class FlexAttentionBwdSm90(config.TiledKernel):
     """Warp-specialised FlashAttention-3 style backward for sm_90a with score/mask holes."""
 
     def __init__(self, cfg: BwdConfig):
-        super().__init__(cfg)
+        super().__init__(cfg, 256)
         t = cfg.tiling
-        self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
         self.dq_split = t.dq_split
         self.overlap_dp = t.overlap_dp
-        self.num_mma_threads = 256
-        self.num_threads = 128 + self.num_mma_threads
-        self.mma_regs, self.load_regs = t.mma_regs, t.load_regs
         self.deterministic = cfg.deterministic
-        self.kv_batch_broadcast = bool(cfg.kv_batch_broadcast)
         self.score_grads, self.grad_offsets = cfg.score_grads, cfg.grad_offsets
         assert (self.score_grads is None) == (self.grad_offsets is None)
         assert self.score_grads is None or self.score_mod is not None
@@ -415,45 +410,21 @@ class FlexAttentionBwdSm90(config.Kernel):
     # -----------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(
-        self,
-        mQ: cute.Tensor,  # TMA view (L, D, Hq, B)
-        mK: cute.Tensor,  # TMA view (S, D, Hkv, B)
-        mV: cute.Tensor,  # TMA view (S, Dv, Hkv, B)
-        mdO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
-        mLSE2: cute.Tensor,  # TMA view (Lpad, Hq, B)
-        mDelta: cute.Tensor,  # TMA view (Lpad, Hq, B)
-        mdQacc: cute.Tensor,  # TMA view (Lpad, D, Hq, B)
-        mdK: cute.Tensor,  # TMA view (S, D, Hkv, B)
-        mdV: cute.Tensor,  # TMA view (S, Dv, Hkv, B)
-        tma_q: cute.CopyAtom,
-        tma_k: cute.CopyAtom,
-        tma_v: cute.CopyAtom,
-        tma_do: cute.CopyAtom,
-        tma_lse: cute.CopyAtom,
-        tma_delta: cute.CopyAtom,
-        tma_dq: cute.CopyAtom,
-        tma_dk: cute.CopyAtom,
-        tma_dv: cute.CopyAtom,
-        mma_sdp: cute.TiledMma,
-        mma_dkv: cute.TiledMma,
-        mma_dv: cute.TiledMma,
-        mma_dq: cute.TiledMma,
-        softmax_scale: Float32,
-        q_per_kv: Int32,
-        qblocks: Optional[QBlockLists],
-        qorder: Optional[QOrder],
-        mSem: Optional[cute.Tensor],
-        aux_tensors: Optional[tuple],
-        aux_scalars: Optional[tuple],
-        grad_accs: Optional[tuple],
-        sQ_layout: cute.ComposedLayout,
-        sdO_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sdS_layout: cute.ComposedLayout,
-        sdQ_layout: cute.Layout,
-        sRow_layout: cute.Layout,
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+        mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
+        tma_lse: cute.CopyAtom, tma_delta: cute.CopyAtom, tma_dq: cute.CopyAtom,
+        tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom,
+        mma_sdp: cute.TiledMma, mma_dkv: cute.TiledMma, mma_dv: cute.TiledMma,
+        mma_dq: cute.TiledMma, softmax_scale: Float32, q_per_kv: Int32,
+        qblocks: Optional[QBlockLists], qorder: Optional[QOrder], mSem: Optional[cute.Tensor],
+        aux_tensors: Optional[tuple], aux_scalars: Optional[tuple], grad_accs: Optional[tuple],
+        sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout, sdQ_layout: cute.Layout, sRow_layout: cute.Layout,
     ):
+        """The operands' layouts: ``common``'s docstring (every tensor here a TMA view)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_lse, tma_delta):
@@ -933,10 +904,7 @@ class FlexAttentionBwdSm90(config.Kernel):
                 acc_S[i] = p
             elif const_expr(self.score_mod is not None):
                 rP[i] = p.to(self.dtype)
-                pd = p * ds
-                if const_expr(ok is not None):
-                    pd = pd if ok else Float32(0.0)  # dscore may be inf/NaN where masked
-                acc_S[i] = pd
+                acc_S[i] = softmax.p_dscore(p, ds, ok)
             else:
                 acc_S[i] = p
         if const_expr(self.score_mod is None):
@@ -1143,34 +1111,25 @@ def _lanes_per_row(head_dim: int) -> int:
     return n & -n
 
 
-class FlexAttentionBwdPostSm90:
+class FlexAttentionBwdPostSm90(DqPostprocess):
     """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only).
 
     The accumulator is dQ permuted within 16-row × 8-column blocks (``dq_box_view``): a
     thread takes accumulator rows 16a + 2ρ + {0, 1}, columns 8g..8g+7 (two 16-byte loads per
     row), which hold dQ rows 16a + ρ + {0, 8}, columns 8g..8g+7 (one 16-byte store each)."""
 
-    def __init__(self, cfg: BwdConfig):
-        self.dtype = cfg.dtype
-        self.head_dim = cfg.head_dim
-        self.lanes_per_row = self.head_dim // 8
-        # A unit: 2 accumulator rows. D = 96: 12 lanes, 10 units; the 8 spare threads redo the
-        # next CTA's first unit, writing the same values (no reduction here, so that is benign).
-        self.units_per_cta = 128 // self.lanes_per_row
-
-    @cute.jit
-    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
-                 stream: cuda.CUstream):
-        grid = [cute.ceil_div(cute.ceil_div(mdQ.shape[2], 16) * 8, self.units_per_cta),
+    def grid(self, mdQ: cute.Tensor) -> list:
+        # A work item (unit): 2 accumulator rows. D = 96: 12 lanes, 10 units; the 8 spare threads
+        # redo the next CTA's first unit, writing the same values (no reduction here: benign).
+        return [cute.ceil_div(cute.ceil_div(mdQ.shape[2], 16) * 8, self.per_cta),
                 mdQ.shape[1], mdQ.shape[0]]
-        launch(self.kernel(mdQacc, mdQ, softmax_scale), grid, 128, stream, one_cta_per_sm=False)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
         lpr = self.lanes_per_row
-        unit = bx * self.units_per_cta + tidx // lpr  # = 8a + ρ
+        unit = bx * self.per_cta + tidx // lpr  # = 8a + ρ
         g = tidx % lpr
         base = 16 * (unit // 8) + unit % 8  # dQ row 16a + ρ
         if base < mdQ.shape[2]:

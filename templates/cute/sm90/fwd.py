@@ -269,21 +269,16 @@ class FwdConfig(config.FwdConfig):
 # ---------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------
-class FlexAttentionFwdSm90(config.Kernel):
+class FlexAttentionFwdSm90(config.TiledKernel):
     """Warp-specialised FlashAttention-3 style forward for sm_90a with score/mask holes."""
 
     def __init__(self, cfg: FwdConfig):
-        super().__init__(cfg)
         t = cfg.tiling
-        self.tile_m, self.tile_n, self.num_stages = t.tile_m, t.tile_n, t.num_stages
+        super().__init__(cfg, 128 * t.num_mma_wgs)
         self.num_mma_wgs = t.num_mma_wgs
-        self.num_mma_threads = 128 * t.num_mma_wgs
-        self.num_threads = 128 + self.num_mma_threads
-        self.mma_regs, self.load_regs = t.mma_regs, t.load_regs
         self.pingpong = t.pingpong and t.num_mma_wgs >= 2
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.write_max = bool(cfg.write_max)
-        self.kv_batch_broadcast = bool(cfg.kv_batch_broadcast)
         if self.sparse:
             assert self.tile_m == MASK_BLOCK and MASK_BLOCK % self.tile_n == 0
         self.tiles_per_mask_block = max(1, MASK_BLOCK // self.tile_n)
@@ -300,22 +295,15 @@ class FlexAttentionFwdSm90(config.Kernel):
     # -----------------------------------------------------------------------------------------
     @cute.jit
     def __call__(
-        self,
-        mQ: cute.Tensor,  # (B, Hq, L, D)
-        mK: cute.Tensor,  # (B, Hkv, S, D)
-        mV: cute.Tensor,  # (B, Hkv, S, Dv)
-        mO: cute.Tensor,  # (B, Hq, L, Dv)
-        mLSE: cute.Tensor,  # (B, Hq, L) fp32
-        softmax_scale: Float32,
-        hb_per_section: Int32,  # L2 swizzle: (head, batch) pairs per scheduling section
-        blocks: Optional[BlockSparse],
-        aux_tensors: Optional[tuple],  # None when empty (empty tuples are not valid jit args)
-        aux_scalars: Optional[tuple],
-        num_sms: Int32,  # persistent grid size cap (runtime: not baked into the kernel)
-        tile_counter: Optional[cute.Tensor],  # (2,) int32, dynamic scheduler only (else None)
-        mMax: Optional[cute.Tensor],  # (B, Hq, L) fp32 row max of the modded scores, or None
-        stream: cuda.CUstream,
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        softmax_scale: Float32, hb_per_section: Int32, blocks: Optional[BlockSparse],
+        aux_tensors: Optional[tuple], aux_scalars: Optional[tuple], num_sms: Int32,
+        tile_counter: Optional[cute.Tensor], mMax: Optional[cute.Tensor], stream: cuda.CUstream,
     ):
+        """The operands' layouts: ``common``'s docstring. ``hb_per_section``: the L2 swizzle's
+        (head, batch) pairs per scheduling section; ``num_sms``: the persistent grid's size cap
+        (runtime: not baked into the kernel); ``tile_counter``: (2,) int32, the dynamic
+        scheduler's only (else None)."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
             raise TypeError("q/k dtype does not match the config")
         # Sequence-major views: (L, D, Hq, B), (S, D, Hkv, B), (S, Dv, Hkv, B), (L, Hq, B).
@@ -384,30 +372,16 @@ class FlexAttentionFwdSm90(config.Kernel):
     # -----------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(
-        self,
-        mQ: cute.Tensor,  # TMA view (L, D, Hq, B)
-        mK: cute.Tensor,  # TMA view (S, D, Hkv, B)
-        mV: cute.Tensor,  # TMA view (S, Dv, Hkv, B)
-        mO: cute.Tensor,  # TMA view (L, Dv, Hq, B)
-        mLSE: cute.Tensor,  # (L, Hq, B)
-        tma_q: cute.CopyAtom,
-        tma_k: cute.CopyAtom,
-        tma_v: cute.CopyAtom,
-        tma_o: cute.CopyAtom,
-        mma_qk: cute.TiledMma,
-        mma_pv: cute.TiledMma,
-        softmax_scale: Float32,
-        hb_per_section: Int32,
-        blocks: Optional[BlockSparse],
-        aux_tensors: Optional[tuple],
-        aux_scalars: Optional[tuple],
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sO_layout: cute.ComposedLayout,
-        tile_counter: Optional[cute.Tensor],
-        mMax: Optional[cute.Tensor],  # (L, Hq, B) or None
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
+        mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
+        softmax_scale: Float32, hb_per_section: Int32, blocks: Optional[BlockSparse],
+        aux_tensors: Optional[tuple], aux_scalars: Optional[tuple],
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+        tile_counter: Optional[cute.Tensor], mMax: Optional[cute.Tensor],
     ):
+        """The operands' layouts: ``common``'s docstring (mQ, mK, mV, mO: TMA views)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
