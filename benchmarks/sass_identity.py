@@ -86,12 +86,11 @@ SM100_CASES = (
     ("d128_heavy", 128, "heavy", True, False, False),
 )
 
-_CHILD_SM100 = textwrap.dedent('''
-    import json, os, re, sys, tempfile
-    tree, cases = sys.argv[1], json.loads(sys.argv[2])
+# A child's imports from its own tree only: no editable install, and flexjit.templates mapped
+# to the tree's templates/ folder as its pyproject maps it. It replaces each child's ``# {this tree}`` line, after ``tree`` is set.
+_THIS_TREE = textwrap.dedent('''
     sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # this tree only
     sys.path.insert(0, tree)
-    os.environ["FLEXJIT_CACHE_DIR"] = tempfile.mkdtemp()
     import importlib, importlib.abc, importlib.util
 
 
@@ -109,6 +108,13 @@ _CHILD_SM100 = textwrap.dedent('''
                 return importlib.util.spec_from_file_location(name, base + ".py")
             return None
     sys.meta_path.insert(0, TreeTemplates())
+''')
+
+_CHILD_SM100 = textwrap.dedent('''
+    import json, os, re, sys, tempfile
+    tree, cases = sys.argv[1], json.loads(sys.argv[2])
+    # {this tree}
+    os.environ["FLEXJIT_CACHE_DIR"] = tempfile.mkdtemp()
     import cutlass, torch
     from flexjit import mods as fmods
     from flexjit.backends.cute.sm90 import _aux_tensor, load_mods
@@ -163,25 +169,7 @@ _CHILD_SM100 = textwrap.dedent('''
 _CHILD = textwrap.dedent('''
     import json, os, pathlib, re, subprocess, sys, tempfile
     tree, matrix, fwd_matrix = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-    sys.meta_path = [f for f in sys.meta_path if "editable" not in repr(f).lower()]  # this tree only
-    sys.path.insert(0, tree)
-    import importlib, importlib.abc, importlib.util
-
-
-    class TreeTemplates(importlib.abc.MetaPathFinder):
-        """flexjit.templates from this tree's templates/ folder (what its pyproject maps)."""
-
-        def find_spec(self, name, path, target=None):
-            if name != "flexjit.templates" and not name.startswith("flexjit.templates."):
-                return None
-            base = os.path.join(tree, "templates", *name.split(".")[2:])
-            if os.path.isdir(base):
-                return importlib.util.spec_from_file_location(
-                    name, os.path.join(base, "__init__.py"), submodule_search_locations=[base])
-            if os.path.exists(base + ".py"):
-                return importlib.util.spec_from_file_location(name, base + ".py")
-            return None
-    sys.meta_path.insert(0, TreeTemplates())
+    # {this tree}
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     os.environ["FLEXJIT_CACHE_DIR"] = tempfile.mkdtemp()
     os.environ["CUTE_DSL_KEEP"] = "cubin"  # each compiled part keeps its cubin (``__cubin__``)
@@ -277,6 +265,7 @@ _CHILD = textwrap.dedent('''
             out[f"fwd_{name}"] = instructions(path)
     print(json.dumps(out))
 ''')
+_CHILD_SM100, _CHILD = (c.replace("# {this tree}\n", _THIS_TREE) for c in (_CHILD_SM100, _CHILD))
 
 
 def sass_of(tree: str, matrix=BWD_CASES, fwd_matrix=FWD_CASES) -> dict[str, list[str]]:

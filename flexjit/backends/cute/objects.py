@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import functools
 import logging
 import os
@@ -108,28 +107,9 @@ def object_path(key: str) -> Path:
     return cache.cache_dir("cute") / f"{key}.o"
 
 
-@contextlib.contextmanager
 def _locked(key: str, exclusive: bool, timeout: float = LOCK_TIMEOUT_S):
-    """Hold ``<key>.lock`` (exclusive for writers, shared for readers). Raises TimeoutError."""
-    path = cache.cache_dir("cute") / f"{key}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, mode)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {timeout:.0f} s for the lock {path}") from None
-                time.sleep(0.05)
-        try:
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    """Hold ``<key>.lock`` in the CuTe folder (``cache.locked``). Raises TimeoutError."""
+    return cache.locked(cache.cache_dir("cute") / key, exclusive, timeout)
 
 
 @functools.lru_cache(maxsize=None)
