@@ -10,7 +10,8 @@ each layout's copies and transposes the results back, outside the timed region.
 | impl               | what runs                                                              |
 |--------------------|------------------------------------------------------------------------|
 | flexjit-<backend>  | flexjit.flex_attention(..., backend=<backend>), flexjit's block mask   |
-| flexjit-cute-<mode>| the same under one of FLEXJIT_MODES' switches (det, pertile, persistent) |
+| flexjit-cute-<mode>| the same under one of FLEXJIT_MODES' switches (det, pertile, persistent, |
+|                    | m128/m192: the forward's query tile pinned)                             |
 | torch-flex-triton  | torch.compile(flex_attention), torch's block mask, Triton kernels      |
 | torch-flex-flash   | the same with kernel_options={"BACKEND": "FLASH"} (FA4 underneath)     |
 | fa4                | flash_attn.cute.flash_attn_func with the variant's built-in arguments  |
@@ -40,6 +41,8 @@ FLEXJIT_MODES = {
     "flexjit-cute-det": ("cute", {}, True),
     "flexjit-cute-pertile": ("cute", {"PERSISTENT": False}, False),
     "flexjit-cute-persistent": ("cute", {"PERSISTENT": True}, False),
+    "flexjit-cute-m128": ("cute", {"TILE_M": 128}, False),
+    "flexjit-cute-m192": ("cute", {"TILE_M": 192}, False),
 }
 EXTRA_IMPLS = ("torch-flex-eager",) + tuple(FLEXJIT_MODES)
 

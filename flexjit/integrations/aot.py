@@ -169,7 +169,8 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
         kernels = []
         if "fwd" in passes:
             folder = _folder(root, "fwd-main")
-            sparse = cute_sm90.block_sparse_args(bm)
+            tile_m = cute_sm90.forward_tile_m(head_dim, bm, (kernel_options or {}).get("TILE_M"))
+            sparse = cute_sm90.forward_lists(bm, tile_m)
             options = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
             t0 = time.perf_counter()
             keys: dict = {}
@@ -180,7 +181,7 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
             cute_sm90.compile_program(program, q, k, v, sparse, aux, options=options,
                                       persistent=cute_sm90._persistent_fwd(
                                           head_dim, sparse, seq_len, owner=bm, pinned=pinned),
-                                      keys=keys)
+                                      keys=keys, tile_m=tile_m)
             kernels.append(Kernel(arch, "fwd", "main", what, *(_files(folder, arch) if folder else
                                                                (None, None)), keys.get("fwd"),
                                   time.perf_counter() - t0))

@@ -105,11 +105,14 @@ def jobs(call: WarmupCall, backward: bool | None = None) -> tuple[list[compile_p
         return [], f"dtype {call.dtype}: the sm90 kernels take float16 or bfloat16"
     if (call.D, Dv) not in cute_sm90._HEAD_DIMS:
         return [], f"head dims ({call.D}, {Dv}): the sm90 forward takes {cute_sm90._HEAD_DIMS}"
-    sparse = cute_sm90.block_sparse_args(bm)
+    options = call.kernel_options or {}
+    tile_m = cute_sm90.forward_tile_m(call.D, bm, options.get("TILE_M"))
+    sparse = cute_sm90.forward_lists(bm, tile_m)
     persistent = cute_sm90._persistent_fwd(call.D, sparse, call.S, owner=bm,
-                                           pinned=(call.kernel_options or {}).get("PERSISTENT"))
+                                           pinned=options.get("PERSISTENT"))
     base = compile_pool.backward_job(prepared)
-    out = [dataclasses.replace(base, kind="fwd", deterministic=False, persistent=persistent)]
+    out = [dataclasses.replace(base, kind="fwd", deterministic=False, persistent=persistent,
+                               tile_m=tile_m)]
     wants_backward = call.requires_grad if backward is None else backward
     if wants_backward:
         ok, why = cute_sm90.backward_supports(prepared)

@@ -119,6 +119,18 @@ def _ordered_to_dense(num: torch.Tensor, idx: torch.Tensor, n_cols: int) -> torc
     return dense[..., :n_cols]
 
 
+def block_classes(kv_num, kv_idx, full_num, full_idx) -> torch.Tensor:
+    """(B, H, nQ, nKV) int8 from the four lists: 0 skipped, 1 partial, 2 full; a block listed
+    both partial and full counts as partial (mask_mod still applies). No full lists: None."""
+    n = kv_idx.shape[-1]
+    partial = _ordered_to_dense(kv_num, kv_idx, n).bool()
+    classes = partial.to(torch.int8)
+    if full_num is not None:
+        full = _ordered_to_dense(full_num, full_idx, n).bool() & ~partial
+        classes = classes + 2 * full.to(torch.int8)
+    return classes
+
+
 def _transpose_ordered(num, idx):
     dense = _ordered_to_dense(num, idx, idx.shape[-1])
     return _dense_to_ordered(dense.transpose(-2, -1))

@@ -101,6 +101,7 @@ class Job:
     deterministic: bool = False  # the backward's
     kv_batch_broadcast: bool = False
     persistent: bool = False  # the forward's tiling
+    tile_m: int = 128  # the forward's query tile rows
     write_max: bool = False  # the forward writes max_scores
     cache_dir: str = ""
 
@@ -176,13 +177,15 @@ def run_job(job: Job) -> dict:
             q = torch.empty(1, 1, 128, job.head_dim, dtype=dtype)
             v = torch.empty(1, 1, 128, job.head_dim_v, dtype=dtype)
             lists = None
-            if job.sparse:  # only their presence shapes the kernel
+            if job.sparse:  # only their presence (and the tile's kinds list) shapes the kernel
                 lists = (torch.ones(1, 1, 1, dtype=torch.int32),
                          torch.zeros(1, 1, 1, 1, dtype=torch.int32),
                          torch.zeros(1, 1, 1, dtype=torch.int32),
                          torch.zeros(1, 1, 1, 1, dtype=torch.int32))
+                if job.tile_m != 128:
+                    lists += (torch.zeros(1, 1, 1, 1, dtype=torch.int32),)
             cute_sm90.compile_program(program, q, q, v, lists, aux, persistent=job.persistent,
-                                      write_max=job.write_max,
+                                      write_max=job.write_max, tile_m=job.tile_m,
                                       kv_batch_broadcast=job.kv_batch_broadcast)
     hits = cute_cache.STATS["hits"] - before["hits"]
     misses = cute_cache.STATS["misses"] - before["misses"]

@@ -18,6 +18,19 @@ class BlockSparse(NamedTuple):
     full_kv_indices: cute.Tensor
 
 
+class BlockSparseRows(NamedTuple):
+    """BlockSparse's four lists per query TILE row for tiles taller than a mask block (sm90's
+    192-row tiles: rows t of (Bm, Hm, nQT), nQT = ceil(L / tile_m)), plus ``kv_kinds``, shaped
+    like ``kv_indices``: each partial entry's kinds k0 | k1 << 2 for the two mask-block rows
+    under the tile (``KIND_SKIP`` ...). An entry is full only where both rows are full."""
+
+    kv_num_blocks: cute.Tensor
+    kv_indices: cute.Tensor
+    full_kv_num_blocks: cute.Tensor
+    full_kv_indices: cute.Tensor
+    kv_kinds: cute.Tensor
+
+
 class BlockSparse256(NamedTuple):
     """Per 256-row query tile (Bm, Hm, nQ2 = ceil(nQB / 2)), int32: ``num`` blocks, their kv
     block ``indices`` (Bm, Hm, nQ2, nKVB) and ``kinds`` (same shape, k0 | k1 << 2; see

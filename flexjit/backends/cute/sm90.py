@@ -32,7 +32,7 @@ from flexjit.backends import kernel_cache as cache
 from flexjit.ir import nodes as ir
 from flexjit.ir.nodes import Op
 from flexjit.ir.program import Program
-from flexjit.planner.block_mask import _transpose_ordered, dq_order
+from flexjit.planner.block_mask import _dense_to_ordered, _transpose_ordered, block_classes, dq_order
 from flexjit.backends.base import capability
 from flexjit.backends.cute import objects as cute_cache, templates
 
@@ -129,10 +129,14 @@ def supports(call) -> tuple[bool, str]:
         _template()
     except ImportError as e:
         return False, f"nvidia-cutlass-dsl is not importable ({e})"
+    tile_m = forward_tile_m(q.shape[-1], call.block_mask, call.kernel_options.get("TILE_M"))
+    what = (f"Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised; {tile_m}-row "
+            f"query tiles, {tile_m // 64} consumer warpgroups")
+    if tile_m != 128 and call.block_mask is not None:
+        what += ", block-mask rows merged per tile"
     if kv_broadcast(call):
-        return True, ("Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised), key/value "
-                      "batch broadcast (read at batch 0)")
-    return True, "Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised)"
+        return True, what + "), key/value batch broadcast (read at batch 0)"
+    return True, what + ")"
 
 
 def kv_broadcast(call) -> bool:
@@ -203,7 +207,7 @@ def _mean_kv_tiles(lists, S: int, owner=None) -> float:
         return owner.mean_kv_tokens() / 128
     if lists is None:
         return float(-(-S // 128))
-    kv_num, _, full_num, _ = lists
+    kv_num, full_num = lists[0], lists[2]
     return float((kv_num.float().mean() + full_num.float().mean()).item())
 
 
@@ -231,7 +235,7 @@ def _rescale_threshold() -> float:
 
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
                     persistent: bool | None = None, write_max: bool = False, keys: dict | None = None,
-                    kv_batch_broadcast: bool = False):
+                    kv_batch_broadcast: bool = False, tile_m: int = 128):
     """Compile (or find in memory, or load from disk) the sm90 forward for this program and
     these input kinds.
 
@@ -246,6 +250,8 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
 
     ``write_max``: the kernel also writes the row max of the modded scores (max_scores).
     ``kv_batch_broadcast``: k and v are one batch entry (1, H, S, D) for every query batch.
+    ``tile_m``: the query tile's rows (``forward_tile_m``); 192 with a block mask takes the
+    lists merged per tile (``merged_row_lists``).
     ``keys``: if given, ``keys["fwd"]`` is set to the disk-cache key (None with the cache off;
     ``flexjit.aot`` reports it)."""
     tpl = _template()
@@ -256,7 +262,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     # Persistent launches claim tiles dynamically: part of the tiling, hence of both cache keys.
     dynamic = persistent and tpl.dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
-           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast)
+           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast, tile_m)
     hit = _COMPILED.get(key)
     if hit is not None:  # the per-call path: no mods, config or disk key to build for `cached`
         return hit
@@ -265,7 +271,8 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
                         has_block_mask=block_mask is not None,
                         tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent,
-                                                 dynamic_schedule=dynamic), write_max=write_max,
+                                                 dynamic_schedule=dynamic, tile_m=tile_m),
+                        write_max=write_max,
                         rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast)
     what = forward_label(program, q.dtype, D)
     if kv_batch_broadcast:
@@ -312,6 +319,61 @@ def block_sparse_args(bm):
     return (bm.kv_num_blocks, bm.kv_indices, full_num, full_idx)
 
 
+# Merged list rows hold one class per (tile row, kv block) of the dense block grid while they are
+# built; past this many the 128-row tile is kept (a 1M-token mask shared by all heads is 2^26).
+_MERGE_MAX_BLOCKS = 1 << 28
+
+
+def forward_tile_m(head_dim: int, bm, pinned: int | None = None) -> int:
+    """The forward's query tile rows: 192 at head dim 64 (three consumer warpgroups; with a
+    block mask over merged list rows), else 128; ``pinned`` is ``kernel_options["TILE_M"]``."""
+    if head_dim != 64:
+        if pinned not in (None, 128):
+            raise ValueError(f"kernel_options TILE_M={pinned}: the sm90 forward runs 128-row "
+                             f"query tiles at head dim {head_dim} (192 only at head dim 64)")
+        return 128
+    if pinned is not None:
+        return int(pinned)
+    if bm is not None and bm.kv_num_blocks.numel() * bm.kv_indices.shape[-1] > _MERGE_MAX_BLOCKS:
+        return 128
+    return 192
+
+
+def merged_row_lists(kv_num, kv_idx, full_num, full_idx, tile_m: int = 192) -> tuple:
+    """``BlockSparseRows``' five int32 tensors for ``tile_m``-row query tiles from 128×128 block
+    lists (counts (Bm, Hm, nQB), indices (Bm, Hm, nQB, nKVB)).
+
+    Tile t covers block rows r0 = ⌊t·tile_m / 128⌋ and r1 = ⌊(t·tile_m + tile_m − 1) / 128⌋ (each
+    64-row warpgroup slab lies in one of them); a row r1 past the mask has no queries and takes
+    r0's class. A kv block is FULL for the tile where both rows list it full, PARTIAL where
+    either row lists it at all otherwise, with kinds k0 | k1 << 2 (0 skip, 1 partial, 2 full;
+    a block listed both partial and full counts as partial). Lists ascending, as torch's."""
+    classes = block_classes(kv_num, kv_idx, full_num, full_idx)
+    nqb = classes.shape[2]
+    t = torch.arange(-(-nqb * 128 // tile_m), device=classes.device)
+    r0, r1 = t * tile_m // 128, (t * tile_m + tile_m - 1) // 128
+    c0 = classes[:, :, r0]
+    c1 = classes[:, :, torch.where(r1 < nqb, r1, r0)]
+    full = (c0 == 2) & (c1 == 2)
+    partial = ((c0 | c1) != 0) & ~full
+    code = (c0 | (c1 << 2)).to(torch.int32)
+    p_num, p_idx = _dense_to_ordered(partial)
+    f_num, f_idx = _dense_to_ordered(full)
+    kinds = code.gather(-1, p_idx.long())
+    cols = torch.arange(p_idx.shape[-1], device=p_idx.device)
+    kinds = torch.where(cols < p_num[..., None], kinds, torch.zeros_like(kinds))
+    return p_num, p_idx, f_num, f_idx, kinds.contiguous()
+
+
+def forward_lists(bm, tile_m: int):
+    """The forward kernel's block tensors for a BlockMask at this tile (None without one), the
+    merged ones made once per BlockMask."""
+    if bm is None or tile_m == 128:
+        return block_sparse_args(bm)
+    return bm.derived(f"cute_sm90_rows{tile_m}",
+                      lambda: merged_row_lists(*block_sparse_args(bm), tile_m=tile_m))
+
+
 def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(out, lse, max_scores or None)."""
     prog = call.program
@@ -320,12 +382,13 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     if broadcast:
         k, v = _batch_one(k), _batch_one(v)
     bm = call.block_mask
-    sparse = block_sparse_args(bm)
+    tile_m = forward_tile_m(q.shape[-1], bm, call.kernel_options.get("TILE_M"))
+    sparse = forward_lists(bm, tile_m)
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
     fn = compile_program(prog, q, k, v, sparse, aux,
                          persistent=_persistent_fwd(q.shape[-1], sparse, k.shape[2], owner=bm,
                                                     pinned=call.kernel_options.get("PERSISTENT")),
-                         write_max=call.max_scores, kv_batch_broadcast=broadcast)
+                         write_max=call.max_scores, kv_batch_broadcast=broadcast, tile_m=tile_m)
     o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     max_scores = torch.empty_like(lse) if call.max_scores else None

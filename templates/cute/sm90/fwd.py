@@ -113,7 +113,7 @@ D == Dv in {32, 64, 96, 128, 192, 256} and (192, 128).
 
 from collections import namedtuple
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import cuda.bindings.driver as cuda
 
@@ -127,10 +127,13 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute import config, host, softmax, tile_scheduler
-from flexjit.templates.cute.block_sparse import BlockSparse, count_of, listed_tile, row_of
+from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, BlockSparse, BlockSparseRows, count_of, listed_tile, row_of
 from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, fadd, kernel_aux, launch, permute, quad_allreduce, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.pipeline import tma_pipelines
+
+# The block lists: one row per mask-block row (128-row tiles) or merged rows (192).
+Lists = Union[BlockSparse, BlockSparseRows]
 
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPILOGUE = 1
@@ -168,15 +171,18 @@ def dynamic_schedule_default() -> bool:
 
 
 def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
-                  persistent: bool = False, dynamic_schedule: Optional[bool] = None) -> Tiling:
-    """Tile table. With a block mask, tile_m is 128 = one mask-block row, so a CTA reads exactly
-    one row of the BlockMask, and tile_n divides the 128-wide mask block for the same reason.
+                  persistent: bool = False, dynamic_schedule: Optional[bool] = None,
+                  tile_m: Optional[int] = None) -> Tiling:
+    """Tile table. With a block mask, tile_m is 128 = one mask-block row by default, so a CTA
+    reads exactly one row of the BlockMask, and tile_n divides the 128-wide mask block for the
+    same reason. ``tile_m=192`` (D = 64) takes dense D = 64's tile with a block mask too: the
+    kernel then reads the lists merged per 192-row tile (``BlockSparseRows``).
 
     * D = 64, dense (no block mask): 192×128, 3 consumer warpgroups (FA3/FA4's choice): the
       K=64 GEMMs are short, so a third warpgroup keeps the tensor cores fed while two run their
       softmax. Registers 3×128×160 + 128×32 = 65536. Smem Q 24 KB + 3×(16+16) KB.
-    * D = 64, block-sparse: 128×128, 2 warpgroups, 3 stages (a 192-row tile would straddle two
-      mask-block rows).
+    * D = 64, block-sparse: 128×128, 2 warpgroups, 3 stages; or, with ``tile_m=192``, the dense
+      row over merged list rows (a 192-row tile straddles two mask-block rows).
     * D = 128: 128×128, 2 warpgroups, 2 stages (32 + 2×(32+32) = 160 KB), both overlaps: FA3's
       best configuration.
     * D = 256: 128×64, 2 warpgroups, 2 stages (64 + 2×(32+32) = 192 KB). O alone is 128 fp32
@@ -213,6 +219,10 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     if (head_dim, head_dim_v) not in HEAD_DIMS:
         raise NotImplementedError(
             f"cute_sm90_fwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
+    if tile_m not in (None, 128) and not (tile_m == 192 and head_dim == 64):
+        raise NotImplementedError(
+            f"cute_sm90_fwd: a {tile_m}-row query tile at head dim {head_dim} (192 rows are "
+            "served at head dim 64, else 128)")
     if persistent and head_dim == 256:
         raise NotImplementedError(
             "cute_sm90_fwd: the persistent variant does not support head_dim 256 (Q 64 KB + "
@@ -222,7 +232,7 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
             f"cute_sm90_fwd: the persistent variant does not support head dims ({head_dim}, "
             f"{head_dim_v}) (no smem for a separate O buffer beside 2 K/V stages)")
     if head_dim == 64:
-        if not block_sparse:
+        if tile_m == 192 or (tile_m is None and not block_sparse):
             return Tiling(192, 128, 3, 3, True, 160, 32, persistent, dyn)
         return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
     if head_dim == 32:
@@ -279,8 +289,11 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         self.pingpong = t.pingpong and t.num_mma_wgs >= 2
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.write_max = bool(cfg.write_max)
+        # A query tile taller than a mask block reads merged list rows (``BlockSparseRows``).
+        self.merged_rows = self.sparse and self.tile_m != MASK_BLOCK
         if self.sparse:
-            assert self.tile_m == MASK_BLOCK and MASK_BLOCK % self.tile_n == 0
+            assert MASK_BLOCK % self.tile_n == 0
+            assert self.tile_m == MASK_BLOCK or self.tile_m == 192, self.tile_m
         self.tiles_per_mask_block = max(1, MASK_BLOCK // self.tile_n)
         # Which loop bodies exist: partial tiles (mask_mod + bound), full tiles (bound if ragged).
         self.has_partial = self.sparse or self.mask_mod is not None
@@ -296,7 +309,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
     @cute.jit
     def __call__(
         self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-        softmax_scale: Float32, hb_per_section: Int32, blocks: Optional[BlockSparse],
+        softmax_scale: Float32, hb_per_section: Int32, blocks: Optional[Lists],
         aux_tensors: Optional[tuple], aux_scalars: Optional[tuple], num_sms: Int32,
         tile_counter: Optional[cute.Tensor], mMax: Optional[cute.Tensor], stream: cuda.CUstream,
     ):
@@ -375,7 +388,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
         tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
         mma_qk: cute.TiledMma, mma_pv: cute.TiledMma,
-        softmax_scale: Float32, hb_per_section: Int32, blocks: Optional[BlockSparse],
+        softmax_scale: Float32, hb_per_section: Int32, blocks: Optional[Lists],
         aux_tensors: Optional[tuple], aux_scalars: Optional[tuple],
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
@@ -431,7 +444,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
     # -----------------------------------------------------------------------------------------
     @cute.jit
     def _schedule(self, mQ: cute.Tensor, mK: cute.Tensor, hb_per_section: Int32,
-                  blocks: Optional[BlockSparse], tile: Optional[Int32]):
+                  blocks: Optional[Lists], tile: Optional[Int32]):
         """Everything per tile about which kv tiles to visit, computed once: the tile coordinates,
         the number of partial and full kv TILES (a mask block is 128/tile_n tiles) and, with a
         block mask, 1-D views of this q-tile's two index lists (broadcast dims resolved here, so
@@ -442,6 +455,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         n_full = Int32(0)
         part_row = None
         full_row = None
+        kind_row = None
         first = n_dense - 1
         if const_expr(self.sparse):
             per = self.tiles_per_mask_block
@@ -454,13 +468,15 @@ class FlexAttentionFwdSm90(config.TiledKernel):
             first_partial = part_row[0] * per
             first_full = full_row[0] * per
             first = first_partial if n_partial > 0 else first_full
+            if const_expr(self.merged_rows):
+                kind_row = row_of(blocks.kv_kinds, batch, head, m_block)
         else:
             if const_expr(self.mask_mod is not None):
                 n_partial = n_dense
             else:
                 n_full = n_dense
         return _Schedule(m_block, head, batch, n_partial, n_full, n_dense, mK.shape[0],
-                         part_row, full_row, first)
+                         part_row, full_row, first, kind_row)
 
     @cute.jit
     def _kv_tile(self, sched, j: Int32, which: cutlass.Constexpr) -> Int32:
@@ -491,7 +507,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         self,
         ld: "_Loads",  # the tensors, TMA atoms and pipelines the producer uses
         hb_per_section: Int32,
-        blocks: Optional[BlockSparse],
+        blocks: Optional[Lists],
         cta_sched,  # one tile per CTA: this CTA's tile; else None
         sTile: Optional[cute.Tensor],  # dynamic: (2,) int32 smem, [0] the published tile index
         tile_counter: Optional[cute.Tensor],  # dynamic: (2,) int32 gmem, [0] claims, [1] done CTAs
@@ -622,7 +638,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         pipe_v: pipeline.PipelineAsync,
         softmax_scale: Float32,
         hb_per_section: Int32,
-        blocks: Optional[BlockSparse],
+        blocks: Optional[Lists],
         aux: Aux,
         cta_sched,  # one tile per CTA: this CTA's tile; else None
         sTile: Optional[cute.Tensor],  # dynamic: (2,) int32 smem, [0] the published tile index
@@ -817,7 +833,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         pipe_k.consumer_release(kv)
         if sched.n_partial > 0:
             if const_expr(self.has_partial):
-                self._mods(ctx, acc_S, tile, "partial")
+                self._mods(ctx, acc_S, tile, "partial", Int32(0))
         else:
             if const_expr(self.has_full):
                 if (tile + 1) * self.tile_n > sched.seqlen_k:
@@ -845,7 +861,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         self._pingpong_signal(ctx.wg)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(kv)
-        self._mods(ctx, acc_S, tile, kind)
+        self._mods(ctx, acc_S, tile, kind, j)
         row_scale = self._online_softmax(ctx, acc_S, False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
@@ -870,12 +886,13 @@ class FlexAttentionFwdSm90(config.TiledKernel):
     # The holes, masking, softmax
     # -----------------------------------------------------------------------------------------
     @cute.jit
-    def _mods(self, ctx, acc_S: cute.Tensor, tile: Int32, kind: cutlass.Constexpr):
+    def _mods(self, ctx, acc_S: cute.Tensor, tile: Int32, kind: cutlass.Constexpr, j=None):
         """Branch-free application of the holes to one S tile. kind: "partial" = score_mod,
         mask_mod and the kv < S bound; "bounded" = a full tile that crosses S: score_mod and the
-        bound; "full" = score_mod only (nothing at all without one)."""
+        bound; "full" = score_mod only (nothing at all without one). ``j``: the tile's entry in
+        the partial list (its kinds, with merged rows)."""
         if const_expr(kind == "partial"):
-            self._apply_mods(ctx, acc_S, tile, use_mask=True, use_bound=True)
+            self._apply_mods(ctx, acc_S, tile, use_mask=True, use_bound=True, entry=j)
         elif const_expr(kind == "bounded"):
             self._apply_mods(ctx, acc_S, tile, use_mask=False, use_bound=True)
         else:
@@ -884,14 +901,27 @@ class FlexAttentionFwdSm90(config.TiledKernel):
 
     @cute.jit
     def _apply_mods(self, ctx, acc_S: cute.Tensor, tile: Int32, use_mask: cutlass.Constexpr,
-                    use_bound: cutlass.Constexpr):
+                    use_bound: cutlass.Constexpr, entry=None):
         """Unrolled over the thread's S registers; (q_idx, kv_idx) per register come from an
-        identity tensor partitioned like the accumulator (compile-time offsets + one base)."""
+        identity tensor partitioned like the accumulator (compile-time offsets + one base).
+
+        Merged rows (a query tile over two mask-block rows): a warpgroup's 64 rows lie in one
+        mask block, whose kind for this kv block (``sched.kind_row[entry]``) decides per
+        warpgroup: full keeps every score, skip none, partial applies mask_mod, exactly as the
+        128-row tile reading that block would."""
         cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        cS = cute.domain_offset((ctx.sched.m_block * self.tile_m, tile * self.tile_n), cS)
+        first_row = ctx.sched.m_block * self.tile_m
+        cS = cute.domain_offset((first_row, tile * self.tile_n), cS)
         tScS = ctx.thr_qk.partition_C(cS)
         neg_inf = -Float32.inf
         indices = FloatIndices(tScS[0][0], tScS[0][1])
+        sub_full = None
+        sub_partial = None
+        if const_expr(use_mask and self.merged_rows):
+            sub = tScS[0][0] // MASK_BLOCK - first_row // MASK_BLOCK
+            sub_kind = (ctx.sched.kind_row[entry] >> (sub * 2)) & 3
+            sub_full = sub_kind == KIND_FULL
+            sub_partial = sub_kind == KIND_PARTIAL
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             q_idx = tScS[i][0]
             kv_idx = tScS[i][1]
@@ -899,7 +929,14 @@ class FlexAttentionFwdSm90(config.TiledKernel):
             if const_expr(self.score_mod is not None):
                 s = self.score_mod(s * ctx.softmax_scale, ctx.sched.batch, ctx.sched.head, q_idx, kv_idx,
                                    ctx.aux, *indices.args(self.score_mod, q_idx, kv_idx))
-            if const_expr(use_mask and self.mask_mod is not None):
+            if const_expr(use_mask and self.merged_rows):
+                masked = s
+                if const_expr(self.mask_mod is not None):
+                    keep = self.mask_mod(ctx.sched.batch, ctx.sched.head, q_idx, kv_idx, ctx.aux,
+                                         *indices.args(self.mask_mod, q_idx, kv_idx))
+                    masked = s if keep else neg_inf
+                s = s if sub_full else (masked if sub_partial else neg_inf)
+            elif const_expr(use_mask and self.mask_mod is not None):
                 keep = self.mask_mod(ctx.sched.batch, ctx.sched.head, q_idx, kv_idx, ctx.aux,
                                      *indices.args(self.mask_mod, q_idx, kv_idx))
                 s = s if keep else neg_inf
@@ -992,6 +1029,8 @@ class _Schedule(NamedTuple):
     part_row: object  # 1-D view of this q-tile's partial block indices (block mask only)
     full_row: object  # 1-D view of this q-tile's full block indices (block mask only)
     first_tile: object  # the kv tile visited first
+    # Merged rows only: 1-D view of the partial entries' kinds (k0 | k1 << 2, ``BlockSparseRows``)
+    kind_row: object = None
 
 
 # What the producer warp loads from and into: global tensors (TMA views), their smem buffers, the
@@ -1029,7 +1068,8 @@ def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
     lse = placeholder(Float32, 3, 4)
     blocks = None
     if cfg.has_block_mask:
-        blocks = BlockSparse(*[placeholder(Int32, n, 4) for n in (3, 4, 3, 4)])
+        kind = BlockSparseRows if cfg.tiling.tile_m != MASK_BLOCK else BlockSparse
+        blocks = kind(*[placeholder(Int32, n, 4) for n in (3, 4, 3, 4, 4)[:len(kind._fields)]])
     counter = placeholder(Int32, 1, 4) if cfg.tiling.dynamic_schedule else None
     row_max = placeholder(Float32, 3, 4) if cfg.write_max else None
     return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks,
@@ -1067,6 +1107,11 @@ class CompiledFwd(host.CompiledFwd):
         return o, lse
 
 
+def _lists_kind(cfg: FwdConfig):
+    """The block-list tuple the kernel takes: one row per mask-block row, or merged rows."""
+    return BlockSparseRows if cfg.tiling.tile_m != MASK_BLOCK else BlockSparse
+
+
 def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
                      hb_per_section=None, num_sms=None, max_scores=None) -> tuple:
     """TVM-FFI call arguments: the torch tensors themselves (the C wrapper checks alignment,
@@ -1075,7 +1120,7 @@ def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensor
     host.check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
     blocks = None
     if block_mask is not None:
-        blocks = BlockSparse(*[t if t.is_contiguous() else t.contiguous() for t in block_mask])
+        blocks = _lists_kind(cfg)(*[t if t.is_contiguous() else t.contiguous() for t in block_mask])
     if hb_per_section is None:
         hb_per_section = tile_scheduler.default_hb_per_section(cfg, q, k, block_mask)
     counter = tile_scheduler.scheduler_counter(q.device) if cfg.tiling.dynamic_schedule else None
@@ -1097,7 +1142,7 @@ def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, a
         raise ValueError("block_mask presence must match FwdConfig.has_block_mask")
     blocks = None
     if block_mask is not None:
-        blocks = BlockSparse(*[_as_cute(t.contiguous(), align=4) for t in block_mask])
+        blocks = _lists_kind(cfg)(*[_as_cute(t.contiguous(), align=4) for t in block_mask])
     if hb_per_section is None:
         hb_per_section = tile_scheduler.default_hb_per_section(cfg, q, k, block_mask)
     tensors = tuple(_as_cute(t.contiguous(), align=t.element_size()) for t in aux_tensors)

@@ -61,7 +61,7 @@ def _block_mask(nq, nk):
 
 
 def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, aux=(), scalars=(),
-             persistent=False, dynamic_schedule=False):
+             persistent=False, dynamic_schedule=False, tile_m=None):
     """``head_dim``: D, or a (D, Dv) pair."""
     head_dim, head_dim_v = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
     # L != S and neither a multiple of 128; GQA 4/2: the compile must not depend on any of it.
@@ -72,9 +72,11 @@ def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, au
     o = torch.empty(b, hq, seq_q, head_dim_v, dtype=torch.bfloat16)
     lse = torch.empty(b, hq, seq_q)
     bm = _block_mask((seq_q + 127) // 128, (seq_k + 127) // 128) if sparse else None
+    if sparse and tile_m == 192:  # merged rows: the fifth list, the partial entries' kinds
+        bm = bm + (bm[1].clone(),)
     cfg = FwdConfig(head_dim, head_dim_v, cutlass.BFloat16, score_mod, mask_mod, has_block_mask=sparse,
                     tiling=_tpl.choose_tiling(head_dim, head_dim_v, sparse, persistent=persistent,
-                                              dynamic_schedule=dynamic_schedule))
+                                              dynamic_schedule=dynamic_schedule, tile_m=tile_m))
     fn = compile_fwd(cfg, q, k, v, o, lse, bm, aux, scalars,
                      options=f"--keep-ptx --dump-dir {tmp_path}")
     ptx = fn.compiled.__ptx__
@@ -127,6 +129,31 @@ def test_score_and_mask_mods_with_aux(tmp_path, head_dim):
     # The softcap is a runtime kernel parameter, not a constant folded into the code.
     assert "tanh" in ptx or "ex2" in ptx
     assert "30.0" not in ptx and "0f41F00000" not in ptx, "runtime scalar was baked in"
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("mods", ["causal", "alibi_softcap_document"])
+def test_merged_rows_192(tmp_path, mods, persistent):
+    """D = 64 with a block mask on the 192-row tile (three consumer warpgroups at 160
+    registers): the heaviest core mods compile without spills, and each warpgroup reads its
+    kind from the kinds list (a shift by the warpgroup's mask block)."""
+    if mods == "causal":
+        ptx = _compile(tmp_path, 64, mask_mod=causal_mask, sparse=True, tile_m=192,
+                       persistent=persistent, dynamic_schedule=persistent)
+    else:
+        ptx = _compile(tmp_path, 64, alibi_softcap_score, document_mask, sparse=True, tile_m=192,
+                       aux=(torch.rand(4), torch.zeros(500, dtype=torch.int32)), scalars=(30.0,),
+                       persistent=persistent, dynamic_schedule=persistent)
+    _assert_hopper_path(ptx)
+    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+160;", ptx), "not the 3-warpgroup split"
+    assert_no_spills(tmp_path, ptx)
+
+
+def test_tile_192_only_at_head_dim_64():
+    assert _tpl.choose_tiling(64, 64, True, tile_m=192).num_mma_wgs == 3
+    assert _tpl.choose_tiling(64, 64, False, tile_m=128).tile_m == 128
+    with pytest.raises(NotImplementedError, match="192 rows are served at head dim 64"):
+        _tpl.choose_tiling(128, 128, True, tile_m=192)
 
 
 def test_tile_table():
