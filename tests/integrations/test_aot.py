@@ -100,9 +100,10 @@ def _assert_loaded_only(messages, arch: str) -> None:
 _CHILD = _CHILD_CALL + """
     from flexjit.backends.cute import sm90 as backend
 
-    sparse = backend.block_sparse_args(bm)
+    tile_m = backend.forward_tile_m(D, bm)
+    sparse = backend.forward_lists(bm, tile_m)
     aux = tuple(backend._aux_tensor(t, q.device) for t in call.program.buffers)
-    backend.compile_program(call.program, q, k, v, sparse, aux,
+    backend.compile_program(call.program, q, k, v, sparse, aux, tile_m=tile_m,
                             persistent=backend._persistent_fwd(D, sparse, S, owner=bm))
     backend.compile_backward(call.program, q.dtype, D, True, False, aux, head_dim_v=D)
     print(json.dumps({"messages": messages}))

@@ -13,7 +13,7 @@ What this module holds
 
 Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pipelining)
 -------------------------------------------------------------------------------------
-* One CTA computes a tile_m-row query tile (128; 192 for dense D=64) of one (batch, query head).
+* One CTA computes a tile_m-row query tile (128; 192 at D=64) of one (batch, query head).
   Warpgroup 0 is the producer:
   it drops to ``load_regs`` registers (``setmaxnreg.dec``) and one warp issues TMA loads of Q
   (once), then K and V tiles through two ``PipelineTmaAsync`` rings (``num_stages`` deep each).
@@ -71,7 +71,10 @@ applied per element), ``full_kv_num_blocks`` + ``full_kv_indices`` list FULL blo
 skipped; only the kv < S bound on a ragged last block). Bm ∈ {1, B}, Hm ∈ {1, Hq}: size 1
 broadcasts. All int32; the order inside a list is free. The CTA for q-tile m walks partial blocks
 first, then full blocks; whether a full block crosses S is decided per block before its GEMMs are
-issued. Without a block mask (``has_block_mask=False``) every kv tile is visited: as partial tiles
+issued. A 192-row tile reads ``BlockSparseRows``: the lists of its two mask-block rows merged
+(full only where both are), each partial entry with both rows' kinds; a consumer warpgroup's 64
+rows lie in one mask block, and it keeps all, none or mask_mod's scores as that block's kind
+says (``_apply_mods``). Without a block mask (``has_block_mask=False``) every kv tile is visited: as partial tiles
 when a mask_mod is given, else as full tiles (dense mode, the last/ragged tile first).
 
 Scheduling: a 1-D grid of q-tiles. Block-sparse launches group (head, batch) pairs into sections

@@ -94,11 +94,15 @@ def test_lists_that_disagree_with_mask_mod(seed, tile_m, persistent):
                            FLOOR[q.dtype])
 
 
-def test_default_tile_at_head_dim_64_is_192_with_a_block_mask():
-    q, k, v = _qkv(1, 4, 4, 512, 512)
-    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 512, 512, device="cuda")
+def test_default_tile_follows_the_partial_share():
+    q, k, v = _qkv(1, 4, 4, 8192, 8192)
+    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 8192, 8192, device="cuda")
     assert "192-row query tiles" in explain(q, k, v, None, bm).reason
+    window = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 256), None, None,
+                               8192, 8192, device="cuda")
+    assert "128-row query tiles" in explain(q, k, v, None, window).reason
     q, k, v = _qkv(1, 4, 4, 512, 512, D=128)
+    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 512, 512, device="cuda")
     assert "128-row query tiles" in explain(q, k, v, None, bm).reason
     with pytest.raises(ValueError, match="TILE_M=192"):
         explain(q, k, v, None, bm, kernel_options={"TILE_M": 192})
