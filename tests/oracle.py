@@ -115,15 +115,29 @@ def dequantize_e4m3(x8, descale, dtype=torch.float64, groups: int = 1):
     return x8.to(dtype) * d
 
 
-def fp8_reference(q8, k8, v8, descales, score_mod=None, mask_mod=None, out_dtype=torch.bfloat16):
+def fp8_reference(q8, k8, v8, descales, score_mod=None, mask_mod=None, out_dtype=torch.bfloat16,
+                  p_dtype=None):
     """The plain FP8 reference: dequantise in float32, attend in float32, round out to
-    ``out_dtype`` (lse stays float32). ``descales``: (q, k, v), None for 1.0 or a 16-bit q."""
+    ``out_dtype`` (lse stays float32). ``descales``: (q, k, v), None for 1.0 or a 16-bit q.
+    ``p_dtype``: round the softmax's unnormalised probabilities to it before P·V, as a kernel
+    feeding them to a tensor-core MMA does (the same math as such a kernel, for its baseline)."""
     g = q8.shape[1] // k8.shape[1]
     one = torch.ones((), dtype=torch.float32)
-    real = [t.float() if d is None and t.dtype != torch.float8_e4m3fn else
-            dequantize_e4m3(t, one if d is None else d, torch.float32, gr)
-            for t, d, gr in zip((q8, k8, v8), descales, (g, 1, 1))]
-    out, lse = dense_attention(*real, score_mod, mask_mod, dtype=torch.float32)
+    q, k, v = [t.float() if d is None and t.dtype != torch.float8_e4m3fn else
+               dequantize_e4m3(t, one if d is None else d, torch.float32, gr)
+               for t, d, gr in zip((q8, k8, v8), descales, (g, 1, 1))]
+    if p_dtype is None:
+        out, lse = dense_attention(q, k, v, score_mod, mask_mod, dtype=torch.float32)
+        return out.to(out_dtype), lse
+    s = dense_scores(q, k, score_mod, mask_mod, dtype=torch.float32)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    den = e.sum(-1, keepdim=True)
+    empty = den == 0
+    den1 = torch.where(empty, torch.ones_like(den), den)
+    out = torch.matmul(e.to(p_dtype).float(), v.repeat_interleave(g, dim=1)) / den1
+    lse = torch.where(empty, torch.full_like(den, -math.inf), torch.log(den1) + m).squeeze(-1)
     return out.to(out_dtype), lse
 
 

@@ -17,7 +17,7 @@ import torch
 from flexjit import config
 from flexjit.runtime import call_cache, dispatch, options, selfcheck
 from flexjit.api import compiled, fp8 as fp8_inputs
-from flexjit.backends.fp8 import dequantize_inputs, is_fp8
+from flexjit.backends.fp8 import FP8_DTYPES, dequantize_inputs, is_fp8
 from flexjit.planner.block_mask import BlockMask, from_torch_block_mask, noop_mask, with_int32_lists
 from flexjit.ir.passes import FLOAT_INDEX_LIMIT, lower
 from flexjit.ir.program import Program
@@ -105,13 +105,14 @@ def _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
         scale = _tensor_scale(scale)
     sig = call_cache.signature(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                kernel_options, backend, want_max)
-    if sig is not None and fp8_inputs.given(*fp8):
+    qd, kd, vd, od = fp8
+    if sig is not None and (qd is not None or kd is not None or vd is not None or od is not None):
         fsig = fp8_inputs.signature(*fp8)
         sig = None if fsig is None else sig + fsig
     if sig is not None:
         entry = call_cache.lookup(sig, score_mod, block_mask)
         if entry is not None:  # the signature holds everything fp8_inputs.check reads
-            f = fp8_inputs.fp8_of(query, key, *fp8) if is_fp8(key) else None
+            f = fp8_inputs.fp8_of(query, key, *fp8) if key.dtype in FP8_DTYPES else None
             return Call(query, key, value, entry.program, block_mask, entry.scale, entry.kernel_options,
                         max_scores=entry.max_scores, memo=entry.memo, fp8=f), entry.choice
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,

@@ -314,3 +314,18 @@ def test_inside_torch_compile():
     want = flex_attention(stored[0], k, v, block_mask=bm, enable_gqa=True)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     torch._dynamo.reset()
+
+
+def test_paged_assign_into_an_fp8_cache_says_to_quantise():
+    pa = flexjit.PagedAttention(n_pages=4, page_size=16, max_batch_size=1, device="cpu")
+    pa.reserve(0, 20)
+    cache = torch.zeros(1, HKV, pa.kv_len, E, dtype=E4M3)
+    k = torch.randn(1, HKV, 20, E)
+    with pytest.raises(TypeError, match=r"quantise them first, \(k_val / k_descale\)"):
+        pa.assign(torch.tensor([0]), torch.arange(20)[None], k, k.to(E4M3), cache, cache.clone())
+    k8, _ = quantize_e4m3(k.double(), None)
+    v_cache = cache.clone()
+    pa.assign(torch.tensor([0]), torch.arange(20)[None], k8, k8, cache, v_cache)
+    pos = torch.arange(20)
+    addr = pa.page_table[0, pos // 16] * 16 + pos % 16
+    assert torch.equal(cache[0, :, addr].view(torch.uint8), k8[0].view(torch.uint8))
