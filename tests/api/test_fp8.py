@@ -313,6 +313,9 @@ def test_inside_torch_compile():
     v = (stored[2].float() * vd[:, :, None, None]).to(torch.bfloat16)
     want = flex_attention(stored[0], k, v, block_mask=bm, enable_gqa=True)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    k8 = stored[1].clone().requires_grad_(True)  # a compiled backward is built with its forward
+    with pytest.raises(Exception, match="no gradients through FP8"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(stored[0], k8, stored[2], kd, vd)
     torch._dynamo.reset()
 
 

@@ -131,6 +131,17 @@ def test_fp8_queries_scalar_descales(interp, name, out_dtype):
           splits=3, out_dtype=out_dtype)
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.float32])
+def test_fp16_and_fp32_queries(interp, q_dtype):
+    """Beside an e4m3 cache the tiles convert to the query's dtype (fp32: fp32 dots)."""
+    s = SHAPE
+    (q, k8, v8), descales = _quantize(*_data(*s.values(), seed=9), q_fp8=False)
+    score_mod, mask_mod = _decode_mods("sliding_window", s["B"], s["Hq"], s["L"], s["S"])
+    out, _ = check((q.to(q_dtype), k8, v8), descales, score_mod, mask_mod,
+                   _mask(mask_mod, s["B"], s["Hq"], s["L"], s["S"]), splits=2)
+    assert out.dtype == q_dtype
+
+
 def test_fp8_queries_per_kv_head_descales(interp):
     """Distinct (B, Hkv) factors for q, k and v: each packed query head must take its kv head's
     (a kernel indexing the table by query head, or by batch alone, would fail)."""
