@@ -182,7 +182,8 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
     """Which backend flex_attention would run for these arguments, why, and why every other
     backend was passed over (``Choice.passed_over``), on any device. Runs nothing: on a Blackwell
     GPU it says whether the call's sm100 kernel has passed its first-use self-check, failed it
-    (and why), or has not run it yet (it runs on the first call)."""
+    (and why), or has not run it yet (it runs on the first call). The FP8 arguments are
+    flex_attention's; the reason says whether a backend reads FP8 itself or runs dequantised."""
     query, key, value, block_mask, kernel_options, backend, return_aux = _normalize(
         query, key, value, block_mask, kernel_options, backend, return_aux)
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
