@@ -85,3 +85,66 @@ def assert_close_to_oracle(name, got, ref64, ref_lowp, floor):
 
 
 FLOOR = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+
+
+# --------------------------------------------------------------------------- FP8 inputs
+
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_e4m3(x, groups: int | None = 1):
+    """(x stored as float8_e4m3fn, its float32 descale): x ≈ stored.float() * descale, the scale
+    mapping the largest magnitude to E4M3_MAX. ``groups``: heads sharing one factor (a query's
+    heads share their kv head's: the GQA ratio), giving a (B, H // groups) descale; None: one
+    factor for the whole tensor, shape ()."""
+    if groups is None:
+        descale = (x.abs().amax() / E4M3_MAX).float()
+        return (x / descale.double()).to(torch.float8_e4m3fn), descale
+    B, H, L, E = x.shape
+    descale = (x.reshape(B, H // groups, groups * L * E).abs().amax(-1) / E4M3_MAX).float()
+    d = descale.double().repeat_interleave(groups, 1)[:, :, None, None]
+    return (x / d).to(torch.float8_e4m3fn), descale
+
+
+def dequantize_e4m3(x8, descale, dtype=torch.float64, groups: int = 1):
+    """The real values of ``x8``: stored × descale in ``dtype`` (a (B, Hkv) descale shared by
+    ``groups`` heads of ``x8``)."""
+    d = descale.to(dtype)
+    if d.dim():
+        d = d.repeat_interleave(groups, 1)[:, :, None, None]
+    return x8.to(dtype) * d
+
+
+def fp8_reference(q8, k8, v8, descales, score_mod=None, mask_mod=None, out_dtype=torch.bfloat16,
+                  p_dtype=None):
+    """The plain FP8 reference: dequantise in float32, attend in float32, round out to
+    ``out_dtype`` (lse stays float32). ``descales``: (q, k, v), None for 1.0 or a 16-bit q.
+    ``p_dtype``: round the softmax's unnormalised probabilities to it before P·V, as a kernel
+    feeding them to a tensor-core MMA does (the same math as such a kernel, for its baseline)."""
+    g = q8.shape[1] // k8.shape[1]
+    one = torch.ones((), dtype=torch.float32)
+    q, k, v = [t.float() if d is None and t.dtype != torch.float8_e4m3fn else
+               dequantize_e4m3(t, one if d is None else d, torch.float32, gr)
+               for t, d, gr in zip((q8, k8, v8), descales, (g, 1, 1))]
+    if p_dtype is None:
+        out, lse = dense_attention(q, k, v, score_mod, mask_mod, dtype=torch.float32)
+        return out.to(out_dtype), lse
+    s = dense_scores(q, k, score_mod, mask_mod, dtype=torch.float32)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    den = e.sum(-1, keepdim=True)
+    empty = den == 0
+    den1 = torch.where(empty, torch.ones_like(den), den)
+    out = torch.matmul(e.to(p_dtype).float(), v.repeat_interleave(g, dim=1)) / den1
+    lse = torch.where(empty, torch.full_like(den, -math.inf), torch.log(den1) + m).squeeze(-1)
+    return out.to(out_dtype), lse
+
+
+def assert_fp8_accuracy(name, got, true64, plain):
+    """FP8 accuracy: against the float64 attention of the unquantised data, ``got``'s error is
+    at most 1.1 × that of the plain FP8 reference (``fp8_reference``); no NaN."""
+    assert not torch.isnan(got).any(), f"{name}: NaN in result"
+    err, base = max_err(got, true64), max_err(plain, true64)
+    assert err <= 1.1 * base, f"{name}: error {err:.3g} > 1.1 × the plain FP8 reference's {base:.3g}"
+    return err

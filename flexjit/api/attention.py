@@ -16,7 +16,8 @@ import torch
 
 from flexjit import config
 from flexjit.runtime import call_cache, dispatch, options, selfcheck
-from flexjit.api import compiled
+from flexjit.api import compiled, fp8 as fp8_inputs
+from flexjit.backends.fp8 import FP8_DTYPES, dequantize_inputs, is_fp8
 from flexjit.planner.block_mask import BlockMask, from_torch_block_mask, noop_mask, with_int32_lists
 from flexjit.ir.passes import FLOAT_INDEX_LIMIT, lower
 from flexjit.ir.program import Program
@@ -43,7 +44,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Callable | None = None, block_mask: BlockMask | None = None,
                    scale: float | None = None, enable_gqa: bool = False, return_lse: bool = False,
                    kernel_options: dict | None = None, *, return_aux: AuxRequest | None = None,
-                   backend: str = "auto"):
+                   backend: str = "auto", q_descale: torch.Tensor | None = None,
+                   k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None):
     """Attention with a traced ``score_mod`` and a block-sparse ``block_mask``.
 
     query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev) -> out (B, Hq, L, Ev).
@@ -54,13 +57,21 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ``return_aux=AuxRequest(max_scores=True)`` the row max of the modded (scaled) scores is
     returned too, in the same dtype and shape, -inf on a fully masked row, without a gradient.
     ``backend``: "auto", "cute", "triton" or "reference"; see :func:`flexjit.explain`.
+
+    FP8: q, k and v may be ``torch.float8_e4m3fn`` (or k and v alone, beside a bf16/fp16/fp32
+    query: an FP8 KV cache), with FlashAttention-3's descales: ``x_descale`` a float32 tensor of
+    shape () or (B, H_kv), real value = stored value × descale, 1.0 when not given; the query's is
+    per kv head too (each query head uses its kv head's factor). The output is ``out_dtype``
+    (bfloat16, float16 or float32; default bfloat16, or the query's dtype beside an FP8 cache).
+    No gradient flows through FP8 inputs: a backward raises, saying to train on bf16 inputs.
     """
     if return_aux is not None and return_lse:
         raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
     query, key, value, block_mask, kernel_options, backend, return_aux = _normalize(
         query, key, value, block_mask, kernel_options, backend, return_aux)
     want_max = return_aux is not None and return_aux.max_scores
-    empty = _empty_result(query, key, value, enable_gqa)
+    fp8 = (q_descale, k_descale, v_descale, out_dtype)
+    empty = _empty_result(query, key, value, enable_gqa, fp8)
     if empty is not None:
         if block_mask is not None:
             _check_block_mask(block_mask, query, key)
@@ -68,12 +79,12 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         max_scores = lse.clone() if want_max else None  # -inf: no score is kept
     elif torch.compiler.is_compiling():
         out, lse, max_scores = _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                         kernel_options, backend, want_max)
+                                         kernel_options, backend, want_max, fp8)
     else:
         if isinstance(block_mask, BlockMask):  # anything else is refused in prepare_call
             block_mask.warn_if_stale()
         call, choice = _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                 kernel_options, backend, want_max)
+                                 kernel_options, backend, want_max, fp8)
         if config.settings.debug:
             print(f"[flexjit] {choice}")
         out, lse, max_scores = dispatch.run(choice, call)
@@ -86,21 +97,26 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-              backend: str, want_max: bool) -> tuple[Call, "dispatch.Choice"]:
+              backend: str, want_max: bool, fp8=(None,) * 4) -> tuple[Call, "dispatch.Choice"]:
     """(call, choice) for a normalised eager call: from ``call_cache`` when a call of the same
     signature was prepared before and its guards hold, else validated, traced, lowered and
-    selected afresh (and remembered)."""
+    selected afresh (and remembered). ``fp8``: (q_descale, k_descale, v_descale, out_dtype)."""
     if isinstance(scale, torch.Tensor):  # keyed by its value now: the cache keeps floats
         scale = _tensor_scale(scale)
     sig = call_cache.signature(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                kernel_options, backend, want_max)
+    qd, kd, vd, od = fp8
+    if sig is not None and (qd is not None or kd is not None or vd is not None or od is not None):
+        fsig = fp8_inputs.signature(*fp8)
+        sig = None if fsig is None else sig + fsig
     if sig is not None:
         entry = call_cache.lookup(sig, score_mod, block_mask)
-        if entry is not None:
+        if entry is not None:  # the signature holds everything fp8_inputs.check reads
+            f = fp8_inputs.fp8_of(query, key, *fp8) if key.dtype in FP8_DTYPES else None
             return Call(query, key, value, entry.program, block_mask, entry.scale, entry.kernel_options,
-                        max_scores=entry.max_scores, memo=entry.memo), entry.choice
+                        max_scores=entry.max_scores, memo=entry.memo, fp8=f), entry.choice
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                        max_scores=want_max)
+                        max_scores=want_max, fp8=fp8)
     choice = dispatch.select(backend, call)
     if sig is None:
         call_cache.STATS["uncached"] += 1
@@ -110,10 +126,17 @@ def _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
 
 
 def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, backend,
-              want_max: bool):
+              want_max: bool, fp8=(None,) * 4):
     """flex_attention inside a graph dynamo traces (``flexjit.api.compiled``): the same validation,
-    minus what needs the traced mods (the HOP's wrapper checks that at AOT time)."""
-    _check_tensors(query, key, value, enable_gqa)
+    minus what needs the traced mods (the HOP's wrapper checks that at AOT time). FP8 inputs are
+    dequantised in the graph (correct, not faster), and refused where autograd tracks them: a
+    compiled graph's backward is built with its forward, so it cannot refuse later."""
+    _check_tensors(query, key, value, enable_gqa, fp8=fp8)
+    f = fp8_inputs.fp8_of(query, key, *fp8)
+    if f is not None:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            raise ValueError(dispatch.FP8_NO_GRAD)
+        query, key, value = dequantize_inputs(query, key, value, f, f.out_dtype)
     if block_mask is not None:
         _check_block_mask(block_mask, query, key)
     if scale is not None:  # the default 1/sqrt(E) is formed in the graph (E may be a symbol)
@@ -154,15 +177,18 @@ def _tensor_scale(scale: torch.Tensor) -> float:
 
 def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
             kernel_options=None, *, return_aux: AuxRequest | None = None,
-            backend: str = "auto") -> "dispatch.Choice":
+            backend: str = "auto", q_descale=None, k_descale=None, v_descale=None,
+            out_dtype=None) -> "dispatch.Choice":
     """Which backend flex_attention would run for these arguments, why, and why every other
     backend was passed over (``Choice.passed_over``), on any device. Runs nothing: on a Blackwell
     GPU it says whether the call's sm100 kernel has passed its first-use self-check, failed it
-    (and why), or has not run it yet (it runs on the first call)."""
+    (and why), or has not run it yet (it runs on the first call). The FP8 arguments are
+    flex_attention's; the reason says whether a backend reads FP8 itself or runs dequantised."""
     query, key, value, block_mask, kernel_options, backend, return_aux = _normalize(
         query, key, value, block_mask, kernel_options, backend, return_aux)
     call = prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                        max_scores=return_aux is not None and return_aux.max_scores)
+                        max_scores=return_aux is not None and return_aux.max_scores,
+                        fp8=(q_descale, k_descale, v_descale, out_dtype))
     with selfcheck.dry_run():
         return dispatch.select(backend, call)
 
@@ -213,17 +239,21 @@ def _broadcast_batch(q, k, v):
     return k, v
 
 
-def _empty_result(q, k, v, enable_gqa: bool):
+def _empty_result(q, k, v, enable_gqa: bool, fp8=(None,) * 4):
     """(out, lse) for inputs with no queries or no keys (B, H, L or S of 0), or None. No keys:
-    every row is fully masked, so out is 0 and lse -inf; gradients are zeros."""
+    every row is fully masked, so out is 0 and lse -inf; gradients are zeros (none for FP8)."""
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
         return None  # prepare_call says what is wrong
     B, Hq, L, _ = q.shape
     S = k.shape[2]
     if min(B, Hq, L, S) > 0:
         return None
-    _check_tensors(q, k, v, enable_gqa, allow_empty=True)
+    _check_tensors(q, k, v, enable_gqa, allow_empty=True, fp8=fp8)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    f = fp8_inputs.fp8_of(q, k, *fp8)
+    if f is not None:
+        out = torch.zeros(B, Hq, L, v.shape[-1], dtype=f.out_dtype, device=q.device)
+        return out, torch.full((B, Hq, L), float("-inf"), dtype=lse_dtype, device=q.device)
     zero = (q.sum() + k.sum() + v.sum()) * 0  # ties the outputs to the inputs for autograd
     out = torch.zeros(B, Hq, L, v.shape[-1], dtype=q.dtype, device=q.device) + zero.to(q.dtype)
     lse = torch.full((B, Hq, L), float("-inf"), dtype=lse_dtype, device=q.device)
@@ -250,8 +280,9 @@ _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
-                 max_scores: bool = False) -> Call:
-    _check_tensors(query, key, value, enable_gqa)
+                 max_scores: bool = False, fp8=(None,) * 4) -> Call:
+    """The validated Call; ``fp8``: (q_descale, k_descale, v_descale, out_dtype)."""
+    _check_tensors(query, key, value, enable_gqa, fp8=fp8)
     if score_mod is not None:
         check_arity(score_mod, SCORE_MOD)
     if block_mask is not None:
@@ -270,7 +301,7 @@ def prepare_call(query, key, value, score_mod, block_mask, scale, enable_gqa, ke
         _check_broadcast(block_mask, program, query)
     _check_not_meta({f"the captured tensor of shape {tuple(t.shape)}": t for t in program.buffers})
     return Call(query, key, value, program, block_mask, float(scale), dict(kernel_options or {}),
-                max_scores=max_scores)
+                max_scores=max_scores, fp8=fp8_inputs.fp8_of(query, key, *fp8))
 
 
 def _is_noop(fn) -> bool:
@@ -278,16 +309,16 @@ def _is_noop(fn) -> bool:
         getattr(fn, "__module__", "").startswith("torch.nn.attention")
 
 
-def _check_tensors(q, k, v, enable_gqa: bool, allow_empty: bool = False) -> None:
+def _check_tensors(q, k, v, enable_gqa: bool, allow_empty: bool = False, fp8=(None,) * 4) -> None:
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, seq, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
+        if t.dtype not in _FLOAT_DTYPES and not is_fp8(t):
             raise TypeError(f"{name} has dtype {t.dtype}; flex_attention takes float16, bfloat16, "
-                            "float32 or float64")
-    if not (q.dtype == k.dtype == v.dtype):
+                            "float32 or float64 (or float8_e4m3fn with descales)")
+    if not (q.dtype == k.dtype == v.dtype) and not any(is_fp8(t) for t in (q, k, v)):
         raise ValueError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}; "
                          "cast them to one (e.g. .to(torch.bfloat16)), or run under torch.autocast, "
                          "which casts them as it does for scaled_dot_product_attention")
@@ -310,6 +341,8 @@ def _check_tensors(q, k, v, enable_gqa: bool, allow_empty: bool = False) -> None
                              "for grouped-query attention")
         if Hq % Hkv:
             raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    if fp8_inputs.involved(q, k, v, *fp8):  # FP8 dtypes, descales, out_dtype
+        fp8_inputs.check(q, k, v, *fp8)
 
 
 def _check_block_mask(bm, q, k) -> None:

@@ -16,6 +16,10 @@ Contract of the converted BlockMask (what makes it safe where torch's is not):
     mod indexing a captured table by kv_idx never reads out of range.
 The conversion reads the page table, the capacities and kv_len when it runs: convert again after
 ``reserve``/``erase`` or a kv_len change (torch's contract too).
+
+An FP8 cache is a float8_e4m3fn pool: ``assign`` stores values already quantised, and
+flex_attention takes the descales (``k_descale``/``v_descale``, () or (B, H_kv): each sequence's
+own); the split-KV decode kernel reads the e4m3 pages as they are.
 """
 from __future__ import annotations
 
@@ -183,7 +187,10 @@ class PagedAttention:
                 raise ValueError(f"{name} must have shape {want} (1, heads, n_pages * page_size, head dim), "
                                  f"got {tuple(cache.shape)}")
             if cache.dtype != val.dtype:
-                raise TypeError(f"{name} is {cache.dtype} but its values are {val.dtype}")
+                hint = (f"; quantise them first, ({name[0]}_val / {name[0]}_descale)"
+                        f".to({cache.dtype}), and pass {name[0]}_descale to flex_attention"
+                        if cache.dtype == torch.float8_e4m3fn else "")
+                raise TypeError(f"{name} is {cache.dtype} but its values are {val.dtype}{hint}")
             if cache.device != self.device or val.device != self.device:
                 raise ValueError(f"{name} ({cache.device}) and its values ({val.device}) must be on the "
                                  f"PagedAttention's device {self.device}")

@@ -12,6 +12,9 @@ It defines what every kernel must compute:
 It runs on any device, chunked over query rows so memory stays bounded (S = 16k
 on the CPU), and its backward recomputes each chunk under autograd, so gradients
 reach q, k, v and every captured tensor that requires grad.
+
+FP8 inputs (``call.fp8``) are defined here too: dequantised (stored.float() × descale,
+``backends.fp8``), attended in float32, the output rounded once to the output dtype.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import dataclasses
 
 import torch
 
+from flexjit.backends.fp8 import dequantize_inputs
 from flexjit.ir.interp import Env, evaluate
 from flexjit.ir.program import Program
 
@@ -130,15 +134,16 @@ def _plan(call) -> Plan:
     return Plan(call.program, call.scale, kinds, block_size)
 
 
-def _attention(plan: Plan, q, k, v, buffers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention(plan: Plan, q, k, v, buffers, out_dtype=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     compute = _compute_dtype(q)
     B, Hq, L, _ = q.shape
-    out = torch.empty(B, Hq, L, v.shape[-1], dtype=q.dtype, device=q.device)
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    out = torch.empty(B, Hq, L, v.shape[-1], dtype=out_dtype, device=q.device)
     lse = torch.empty(B, Hq, L, dtype=compute, device=q.device)
     row_max = torch.empty(B, Hq, L, dtype=compute, device=q.device)
     for r0, r1 in _rows(plan, q, k):
         o, l_, m = _forward_chunk(plan, q[:, :, r0:r1], k, v, r0, buffers, compute)
-        out[:, :, r0:r1] = o.to(q.dtype)
+        out[:, :, r0:r1] = o.to(out_dtype)
         lse[:, :, r0:r1] = l_
         row_max[:, :, r0:r1] = m
     return out, lse, row_max
@@ -195,6 +200,10 @@ def supports(call) -> tuple[bool, str]:
     return True, "pure torch on any device: the definition of correct, not fast"
 
 
+def fp8_native(call) -> tuple[bool, str]:
+    return True, "dequantises FP8 inputs to float32 itself: the definition of the FP8 result"
+
+
 def backward_supports(call) -> tuple[bool, str]:
     return True, "recomputes the reference forward under autograd, chunk by chunk"
 
@@ -202,8 +211,11 @@ def backward_supports(call) -> tuple[bool, str]:
 def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(out, lse, max_scores): lse and max_scores (if ``call.max_scores``, else None) in float32
     (float64 for float64 inputs)."""
-    out, lse, row_max = _attention(_plan(call), call.q, call.k, call.v, call.program.buffers)
-    if call.q.dtype != torch.float64:
+    q, k, v = call.q, call.k, call.v
+    if call.fp8 is not None:
+        q, k, v = dequantize_inputs(q, k, v, call.fp8, torch.float32)
+    out, lse, row_max = _attention(_plan(call), q, k, v, call.program.buffers, call.out_dtype)
+    if q.dtype != torch.float64:
         lse, row_max = lse.float(), row_max.float()
     return out, lse, row_max if call.max_scores else None
 

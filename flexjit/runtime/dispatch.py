@@ -21,6 +21,13 @@ decode-shaped call without gradients (``backends.triton.decode.routes``) -> trit
 backend that cannot serve the call is an error; ``backend="cute"`` on a 10.x GPU is the sm100
 backend (gated the same way).
 
+FP8 inputs (``call.fp8``): a backend that reads them itself says so (``fp8_native(call)``: the
+reference, Triton's split-KV decode kernel); for any other, ``supports`` is asked of the call
+dequantised to the output dtype (``Call.dequantized``: shape-only stand-ins while choosing) and
+``forward`` runs it on the dequantised tensors: correct, not faster; the reason says so. No
+backward follows an FP8 forward: ``run`` gives its outputs a backward that raises, saying how to
+train (bf16 inputs).
+
 ``run`` is the eager entry: one ``torch.autograd.Function`` over every backend pair. A call
 that will train on the sm90 backward starts its backward's compile in a worker before the
 forward runs (``runtime.compile_pool``); ``backward`` waits for it. The
@@ -87,10 +94,45 @@ def _supports(name: str, call, what: str = "supports") -> tuple[bool, str]:
     if name in config.settings.disabled:
         return False, f"FLEXJIT_DISABLE lists {name}"
     mod = _MODULES[name]
+    if call.fp8 is not None:
+        return _supports_fp8(name, mod, call, what)
     ok, why = getattr(mod, what)(call)
     if not ok:
         return False, why
     return selfcheck.admit(mod, call, "forward" if what == "supports" else "backward", why)
+
+
+def fp8_native(mod: Backend, call) -> tuple[bool, str]:
+    """(whether backend ``mod`` reads the call's FP8 inputs itself, why or why not)."""
+    ask = getattr(mod, "fp8_native", None)
+    return ask(call) if ask is not None else (False, "it has no FP8 kernel")
+
+
+def _supports_fp8(name: str, mod: Backend, call, what: str = "supports",
+                  admit: bool = True) -> tuple[bool, str]:
+    """A backend's answer for an FP8 call: its own where it reads FP8, else its answer for the
+    call dequantised to the output dtype, that road named in the reason. ``admit``: ask for the
+    first-use self-check's verdict too."""
+    if what != "supports":
+        return False, "no backward runs through FP8 inputs"
+    native, why_native = fp8_native(mod, call)
+    if native:
+        ok, why = mod.supports(call)
+        road = why_native
+    else:
+        call = call.dequantized(shapes_only=True)
+        ok, why = mod.supports(call)
+        if not ok:
+            return False, f"{why} (with the FP8 inputs dequantised to {_dtype_name(call.q.dtype)})"
+        road = (f"FP8 inputs dequantised to {_dtype_name(call.q.dtype)} on the device first "
+                f"({why_native}): correct, not faster")
+    if ok and admit:
+        ok, why = selfcheck.admit(mod, call, "forward", why)
+    return ok, f"{why}; {road}" if ok else why
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _backward_of(name: str, call) -> tuple[str | None, str]:
@@ -161,8 +203,12 @@ def _the_others(choice: Choice, call, order, unreached) -> Choice:
         if order is None or name in order:
             rest.append((name, unreached(name)))
             continue
-        ok, why = (False, f"FLEXJIT_DISABLE lists {name}") if name in config.settings.disabled \
-            else _MODULES[name].supports(call)
+        if name in config.settings.disabled:
+            ok, why = False, f"FLEXJIT_DISABLE lists {name}"
+        elif call.fp8 is not None:
+            ok, why = _supports_fp8(name, _MODULES[name], call, admit=False)
+        else:
+            ok, why = _MODULES[name].supports(call)
         rest.append((name, why if not ok else f"it could run the call ({why}), but auto does not "
                                               f"try it on {arch_of(call.q.device)}; ask for it "
                                               f"with backend={name!r}"))
@@ -200,13 +246,16 @@ def forward(name: str, call) -> tuple:
     out of range raises ``IndexError`` here, before any backend runs (``ir.bounds``): kernels
     cannot raise, and their clamp would answer silently."""
     bounds.check(call.program, (*call.q.shape[:3], call.k.shape[2]))
+    like = call.q
+    if call.fp8 is not None and not fp8_native(module(name), call)[0]:
+        call = call.dequantized()  # the road around a backend without an FP8 kernel
     device = call.q.device.type
     if not torch.is_autocast_enabled(device):  # the context manager costs ~3 µs a call
         out, lse, max_scores = module(name).forward(call)
     else:
         with torch.autocast(device, enabled=False):
             out, lse, max_scores = module(name).forward(call)
-    return follow_layout(out, call.q), lse, max_scores
+    return follow_layout(out, like), lse, max_scores
 
 
 def backward(name: str, call, q, k, v, out, lse, dout, dlse) -> tuple:
@@ -309,9 +358,33 @@ class _NoDoubleBackward(torch.autograd.Function):
                            "torch attention.")
 
 
+class _NoFp8Backward(torch.autograd.Function):
+    """An FP8 call's forward whose outputs autograd tracks (an input or a captured tensor requires
+    grad): the forward as it is, and a backward that says how to get gradients."""
+
+    @staticmethod
+    def forward(ctx, call, choice: Choice, *inputs):
+        out, lse, max_scores = forward(choice.name, call)
+        return (out, lse) if max_scores is None else (out, lse, max_scores)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(FP8_NO_GRAD)
+
+
+FP8_NO_GRAD = ("flex_attention computes no gradients through FP8 (float8_e4m3fn) inputs. To train, "
+               "pass bfloat16 query, key and value (dequantised: x.float() * x_descale, then "
+               ".to(torch.bfloat16)); to run inference, call it under torch.no_grad().")
+
+
 def run(choice: Choice, call) -> tuple:
     """(out, lse, max_scores or None) for a validated call; out and lse are differentiable in
-    q, k, v and captured tensors."""
+    q, k, v and captured tensors (an FP8 call's backward raises ``FP8_NO_GRAD``)."""
+    if call.fp8 is not None and torch.is_grad_enabled() and (
+            any(t.requires_grad for t in (call.q, call.k, call.v))
+            or any(b.requires_grad for b in call.program.buffers)):
+        res = _NoFp8Backward.apply(call, choice, call.q, call.k, call.v, *call.program.buffers)
+        return res if len(res) == 3 else (*res, None)
     if choice.backward is None:
         if not torch.is_grad_enabled():
             return forward(choice.name, call)

@@ -15,6 +15,10 @@ What this module holds
   of the splits' maxima.
 * ``_score_tile`` (``triton_common.py``'s, with its holes, unmerged): here ``off_h`` and ``q_idx``
   are (BLOCK_M, 1) vectors (rows of one tile belong to several query heads), ``off_b`` a scalar.
+* FP8 (``KV_FP8``, and ``Q_FP8`` for an e4m3 query): K/V tiles are loaded as e4m3 (half the
+  bytes) and converted exactly to the query's dtype (float16 for an e4m3 query) before the dots.
+  A program serves one (batch, kv head), so its descales are scalars: q's and k's fold into the
+  score scale, v's into the output. Off (and DESCALE None) the kernel is the 16-bit one.
 
 Holes (filled by ``flexjit.backends.triton_render``, as for ``triton_fwd.py``):
 ``# {{CAPTURE_PARAMS}}``, ``# {{CAPTURE_ARGS}}``, ``# {{SCORE_MOD}}``, ``# {{MASK_MOD}}``,
@@ -59,7 +63,8 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             E: tl.constexpr, EV: tl.constexpr, E_PAD: tl.constexpr, EV_PAD: tl.constexpr,
             BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
             APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
+            KV_FP8: tl.constexpr):
     """Online softmax (FlashAttention-2 §3.1) over tiles [lo, hi) of one block list's walk."""
     offs_d = tl.arange(0, E_PAD)
     offs_dv = tl.arange(0, EV_PAD)
@@ -72,6 +77,8 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=(offs_n[:, None] < S) & (offs_d[None, :] < E), other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)  # exact: every e4m3 value is a float16/bfloat16/float32 value
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         s2 = _score_tile(qk, off_b, off_h, q_idx, offs_n[None, :], S, sm_scale, qk_scale_log2,
                          # {{CAPTURE_ARGS}}
@@ -85,6 +92,8 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
         m_i = m_new
@@ -96,6 +105,7 @@ def flex_decode(
     Q, K, V, O, LSE, MAXS,  # q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, EV), o (B, Hq, L, EV),
                             # lse / max (B, Hq, L) fp32: written only with one split
     OP, LP, MP,  # partials: OP (B·Hq·L, n_splits, EV) fp32, LP / MP (B·Hq·L, n_splits) fp32 (log2)
+    DESCALE,  # KV_FP8: (B, Hkv, 3) fp32, the (q, k, v) descales of each (batch, kv head); else None
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -111,7 +121,7 @@ def flex_decode(
     HAS_BLOCK_MASK: tl.constexpr, HAS_PARTIAL: tl.constexpr, HAS_FULL: tl.constexpr,
     HAS_MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
-    OUTPUT_MAX: tl.constexpr, SPLIT: tl.constexpr,
+    OUTPUT_MAX: tl.constexpr, SPLIT: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     split = tl.program_id(0) % n_splits
     q_blk = (tl.program_id(0) // n_splits) // MT
@@ -133,6 +143,14 @@ def flex_decode(
     q_ptrs = (Q + b64 * stride_qb + heads[:, None].to(tl.int64) * stride_qh
               + q_pos[:, None].to(tl.int64) * stride_qm + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < E), other=0.0)
+    if Q_FP8:
+        q = q.to(tl.float16)  # exact (backends/fp8.py, compute_dtype)
+    if KV_FP8:
+        ds = DESCALE + (off_b * (Hq // G) + off_hkv) * 3
+        qk_descale = tl.load(ds) * tl.load(ds + 1)
+        sm_scale = sm_scale * qk_descale
+        qk_scale_log2 = qk_scale_log2 * qk_descale
+        v_descale = tl.load(ds + 2)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -163,7 +181,7 @@ def flex_decode(
                 q_pos[:, None], S, sm_scale, qk_scale_log2,
                 # {{CAPTURE_ARGS}}
                 E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, HAS_MASK_MOD, EVEN_N,
-                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, KV_FP8)
         if HAS_FULL:
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -171,18 +189,20 @@ def flex_decode(
                 off_b, heads[:, None], q_pos[:, None], S, sm_scale, qk_scale_log2,
                 # {{CAPTURE_ARGS}}
                 E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, False, EVEN_N,
-                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, KV_FP8)
     else:
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             KV_IDX, 0, lo, hi, off_b, heads[:, None], q_pos[:, None], S, sm_scale, qk_scale_log2,
             # {{CAPTURE_ARGS}}
             E, EV, E_PAD, EV_PAD, BLOCK_N, BLOCK_N, False, False, EVEN_N,
-            HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES)
+            HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, KV_FP8)
 
     empty = l_i == 0.0  # nothing kept (in this split): out = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if KV_FP8:
+        out = out * v_descale
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     offs_dv = tl.arange(0, EV_PAD)
     flat = (off_b * Hq + heads).to(tl.int64) * L + q_pos  # the (b, h, q) row's index

@@ -4,13 +4,15 @@
 ``config`` holds the block configurations, ``prefill`` plans and launches the forward and
 backward, ``decode`` the split-KV decode kernel. This module is the backend's entry: it sends a
 decode-shaped call without gradients to ``decode``, everything else to ``prefill``; its backward
-needs only out and lse, so it also trains the CuTeDSL forwards.
+needs only out and lse, so it also trains the CuTeDSL forwards. FP8 inputs: the decode kernel
+reads them itself (``fp8_native``); a prefill call gets them dequantised (``runtime.dispatch``).
 """
 from __future__ import annotations
 
 import torch
 
 from flexjit.backends.base import capability, device_buffers
+from flexjit.backends.fp8 import compute_dtype
 from flexjit.backends.triton import decode, prefill
 from flexjit.backends.triton.sources import import_triton, interpreting
 
@@ -34,7 +36,11 @@ def supports(call) -> tuple[bool, str]:
         import_triton()
     except ImportError as e:
         return False, f"triton is not installed ({e})"
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if call.fp8 is not None:
+        native, why = fp8_native(call)
+        if not native:
+            return False, why
+    elif q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False, f"dtype {q.dtype} is not supported by the Triton kernels (fp16, bf16, fp32)"
     E, EV = q.shape[-1], call.v.shape[-1]
     if max(E, EV) > 256:
@@ -46,11 +52,29 @@ def supports(call) -> tuple[bool, str]:
     return True, f"{where}; {why}" if routed else where
 
 
+def fp8_native(call) -> tuple[bool, str]:
+    """Whether the Triton kernel that takes the call reads its FP8 inputs itself: the split-KV
+    decode kernel does (e4m3 tiles loaded and converted in the kernel, on sm89+ and in the
+    interpreter); the prefill kernels do not."""
+    routed, why = decode.routes(call)
+    if not routed:
+        return False, f"the Triton prefill kernel reads 16/32-bit inputs; not decoding: {why}"
+    if call.q.device.type == "cuda" and capability(call.q.device) < (8, 9):
+        major, minor = capability(call.q.device)
+        return False, f"Triton's e4m3 loads need sm89 or newer, this GPU is sm{major}{minor}"
+    return True, (f"the split-KV decode kernel reads the FP8 tiles (converted to "
+                  f"{str(compute_dtype(call.q)).replace('torch.', '')} in the kernel; descales "
+                  f"folded into the score scale and the output)")
+
+
 def forward(call):
     """(out, lse, max_scores or None) of the Triton forward for a validated call (no autograd:
     ``dispatch`` pairs it with a backward)."""
     if decode.routes(call)[0]:  # few query rows, long KV, no gradient: split-KV decoding
         return decode.forward(call)
+    if call.fp8 is not None:
+        raise ValueError("the Triton prefill forward takes no FP8 inputs; flex_attention "
+                         "dequantises them for it (runtime.dispatch.forward)")
     bufs = device_buffers(call)
     return prefill.run_forward(prefill.make_plan(call), call.q, call.k, call.v, bufs, call.max_scores)
 

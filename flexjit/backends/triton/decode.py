@@ -20,6 +20,9 @@ What this module holds
   SM count; ``kernel_options["DECODE_SPLITS"]`` or ``forward(call, splits=)`` overrides).
 * ``decode_launch`` / ``merge_launch`` (``triton.Launch`` objects, run by ``triton._run`` and
   buildable without a GPU by ``triton.compile_launch``) and ``forward``.
+
+FP8 (``call.fp8``): the same kernel specialised (``KV_FP8``, ``Q_FP8``) reads the e4m3 tiles and
+a (B, Hkv, 3) table of descales (``fp8.descale_table``); the output is ``call.out_dtype``.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 
 from flexjit import config
 from flexjit.backends.base import device_buffers
+from flexjit.backends.fp8 import descale_table, is_fp8
 from flexjit.backends.triton import prefill as tb
 from flexjit.backends.triton.config import _next_pow2, head_pad
 
@@ -206,15 +210,16 @@ def _make_plan(call, splits: int | None) -> DecodePlan:
     return DecodePlan(GP, QB, q_blocks, bmm, bn, warps, stages, m_tiles, head_programs, int(splits), sms)
 
 
-def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, bufs) -> tb.Launch:
+def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, bufs,
+                  descale=None) -> tb.Launch:
     """The main kernel's launch; ``parts`` = (OP, LP, MP) partial buffers (any tensors when
-    ``dp.splits`` is 1: unread)."""
+    ``dp.splits`` is 1: unread); ``descale``: FP8 K/V's (B, Hkv, 3) table, else None."""
     B, Hq, L, E = q.shape
     Hkv, S, EV = k.shape[1], k.shape[2], v.shape[3]
     lists = tp.kv_lists
     la = lists.args(lse)
     # _Lists.args: the 4 list tensors, num's 3 strides (b, h, q block), idx's 4 (b, h, q block, kv)
-    args = [q, k, v, out, lse, maxs, *parts, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+    args = [q, k, v, out, lse, maxs, *parts, descale, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *la, Hq, L, S, Hq // Hkv, dp.GP, dp.QB, dp.m_tiles, tb.triton_cdiv(S, dp.BLOCK_N),
             dp.splits,
             tp.scale, tp.scale * tb.LOG2E, *tb._capture_args(tp.program, bufs)]
@@ -225,7 +230,8 @@ def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, b
                   HAS_FULL=lists.full_num is not None, HAS_MASK_MOD=p.mask is not None,
                   HAS_SCORE_MOD=p.score is not None, EVEN_N=tb._even(S, dp.BLOCK_N, tp.sparse, 1),
                   DOT_PRECISION=tp.dot, FAST_MATH=tp.fast_math, NUM_STAGES=dp.num_stages,
-                  OUTPUT_MAX=maxs is not None and maxs is not lse, SPLIT=dp.splits > 1)
+                  OUTPUT_MAX=maxs is not None and maxs is not lse, SPLIT=dp.splits > 1,
+                  Q_FP8=descale is not None and is_fp8(q), KV_FP8=descale is not None)
     grid = (dp.q_blocks * dp.m_tiles * dp.splits, dp.head_programs, B)
     return tb.Launch("decode", "flex_decode", grid, args, consts,
                      tb._options(dp.num_warps, dp.num_stages))
@@ -264,13 +270,14 @@ class _Runner:
         self.bufs = self.alias = None  # the captured tensors and q/k/v aliasing it ran with
 
     def _tensors(self, call):
-        """The per-call tensors by role: q, k, v, out, lse, maxs, the three partial buffers."""
+        """The per-call tensors by role: q, k, v, out, lse, maxs, the three partial buffers and
+        the FP8 descale table (None without FP8)."""
         q, dp = call.q, self.dp
         B, Hq, L, _ = q.shape
         EV = call.v.shape[3]
         new = tb._out if config.settings.poison else torch.empty
         f32, dev = torch.float32, q.device
-        out = new((B, Hq, L, EV), dtype=q.dtype, device=dev)
+        out = new((B, Hq, L, EV), dtype=call.out_dtype, device=dev)
         lse = new((B, Hq, L), dtype=f32, device=dev)
         maxs = new((B, Hq, L), dtype=f32, device=dev) if self.want_max else None
         if dp.splits == 1:
@@ -279,7 +286,8 @@ class _Runner:
             rows = B * Hq * L
             parts = (new((rows, dp.splits, EV), dtype=f32, device=dev), new((rows, dp.splits), dtype=f32, device=dev),
                      new((rows, dp.splits), dtype=f32, device=dev) if maxs is not None else lse)
-        return (q, call.k, call.v, out, lse, maxs if maxs is not None else lse, *parts), maxs
+        descale = descale_table(call) if call.fp8 is not None else None
+        return (q, call.k, call.v, out, lse, maxs if maxs is not None else lse, *parts, descale), maxs
 
     def __call__(self, call):
         roles, maxs = self._tensors(call)
@@ -296,9 +304,9 @@ class _Runner:
             return out, lse, maxs
         tp, dp = self.tp, self.dp
         q, k, v = call.q, call.k, call.v
-        launches = [decode_launch(tp, dp, q, k, v, out, lse, roles[5], roles[6:], bufs)]
+        launches = [decode_launch(tp, dp, q, k, v, out, lse, roles[5], roles[6:9], bufs, roles[9])]
         if dp.splits > 1:
-            launches.append(merge_launch(dp, roles[6:], out, lse, maxs, v.shape[3]))
+            launches.append(merge_launch(dp, roles[6:9], out, lse, maxs, v.shape[3]))
         ran = []
         for launch in launches:
             ready = tb._run(tp, launch)
@@ -328,11 +336,13 @@ def launches_for(call, arch: int, splits: int | None = None) -> list[tb.Launch]:
     B, Hq, L, _ = q.shape
     EV = v.shape[3]
     bufs = [t.detach().to("meta") for t in call.program.buffers]
-    out = torch.empty(B, Hq, L, EV, dtype=q.dtype, device="meta")
+    out = torch.empty(B, Hq, L, EV, dtype=call.out_dtype, device="meta")
     lse = torch.empty(B, Hq, L, dtype=torch.float32, device="meta")
     maxs = torch.empty_like(lse) if call.max_scores else None
     rows = B * Hq * L
     parts = (torch.empty(rows, dp.splits, EV, device="meta"), torch.empty(rows, dp.splits, device="meta"),
              torch.empty(rows, dp.splits, device="meta"))
-    main = decode_launch(tp, dp, q, k, v, out, lse, maxs if maxs is not None else lse, parts, bufs)
+    descale = torch.empty(B, k.shape[1], 3, device="meta") if call.fp8 is not None else None
+    main = decode_launch(tp, dp, q, k, v, out, lse, maxs if maxs is not None else lse, parts, bufs,
+                         descale)
     return [main] + ([merge_launch(dp, parts, out, lse, maxs, EV)] if dp.splits > 1 else [])

@@ -36,6 +36,7 @@ from flexjit.backends.base import device_buffers
 from flexjit.ir.program import Program
 from flexjit.planner.block_mask import _transpose_ordered
 from flexjit.backends.base import capability
+from flexjit.backends.fp8 import compute_dtype
 from flexjit.backends.triton.sources import STATS, cache_key, compiler_env, forget_imported, import_triton, interpreting, load_module, triton_compiles
 from flexjit.backends.triton.config import _BWD_TABLE, _FWD_TABLE, SHORT_KV_LOOP, BwdConfig, FwdConfig, _fwd_smem, bwd_config, fwd_config, head_pad, smem_limit
 from flexjit.backends.triton.render import buffer_ranks, capture_names, fill, grad_names, grad_slots, render, render_holes, template_text
@@ -475,7 +476,7 @@ def run_backward(plan: Plan, q, k, v, out, lse, dout, dlse, bufs):
 
 _SIG_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
               torch.float64: "fp64", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32",
-              torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1"}
+              torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def _sig_type(value) -> str:
@@ -521,9 +522,10 @@ def compile_launch(plan: Plan, launch: Launch, arch: int):
             src = ASTSource(fn, signature, constexprs, attrs)
             options = options.__dict__
         except (ImportError, AttributeError, TypeError):  # another Triton's internals: unspecialised
-            signature = {n: _sig_type(v) for n, v in zip(runtime, launch.args)}
+            nones = {n: None for n, v in zip(runtime, launch.args) if v is None}
+            signature = {n: "constexpr" if v is None else _sig_type(v) for n, v in zip(runtime, launch.args)}
             signature.update({n: "constexpr" for n in launch.constexprs})
-            src = ASTSource(fn, signature, constexprs=dict(launch.constexprs))
+            src = ASTSource(fn, signature, constexprs=dict(launch.constexprs, **nones))
             options = dict(launch.options)
         return triton.compile(src, target=target, options=options)
 
@@ -575,7 +577,8 @@ def _make_plan(call, arch: int | None, interpret: bool | None) -> Plan:
     opts = dict(call.kernel_options)
     fast = bool(opts.get("FAST_MATH", True)) and not interp
     short = bm is not None and bm.mean_kv_tokens() <= SHORT_KV_LOOP
-    dot = _dot_precision(q.dtype, interp)
-    cfg = fwd_config(arch, q.dtype, E, EV, L, S, sparse, opts, short_kv_loop=short, tf32=dot == "tf32",
+    dtype = q.dtype if call.fp8 is None else compute_dtype(q)  # FP8: what the tiles convert to
+    dot = _dot_precision(dtype, interp)
+    cfg = fwd_config(arch, dtype, E, EV, L, S, sparse, opts, short_kv_loop=short, tf32=dot == "tf32",
                      interpret=interp)
     return Plan(call.program, call.scale, kv, None, bm, sparse, cfg, opts, arch, interp, fast, dot)
