@@ -236,18 +236,31 @@ def _convert(ctx: _Context, n: Node, dtype: torch.dtype) -> "Proxy":
     return Proxy(cast(n, target), ctx)
 
 
-def _in_common(ctx: _Context, common: torch.dtype, args, compare: bool) -> list:
+def _in_common(ctx: _Context, common: torch.dtype, args) -> list:
     """The operands as torch converts them to the narrow ``common`` dtype before an op: traced
-    values of another dtype converted into it, and for a comparison Python numbers too (in
-    arithmetic a number keeps its precision: torch's opmath)."""
+    values of another dtype and Python numbers converted into it."""
     out = []
     for x in args:
         if isinstance(x, Proxy) and x.low is not common:
             x = _convert(ctx, x.node, common)
-        elif compare and isinstance(x, (int, float)) and not isinstance(x, bool):
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
             x = _number_in(x, common)
         out.append(_plain(x))
     return out
+
+
+def _narrow_binary(ctx: _Context, op: Op, a, b) -> "Proxy":
+    """A binary op with a narrow operand, as torch's flex_attention runs a mod (vmap): the
+    operands converted to the common dtype, Python numbers included, then the op in float32 and
+    its result rounded (or wrapped) once. ``number / t`` is ``t.reciprocal() * number``, torch's
+    Tensor.__rtruediv__."""
+    common = _common_dtype((a, b))
+    if common is None:
+        return _binary(ctx, op, _plain(a), _plain(b))
+    if op is Op.DIV and isinstance(a, (int, float)) and common in _NARROW_FLOAT:
+        return _binary(ctx, Op.MUL, _narrowed(ctx, _binary(ctx, Op.DIV, 1.0, _plain(b)), common), a)
+    a, b = _in_common(ctx, common, (a, b))
+    return _narrowed(ctx, _binary(ctx, op, a, b), common)
 
 
 def _narrowed(ctx: _Context, result, common: torch.dtype | None):
@@ -265,11 +278,7 @@ def _binary(ctx: _Context, op: Op, a, b) -> "Proxy":
     if _is_row(a) or _is_row(b):
         return _map(ctx, lambda x, y: _binary(ctx, op, x, y), a, b)
     if _is_narrow(a) or _is_narrow(b):
-        common = _common_dtype((a, b))
-        if common is None:
-            return _binary(ctx, op, _plain(a), _plain(b))
-        a, b = _in_common(ctx, common, (a, b), op in ir.COMPARE)
-        return _narrowed(ctx, _binary(ctx, op, a, b), common)
+        return _narrow_binary(ctx, op, a, b)
     like = next((x.node.dtype for x in (a, b) if isinstance(x, Proxy)), None)
     na, nb = _coerce(ctx, a, like), _coerce(ctx, b, like)
     if na.dtype is DType.BOOL and nb.dtype is DType.BOOL and op in (Op.ADD, Op.SUB, Op.MUL):
@@ -305,7 +314,7 @@ def _where(ctx: _Context, c, a, b) -> "Proxy":
     if _is_narrow(a) or _is_narrow(b):
         common = _common_dtype((a, b))
         if common is not None:
-            a, b = _in_common(ctx, common, (a, b), False)
+            a, b = _in_common(ctx, common, (a, b))
         return _narrowed(ctx, _where(ctx, c, _plain(a), _plain(b)), common)
     nc = _coerce(ctx, c)
     if nc.dtype is not DType.BOOL:
