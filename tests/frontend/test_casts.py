@@ -178,12 +178,16 @@ def test_reference_backend_matches_torch(name):
     _check("reference", SCORE_MODS[name], LEARNABLE.get(name, ()), seed=1)
 
 
-def test_triton_kernels_match_torch(monkeypatch):
+def _interpreted(monkeypatch):
     import triton
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
         pytest.skip("the interpreter tests need triton >= 3.9")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("FLEXJIT_POISON", "1")
+
+
+def test_triton_kernels_match_torch(monkeypatch):
+    _interpreted(monkeypatch)
     # One fwd and one bwd module for all but half_functions: a transcendental's float32 result
     # differs by an ulp between libms (torch's, libdevice, the interpreter's shims), which a
     # rounding to float16 can turn into a float16 ulp; the interpreter's bit-for-bit test and
@@ -195,7 +199,7 @@ def test_triton_kernels_match_torch(monkeypatch):
 def test_heaviside_of_the_score_matches_torch(monkeypatch):
     # Forward only: torch has no derivative for heaviside. The grid's scores hit 0 exactly, where
     # the values argument is taken.
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _interpreted(monkeypatch)
 
     def step(s, b, h, q, kv):
         return s + torch.heaviside(s, torch.full_like(s, 0.5)) - torch.heaviside(-s * 2, torch.full_like(s, 0.25))
