@@ -379,9 +379,13 @@ def _check_broadcast(mask: TracedMod, kv_num_blocks, q) -> None:
 
 def _bind_block_mask(static: tuple, gm: torch.fx.GraphModule):
     """The HOP's wrapper for create_block_mask: retrace the mask, call ``flexjit::block_mask``."""
-    name, B, H, L, S, block, device = static
+    name, block, device = static
 
     def run(*args):
+        # the lengths' carrier: the empty 5-d tensor (0, B, H, L, S); dynamo orders the subgraph's
+        # inputs by first use, so it is found by its shape
+        carrier = next(a for a in args if isinstance(a, torch.Tensor) and a.dim() == 5 and a.shape[0] == 0)
+        B, H, L, S = carrier.shape[1:]
         cap = _Captured(gm, args, 0)
         mask, sources = cap.trace(MASK_MOD, name, 8)
         kinds, ints, floats = cap.scalar_values(sources)
@@ -411,7 +415,7 @@ def flex_attention(q, k, v, score_mod, block_mask, scale: float | None, kernel_o
     present = tuple(t is not None for t in lists)
     # Views make each a graph value of its own, so none is merged with another (q is k is v).
     tensors = [t.view(t.shape) for t in [q, k, v] + [t for t in lists if t is not None]]
-    block = tuple(block_mask.BLOCK_SIZE) if block_mask is not None else ()
+    block = _block_size(block_mask)
     mean = _known_mean(block_mask)
     # kernel_options as "key=repr(value)" lines (json is not traceable by dynamo)
     options = "\n".join(f"{key}={value!r}" for key, value in sorted((kernel_options or {}).items()))
@@ -462,28 +466,42 @@ def _unflatten(tensors, present):
 _NO_MODS = _encode(None, None, [], False, [])
 
 
+def _block_size(block_mask) -> tuple:
+    """The BlockMask's block size, from its text: under dynamic=True dynamo makes its integers
+    symbols, where the HOP's static arguments must be constants (the block size shapes the
+    kernels: a new one compiles anew, as in torch's flex_attention)."""
+    if block_mask is None:
+        return ()
+    return tuple(int(x) for x in block_mask._block_text.split(","))
+
+
 def _known_mean(block_mask) -> float:
-    """The BlockMask's remembered schedule hint (``mean_kv_tokens``), or -1 if it has none."""
+    """The BlockMask's remembered schedule hint (``mean_kv_tokens``, to a power of two), or -1 if
+    it has none."""
     if block_mask is None:
         return -1.0
     hit = getattr(block_mask, "_derived", {}).get("mean_kv_tokens")
-    return float(hit[1]) if hit is not None else -1.0
+    return float(hit[2]) if hit is not None else -1.0  # its text: a constant under dynamic=True
 
 
 def create_block_mask(mask_mod, B, H, Q_LEN: int, KV_LEN: int, device, BLOCK_SIZE) -> BlockMask:
     """create_block_mask inside a graph dynamo is tracing: the planner as a custom op."""
     _require_hop()
-    B_, H_ = (1 if B is None else int(B)), (1 if H is None else int(H))
+    B_, H_ = (1 if B is None else B), (1 if H is None else H)
     bq, bkv = BLOCK_SIZE
-    static = (_mod_name(mask_mod), B_, H_, Q_LEN, KV_LEN, (bq, bkv), str(device))
-    shapes = _list_shapes(B_, H_, Q_LEN, KV_LEN, bq, bkv)
+    static = (_mod_name(mask_mod), (bq, bkv), str(device))
+    # The lengths travel as the shape of an empty tensor, not in the HOP's static arguments:
+    # under dynamic shapes they are symbols, which a static argument cannot hold.
+    lengths = torch.empty((0, B_, H_, Q_LEN, KV_LEN), device=device)
 
-    def inner(b, h, q_idx, kv_idx):
+    def inner(carrier, b, h, q_idx, kv_idx):
         m = mask_mod(b, h, q_idx, kv_idx)
         m = m if isinstance(m, torch.Tensor) else torch.as_tensor(m)
-        return (*[torch.empty(s, dtype=torch.int32, device=device) for s in shapes], m)
+        shapes = _list_shapes(*carrier.shape[1:], bq, bkv)
+        used = carrier.sum().to(torch.int32)  # a use keeps the carrier among the subgraph's inputs
+        return (*[torch.empty(s, dtype=torch.int32, device=device) + used for s in shapes], m)
 
     roles = _role_tensors(device, ("b", "h", "q_idx", "kv_idx"))
-    res = dynamo_bypassing_wrapper(functools.partial(_bind_block_mask, static), inner, *roles)
+    res = dynamo_bypassing_wrapper(functools.partial(_bind_block_mask, static), inner, lengths, *roles)
     return BlockMask((Q_LEN, KV_LEN), *res[:8], BLOCK_SIZE=(bq, bkv), mask_mod=mask_mod)
 

@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import linecache
 import os
@@ -165,9 +164,121 @@ def _index_label(n: Node) -> str:
     return "..."
 
 
+# --------------------------------------------------------------------------- narrow dtypes
+
+# torch dtypes narrower than the IR's float32 and int32. A traced value of one (after a cast, or
+# an op torch computes in it) holds a value of that dtype, and every op on it rounds (floats) or
+# wraps (integers) its result into it, as torch does. Captured tensors of these dtypes widen on
+# load instead: they are float32 and int32 values.
+_NARROW_FLOAT = {torch.float16: Op.ROUND_F16, torch.bfloat16: Op.ROUND_BF16}
+_NARROW_INT = {torch.int8: (8, True), torch.int16: (16, True), torch.uint8: (8, False)}
+
+
+def _is_narrow(x) -> bool:
+    return isinstance(x, Proxy) and x.low is not None
+
+
+def _common_dtype(args) -> torch.dtype | None:
+    """torch's common dtype of an elementwise op's operands where it is a narrow one, else None.
+    Traced values are 0-d tensors and Python numbers scalars (torch's rules: a number raises the
+    result only to its category's default dtype); anything else counts in the IR's dtypes."""
+    if not any(_is_narrow(x) for x in args):
+        return None
+    tensors, numbers = [], []
+    for x in args:
+        if isinstance(x, Proxy):
+            tensors.append(x.dtype)
+        elif isinstance(x, (bool, int, float)):
+            numbers.append(x)
+        elif isinstance(x, torch.Tensor) and x.dtype in _TORCH_DTYPES:
+            tensors.append(_IR_TO_TORCH[_TORCH_DTYPES[x.dtype]])
+        elif isinstance(x, (Vector, BufferView)):
+            tensors.append(torch.float32)
+    common = tensors[0]
+    for d in tensors[1:]:
+        common = torch.promote_types(common, d)
+    for v in numbers:
+        kind = 2 if isinstance(v, float) else 1 if not isinstance(v, bool) else 0
+        have = 2 if common.is_floating_point else 0 if common is torch.bool else 1
+        if kind > have:
+            common = torch.float32 if kind == 2 else torch.int64
+    return common if common in _NARROW_FLOAT or common in _NARROW_INT else None
+
+
+def _number_in(value, dtype: torch.dtype):
+    """A Python number as torch converts it to ``dtype`` (rounded or wrapped)."""
+    with torch._C.DisableTorchFunction():  # our own conversion is not the user's code
+        return torch.tensor(value).to(dtype).item()
+
+
+def _plain(x):
+    """A narrow traced value as its IR value (the op is then computed in float32/int32)."""
+    return Proxy(x.node, x.ctx) if _is_narrow(x) else x
+
+
+def _convert(ctx: _Context, n: Node, dtype: torch.dtype) -> "Proxy":
+    """``n`` converted to the torch dtype ``dtype`` as torch converts: floats truncate toward zero
+    into integers, and a narrow dtype rounds (to nearest even) or wraps (two's complement)."""
+    if dtype in _NARROW_FLOAT:
+        return Proxy(ir.node(_NARROW_FLOAT[dtype], DType.FLOAT32, (cast(n, DType.FLOAT32),)), ctx, dtype)
+    if dtype in _NARROW_INT:
+        bits, signed = _NARROW_INT[dtype]
+        n = cast(n, DType.INT32) if not n.dtype.is_int else n
+        mask, half = ir.const((1 << bits) - 1, n.dtype), ir.const(1 << (bits - 1), n.dtype)
+        if signed:
+            n = build_binary(Op.SUB, build_binary(Op.AND, build_binary(Op.ADD, n, half), mask), half)
+        else:
+            n = build_binary(Op.AND, n, mask)
+        return Proxy(cast(n, DType.INT32), ctx, dtype)
+    target = _TORCH_DTYPES[dtype]
+    if target is DType.BOOL and n.dtype is not DType.BOOL:
+        return Proxy(ir.node(Op.NE, DType.BOOL, (n, ir.const(0, n.dtype))), ctx)
+    return Proxy(cast(n, target), ctx)
+
+
+def _in_common(ctx: _Context, common: torch.dtype, args) -> list:
+    """The operands as torch converts them to the narrow ``common`` dtype before an op: traced
+    values of another dtype and Python numbers converted into it."""
+    out = []
+    for x in args:
+        if isinstance(x, Proxy) and x.low is not common:
+            x = _convert(ctx, x.node, common)
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            x = _number_in(x, common)
+        out.append(_plain(x))
+    return out
+
+
+def _narrow_binary(ctx: _Context, op: Op, a, b) -> "Proxy":
+    """A binary op with a narrow operand, as torch's flex_attention runs a mod (vmap): the
+    operands converted to the common dtype, Python numbers included, then the op in float32 and
+    its result rounded (or wrapped) once. ``number / t`` is ``t.reciprocal() * number``, torch's
+    Tensor.__rtruediv__."""
+    common = _common_dtype((a, b))
+    if common is None:
+        return _binary(ctx, op, _plain(a), _plain(b))
+    if op is Op.DIV and isinstance(a, (int, float)) and common in _NARROW_FLOAT:
+        return _binary(ctx, Op.MUL, _narrowed(ctx, _binary(ctx, Op.DIV, 1.0, _plain(b)), common), a)
+    a, b = _in_common(ctx, common, (a, b))
+    return _narrowed(ctx, _binary(ctx, op, a, b), common)
+
+
+def _narrowed(ctx: _Context, result, common: torch.dtype | None):
+    """An op's result as torch's value of dtype ``common``: a float result rounded into a narrow
+    float, an integer result wrapped into a narrow integer; other results as they are."""
+    if common is None or not isinstance(result, Proxy):
+        return result
+    float_result = result.node.dtype.is_float
+    if (float_result and common in _NARROW_FLOAT) or (result.node.dtype.is_int and common in _NARROW_INT):
+        return _convert(ctx, result.node, common)
+    return result
+
+
 def _binary(ctx: _Context, op: Op, a, b) -> "Proxy":
     if _is_row(a) or _is_row(b):
         return _map(ctx, lambda x, y: _binary(ctx, op, x, y), a, b)
+    if _is_narrow(a) or _is_narrow(b):
+        return _narrow_binary(ctx, op, a, b)
     like = next((x.node.dtype for x in (a, b) if isinstance(x, Proxy)), None)
     na, nb = _coerce(ctx, a, like), _coerce(ctx, b, like)
     if na.dtype is DType.BOOL and nb.dtype is DType.BOOL and op in (Op.ADD, Op.SUB, Op.MUL):
@@ -182,6 +293,8 @@ def _binary(ctx: _Context, op: Op, a, b) -> "Proxy":
 def _unary(ctx: _Context, op: Op, x) -> "Proxy":
     if _is_row(x):
         return _map(ctx, lambda y: _unary(ctx, op, y), x)
+    if _is_narrow(x):
+        return _narrowed(ctx, _unary(ctx, op, _plain(x)), x.low)
     n = _coerce(ctx, x)
     if op in ir.TRANSCENDENTAL or op in ir.ROUNDING:
         if op in ir.ROUNDING and not n.dtype.is_float:
@@ -198,6 +311,11 @@ def _unary(ctx: _Context, op: Op, x) -> "Proxy":
 def _where(ctx: _Context, c, a, b) -> "Proxy":
     if _is_row(c) or _is_row(a) or _is_row(b):
         return _map(ctx, lambda x, y, z: _where(ctx, x, y, z), c, a, b)
+    if _is_narrow(a) or _is_narrow(b):
+        common = _common_dtype((a, b))
+        if common is not None:
+            a, b = _in_common(ctx, common, (a, b))
+        return _narrowed(ctx, _where(ctx, c, _plain(a), _plain(b)), common)
     nc = _coerce(ctx, c)
     if nc.dtype is not DType.BOOL:
         ctx.fail(f"torch.where needs a bool condition, got {nc.dtype.value}",
@@ -220,12 +338,13 @@ def _concrete(p: "Proxy"):
 class Proxy:
     """A traced value. Operators record IR; Python control flow on it is an error."""
 
-    __slots__ = ("node", "ctx")
+    __slots__ = ("node", "ctx", "low")
     __hash__ = None  # __eq__ builds IR
 
-    def __init__(self, node: Node, ctx: _Context):
+    def __init__(self, node: Node, ctx: _Context, low: torch.dtype | None = None):
         self.node = node
         self.ctx = ctx
+        self.low = low  # the narrow torch dtype the value has (_NARROW_FLOAT, _NARROW_INT), if any
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -324,11 +443,11 @@ class Proxy:
         method = getattr(torch.Tensor, name, None)
         if method is None:
             raise AttributeError(f"traced value has no attribute {name!r}")
-        return functools.partial(_HANDLERS.get(method, _unsupported(method)), self)
+        return lambda *args, **kwargs: _dispatch(self.ctx, method, args, kwargs, first=self)
 
     @property
     def dtype(self):
-        return _IR_TO_TORCH[self.node.dtype]
+        return self.low or _IR_TO_TORCH[self.node.dtype]
 
     @property
     def shape(self):
@@ -381,8 +500,10 @@ def _full_like(p: Proxy, value, dtype, size=()):
     if tuple(size) not in ((), (1,)):
         p.ctx.fail(f"a tensor of shape {tuple(size)} created inside the mod",
                    "a mod works on one element: return a scalar expression")
-    dt = _TORCH_DTYPES[dtype] if dtype is not None else p.node.dtype
-    return Proxy(ir.const(value, dt), p.ctx)
+    dtype = dtype if dtype is not None else p.dtype
+    if dtype in _NARROW_FLOAT or dtype in _NARROW_INT:
+        return Proxy(ir.const(_number_in(value, dtype), _TORCH_DTYPES[dtype]), p.ctx, dtype)
+    return Proxy(ir.const(value, _TORCH_DTYPES[dtype]), p.ctx)
 
 
 class BufferView:
@@ -561,6 +682,10 @@ def _reduce(ctx: _Context, name: str, row: "Vector", args: tuple, kwargs: dict):
     if dim not in (None, 0, -1):
         ctx.fail(f"`{name}` over dim {dim!r} of a row", "a row has one dimension: dim=-1")
     items = row.items
+    if any(_is_narrow(x) for x in items):  # torch accumulates a narrow float row in float32
+        common = _common_dtype(items)
+        out = _reduce(ctx, name, Vector([_plain(x) for x in items], ctx, row.origin), args, kwargs)
+        return _narrowed(ctx, out, common) if common in _NARROW_FLOAT else out
     if name in ("sum", "prod"):  # torch counts bools (a bool + bool would be their or)
         items = [_binary(ctx, Op.ADD, x, 0) if _coerce(ctx, x).dtype is DType.BOOL else x for x in items]
     if name == "sum":
@@ -716,5 +841,18 @@ def _dispatch(ctx: _Context, func, args=(), kwargs=None, first=None):
         handler = _unsupported(func)
     if "out" in kwargs:
         ctx.fail("an `out=` argument writes in place", "return the value instead")
-    return handler(*args, **kwargs)
+    if getattr(handler, "keeps_dtype", False) or not any(_is_narrow(x) for x in (*args, *kwargs.values())):
+        return handler(*args, **kwargs)
+    # A composition on narrow values: computed in float32/int32 from their values, its result
+    # rounded or wrapped once, as torch computes such an op in opmath.
+    common = _common_dtype((*args, *kwargs.values()))
+    return _narrowed(ctx, handler(*[_plain(a) for a in args], **{k: _plain(v) for k, v in kwargs.items()}),
+                     common)
+
+
+def keeps_dtype(handler: Callable) -> Callable:
+    """Marks a handler that follows narrow dtypes itself (built from ``_binary``, ``_unary`` and
+    ``_where``, or a cast); any other handler sees narrow values as float32/int32."""
+    handler.keeps_dtype = True
+    return handler
 

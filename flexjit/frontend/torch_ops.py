@@ -8,19 +8,23 @@ the branch ``torch.where`` does not take finite, so its zero gradient stays zero
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flexjit.ir import nodes as ir
 from flexjit.ir.nodes import DType, Node, Op, build_binary, cast
-from flexjit.frontend.proxy import (_HANDLERS, _TORCH_DTYPES, Proxy, _binary, _coerce, _Context,
-                                    _find_ctx, _full_like, _index, _logic, _shift, _unary, _where)
+from flexjit.frontend.proxy import (_HANDLERS, _NARROW_FLOAT, _NARROW_INT, _TORCH_DTYPES, Proxy,
+                                    _binary, _coerce, _Context, _convert, _find_ctx,
+                                    _full_like, _index, _logic, _shift, _unary, _where, keeps_dtype)
 
 
 def _h_unary(op):
-    return lambda x, *a, **k: _unary(_find_ctx((x,), {}), op, x)
+    return keeps_dtype(lambda x, *a, **k: _unary(_find_ctx((x,), {}), op, x))
 
 
 def _h_binary(op):
+    @keeps_dtype
     def h(a, b, *rest, **kw):
         if rest or set(kw) - {"alpha"}:
             _find_ctx((a, b), {}).fail(f"unsupported extra arguments to {op.value}")
@@ -31,10 +35,11 @@ def _h_binary(op):
 
 
 def _h_logic(op):
-    return lambda a, b: _logic(_find_ctx((a, b), {}), op, a, b)
+    return keeps_dtype(lambda a, b: _logic(_find_ctx((a, b), {}), op, a, b))
 
 
 def _h_shift(op, reflected=False):
+    @keeps_dtype
     def h(a, b):
         if reflected:  # t.__rlshift__(x) is x << t
             a, b = b, a
@@ -342,6 +347,101 @@ def _unravel(j: int, shape) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+def _h_deg2rad(x):
+    """x·(π/180), the constant rounded to the working precision as torch's scalar is."""
+    return _float(_find_ctx((x,), {}), x) * (math.pi / 180.0)
+
+
+def _h_rad2deg(x):
+    return _float(_find_ctx((x,), {}), x) * (180.0 / math.pi)
+
+
+def _h_hypot(x, y):
+    """√(x² + y²) without overflow or underflow: both scaled by a power of two (exact) when the
+    larger magnitude is past 2^±50, so the squares stay normal float32 values; exact where the
+    squares and their sum are (3, 4 gives 5, as a mask's integer radius needs), within an ulp of
+    torch's correctly rounded hypot elsewhere. ±inf wins over NaN, as C's hypot."""
+    ctx = _find_ctx((x, y), {})
+    ax, ay = _unary(ctx, Op.ABS, _float(ctx, x)), _unary(ctx, Op.ABS, _float(ctx, y))
+    big = _binary(ctx, Op.MAX, ax, ay)
+    high, low = big > _HYPOT_EDGE, big < 1.0 / _HYPOT_EDGE
+    scale = _where(ctx, high, 2.0 ** -70, _where(ctx, low, 2.0 ** 70, 1.0))
+    unscale = _where(ctx, high, 2.0 ** 70, _where(ctx, low, 2.0 ** -70, 1.0))
+    sx, sy = ax * scale, ay * scale
+    h = _unary(ctx, Op.SQRT, sx * sx + sy * sy) * unscale
+    return _where(ctx, (ax == math.inf) | (ay == math.inf), math.inf, h)
+
+
+_HYPOT_EDGE = 2.0 ** 50
+
+
+def _logaddexp(ctx: _Context, a, b, base2: bool) -> Proxy:
+    """torch's logaddexp(2): max(a, b) + log1p(exp(-|a - b|)) (exp2, and the log in base 2), and
+    a itself where a and b are the same infinity. There the difference is taken as 0, so the
+    branch not taken stays finite and the gradient is max's tie split, ½ each (torch's is NaN)."""
+    a, b = _float(ctx, a), _float(ctx, b)
+    same_inf = (_unary(ctx, Op.ABS, a) == math.inf) & (a == b)
+    top = _binary(ctx, Op.MAX, a, b)
+    gap = -_unary(ctx, Op.ABS, _where(ctx, same_inf, 0.0, a - b))
+    tail = _unary(ctx, Op.LOG1P, _unary(ctx, Op.EXP2 if base2 else Op.EXP, gap))
+    return _where(ctx, same_inf, top, top + (tail * (1.0 / _LN2) if base2 else tail))
+
+
+_LN2 = math.log(2.0)
+
+
+def _h_logaddexp(a, b):
+    return _logaddexp(_find_ctx((a, b), {}), a, b, base2=False)
+
+
+def _h_logaddexp2(a, b):
+    return _logaddexp(_find_ctx((a, b), {}), a, b, base2=True)
+
+
+def _xlogy(ctx: _Context, x, y, log_op: Op, pole: float) -> Proxy:
+    """torch's xlogy (log_op LOG, pole 0) and xlog1py (LOG1P, pole -1): 0 where x == 0 and y is
+    not NaN, else x·log(y). Gradients as torch's: d/dx is log(y), 0 where x == 0 and y is at or
+    below the pole; d/dy is x/y. Each branch sees a finite log where it is not taken."""
+    x, y = _float(ctx, x), _float(ctx, y)
+    zero_x = (x == 0.0) & ~_h_isnan(y)
+    finite = (y > pole) & (y < math.inf)  # log(y) finite: where x == 0 it is d/dx
+    at_zero = _where(ctx, finite, _unary(ctx, log_op, _where(ctx, finite, y, pole + 1.0)), 0.0)
+    elsewhere = _unary(ctx, log_op, _where(ctx, zero_x, pole + 1.0, y))
+    return _where(ctx, zero_x, _where(ctx, zero_x, x, 0.0) * at_zero, x * elsewhere)
+
+
+def _h_xlogy(x, y):
+    return _xlogy(_find_ctx((x, y), {}), x, y, Op.LOG, 0.0)
+
+
+def _h_xlog1py(x, y):
+    return _xlogy(_find_ctx((x, y), {}), x, y, Op.LOG1P, -1.0)
+
+
+def _h_heaviside(x, values):
+    """0 where x < 0, ``values`` where x == 0, 1 where x > 0 (and 0 for NaN), in the operands'
+    dtype. torch has no derivative for it; here d/dx is 0 (the step's, almost everywhere) and
+    d/dvalues flows where x == 0."""
+    ctx = _find_ctx((x, values), {})
+    n = _coerce(ctx, x)
+    if n.dtype is DType.BOOL:
+        ctx.fail("torch.heaviside of a bool", "compare instead, e.g. torch.where(x, 1, values)")
+    one, zero = (Proxy(ir.const(v, n.dtype), ctx) for v in (1, 0))
+    step = _where(ctx, _binary(ctx, Op.GT, x, 0), one, zero)
+    return _where(ctx, _binary(ctx, Op.EQ, x, 0), values, step)
+
+
+def _h_logit(x, eps=None):
+    """log(x / (1 - x)), x first clamped into [eps, 1 - eps] when eps is given and not negative
+    (NaN passes; no gradient outside the bounds, a gradient at them), as torch's."""
+    ctx = _find_ctx((x,), {})
+    x = _float(ctx, x)
+    if eps is not None and eps >= 0:
+        lo, hi = eps, 1.0 - eps
+        x = _where(ctx, x < lo, lo, _where(ctx, x > hi, hi, x))
+    return _unary(ctx, Op.LOG, x / (1.0 - x))
+
+
 # --------------------------------------------------------------------------- constants
 
 
@@ -377,7 +477,8 @@ def _h_constant(func, data_arg: int | None):
         value = t.item()
         if dt.is_int and dtype is None:
             return Proxy(ir.const(int(value)), ctx)
-        return Proxy(ir.const(value, dt), ctx)
+        narrow = t.dtype if t.dtype in _NARROW_FLOAT or t.dtype in _NARROW_INT else None
+        return Proxy(ir.const(value, dt), ctx, narrow)
     return h
 
 
@@ -392,7 +493,7 @@ def _h_like(value):
 
 
 def _h_rbinary(op):
-    return lambda a, b: _binary(_find_ctx((a, b), {}), op, b, a)
+    return keeps_dtype(lambda a, b: _binary(_find_ctx((a, b), {}), op, b, a))
 
 
 def _h_div(a, b, *, rounding_mode=None):
@@ -419,6 +520,7 @@ def _trunc_div(ctx: _Context, a, b) -> Proxy:
     return _where(ctx, _logic(ctx, Op.AND, inexact, negative), _binary(ctx, Op.ADD, q, 1), q)
 
 
+@keeps_dtype
 def _h_where(cond, a=None, b=None):
     ctx = _find_ctx((cond, a, b), {})
     if a is None:
@@ -426,6 +528,7 @@ def _h_where(cond, a=None, b=None):
     return _where(ctx, cond, a, b)
 
 
+@keeps_dtype
 def _h_clamp(x, min=None, max=None):
     ctx = _find_ctx((x, min, max), {})
     out = x
@@ -437,6 +540,7 @@ def _h_clamp(x, min=None, max=None):
 
 
 def _h_minmax(op, name):
+    @keeps_dtype
     def h(a, b=None, *rest, **kw):
         ctx = _find_ctx((a, b), kw)
         if b is None or (isinstance(b, int) and not isinstance(b, bool)) or rest or kw:
@@ -446,32 +550,63 @@ def _h_minmax(op, name):
     return h
 
 
+@keeps_dtype
 def _h_cast(x, *args, **kwargs):
+    """Tensor.to: a dtype given directly, by keyword or as another tensor's (``.to(bias)``); a
+    device alone is a no-op for a traced value."""
     ctx = _find_ctx((x,), {})
     dtype = kwargs.get("dtype")
     for a in args:
         if isinstance(a, torch.dtype):
             dtype = a
+        elif isinstance(a, (Proxy, torch.Tensor)):
+            dtype = a.dtype
     if dtype is None:
-        return x  # .to(device) and friends: a no-op for a traced scalar
+        return x
+    return _to_dtype(ctx, x, dtype)
+
+
+@keeps_dtype
+def _h_type(x, dtype=None, non_blocking=False, **kwargs):
+    """Tensor.type: with no dtype the type's name (``'torch.FloatTensor'``), else a cast to a dtype
+    or to a named tensor type (``'torch.HalfTensor'``)."""
+    ctx = _find_ctx((x,), {})
+    if dtype is None:
+        return {torch.float32: "torch.FloatTensor", torch.float16: "torch.HalfTensor",
+                torch.bfloat16: "torch.BFloat16Tensor", torch.int32: "torch.IntTensor",
+                torch.int64: "torch.LongTensor", torch.int16: "torch.ShortTensor",
+                torch.int8: "torch.CharTensor", torch.uint8: "torch.ByteTensor",
+                torch.bool: "torch.BoolTensor"}[x.dtype]
+    if isinstance(dtype, str):
+        named = {f"torch.{n}Tensor": d for n, d in (
+            ("Float", torch.float32), ("Double", torch.float64), ("Half", torch.float16),
+            ("BFloat16", torch.bfloat16), ("Int", torch.int32), ("Long", torch.int64),
+            ("Short", torch.int16), ("Char", torch.int8), ("Byte", torch.uint8), ("Bool", torch.bool))}
+        found = named.get(dtype.replace("torch.cuda.", "torch."))
+        if found is None:
+            ctx.fail(f"Tensor.type({dtype!r}) inside a mod", "cast to a dtype, e.g. .to(torch.float16)")
+        dtype = found
     return _to_dtype(ctx, x, dtype)
 
 
 def _to_dtype(ctx, x, dtype):
-    if dtype in (torch.float16, torch.bfloat16, torch.float64):
-        ctx.fail(f"cast to {dtype}: flexjit computes floating values in float32",
-                 "use .float() / torch.float32")
+    """A cast as torch computes it: float16/bfloat16 round to nearest even, int8/int16/uint8 wrap,
+    floats truncate toward zero into integers; the value then has that dtype (``Proxy.low``)."""
+    if dtype is torch.float64:
+        ctx.fail("a cast to torch.float64: flexjit computes a mod's floating values in float32 "
+                 "(float64 only for float64 inputs) and cannot keep a float64 value in a kernel",
+                 "drop the cast, or use .float()")
     if dtype not in _TORCH_DTYPES:
-        ctx.fail(f"cast to {dtype} is not supported")
-    n = _coerce(ctx, x)
-    target = _TORCH_DTYPES[dtype]
-    if target is DType.BOOL and n.dtype is not DType.BOOL:
-        return Proxy(ir.node(Op.NE, DType.BOOL, (n, ir.const(0, n.dtype))), ctx)
-    return Proxy(cast(n, target), ctx)
+        ctx.fail(f"a cast to {dtype} inside a mod is not supported",
+                 "cast to a float (float32, float16, bfloat16), an integer (int64, int32, int16, int8, "
+                 "uint8) or bool")
+    if isinstance(x, Proxy) and x.low is dtype:
+        return x
+    return _convert(ctx, _coerce(ctx, x), dtype)
 
 
 def _method_cast(dtype):
-    return lambda x, *a, **k: _to_dtype(_find_ctx((x,), {}), x, dtype)
+    return keeps_dtype(lambda x, *a, **k: _to_dtype(_find_ctx((x,), {}), x, dtype))
 
 
 def _h_getitem(t, idx):
@@ -510,6 +645,7 @@ def register():
         Op.DIV: [torch.true_divide, T.true_divide, T.__truediv__],
         Op.FLOORDIV: [torch.floor_divide, T.floor_divide, T.__floordiv__],
         Op.MOD: [torch.remainder, T.remainder, T.__mod__], Op.POW: [torch.pow, T.pow, T.__pow__],
+        Op.ATAN2: [torch.atan2, T.atan2, torch.arctan2, T.arctan2],
         Op.MAX: [torch.maximum, T.maximum, torch.fmax], Op.MIN: [torch.minimum, T.minimum, torch.fmin],
         Op.LT: [torch.lt, T.lt, T.__lt__, torch.less], Op.LE: [torch.le, T.le, T.__le__],
         Op.GT: [torch.gt, T.gt, T.__gt__, torch.greater], Op.GE: [torch.ge, T.ge, T.__ge__],
@@ -555,10 +691,12 @@ def register():
         _HANDLERS[f] = _h_minmax(Op.MAX, "max")
     for f in [torch.min, T.min]:
         _HANDLERS[f] = _h_minmax(Op.MIN, "min")
-    _HANDLERS[T.to] = _HANDLERS[T.type] = _h_cast
+    _HANDLERS[T.to] = _h_cast
+    _HANDLERS[T.type] = _h_type
     for name, dt in [("float", torch.float32), ("int", torch.int32), ("long", torch.int64),
                      ("bool", torch.bool), ("double", torch.float64), ("half", torch.float16),
-                     ("bfloat16", torch.bfloat16)]:
+                     ("bfloat16", torch.bfloat16), ("short", torch.int16), ("char", torch.int8),
+                     ("byte", torch.uint8)]:
         _HANDLERS[getattr(T, name)] = _method_cast(dt)
     _HANDLERS[T.__getitem__] = _h_getitem
     _HANDLERS[torch.full_like] = _h_like(None)
@@ -597,6 +735,9 @@ def _register_compositions():
         "isposinf": lambda x: _infinite(_find_ctx((x,), {}), x, 1),
         "isneginf": lambda x: _infinite(_find_ctx((x,), {}), x, -1),
         "isfinite": _h_isfinite, "nan_to_num": _h_nan_to_num, "isin": _h_isin,
+        "deg2rad": _h_deg2rad, "rad2deg": _h_rad2deg, "hypot": _h_hypot, "logaddexp": _h_logaddexp,
+        "logaddexp2": _h_logaddexp2, "xlogy": _h_xlogy, "xlog1py": _h_xlog1py,
+        "heaviside": _h_heaviside, "logit": _h_logit,
     }
     for name, handler in table.items():
         for f in _torch_names(name):

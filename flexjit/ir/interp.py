@@ -53,9 +53,28 @@ _UNARY = {
     Op.ASIN: torch.asin, Op.ACOS: torch.acos, Op.LOG1P: torch.log1p, Op.EXPM1: torch.expm1,
     Op.ERF: torch.erf,
 }
+
+
+class _Rounded(torch.autograd.Function):
+    """torch's conversion to a narrower float and back, with the gradient passed straight through
+    (the derivative pass's rule; torch's own backward would round the gradient too)."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+_UNARY[Op.ROUND_F16] = lambda x: _Rounded.apply(x, torch.float16)
+_UNARY[Op.ROUND_BF16] = lambda x: _Rounded.apply(x, torch.bfloat16)
+
 _BINARY = {
     Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.true_divide,
-    Op.MOD: torch.remainder, Op.FMOD: torch.fmod, Op.POW: torch.pow, Op.MAX: torch.maximum, Op.MIN: torch.minimum,
+    Op.MOD: torch.remainder, Op.FMOD: torch.fmod, Op.POW: torch.pow, Op.ATAN2: torch.atan2,
+    Op.MAX: torch.maximum, Op.MIN: torch.minimum,
     Op.LT: torch.lt, Op.LE: torch.le, Op.GT: torch.gt, Op.GE: torch.ge, Op.EQ: torch.eq, Op.NE: torch.ne,
     Op.AND: torch.bitwise_and, Op.OR: torch.bitwise_or, Op.XOR: torch.bitwise_xor,
     Op.SHL: torch.bitwise_left_shift, Op.SHR: torch.bitwise_right_shift,

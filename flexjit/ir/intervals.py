@@ -179,7 +179,9 @@ _MONOTONE = {Op.EXP: torch.exp, Op.EXP2: torch.exp2, Op.LOG: torch.log, Op.LOG2:
              Op.TANH: torch.tanh, Op.SIGMOID: torch.sigmoid, Op.SQRT: torch.sqrt,
              Op.FLOOR: torch.floor, Op.CEIL: torch.ceil, Op.ROUND: torch.round, Op.TRUNC: torch.trunc,
              Op.ATAN: torch.atan, Op.SINH: torch.sinh, Op.ASIN: torch.asin, Op.LOG1P: torch.log1p,
-             Op.EXPM1: torch.expm1, Op.ERF: torch.erf}
+             Op.EXPM1: torch.expm1, Op.ERF: torch.erf,
+             Op.ROUND_F16: lambda x: x.to(torch.float16).double(),
+             Op.ROUND_BF16: lambda x: x.to(torch.bfloat16).double()}
 
 
 def _compare(op: Op, al, ah, bl, bh, outcome: bool):
@@ -294,6 +296,8 @@ def _arith(n: Node, a: list):
     elif op in (Op.SIN, Op.COS):  # NaN at infinity
         finite = torch.isfinite(a[0][1]) & torch.isfinite(a[0][2])
         lo, hi = torch.where(finite, -1.0, math.nan), torch.where(finite, 1.0, math.nan)
+    elif op is Op.ATAN2:
+        lo, hi = _atan2(a[0], a[1])
     elif op in NO_CHEAP_RULE:
         return _unknown(n)
     else:
@@ -304,6 +308,24 @@ def _arith(n: Node, a: list):
             nan = nan | torch.isnan(x[1]) | torch.isnan(x[2])
         lo, hi = torch.where(nan, math.nan, lo), torch.where(nan, math.nan, hi)
     return _clean(lo, hi, n.dtype)
+
+
+# atan2's range, widened by more than float32's rounding of π (3.1415927 > π).
+_PI_BOUND = math.pi + 1e-6
+
+
+def _atan2(y, x):
+    """atan2(y, x) over a box: in the open right half-plane (x > 0) the angle is continuous and
+    its extremes lie at the box's corners; elsewhere the box may hold the origin or reach the
+    branch cut on the negative x axis, and the bound is [-π, π]. Corners are widened by the
+    float32 rounding of a libm atan2 (a few ulps)."""
+    corners = torch.stack(torch.broadcast_tensors(*[torch.atan2(cy, cx) for cy in (y[1], y[2])
+                                                    for cx in (x[1], x[2])]))
+    right = x[1] > 0
+    slack = 1e-6 * (1.0 + corners.abs())
+    lo = torch.where(right, (corners - slack).amin(0), -_PI_BOUND)
+    hi = torch.where(right, (corners + slack).amax(0), _PI_BOUND)
+    return lo, hi
 
 
 # Ops whose values the planner bounds by "unknown" (always sound; blocks using them are evaluated

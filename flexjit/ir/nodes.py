@@ -91,6 +91,8 @@ class Op(enum.Enum):
     ERF = "erf"
     NOT = "not"  # logical not on bool, bitwise not on ints
     CAST = "cast"  # arg: target DType
+    ROUND_F16 = "round_f16"  # to the nearest float16 value (ties to even, ±inf past it), kept float32
+    ROUND_BF16 = "round_bf16"  # the same for bfloat16
     # binary
     ADD = "add"
     SUB = "sub"
@@ -100,6 +102,7 @@ class Op(enum.Enum):
     MOD = "mod"  # Python semantics: sign of the divisor
     FMOD = "fmod"  # C semantics (torch.fmod): sign of the dividend
     POW = "pow"
+    ATAN2 = "atan2"  # torch.atan2(y, x): the angle of (x, y), float result
     MAX = "max"
     MIN = "min"
     AND = "and"  # logical on bool, bitwise on ints
@@ -121,11 +124,13 @@ LEAVES = frozenset({Op.SCORE, Op.B, Op.H, Op.Q_IDX, Op.KV_IDX, Op.CONST, Op.SCAL
 INDEX_LEAVES = frozenset({Op.B, Op.H, Op.Q_IDX, Op.KV_IDX})
 TRANSCENDENTAL = frozenset({Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.TANH, Op.SIGMOID, Op.SQRT,
                             Op.RSQRT, Op.SIN, Op.COS, Op.TAN, Op.ATAN, Op.SINH, Op.COSH, Op.ASIN,
-                            Op.ACOS, Op.LOG1P, Op.EXPM1, Op.ERF})
+                            Op.ACOS, Op.LOG1P, Op.EXPM1, Op.ERF, Op.ATAN2})  # ATAN2: binary
 ROUNDING = frozenset({Op.FLOOR, Op.CEIL, Op.ROUND, Op.TRUNC})  # float -> float; ints unchanged
-UNARY = TRANSCENDENTAL | ROUNDING | frozenset({Op.NEG, Op.ABS, Op.NOT, Op.CAST})
-ARITH = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.FLOORDIV, Op.MOD, Op.FMOD, Op.POW, Op.MAX,
-                   Op.MIN})
+LOW_PRECISION = frozenset({Op.ROUND_F16, Op.ROUND_BF16})  # a torch cast to a narrower float
+UNARY = (TRANSCENDENTAL - {Op.ATAN2}) | ROUNDING | LOW_PRECISION | frozenset({Op.NEG, Op.ABS, Op.NOT,
+                                                                             Op.CAST})
+ARITH = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.FLOORDIV, Op.MOD, Op.FMOD, Op.POW, Op.ATAN2,
+                   Op.MAX, Op.MIN})
 LOGIC = frozenset({Op.AND, Op.OR, Op.XOR})
 SHIFT = frozenset({Op.SHL, Op.SHR})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
@@ -351,7 +356,7 @@ def build_binary(op: Op, na: Node, nb: Node) -> Node:
     if op in COMPARE:
         dt = promote(na.dtype, nb.dtype)
         return node(op, DType.BOOL, (cast(na, dt), cast(nb, dt)))
-    if op in (Op.DIV, Op.POW) or (op is Op.FLOORDIV and (na.dtype.is_float or nb.dtype.is_float)):
+    if op in (Op.DIV, Op.POW, Op.ATAN2) or (op is Op.FLOORDIV and (na.dtype.is_float or nb.dtype.is_float)):
         dt = DType.FLOAT32 if op is not Op.POW or promote(na.dtype, nb.dtype).is_float \
             else promote(na.dtype, nb.dtype)
         if op is Op.POW and dt.is_int:

@@ -80,6 +80,8 @@ def _simplify_node(n: Node, srcs: tuple[Node, ...]) -> Node:
         return _fold(n, srcs)
     if op is Op.CAST:
         return cast(srcs[0], n.arg)
+    if op in ir.LOW_PRECISION and _holds_exactly(srcs[0], op):
+        return srcs[0]
     a = srcs[0]
     b = srcs[1] if len(srcs) > 1 else None
     if op is Op.ADD:
@@ -122,6 +124,24 @@ def _simplify_node(n: Node, srcs: tuple[Node, ...]) -> Node:
     elif op in (Op.MAX, Op.MIN) and a is b:
         return a
     return ir.node(op, n.dtype, srcs, n.arg)
+
+
+# Ops whose result is exactly representable in a narrower float when their float operands are:
+# a rounding op's result is representable in its own format.
+_KEEPS_FORMAT = frozenset({Op.NEG, Op.ABS, Op.MAX, Op.MIN, Op.WHERE}) | ir.ROUNDING
+
+
+def _holds_exactly(n: Node, rounding: Op) -> bool:
+    """Whether ``n`` is already a value of the format ``rounding`` rounds to (so rounding it
+    again changes nothing): that rounding's result, a constant it keeps, or a sign change,
+    min/max, select or integer rounding of such values."""
+    if n.op is rounding:
+        return True
+    if n.op is Op.CONST and n.dtype.is_float:
+        return _fold(ir.node(rounding, n.dtype, (n,)), (n,)).arg == n.arg or n.arg != n.arg
+    if n.op in _KEEPS_FORMAT and n.dtype.is_float:
+        return all(_holds_exactly(s, rounding) for s in n.src if s.dtype.is_float)
+    return False
 
 
 def _cancel_node(n: Node, srcs: tuple[Node, ...]) -> Node:
@@ -256,6 +276,13 @@ def _local_grads(n: Node, g: Node) -> list[Node | None]:
                              ir.node(Op.EXP, DType.FLOAT32, (_neg(_mul(s[0], s[0])),))))]
     if op is Op.CAST:
         return [g if s[0].dtype.is_float else None]
+    if op in ir.LOW_PRECISION:  # straight through, as torch's cast backward (less its rounding)
+        return [g]
+    if op is Op.ATAN2:  # torch's atan2_backward: 0 where 1/(y² + x²) overflows
+        y, x = s
+        recip = _div(_c(1.0), ir.node(Op.ADD, DType.FLOAT32, (_mul(y, y), _mul(x, x))))
+        recip = _where(_cmp(Op.EQ, recip, _c(math.inf)), zero, recip)
+        return [_mul(_mul(g, x), recip), _neg(_mul(_mul(g, y), recip))]
     if op in NO_GRADIENT:
         return [None] * len(s)
     raise NotImplementedError(f"no derivative rule for {op.value}")
@@ -284,12 +311,14 @@ def derivative(out: Node, wrt: list[Node]) -> list[Node]:
 
 # --------------------------------------------------------------------------- precision analysis
 
-_DISCONTINUOUS = frozenset({Op.FLOORDIV, Op.MOD, Op.FMOD, Op.LOAD}) | ir.ROUNDING | ir.COMPARE
+_DISCONTINUOUS = frozenset({Op.FLOORDIV, Op.MOD, Op.FMOD, Op.LOAD}) | ir.ROUNDING | ir.COMPARE \
+    | ir.LOW_PRECISION
 
 
 def exact_float_nodes(roots: list[Node]) -> set[int]:
     """Float nodes whose rounding can change a discrete result (a comparison, floor, an int
-    cast, an index): they render with correctly rounded ops so masks match the interpreter."""
+    cast, an index, a rounding to float16/bfloat16): they render with correctly rounded ops so
+    masks and rounded values match the interpreter."""
     exact: set[int] = set()
     for n in reversed(ir.toposort(roots)):
         sink = n.op in _DISCONTINUOUS or (n.op is Op.CAST and not n.dtype.is_float)
@@ -558,7 +587,8 @@ def to_sympy(root: Node):
         Op.ROUND: sp.Function("round_half_even"), Op.TRUNC: sp.Function("trunc"),
         Op.TAN: sp.tan, Op.ATAN: sp.atan, Op.SINH: sp.sinh, Op.COSH: sp.cosh, Op.ASIN: sp.asin,
         Op.ACOS: sp.acos, Op.LOG1P: lambda a: sp.log(1 + a), Op.EXPM1: lambda a: sp.exp(a) - 1,
-        Op.ERF: sp.erf,
+        Op.ERF: sp.erf, Op.ATAN2: sp.atan2,
+        Op.ROUND_F16: sp.Function("round_f16"), Op.ROUND_BF16: sp.Function("round_bf16"),
     }
     for n in ir.toposort([root]):
         args = [syms[id(s)] for s in n.src]

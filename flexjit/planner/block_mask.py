@@ -165,6 +165,13 @@ def dq_order(block_lists) -> tuple:
 # --------------------------------------------------------------------------- BlockMask
 
 
+def _hint_text(mean: float) -> str:
+    """The schedule hint ``mean_kv_tokens`` as a compiled graph reads it: text (a constant, not a
+    symbol, under dynamic=True), rounded to a power of two so that a graph is not recompiled for
+    every new mask's density; it steers only the choice of schedule."""
+    return repr(2.0 ** round(math.log2(mean))) if mean > 0 else "0.0"
+
+
 class BlockMask:
     """Block-sparse attention mask, field-compatible with torch's BlockMask.
 
@@ -193,6 +200,9 @@ class BlockMask:
         self.full_q_num_blocks = full_q_num_blocks
         self.full_q_indices = full_q_indices
         self.BLOCK_SIZE = _block_size(BLOCK_SIZE)
+        # BLOCK_SIZE as text: under torch.compile(dynamic=True) dynamo makes an input's integers
+        # symbols, but a string stays a constant, guarded on its value (api/compiled.py)
+        self._block_text = "{},{}".format(*self.BLOCK_SIZE)
         self.mask_mod = mask_mod if mask_mod is not None else noop_mask
         # The tensors mask_mod captured when the planner read them, and their version counters
         # then (``warn_if_stale``); empty for lists not planned here.
@@ -274,7 +284,8 @@ class BlockMask:
         if hit is not None:
             return hit
         value = build()
-        self.__dict__.setdefault("_derived", {})[name] = (self._list_state(), value)
+        text = _hint_text(value) if name == "mean_kv_tokens" else None
+        self.__dict__.setdefault("_derived", {})[name] = (self._list_state(), value, text)
         return value
 
     def _list_state(self) -> tuple:

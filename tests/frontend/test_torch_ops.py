@@ -31,6 +31,10 @@ LO = (-0.6 + 0.1 * torch.rand(H, generator=g, dtype=torch.float64)).requires_gra
 HI = (0.5 + 0.1 * torch.rand(H, generator=g, dtype=torch.float64)).requires_grad_()
 BIG = torch.arange(100)  # too many for isin's comparisons
 W = torch.rand(H, generator=g).requires_grad_()  # a learnable lerp weight
+# learnable second arguments of atan2, hypot and logaddexp, away from 0
+ATAN_X, HYPOT_Y, LAE_B = ((torch.rand(H, generator=g) + 0.5).requires_grad_() for _ in range(3))
+XLOGY_Y = (torch.rand(H, generator=g) + 0.5).requires_grad_()
+XLOGY_Z = torch.zeros(H, requires_grad=True)  # a learnable factor at 0: xlogy's d/dx there is log(y)
 
 
 def _d(q_idx, kv_idx, like):
@@ -79,8 +83,25 @@ SCORE_MODS = {
     + (q - kv) % -3 + torch.fmod(kv - q, -3) + torch.remainder(s, 0.7) + torch.fmod(s, 0.7),
     "misc": lambda s, b, h, q, kv: torch.square(s) + torch.reciprocal(s + 10) + torch.rsub(s, 1.0)
     + torch.erfc(s),
+    "atan2": lambda s, b, h, q, kv: torch.atan2(s, _d(q, kv, s) * 0.1 + 0.05) + s.arctan2(ATAN_X[h].to(s.dtype))
+    + torch.atan2(q - kv, kv) * 0.1,
+    "hypot": lambda s, b, h, q, kv: torch.hypot(s, _d(q, kv, s) * 0.2) + s.hypot(HYPOT_Y[h].to(s.dtype)),
+    # (a -inf second argument where q < kv: the first wins, with its whole gradient)
+    "logaddexp": lambda s, b, h, q, kv: torch.logaddexp(s, _d(q, kv, s) * 0.2) + torch.logaddexp2(s, -s)
+    + torch.logaddexp(s, torch.where(q < kv, -float("inf"), s * 0.5)) + s.logaddexp(LAE_B[h].to(s.dtype)),
+    # (x = 0 where relu cuts: d/dx is log(y) there, times relu's 0)
+    "xlogy": lambda s, b, h, q, kv: torch.xlogy(F.relu(s), _d(q, kv, s).abs() + 0.5)
+    + torch.special.xlogy(s, s * s + 1) + torch.special.xlog1py(F.relu(-s), s.abs())
+    + s.xlogy(XLOGY_Y[h].to(s.dtype)) + torch.xlogy(XLOGY_Z[h].to(s.dtype), s * s + 2),
+    # (torch has no derivative for heaviside: here of the indices only, the score's in a forward test)
+    "heaviside": lambda s, b, h, q, kv: torch.heaviside(_d(q, kv, s), torch.full_like(s, 0.25)) * s
+    + torch.heaviside(q - kv, torch.zeros_like(q)) * 0.5,
+    "logit": lambda s, b, h, q, kv: torch.logit(torch.sigmoid(s)) + torch.special.logit(torch.sigmoid(s * 4), 0.05)
+    + torch.sigmoid(s).logit(eps=0.2),
+    "deg2rad": lambda s, b, h, q, kv: torch.deg2rad(s * 30) + s.rad2deg() * 0.01 + torch.deg2rad(q - kv),
 }
-LEARNABLE = {"lerp": (W,), "clamp_tensor_bounds": (LO, HI)}
+LEARNABLE = {"lerp": (W,), "clamp_tensor_bounds": (LO, HI), "atan2": (ATAN_X,), "hypot": (HYPOT_Y,),
+             "logaddexp": (LAE_B,), "xlogy": (XLOGY_Y, XLOGY_Z)}
 
 # The Triton kernels under the interpreter run a few of these at a time: one fwd and bwd module
 # per mod is what each costs.
@@ -90,6 +111,8 @@ GROUPS = {
     "special values": ["masked_fill", "nan_to_num", "isnan_isinf", "isin", "constants", "bools"],
     "arithmetic": ["lerp", "addcmul_addcdiv", "rounding_div", "clamp_tensor_bounds", "sign",
                    "remainder_fmod"],
+    "two-argument and special functions": ["atan2", "hypot", "logaddexp", "xlogy", "heaviside", "logit",
+                                           "deg2rad"],
 }
 
 
@@ -170,6 +193,12 @@ MASK_MODS = {
     "constants": lambda b, h, q, kv: (q - kv) <= torch.tensor(6) + torch.full((), 2, dtype=torch.int32),
     "nan_free": lambda b, h, q, kv: ~torch.isnan(torch.log((q - kv).float())),
     "remainder": lambda b, h, q, kv: torch.remainder(q - kv, 5) == torch.fmod(kv - q, -5).abs(),
+    # (a radius of 10 around (12, 20): its rim holds the 6-8-10 triangles, hypot exact there)
+    "hypot_radius": lambda b, h, q, kv: torch.hypot((q - 12).float(), (kv - 20).float()) <= 10,
+    "atan2_cone": lambda b, h, q, kv: torch.atan2((q - kv).float(), kv * 0.0 + 8.0).abs() < 0.9,
+    "logaddexp": lambda b, h, q, kv: torch.logaddexp(q * 0.1, kv * 0.1) < 3.5,
+    # int8 wraps past 127; a float16 product and its comparison with an index, in float16
+    "narrow_dtypes": lambda b, h, q, kv: ((kv + 100).to(torch.int8) > 0) & (q.half() * 0.37 <= kv),
 }
 
 

@@ -132,6 +132,9 @@ _OPS = {
     Op.ATAN: _unary_math("atan"), Op.SINH: _unary_math("sinh"), Op.COSH: _unary_math("cosh"),
     Op.ASIN: _unary_math("asin"), Op.ACOS: _unary_math("acos"), Op.LOG1P: _unary_math("log1p"),
     Op.EXPM1: _unary_math("expm1"), Op.ERF: _unary_math("erf"),
+    Op.ATAN2: lambda n, a, fast=False: f"cute.math.atan2({a[0]}, {a[1]})",
+    Op.ROUND_F16: lambda n, a: f"{a[0]}.to(cutlass.Float16).to(Float32)",
+    Op.ROUND_BF16: lambda n, a: f"{a[0]}.to(cutlass.BFloat16).to(Float32)",
     Op.FMOD: lambda n, a: (f"cute.math.rem({a[0]}, {a[1]})" if n.dtype.is_float else _int_fmod(n, a)),
     Op.SIGMOID: lambda n, a, fast=False: (f"(Float32(1.0) / (Float32(1.0) + cute.math.exp(-{a[0]}"
                                           f"{', fastmath=True' if fast else ''})))"),

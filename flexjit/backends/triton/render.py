@@ -89,7 +89,9 @@ _OPS = {
     Op.ROUND: "libdevice.rint({0})", Op.TRUNC: "libdevice.trunc({0})", Op.TAN: "libdevice.tan({0})",
     Op.ATAN: "libdevice.atan({0})", Op.SINH: "libdevice.sinh({0})", Op.COSH: "libdevice.cosh({0})",
     Op.ASIN: "libdevice.asin({0})", Op.ACOS: "libdevice.acos({0})", Op.LOG1P: "libdevice.log1p({0})",
-    Op.EXPM1: "libdevice.expm1({0})", Op.ERF: "tl.erf({0})",
+    Op.EXPM1: "libdevice.expm1({0})", Op.ERF: "tl.erf({0})", Op.ATAN2: "libdevice.atan2({0}, {1})",
+    # rounds to nearest even (Triton's default downcast; the interpreter's: sources.py)
+    Op.ROUND_F16: "{0}.to(tl.float16).to(tl.float32)", Op.ROUND_BF16: "{0}.to(tl.bfloat16).to(tl.float32)",
     Op.FMOD: "{0} % {1}",  # C's remainder on ints and floats: torch.fmod's
     Op.LT: "{0} < {1}", Op.LE: "{0} <= {1}", Op.GT: "{0} > {1}", Op.GE: "{0} >= {1}",
     Op.EQ: "{0} == {1}", Op.NE: "{0} != {1}",

@@ -129,6 +129,15 @@ def _interpreter_libdevice():
             h = x.handle
             return tl.core.tensor(TensorHandle(fn(h.data).astype(h.data.dtype), h.dtype.scalar), x.type)
         return f
+    def elementwise2(fn):  # float32 operands (tensors or literals), numpy's broadcasting
+        def f(x, y):
+            args = [a.handle.data if isinstance(a, tl.core.tensor) else np.float32(a) for a in (x, y)]
+            out = np.asarray(fn(*args), dtype=np.float32)
+            block = any(isinstance(a, tl.core.tensor) and a.type.is_block() for a in (x, y))
+            ty = tl.block_type(tl.float32, list(out.shape)) if block else tl.float32
+            return tl.core.tensor(TensorHandle(out, tl.float32), ty)
+        return f
+    ns["atan2"] = elementwise2(np.arctan2)
     ns.update({name: elementwise(fn) for name, fn in (
         ("rint", np.rint), ("trunc", np.trunc), ("tan", np.tan), ("atan", np.arctan),
         ("sinh", np.sinh), ("cosh", np.cosh), ("asin", np.arcsin), ("acos", np.arccos),
