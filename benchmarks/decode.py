@@ -5,7 +5,8 @@ batch elements; heads and batch elements are independent) before it is timed, wr
 DIR/results.json after every row (impl, batch, kv_len, paged, variant, ms, gbps, correct, and
 ms_graph / gbps_graph: the same call replayed from a CUDA graph, i.e. without host overhead).
 ``gbps`` = bytes of K and V the variant must read (every key for causal at Q_LEN=1, the window for
-sliding_window) ÷ time.
+sliding_window; one byte an element for the FP8 cache) ÷ time. An FP8 row is checked against the
+attention of the values its cache holds (dequantised, in fp32).
 
 | impl       | what runs                                                                        |
 |------------|----------------------------------------------------------------------------------|
@@ -13,6 +14,8 @@ sliding_window) ÷ time.
 | fa4        | flash_attn.cute: flash_attn_func (contiguous) / flash_attn_varlen_func with       |
 |            | page_table (paged), causal / window_size, num_splits=0 (its own split heuristic)  |
 | torch-flex | torch.compile(flex_attention) (torch's flex decoding kernel at small Q_LEN)       |
+| flexjit-fp8| flexjit with the KV cache in float8_e4m3fn, one descale per (batch, kv head), bf16  |
+|            | queries: the split-KV kernel reads the e4m3 tiles (half the bytes of bf16)         |
 
 Paged: the KV of every sequence sits in 128-token pages of one pool, handed out by
 flexjit.PagedAttention in round-robin rounds (so entries interleave; shuffled at random where
@@ -47,7 +50,7 @@ import torch
 from .impls import raise_dynamo_limits
 
 PAGE = 128
-IMPLS = ("flexjit", "fa4", "torch-flex")
+IMPLS = ("flexjit", "flexjit-fp8", "fa4", "torch-flex")
 VARIANTS = ("causal", "sliding_window")
 
 
@@ -148,7 +151,26 @@ class Case:
         self.k = torch.randn(B, S, args.hkv, args.d, device=dev, dtype=dt, generator=g).transpose(1, 2)
         self.v = torch.randn(B, S, args.hkv, args.d, device=dev, dtype=dt, generator=g).transpose(1, 2)
         self._paged = None
+        self._fp8 = None
         self.pa = None
+
+    def fp8(self):
+        """(k8, v8, k_descale, v_descale): K and V quantised to float8_e4m3fn with one descale per
+        (batch, kv head) (amax / 448), in the same [B, S, H, D] memory seen as [B, H, S, D]."""
+        if self._fp8 is None:
+            out = []
+            for t in (self.k, self.v):
+                scale = (t.float().abs().amax(dim=(2, 3)) / 448.0).clamp(min=1e-12)  # (B, Hkv)
+                q8 = (t.float() / scale[:, :, None, None]).to(torch.float8_e4m3fn)
+                out.append((q8.transpose(1, 2).contiguous().transpose(1, 2), scale.contiguous()))
+            (k8, kd), (v8, vd) = out
+            self._fp8 = (k8, v8, kd, vd)
+        return self._fp8
+
+    def dequantised(self):
+        """The values the FP8 cache holds, in fp32: what an FP8 row is checked against."""
+        k8, v8, kd, vd = self.fp8()
+        return k8.float() * kd[:, :, None, None], v8.float() * vd[:, :, None, None]
 
     def paged(self):
         """(k_pool, v_pool [n_pages, PAGE, Hkv, D], page_table [B, S/PAGE] int32,
@@ -177,12 +199,25 @@ class Case:
             self._paged = (kp, vp, perm.to(torch.int32).contiguous(), p2l)
         return self._paged
 
-    def flex_kv(self, paged: bool):
+    def paged_fp8(self):
+        """(k_pool, v_pool) of the FP8 cache: the bf16 pools' layout and page table, e4m3
+        values (unowned pages hold e4m3 NaN on the GPU, 448 on the CPU)."""
+        kp, vp, perm, _ = self.paged()
+        k8, v8, _, _ = self.fp8()
+        B, n = perm.shape
+        out = []
+        for pool, t in ((kp, k8), (vp, v8)):
+            p8 = pool.clamp(-448, 448).to(torch.float8_e4m3fn)  # NaN stays NaN
+            p8[perm.reshape(-1).long()] = t.transpose(1, 2).reshape(B * n, PAGE, *pool.shape[2:])
+            out.append(p8)
+        return tuple(out)
+
+    def flex_kv(self, paged: bool, fp8: bool = False):
         """k, v as flex_attention takes them: [B, Hkv, S, D], or the pool as one sequence
         [1, Hkv, n_pages·PAGE, D] expanded over the batch (strided views, no copy)."""
         if not paged:
-            return self.k, self.v
-        kp, vp, _, _ = self.paged()
+            return self.fp8()[:2] if fp8 else (self.k, self.v)
+        kp, vp = self.paged_fp8() if fp8 else self.paged()[:2]
         P = kp.shape[0] * PAGE
         return tuple(t.view(1, P, *t.shape[2:]).transpose(1, 2).expand(self.B, -1, -1, -1)
                      for t in (kp, vp))
@@ -250,10 +285,11 @@ def parse_mode(mode: str) -> dict:
     return opts
 
 
-def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = ""):
+def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = "", fp8: bool = False):
     import flexjit
     opts = parse_mode(mode) if mode else None
-    k, v = case.flex_kv(paged)
+    k, v = case.flex_kv(paged, fp8)
+    descales = dict(k_descale=case.fp8()[2], v_descale=case.fp8()[3]) if fp8 else {}
     if paged and case.pa is not None:  # the user's path: flexjit.PagedAttention's conversion
         logical = flexjit.create_block_mask(base_mask(variant, case.S, case.args.window), None, None,
                                             1, case.S, device=case.args.device, BLOCK_SIZE=PAGE)
@@ -269,10 +305,14 @@ def setup_flexjit(case: Case, variant: str, paged: bool, mode: str = ""):
 
     def call():
         return flexjit.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
-                                      kernel_options=opts)
+                                      kernel_options=opts, **descales)
     note = str(flexjit.explain(q, k, v, block_mask=bm, enable_gqa=True, backend=backend,
-                               kernel_options=opts)).splitlines()[0]
+                               kernel_options=opts, **descales)).splitlines()[0]
     return call, note
+
+
+def setup_flexjit_fp8(case: Case, variant: str, paged: bool):
+    return setup_flexjit(case, variant, paged, fp8=True)
 
 
 def setup_torch_flex(case: Case, variant: str, paged: bool):
@@ -336,17 +376,21 @@ def setup_fa4(case: Case, variant: str, paged: bool):
     return call, "; ".join(notes + [f"num_splits={args.get('num_splits', 'n/a')}"])
 
 
-SETUP = {"flexjit": setup_flexjit, "fa4": setup_fa4, "torch-flex": setup_torch_flex}
+SETUP = {"flexjit": setup_flexjit, "flexjit-fp8": setup_flexjit_fp8, "fa4": setup_fa4,
+         "torch-flex": setup_torch_flex}
 
 
 # ---- reference, timing ------------------------------------------------------------------------
 
 
-def reference_check(case: Case, variant: str, out: torch.Tensor) -> tuple[bool, float, float]:
-    """(correct, err, bound): out against fp32 (fp64 on the CPU) math on the logical K/V, for
-    batch elements 0 and B-1; bound = 2·err(the same math in the inputs' dtype) + 1e-3."""
+def reference_check(case: Case, variant: str, out: torch.Tensor,
+                    fp8: bool = False) -> tuple[bool, float, float]:
+    """(correct, err, bound): out against fp32 (fp64 on the CPU) math on the logical K/V (for an
+    FP8 cache: the values it holds), for batch elements 0 and B-1; bound = 2·err(the same math in
+    the query's dtype) + 1e-3."""
     bs = sorted({0, case.B - 1})
-    q, k, v = case.q[bs], case.k[bs], case.v[bs]
+    k, v = case.dequantised() if fp8 else (case.k, case.v)
+    q, k, v = case.q[bs], k[bs], v[bs]
     G = q.shape[1] // k.shape[1]
     S = case.S
     kv_idx = torch.arange(S, device=q.device)
@@ -361,7 +405,7 @@ def reference_check(case: Case, variant: str, out: torch.Tensor) -> tuple[bool, 
         s = s.masked_fill(~keep, float("-inf"))
         return torch.softmax(s.float() if dt != wide else s, -1).to(dt) @ vv
     ref = attend(wide)
-    low = attend(q.dtype)
+    low = attend(q.dtype)  # for FP8: bf16 math on the dequantised values
     got = out[bs]
     err = (got.to(wide) - ref).abs().max().item()
     bound = 2 * (low.to(wide) - ref).abs().max().item() + 1e-3
@@ -432,7 +476,9 @@ def run_row(args, case: Case, impl: str, variant: str, paged: bool) -> dict:
     row = dict(impl=impl, batch=case.B, kv_len=case.S, paged=paged, variant=variant, hq=args.hq,
                hkv=args.hkv, d=args.d, ms=None, gbps=None, ms_graph=None, gbps_graph=None,
                correct=None, note="", error=None)
-    nbytes = case.B * args.hkv * keys_read(variant, case.S, args.window) * 2 * args.d * case.q.element_size()
+    fp8 = impl == "flexjit-fp8"
+    elem = 1 if fp8 else case.q.element_size()
+    nbytes = case.B * args.hkv * keys_read(variant, case.S, args.window) * 2 * args.d * elem
     try:
         if impl.startswith("flexjit["):
             fn, row["note"] = setup_flexjit(case, variant, paged, impl[len("flexjit["):-1])
@@ -441,7 +487,7 @@ def run_row(args, case: Case, impl: str, variant: str, paged: bool) -> dict:
         found = re.search(r"(\d+) splits? ", row["note"])
         row["splits"] = int(found.group(1)) if found else None
         out = fn()
-        row["correct"], row["err"], row["bound"] = reference_check(case, variant, out)
+        row["correct"], row["err"], row["bound"] = reference_check(case, variant, out, fp8)
         if not row["correct"]:
             row["error"] = f"wrong answer: err {row['err']:.3g} > bound {row['bound']:.3g}"
             return row

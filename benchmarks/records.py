@@ -293,6 +293,9 @@ def _md_decode(rows: list) -> list[str]:
                                                                                      "flexjit GB/s"]
         if base and "flexjit" in impls:
             header += ["best baseline (graph)", "best ÷ flexjit (graph)"]
+        fp8 = "flexjit-fp8" in impls and "flexjit" in impls
+        if fp8:
+            header += ["bf16 ÷ FP8 cache (graph)"]
         body = []
         for batch, kv, paged, variant in cells:
             at = {r["impl"]: r for r in ok
@@ -307,6 +310,9 @@ def _md_decode(rows: list) -> list[str]:
                 best = min(have, key=lambda i: at[i]["ms_graph"]) if have else None
                 line.append(f"{best} {_num(at[best]['ms_graph'] * 1e3)}" if best else "–")
                 line.append(_num(at[best]["ms_graph"] / fj["ms_graph"], 2) if best and fj else "–")
+            if fp8:
+                f8 = at.get("flexjit-fp8")
+                line.append(_num(fj["ms_graph"] / f8["ms_graph"], 2) if fj and f8 else "–")
             body.append(line)
         out += _table(header, body) + [""]
         wrong = [r for r in ok if r.get("correct") is False]
@@ -518,7 +524,8 @@ def _prefill_table(passes=("fwd", "fwdbwd"), s: int = 8192):
 
 def _decode_table(rows: list, meta: dict, path: str) -> list[str]:
     """Causal, contiguous, CUDA-graph times: flexjit's µs and GB/s, the fastest baseline of the same
-    run (FA4 or torch's compiled flex decoding) and its time ÷ flexjit's."""
+    run (FA4 or torch's compiled flex decoding) and its time ÷ flexjit's; with an FP8 cache row
+    in the same run, its µs and bf16's time ÷ its."""
     chosen = {}
     for run, part in runs_of(rows, meta):
         for r in part:
@@ -528,16 +535,24 @@ def _decode_table(rows: list, meta: dict, path: str) -> list[str]:
                     and (x["batch"], x["kv_len"], x["paged"], x["variant"])
                     == (r["batch"], r["kv_len"], r["paged"], r["variant"])]
             key = (r["batch"], r["kv_len"])
+            fp8 = [x for x in part if x["impl"] == "flexjit-fp8" and x.get("ms_graph") is not None
+                   and (x["batch"], x["kv_len"], x["paged"], x["variant"])
+                   == (r["batch"], r["kv_len"], r["paged"], r["variant"])]
             if base and (key not in chosen or str(run["date"]) > str(chosen[key][0]["date"])):
-                chosen[key] = (run, r, min(base, key=lambda x: x["ms_graph"]))
+                chosen[key] = (run, r, min(base, key=lambda x: x["ms_graph"]), fp8[0] if fp8 else None)
     source, mark = _source_line(path, meta, [c[0] for c in chosen.values()])
     body = []
-    for (batch, kv), (run, r, base) in sorted(chosen.items()):
+    any_fp8 = any(c[3] for c in chosen.values())
+    for (batch, kv), (run, r, base, f8) in sorted(chosen.items()):
         m = mark[_run_key(run)]
         name = IMPL_NAMES.get(base["impl"], base["impl"])
-        body.append([batch, _size(kv), f"{r['ms_graph'] * 1e3:.1f}{m}", f"{r['gbps_graph']:.0f}",
-                     f"{name} {base['ms_graph'] * 1e3:.1f}", f"{base['ms_graph'] / r['ms_graph']:.2f}{m}"])
+        line = [batch, _size(kv), f"{r['ms_graph'] * 1e3:.1f}{m}", f"{r['gbps_graph']:.0f}",
+                f"{name} {base['ms_graph'] * 1e3:.1f}", f"{base['ms_graph'] / r['ms_graph']:.2f}{m}"]
+        if any_fp8:
+            line.append(f"{f8['ms_graph'] * 1e3:.1f} ({r['ms_graph'] / f8['ms_graph']:.2f}×)" if f8 else "–")
+        body.append(line)
     head = ["batch", "KV", "flexjit µs", "GB/s", "best baseline µs", "ratio"]
+    head += ["FP8 cache µs (× bf16)"] if any_fp8 else []
     return _table(head, body) + ["", source]
 
 

@@ -358,16 +358,16 @@ def test_choose_splits_measured_points():
 
 
 def test_benchmark_smoke(interp, tmp_path):
-    """benchmarks/decode.py end to end at CPU sizes: every flexjit and torch row is checked
-    against the fp64 reference (contiguous and paged) before it is timed."""
+    """benchmarks/decode.py end to end at CPU sizes: every flexjit and torch row, the FP8 cache's
+    too, is checked against the fp64 reference (contiguous and paged) before it is timed."""
     import json
     from benchmarks import decode
     out = tmp_path / "bench"
     decode.main(["--out", str(out), "--device", "cpu", "--batch", "2", "--kv", "256",
-                 "--impls", "flexjit,torch-flex,fa4", "--variants", "causal,sliding_window",
+                 "--impls", "flexjit,flexjit-fp8,torch-flex,fa4", "--variants", "causal,sliding_window",
                  "--flexjit-modes", "splits=3,BLOCK_N=32"])
     rows = json.loads((out / "results.json").read_text())
-    assert len(rows) == 4 * 2 * 2
+    assert len(rows) == 5 * 2 * 2
     for r in rows:
         if r["impl"] == "fa4":
             assert r["error"].startswith("skipped: needs a CUDA GPU"), r
@@ -377,6 +377,9 @@ def test_benchmark_smoke(interp, tmp_path):
                if r["impl"].startswith("flexjit"))
     assert all(r["splits"] == 3 and "BLOCK_N=32" in r["note"] for r in rows
                if r["impl"] == "flexjit[splits=3,BLOCK_N=32]")
+    # The FP8-cache rows ran the kernel's e4m3 path (not a dequantised copy), checked against the
+    # attention of the values the cache holds.
+    assert all("reads the FP8 tiles" in r["note"] for r in rows if r["impl"] == "flexjit-fp8")
 
 
 @pytest.mark.parametrize("arch", [80, 90])
