@@ -160,17 +160,21 @@ class Case:
         if self._fp8 is None:
             out = []
             for t in (self.k, self.v):
-                scale = (t.float().abs().amax(dim=(2, 3)) / 448.0).clamp(min=1e-12)  # (B, Hkv)
-                q8 = (t.float() / scale[:, :, None, None]).to(torch.float8_e4m3fn)
-                out.append((q8.transpose(1, 2).contiguous().transpose(1, 2), scale.contiguous()))
+                scale = (t.abs().amax(dim=(2, 3)).float() / 448.0).clamp(min=1e-12)  # (B, Hkv)
+                q8 = torch.empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3], device=t.device,
+                                 dtype=torch.float8_e4m3fn).transpose(1, 2)
+                for b in range(t.shape[0]):  # one batch row at a time: no float32 copy of the cache
+                    q8[b] = (t[b].float() / scale[b, :, None, None]).to(torch.float8_e4m3fn)
+                out.append((q8, scale.contiguous()))
             (k8, kd), (v8, vd) = out
             self._fp8 = (k8, v8, kd, vd)
         return self._fp8
 
-    def dequantised(self):
-        """The values the FP8 cache holds, in fp32: what an FP8 row is checked against."""
+    def dequantised(self, bs: list[int]):
+        """The values the FP8 cache holds for batch rows ``bs``, in fp32: what an FP8 row is
+        checked against."""
         k8, v8, kd, vd = self.fp8()
-        return k8.float() * kd[:, :, None, None], v8.float() * vd[:, :, None, None]
+        return tuple(t[bs].float() * d[bs][:, :, None, None] for t, d in ((k8, kd), (v8, vd)))
 
     def paged(self):
         """(k_pool, v_pool [n_pages, PAGE, Hkv, D], page_table [B, S/PAGE] int32,
@@ -206,8 +210,10 @@ class Case:
         k8, v8, _, _ = self.fp8()
         B, n = perm.shape
         out = []
+        fill = 0x7F if kp.device.type == "cuda" else 0x7E  # e4m3fn's NaN, 448
         for pool, t in ((kp, k8), (vp, v8)):
-            p8 = pool.clamp(-448, 448).to(torch.float8_e4m3fn)  # NaN stays NaN
+            p8 = torch.empty(pool.shape, device=pool.device, dtype=torch.float8_e4m3fn)
+            p8.view(torch.uint8).fill_(fill)
             p8[perm.reshape(-1).long()] = t.transpose(1, 2).reshape(B * n, PAGE, *pool.shape[2:])
             out.append(p8)
         return tuple(out)
@@ -389,8 +395,8 @@ def reference_check(case: Case, variant: str, out: torch.Tensor,
     FP8 cache: the values it holds), for batch elements 0 and B-1; bound = 2·err(the same math in
     the query's dtype) + 1e-3."""
     bs = sorted({0, case.B - 1})
-    k, v = case.dequantised() if fp8 else (case.k, case.v)
-    q, k, v = case.q[bs], k[bs], v[bs]
+    k, v = case.dequantised(bs) if fp8 else (case.k[bs], case.v[bs])
+    q = case.q[bs]
     G = q.shape[1] // k.shape[1]
     S = case.S
     kv_idx = torch.arange(S, device=q.device)

@@ -40,10 +40,11 @@ def is_fp8(t: torch.Tensor) -> bool:
 
 
 def compute_dtype(q: torch.Tensor) -> torch.dtype:
-    """What a kernel reading FP8 itself converts q, k and v to before its dots: the query's own
-    dtype for a 16/32-bit query (e4m3 converts to any of them exactly), float16 for an FP8 query
-    (exact too, and P rounds to 11 bits there, against bfloat16's 8)."""
-    return torch.float16 if is_fp8(q) else q.dtype
+    """What a kernel reading FP8 itself converts q, k and v to before its dots (e4m3 converts to
+    each exactly): float16 for an FP8 or 16-bit query (one conversion instruction a pair of e4m3
+    values, where bfloat16 takes three; P rounds to 11 bits, against bfloat16's 8; a bfloat16
+    query is scaled by a power of two per row into float16's range first), float32 for float32."""
+    return torch.float32 if q.dtype == torch.float32 else torch.float16
 
 
 def _per_head(descale: torch.Tensor, t: torch.Tensor, group: int) -> torch.Tensor:

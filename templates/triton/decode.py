@@ -16,7 +16,11 @@ What this module holds
 * ``_score_tile`` (``triton_common.py``'s, with its holes, unmerged): here ``off_h`` and ``q_idx``
   are (BLOCK_M, 1) vectors (rows of one tile belong to several query heads), ``off_b`` a scalar.
 * FP8 (``KV_FP8``, and ``Q_FP8`` for an e4m3 query): K/V tiles are loaded as e4m3 (half the
-  bytes) and converted exactly to the query's dtype (float16 for an e4m3 query) before the dots.
+  bytes) and converted exactly to ``backends/fp8.py``'s compute dtype before the dots: float16
+  for an e4m3 or 16-bit query (one conversion a pair; to bfloat16 it takes three, which made the
+  kernel conversion-bound), float32 for a float32 one. A bfloat16 query is multiplied per row by
+  a power of two that brings its largest value into [2^14, 2^15) before it rounds to float16
+  (exact for every value within 2^-28 of that largest), undone in the score scale.
   A program serves one (batch, kv head), so its descales are scalars: q's and k's fold into the
   score scale, v's into the output. Off (and DESCALE None) the kernel is the 16-bit one.
 
@@ -122,6 +126,7 @@ def flex_decode(
     HAS_MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
     OUTPUT_MAX: tl.constexpr, SPLIT: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr,
+    Q_TO_F16: tl.constexpr,
 ):
     split = tl.program_id(0) % n_splits
     q_blk = (tl.program_id(0) // n_splits) // MT
@@ -151,6 +156,14 @@ def flex_decode(
         sm_scale = sm_scale * qk_descale
         qk_scale_log2 = qk_scale_log2 * qk_descale
         v_descale = tl.load(ds + 2)
+        if Q_TO_F16:  # a bfloat16 query: float16 dots (module docstring)
+            q32 = q.to(tl.float32)
+            amax = _max(tl.abs(q32), 1)
+            expo = tl.floor(tl.math.log2(tl.where(amax > 0.0, amax, 1.0)))  # 0: a masked row
+            q = (q32 * tl.math.exp2(14.0 - expo)[:, None]).to(tl.float16)
+            unshift = tl.math.exp2(expo - 14.0)[:, None]  # per row: (BLOCK_M, 1)
+            sm_scale = sm_scale * unshift
+            qk_scale_log2 = qk_scale_log2 * unshift
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)

@@ -231,7 +231,8 @@ def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, b
                   HAS_SCORE_MOD=p.score is not None, EVEN_N=tb._even(S, dp.BLOCK_N, tp.sparse, 1),
                   DOT_PRECISION=tp.dot, FAST_MATH=tp.fast_math, NUM_STAGES=dp.num_stages,
                   OUTPUT_MAX=maxs is not None and maxs is not lse, SPLIT=dp.splits > 1,
-                  Q_FP8=descale is not None and is_fp8(q), KV_FP8=descale is not None)
+                  Q_FP8=descale is not None and is_fp8(q), KV_FP8=descale is not None,
+                  Q_TO_F16=descale is not None and q.dtype == torch.bfloat16)
     grid = (dp.q_blocks * dp.m_tiles * dp.splits, dp.head_programs, B)
     return tb.Launch("decode", "flex_decode", grid, args, consts,
                      tb._options(dp.num_warps, dp.num_stages))
