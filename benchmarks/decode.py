@@ -79,6 +79,8 @@ def parse_args(argv=None):
                         "splits=N (kernel_options DECODE_SPLITS) or another kernel_options key "
                         "(BLOCK_N, "
                         "num_warps, num_stages), e.g. 'splits=8;BLOCK_N=128,num_stages=4'")
+    p.add_argument("--fp8-modes", default="",
+                   help="extra flexjit-fp8 rows, as --flexjit-modes (the FP8 cache's tiles)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--paged", default="0,1", help="0 (contiguous), 1 (paged) or both")
     p.add_argument("--budget-s", type=float, default=240.0, help="start no row after this (0: no limit)")
@@ -107,6 +109,9 @@ def parse_args(argv=None):
     for mode in filter(None, a.flexjit_modes.split(";")):
         parse_mode(mode)
         a.impls.append(f"flexjit[{mode}]")
+    for mode in filter(None, a.fp8_modes.split(";")):
+        parse_mode(mode)
+        a.impls.append(f"flexjit-fp8[{mode}]")
     for x in a.variants:
         if x not in VARIANTS:
             raise SystemExit(f"unknown variant {x}; known: {VARIANTS}")
@@ -482,12 +487,12 @@ def run_row(args, case: Case, impl: str, variant: str, paged: bool) -> dict:
     row = dict(impl=impl, batch=case.B, kv_len=case.S, paged=paged, variant=variant, hq=args.hq,
                hkv=args.hkv, d=args.d, ms=None, gbps=None, ms_graph=None, gbps_graph=None,
                correct=None, note="", error=None)
-    fp8 = impl == "flexjit-fp8"
+    fp8 = impl.startswith("flexjit-fp8")
     elem = 1 if fp8 else case.q.element_size()
     nbytes = case.B * args.hkv * keys_read(variant, case.S, args.window) * 2 * args.d * elem
     try:
-        if impl.startswith("flexjit["):
-            fn, row["note"] = setup_flexjit(case, variant, paged, impl[len("flexjit["):-1])
+        if impl.startswith(("flexjit[", "flexjit-fp8[")):
+            fn, row["note"] = setup_flexjit(case, variant, paged, impl[impl.index("[") + 1:-1], fp8)
         else:
             fn, row["note"] = SETUP[impl](case, variant, paged)
         found = re.search(r"(\d+) splits? ", row["note"])
