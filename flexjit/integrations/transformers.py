@@ -32,7 +32,11 @@ from flexjit.api.attention import flex_attention
 from flexjit.planner.block_mask import BlockMask, and_masks
 from flexjit.api.masks import create_block_mask
 from flexjit.frontend.trace import MASK_MOD, trace_mod
+from flexjit import config
+from flexjit.backends.base import capability
+from flexjit.integrations import warmup
 from flexjit.integrations.warmup import WarmupCall
+from flexjit.runtime import compile_pool
 
 try:
     from transformers import AttentionInterface
@@ -145,9 +149,50 @@ def flexjit_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                         "expected a flexjit BlockMask (from its mask interface) or a 4-D tensor")
     if softcap:
         score_mod = _chain(score_mod, _softcap(float(softcap)))
+    _compile_other_layers(module, query, key, value, score_mod, block_mask)
     out = flex_attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
                          scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+_STARTED: set = set()
+
+
+def _compile_other_layers(module, query, key, value, score_mod, block_mask) -> None:
+    """At a model's first call of a shape, send the compiles its other layer kinds will need
+    (forward, and backward when training) to the compile pool's workers, so that the kinds
+    (Gemma 2's sliding and full layers) compile side by side instead of each layer's forward
+    waiting for the previous one's. Only where the model's calls are the plain ones
+    ``warmup_calls`` describes (no padding, no packed documents): this call's own forward must
+    be one of them. This call's own kernels go the usual way (its forward here, its backward
+    ahead of need)."""
+    cfg = getattr(module, "config", None)
+    B, _, L, _ = query.shape
+    if cfg is None or torch.compiler.is_compiling() or key.shape[2] != L or block_mask is None:
+        return
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    seen = (id(cfg), B, L, query.dtype, grad, str(query.device))
+    if seen in _STARTED or not _pool_serves(query.device):
+        return
+    _STARTED.add(seen)
+    try:
+        own, _ = warmup.jobs(WarmupCall.like(query, key, value, score_mod, block_mask))
+        others = [job for call in warmup_calls(cfg, [L], B, query.dtype, grad)
+                  for job in warmup.jobs(call)[0]]
+    except Exception:  # noqa: BLE001 -- a config this cannot read: the layers compile as they come
+        return
+    if not own or own[0].ident not in {job.ident for job in others}:
+        return
+    for job in others:
+        if job.ident != own[0].ident:
+            compile_pool.start(job)
+
+
+def _pool_serves(device: torch.device) -> bool:
+    """Whether the pool's kernels (sm90 CuTe, compiled in workers) are what calls on
+    ``device`` run."""
+    return (device.type == "cuda" and compile_pool.enabled() and capability(device) == (9, 0)
+            and "cute" not in config.settings.disabled)
 
 
 def warmup_calls(model_or_config, seq_lens, batch: int = 1, dtype: torch.dtype = torch.bfloat16,

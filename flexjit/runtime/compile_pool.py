@@ -221,19 +221,92 @@ class WorkerError(RuntimeError):
 
 _BOOT = ("import sys; sys.path[:0] = {path!r}; "
          "from flexjit.runtime.compile_pool import serve; serve()")
+IDLE_S = 30.0  # a worker with no job for this long exits (a forked one holds the caller's pages)
+_PIPES: set[int] = set()  # this process's ends of its workers' pipes (a forked child closes them)
+
+
+def can_fork() -> bool:
+    """Whether a new worker may be forked from this thread now: POSIX, and no thread of this
+    process inside the CuTe compiler (a child inherits whatever locks are held at the fork; the
+    compile loop it runs takes the compiler's)."""
+    return hasattr(os, "fork") and cute_cache.compiles_running() == 0
+
+
+class _Forked:
+    """A forked worker's process, with the part of ``subprocess.Popen`` that ``_Worker`` uses."""
+
+    def __init__(self, pid: int, stdin, stdout):
+        self.pid, self.stdin, self.stdout, self.returncode = pid, stdin, stdout, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"compile worker {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, 9)
 
 
 class _Worker:
-    """One worker process; ``run`` sends it a job and waits for its answer."""
+    """One worker process; ``run`` sends it a job and waits for its answer.
 
-    def __init__(self):
+    Forked (``fork=True``) from the caller, it starts in milliseconds with torch, flexjit and
+    cutlass already imported; a ``python -c`` worker (spawned) pays those imports, seconds. The
+    caller forks only from the thread submitting a job while no thread compiles
+    (``can_fork``); the child hides the GPU from itself and touches neither CUDA nor anything
+    of the caller's but its own pipes, and exits by ``os._exit``."""
+
+    def __init__(self, fork: bool = False):
+        self.stderr = tempfile.TemporaryFile()
+        self.forked = fork
+        self.proc = self._fork() if fork else self._spawn()
+        _PIPES.update((self.proc.stdin.fileno(), self.proc.stdout.fileno()))
+
+    def _spawn(self) -> subprocess.Popen:
         root = str(Path(__file__).resolve().parents[2])
         path = [] if root in site.getsitepackages() + [site.getusersitepackages()] else [root]
         env = config.child_environment(CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH=ARCH)
-        self.stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-c", _BOOT.format(path=path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, env=env)
+        return subprocess.Popen([sys.executable, "-c", _BOOT.format(path=path)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=self.stderr, env=env)
+
+    def _fork(self) -> _Forked:
+        job_r, job_w = os.pipe()
+        answer_r, answer_w = os.pipe()
+        sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
+        with warnings.catch_warnings():
+            # Python warns that forking a multi-threaded process may deadlock the child: the
+            # child here runs only the compile loop, forked while no thread compiles.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                for fd in _PIPES | {job_w, answer_r}:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                os.dup2(self.stderr.fileno(), 1)
+                os.dup2(self.stderr.fileno(), 2)
+                os.environ.update(CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH=ARCH)
+                torch.set_num_threads(1)  # the caller's OpenMP pool did not survive the fork
+                serve(os.fdopen(job_r, "rb"), os.fdopen(answer_w, "wb"))
+                code = 0
+            finally:
+                os._exit(code)  # never the caller's atexit hooks, nor its code after the fork
+        os.close(job_r)
+        os.close(answer_w)
+        return _Forked(pid, os.fdopen(job_w, "wb"), os.fdopen(answer_r, "rb"))
 
     def run(self, job: Job) -> dict:
         data = pickle.dumps(job)
@@ -251,14 +324,19 @@ class _Worker:
             raise WorkerError(answer["error"])
         return answer
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
     def tail(self, chars: int = 2000) -> str:
         self.stderr.seek(0, os.SEEK_END)
         self.stderr.seek(max(0, self.stderr.tell() - chars))
         return self.stderr.read().decode(errors="replace").strip() or "(none)"
 
     def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
+        for f in (self.proc.stdin, self.proc.stdout):
+            _PIPES.discard(f.fileno())
+            with contextlib.suppress(OSError, ValueError):
+                f.close()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -275,13 +353,15 @@ def _read(stream) -> dict | None:
     return pickle.loads(body)
 
 
-def serve() -> None:
-    """A worker's loop: a job from stdin, its answer to stdout, until stdin closes. Everything
-    the compiler prints goes to stderr (stdout carries only the answers)."""
-    answers = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    jobs = sys.stdin.buffer
+def serve(jobs=None, answers=None) -> None:
+    """A worker's loop: a job from ``jobs`` (stdin), its answer to ``answers`` (stdout), until
+    the jobs' pipe closes. A spawned worker's compiler output goes to stderr (stdout carries
+    only the answers)."""
+    if answers is None:
+        answers = os.fdopen(os.dup(1), "wb")
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+    jobs = sys.stdin.buffer if jobs is None else jobs
     while True:
         job = _read(jobs)
         if job is None:
@@ -296,51 +376,106 @@ def serve() -> None:
 
 
 class Pool:
-    """``size`` worker processes behind a queue; each job's ``Future`` gets its answer."""
+    """Up to ``size`` worker processes behind a queue; each job's ``Future`` gets its answer.
+
+    ``submit`` forks a worker (``can_fork``) when fewer are idle than jobs are waiting, so the
+    workers start from the caller's thread; a thread that finds no idle worker (one died)
+    spawns its replacement. Workers idle for ``IDLE_S`` exit; the next job starts another."""
 
     def __init__(self, size: int):
         self.pid = os.getpid()
+        self.size = size
         self.jobs: queue.Queue = queue.Queue()
-        self.live: list[_Worker | None] = [None] * size
-        self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True,
+        self.idle: queue.Queue = queue.Queue()
+        self.live: list[_Worker] = []
+        self.lock = threading.Lock()
+        self.waiting = 0  # jobs submitted and not yet taken by a worker
+        self.threads = [threading.Thread(target=self._loop, daemon=True,
                                          name=f"flexjit-compile-{i}") for i in range(size)]
         for t in self.threads:
             t.start()
 
     def submit(self, job: Job) -> cf.Future:
         fut: cf.Future = cf.Future()
+        with self.lock:
+            self.waiting += 1
+            if self.idle.qsize() < self.waiting and len(self.live) < self.size:
+                worker = _Worker(fork=can_fork())
+                self.live.append(worker)
+                self.idle.put(worker)
         self.jobs.put((job, fut))
         return fut
 
     def pids(self) -> list[int]:
-        return [w.proc.pid for w in self.live if w is not None]
+        with self.lock:
+            return [w.proc.pid for w in self.live]
 
-    def _loop(self, i: int) -> None:
+    def _take(self) -> _Worker:
+        """An idle live worker, else a new spawned one (room permitting), else the next to
+        become idle."""
         while True:
-            item = self.jobs.get()
+            try:
+                worker = self.idle.get_nowait()
+            except queue.Empty:
+                with self.lock:
+                    if len(self.live) < self.size:
+                        worker = _Worker(fork=False)  # not this thread's to fork from
+                        self.live.append(worker)
+                        return worker
+                worker = self.idle.get()
+            if worker.alive():
+                return worker
+            self._drop(worker)
+
+    def _drop(self, worker: _Worker) -> None:
+        with self.lock:
+            if worker in self.live:
+                self.live.remove(worker)
+        worker.stop()
+
+    def _retire_idle(self) -> None:
+        while True:
+            try:
+                worker = self.idle.get_nowait()
+            except queue.Empty:
+                return
+            self._drop(worker)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self.jobs.get(timeout=IDLE_S)
+            except queue.Empty:
+                self._retire_idle()
+                continue
             if item is None:
                 return
             job, fut = item
+            with self.lock:
+                self.waiting -= 1
             if not fut.set_running_or_notify_cancel():
                 continue
+            worker = None
             try:
-                if self.live[i] is None:
-                    self.live[i] = _Worker()
-                fut.set_result(self.live[i].run(job))
+                worker = self._take()
+                fut.set_result(worker.run(job))
             except BaseException as e:
-                if self.live[i] is not None and self.live[i].proc.poll() is not None:
-                    self.live[i].stop()  # dead: the next job starts a fresh one
-                    self.live[i] = None
                 fut.set_exception(e if isinstance(e, WorkerError) else WorkerError(repr(e)))
+            if worker is not None:
+                if worker.alive():
+                    self.idle.put(worker)
+                else:  # dead: the next job gets a fresh one
+                    self._drop(worker)
 
     def shutdown(self) -> None:
         for _ in self.threads:
             self.jobs.put(None)
         for t in self.threads:
             t.join(timeout=1)
-        for w in self.live:
-            if w is not None:
-                w.stop()
+        with self.lock:
+            live, self.live = self.live, []
+        for w in live:
+            w.stop()
 
 
 _POOL: Pool | None = None
@@ -390,6 +525,12 @@ def submit(job: Job) -> cf.Future:
     return fut
 
 
+def start(job: Job) -> None:
+    """Send ``job`` to a worker unless it is pending or an earlier process finished it."""
+    if enabled() and not _on_disk(job):
+        submit(job)
+
+
 def result(job: Job, fut: cf.Future) -> dict:
     """The job's answer; a failed worker is reported (``CompileWorkerWarning``) and the job
     run in this process instead."""
@@ -427,9 +568,7 @@ def ahead(backward: str | None, call) -> None:
     """Start compiling the backward a training call will run on ``backward`` (the sm90 backend's
     "cute" only), in a worker, and return at once."""
     if backward == "cute" and enabled():
-        job = _job_of(call)
-        if not _on_disk(job):
-            submit(job)
+        start(_job_of(call))
 
 
 def wait(backward: str, call) -> None:

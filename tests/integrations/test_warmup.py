@@ -115,3 +115,41 @@ def test_warmup_model_makes_the_calls_the_model_makes(family, passes_run):
         fwd, bwd = found
         warmed[bwd.ident] = fwd.persistent
     assert warmed == ran and len(ran) == (2 if family == "gemma2" else 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_models_first_call_starts_its_other_layer_kinds(family, monkeypatch):
+    # A model's first attention call sends every kernel its layer kinds will need, but its own
+    # forward (compiled by the call itself), to the workers at once: Gemma 2's sliding and full
+    # layers compile side by side. Once per shape; never for a call with padding.
+    transformers = pytest.importorskip("transformers")
+    import flexjit.integrations.transformers as fjt
+
+    started = []
+    monkeypatch.setattr(fjt, "_pool_serves", lambda device: True)
+    monkeypatch.setattr(compile_pool, "start", started.append)
+    monkeypatch.setattr(fjt, "_STARTED", set())
+    cfg = _tiny(family)
+    L, B = 384, 2
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="flexjit")
+    model.to(torch.bfloat16)
+    ids = torch.randint(0, 96, (B, L))
+    model(ids).logits.float().sum().backward()
+    want = [job for call in fjt.warmup_calls(model, [L], B, torch.bfloat16)
+            for job in wu.jobs(call)[0]]
+    first_kind = cfg.layer_types[0] if family == "gemma2" else "full_attention"
+    kinds = sorted(set(getattr(cfg, "layer_types", None) or ["full_attention"]))
+    own_fwd = want[2 * kinds.index(first_kind)]
+    assert sorted(j.ident for j in started) == sorted(j.ident for j in want if j is not own_fwd)
+    assert len(started) == (3 if family == "gemma2" else 1)
+    assert {j.kind for j in started} == ({"fwd", "bwd"} if family == "gemma2" else {"bwd"})
+
+    started.clear()
+    model(ids).logits.float().sum().backward()  # the same shape: nothing more
+    with torch.no_grad():
+        model(ids[:, :256])  # a new shape, no gradients: forwards only
+    assert [j.kind for j in started] == (["fwd"] if family == "gemma2" else [])
+
+    started.clear()
+    model(ids[:, :128], attention_mask=torch.ones(B, 128).tril(0)[:, :128] > 0)  # padding
+    assert started == []

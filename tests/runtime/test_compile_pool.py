@@ -188,11 +188,34 @@ def test_a_dead_worker_falls_back_with_a_warning_and_is_replaced(cache):
     with pytest.warns(compile_pool.CompileWorkerWarning, match="died with exit code -9"):
         compile_pool.wait("cute", call)
     assert len(list((cache / "cute").glob("*.o"))) == 3  # compiled here, exported
-    # The next job runs on a fresh worker, which finds the kernels on disk.
+    # The next job runs on a fresh worker, which compiles nothing: a forked one has this
+    # process's kernels in memory, a spawned one finds them on disk.
     compile_pool._PENDING.clear()
     answer = compile_pool.submit(job).result(timeout=600)
-    assert answer["compiled"] == 0 and answer["cached"] == 3
+    assert answer["compiled"] == 0
     assert pid not in pool.pids() and len(pool.pids()) == 1
+
+
+@pytest.mark.slow
+def test_a_worker_forked_after_a_compile_here_compiles_and_starts_fast(cache):
+    # The child inherits a process whose compiler has run (its thread pools, its contexts): it
+    # must still compile, and it starts without paying torch's and cutlass's imports.
+    _needs_cute()
+    from flexjit.backends.cute import sm90
+
+    sm90._COMPILED_BWD.clear()  # no kernel of another test's folder in memory
+    compile_pool.run_job(compile_pool.backward_job(_call(mods.softcap(35.0))))  # here, first
+    call = _call(lambda s, b, h, q, kv: torch.where(q >= kv, s, s * 0.25))
+    t0 = time.perf_counter()
+    compile_pool.ahead("cute", call)
+    pool = compile_pool.pool()
+    assert [w.forked for w in pool.live] == [True]
+    job, fut = next(iter(compile_pool._PENDING.values()))
+    answer = fut.result(timeout=600)
+    assert answer["compiled"] == 3
+    # a spawned worker's imports alone take seconds; a fork, milliseconds
+    assert time.perf_counter() - t0 - answer["seconds"] < 1.0
+    assert len(list((cache / "cute").glob("*.o"))) == 6
 
 
 @pytest.mark.slow

@@ -166,6 +166,28 @@ def _discard(key: str) -> None:
         log.warning("flexjit: cannot remove the bad cache entry %s: %s", key, e)
 
 
+_RUNNING = 0  # CuTe compiles under way in this process's threads
+_RUNNING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def compiling():
+    """Around a CuTe compile: ``compiles_running`` counts it (``runtime.compile_pool`` forks a
+    worker only while no thread is inside the compiler, whose locks a child would inherit)."""
+    global _RUNNING
+    with _RUNNING_LOCK:
+        _RUNNING += 1
+    try:
+        yield
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING -= 1
+
+
+def compiles_running() -> int:
+    return _RUNNING
+
+
 @contextlib.contextmanager
 def building(key: str, timeout: float = BUILD_TIMEOUT_S):
     """Hold ``<key>.build.lock`` exclusively while building what ``key`` names, so that
@@ -245,7 +267,8 @@ def cached_kernel(memory: dict, key, *, label: str, disk_key: str | None, option
                     return done
             log.info("flexjit: compiling the %s ...", label)
             t0 = time.perf_counter()
-            fn = compile()
+            with compiling():
+                fn = compile()
             announce(f"{label}: compiled in {time.perf_counter() - t0:.1f} s")
             writer = export(fn) if disk_key is not None else None
             if writer is not None:

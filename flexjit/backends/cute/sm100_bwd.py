@@ -152,16 +152,17 @@ def _build(program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool
         cute_cache.announce(f"sm100 backward for {what}: loaded from disk in "
                             f"{time.perf_counter() - t0:.3f} s")
         return tpl.load_bwd(cfg, loaded, _aux_sig(aux_tensors) + _scalar_signature(program))
-    if dump_dirs is not None:  # one compile per part, each dumping into its own folder
-        built = {}
-        for part in missing:
-            folder = dump_dirs.get(part)
-            opts = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
-            built.update(tpl.compile_bwd(cfg, aux_tensors, program.scalars, options=opts,
-                                         parts=(part,)).parts)
-        fn = tpl.CompiledBwd(cfg, built, _aux_sig(aux_tensors) + _scalar_signature(program))
-    else:
-        fn = tpl.compile_bwd(cfg, aux_tensors, program.scalars, options=options, parts=missing)
+    with cute_cache.compiling():
+        if dump_dirs is not None:  # one compile per part, each dumping into its own folder
+            built = {}
+            for part in missing:
+                folder = dump_dirs.get(part)
+                opts = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
+                built.update(tpl.compile_bwd(cfg, aux_tensors, program.scalars, options=opts,
+                                             parts=(part,)).parts)
+            fn = tpl.CompiledBwd(cfg, built, _aux_sig(aux_tensors) + _scalar_signature(program))
+        else:
+            fn = tpl.compile_bwd(cfg, aux_tensors, program.scalars, options=options, parts=missing)
     for part in missing:
         if part in keys:
             cute_cache.store(keys[part], fn.parts[part].export)

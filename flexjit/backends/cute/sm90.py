@@ -550,15 +550,16 @@ def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: in
     missing = tuple(p for p in host.PARTS if loaded.get(p) is None)
     if missing:
         log.info("flexjit: compiling the sm90 backward (%s) for %s ...", ", ".join(missing), what)
-        if fresh:  # one compile per part, each dumping into its own folder
-            parts = {}
-            for part in missing:
-                folder = dump_dirs.get(part)
-                opts = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
-                parts[part] = host.compile_bwd(cfg, aux_tensors, program.scalars, options=opts,
-                                               parts=(part,)).parts[part]
-        else:
-            parts = host.compile_bwd(cfg, aux_tensors, program.scalars, parts=missing).parts
+        with cute_cache.compiling():
+            if fresh:  # one compile per part, each dumping into its own folder
+                parts = {}
+                for part in missing:
+                    folder = dump_dirs.get(part)
+                    opts = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
+                    parts[part] = host.compile_bwd(cfg, aux_tensors, program.scalars, options=opts,
+                                                   parts=(part,)).parts[part]
+            else:
+                parts = host.compile_bwd(cfg, aux_tensors, program.scalars, parts=missing).parts
         for part in missing:
             loaded[part] = parts[part].ffi_fn
             if disk:
