@@ -23,8 +23,11 @@ def create_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: i
     deterministic backward builds its order from the lists when it first runs. Inside
     ``torch.compile`` the planner runs as a custom op (``flexjit.api.compiled``).
     """
+    if not isinstance(dq_kv_order, bool):  # as torch's create_block_mask
+        raise ValueError(f"dq_kv_order must be a bool when using create_block_mask, got "
+                         f"{type(dq_kv_order).__name__}")
     if torch.compiler.is_compiling():
-        bq, bkv, device = plan_args(Q_LEN, KV_LEN, device, BLOCK_SIZE)
+        Q_LEN, KV_LEN, bq, bkv, device = plan_args(Q_LEN, KV_LEN, device, BLOCK_SIZE)
         return compiled.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, (bq, bkv))
     return plan_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE,
                            separate_full_blocks=separate_full_blocks)

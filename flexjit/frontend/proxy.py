@@ -34,8 +34,10 @@ _IR_TO_TORCH = {DType.BOOL: torch.bool, DType.INT32: torch.int32, DType.INT64: t
                 DType.FLOAT32: torch.float32}
 
 
-class TraceError(Exception):
-    """A mod that flexjit cannot turn into a kernel. The message says where and why."""
+class TraceError(RuntimeError):
+    """A mod that flexjit cannot turn into a kernel. The message says where and why. A
+    RuntimeError, as torch's errors for a mod it cannot trace (vmap's, dynamo's ``Unsupported``)
+    are, so that code catching those catches this."""
 
 
 # --------------------------------------------------------------------------- context

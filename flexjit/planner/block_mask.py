@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import operator
 import time
 import warnings
 import weakref
@@ -559,14 +560,23 @@ def _default_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def plan_args(Q_LEN, KV_LEN, device, BLOCK_SIZE) -> tuple[int, int, torch.device]:
-    """(query block, kv block, device) of a ``create_block_mask`` call, checked."""
+def plan_args(Q_LEN, KV_LEN, device, BLOCK_SIZE) -> tuple[int, int, int, int, torch.device]:
+    """(Q_LEN, KV_LEN, query block, kv block, device) of a ``create_block_mask`` call, checked.
+    A length may be any integer torch takes (a numpy integer, a one-element integer tensor):
+    it is returned as an int."""
     bq, bkv = _block_size(BLOCK_SIZE)
+    lengths = []
     for name, v in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if not isinstance(v, int) and not isinstance(v, torch.SymInt):
+            try:
+                v = operator.index(v)
+            except TypeError:
+                pass
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"{name} must be a non-negative int, got {v!r}")
+        lengths.append(v)
     device = torch.device(device) if device is not None else _default_device()
-    return bq, bkv, device
+    return lengths[0], lengths[1], bq, bkv, device
 
 
 def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
@@ -574,11 +584,13 @@ def plan_block_mask(mask_mod: Callable, B: int | None, H: int | None, Q_LEN: int
                     separate_full_blocks: bool = True) -> BlockMask:
     """Plan the block sparsity of ``mask_mod`` for (B, H, Q_LEN, KV_LEN), eagerly (the planner
     behind ``flexjit.create_block_mask``, which documents the arguments)."""
-    bq, bkv, device = plan_args(Q_LEN, KV_LEN, device, BLOCK_SIZE)
+    Q_LEN, KV_LEN, bq, bkv, device = plan_args(Q_LEN, KV_LEN, device, BLOCK_SIZE)
     check_arity(mask_mod, MASK_MOD)
     traced = trace_mod(mask_mod, MASK_MOD)
     B_ = 1 if B is None else int(B)
     H_ = 1 if H is None else int(H)
+    if min(B_, H_) < 0:
+        raise ValueError(f"B and H must be non-negative ints or None, got B={B!r}, H={H!r}")
     t0 = time.perf_counter()
     if Q_LEN == 0 or KV_LEN == 0:  # no element to evaluate: every block list is empty (torch's
         # shapes: nQ or nKV of 0), for the empty inputs flex_attention serves

@@ -1,7 +1,8 @@
 """kernel_options: torch FlexAttention's keys, flexjit's own, and what each means here.
 
 ``validate(kernel_options, backend)`` returns the options as a dict and the backend to use, or
-raises ``ValueError`` for a key neither torch nor flexjit knows (with the list of valid ones).
+raises ``ValueError`` for a key neither torch nor flexjit knows (with the list of valid ones),
+and ``RuntimeError`` for ``BACKEND`` beside a true ``FORCE_USE_FLEX_ATTENTION``, as torch does.
 A key may carry torch's ``fwd_`` / ``bwd_`` prefix (the forward's or the backward's kernel).
 
 Keys with a meaning for flexjit:
@@ -125,6 +126,10 @@ def validate(kernel_options, backend: str) -> tuple[dict, str]:
     for key, check, what in _TYPED:
         if key in kernel_options and not check(kernel_options[key]):
             raise ValueError(f"kernel_options[{key!r}] must be {what}, got {kernel_options[key]!r}")
+    if "BACKEND" in kernel_options and kernel_options.get("FORCE_USE_FLEX_ATTENTION", False):
+        raise RuntimeError("kernel_options BACKEND cannot be combined with FORCE_USE_FLEX_ATTENTION "
+                           "(torch's legacy knob, which BACKEND supersedes): drop "
+                           "FORCE_USE_FLEX_ATTENTION and keep BACKEND")
     wanted = kernel_options.get("BACKEND")
     if wanted is not None:
         if wanted not in _BACKENDS:

@@ -3,7 +3,9 @@
 The public and commonly imported private names of torch.nn.attention.flex_attention; mask
 combinators that return tensors; torch's inductor-only kernel_options keys accepted and
 ignored; out and gradients laid out like the inputs (torch gives out the query's stride order);
-a BlockMask's ``seq_lengths`` override and ``_adjust``. Values against the float64 oracle.
+a BlockMask's ``seq_lengths`` override and ``_adjust``; torch's error types for mods that
+cannot be traced and for its argument rules; the integer lengths torch's create_block_mask
+takes. Values against the float64 oracle, errors against torch's own on the CPU.
 """
 import warnings
 
@@ -153,3 +155,84 @@ def test_seq_lengths_override_and_adjust():
         assert_close_to_oracle("out", out, ref, low, FLOOR[torch.float32])
     with pytest.raises(ValueError, match=r"created for \(Q_LEN, KV_LEN\) = \(64, 64\)"):
         flex_attention(q, k, v, block_mask=big, backend="reference")
+
+
+def _torch_eager(fn, *args, **kwargs):
+    """torch's eager flex call, without its one-time performance warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def test_a_mod_that_cannot_be_traced_raises_a_runtime_error_as_torchs():
+    # torch raises RuntimeError (vmap's, or dynamo's Unsupported) for such mods, and for a
+    # sliced BlockMask's placeholder mask_mod: code catching that catches flexjit's TraceError.
+    def branchy(b, h, q_idx, kv_idx):
+        if q_idx > kv_idx:  # data-dependent Python control flow
+            return q_idx >= kv_idx
+        return q_idx < kv_idx
+
+    def scalar_out(score, b, h, q_idx, kv_idx):
+        return score.item()
+    q, k, v = (t.detach() for t in random_qkv(1, H, H, L, S, D, D, torch.float32, seed=6))
+    sliced = torch_flex.create_block_mask(_causal, 2, H, L, S, device="cpu", BLOCK_SIZE=BS)[1:]
+    calls = [lambda m: m.create_block_mask(branchy, 1, 1, L, S, device="cpu", BLOCK_SIZE=BS),
+             lambda m: m.flex_attention(q, k, v, score_mod=scalar_out),
+             lambda m: m.flex_attention(q, k, v, block_mask=sliced)]
+    for call in calls:
+        with pytest.raises(RuntimeError):
+            _torch_eager(call, torch_flex)
+        with pytest.raises(flexjit.TraceError) as err:
+            call(flexjit)
+        assert isinstance(err.value, RuntimeError)
+    assert "sliced BlockMask" in str(err.value)
+
+
+def test_create_block_mask_takes_the_integer_lengths_torch_takes():
+    # numpy integers and one-element integer tensors (lengths read off arrays or tensors): the
+    # same lists and seq_lengths as Python ints, and the same attention as torch's mask gives.
+    import numpy as np
+    planned = create_block_mask(_window, None, None, L, S, device="cpu", BLOCK_SIZE=BS)
+    theirs = torch_flex.create_block_mask(_window, None, None, L, S, device="cpu", BLOCK_SIZE=BS)
+    q, k, v = (t.detach() for t in random_qkv(1, H, H, L, S, D, D, torch.float32, seed=7))
+    want = _torch_eager(torch_flex.flex_attention, q, k, v, block_mask=theirs)
+    ref, _ = dense_attention(q, k, v, mask_mod=_window)
+    for lengths in ((np.int64(L), np.int32(S)), (torch.tensor(L), torch.tensor([S]))):
+        bm = create_block_mask(_window, None, None, *lengths, device="cpu", BLOCK_SIZE=BS)
+        assert bm.seq_lengths == (L, S) and all(type(n) is int for n in bm.seq_lengths)
+        assert torch.equal(bm.to_dense(), planned.to_dense()) and torch.equal(bm.to_dense(), theirs.to_dense())
+        for a in BlockMask._TENSOR_ATTRS:
+            assert torch.equal(getattr(bm, a), getattr(planned, a)), a
+        out = flex_attention(q, k, v, block_mask=bm, backend="reference")
+        assert_close_to_oracle("out", out, ref, want, FLOOR[torch.float32])
+    for bad in (float(L), np.float64(L), torch.tensor(float(L))):
+        with pytest.raises(ValueError, match="Q_LEN must be a non-negative int"):
+            create_block_mask(_window, None, None, bad, S, device="cpu", BLOCK_SIZE=BS)
+    # torch fails on a negative batch or head count too (inside torch.arange); flexjit says which
+    with pytest.raises(RuntimeError):
+        _torch_eager(torch_flex.create_block_mask, _window, -1, None, L, S, device="cpu", BLOCK_SIZE=BS)
+    for b, h in ((-1, None), (None, -2)):
+        with pytest.raises(ValueError, match="B and H must be non-negative"):
+            create_block_mask(_window, b, h, L, S, device="cpu", BLOCK_SIZE=BS)
+
+
+def test_torchs_argument_rules_for_backend_and_dq_kv_order():
+    # BACKEND beside FORCE_USE_FLEX_ATTENTION=True is a RuntimeError in torch, whichever
+    # BACKEND; create_block_mask's dq_kv_order must be a bool (a ValueError). A False
+    # FORCE_USE_FLEX_ATTENTION beside BACKEND is fine in both.
+    q, k, v = (t.detach() for t in random_qkv(1, H, H, L, S, D, D, torch.float32, seed=8))
+    for backend in ("AUTO", "TRITON"):
+        opts = {"BACKEND": backend, "FORCE_USE_FLEX_ATTENTION": True}
+        with pytest.raises(RuntimeError, match="FORCE_USE_FLEX_ATTENTION"):
+            _torch_eager(torch_flex.flex_attention, q, k, v, kernel_options=opts)
+        with pytest.raises(RuntimeError, match="FORCE_USE_FLEX_ATTENTION"):
+            flex_attention(q, k, v, kernel_options=opts)
+    opts = {"BACKEND": "AUTO", "FORCE_USE_FLEX_ATTENTION": False}
+    want = _torch_eager(torch_flex.flex_attention, q, k, v, kernel_options=opts)
+    ref, _ = dense_attention(q, k, v)
+    assert_close_to_oracle("out", flex_attention(q, k, v, kernel_options=opts), ref, want,
+                           FLOOR[torch.float32])
+    for m in (torch_flex, flexjit):
+        with pytest.raises(ValueError, match="dq_kv_order must be a bool"):
+            _torch_eager(m.create_block_mask, _causal, 1, 1, L, S, device="cpu", BLOCK_SIZE=BS,
+                         dq_kv_order=torch.arange(-(-S // BS)))
