@@ -415,6 +415,9 @@ class BlockMask:
         index = index if isinstance(index, tuple) else (index,)
         if len(index) > 3:
             raise IndexError("BlockMask supports indexing batch, head and query-block dimensions")
+        if any(i is None or i is Ellipsis for i in index):  # each entry names its dimension
+            raise IndexError("BlockMask indices are (batch, head, query-block) in order; None and "
+                             "... are not supported: write slices, e.g. block_mask[:, :, 2]")
         index = tuple(index) + (slice(None),) * (3 - len(index))
         sizes = self.kv_num_blocks.shape[:3] if self.kv_num_blocks.dim() >= 3 else None
         if sizes is None:

@@ -124,6 +124,31 @@ def test_query_block_slicing():
         bm[:, :, torch.tensor([4, 0])]
 
 
+def test_indexing_selects_what_torchs_does():
+    # 256 x 192 over 64-blocks: no ragged edge, so torch's lists and ours are the same and every
+    # index form must select the same lists (an int keeps its dimension in both). None and ...
+    # are refused: torch's lists do not survive them either, and a silent guess would pick
+    # the wrong dimension.
+    from torch.nn.attention import flex_attention as tflex
+    lengths = torch.tensor([70, 256, 130])
+
+    def padded_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (kv_idx < lengths[b]) & (h <= q_idx % 4)
+    ours = create_block_mask(padded_causal, 3, 4, 256, 192, device="cpu", BLOCK_SIZE=64)
+    theirs = tflex.create_block_mask(padded_causal, 3, 4, 256, 192, device="cpu", BLOCK_SIZE=64)
+    for index in (1, -1, slice(1, None), (0, 2), (-1, slice(None, None, 2)), ([2, 0],),
+                  (torch.tensor([True, False, True]), 3), (slice(None), slice(None), torch.tensor([3, 1]))):
+        got, want = ours[index], theirs[index]
+        for a in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(got, a), getattr(want, a)), (index, a)
+        assert torch.equal(got.to_dense(), want.to_dense()), index
+    with pytest.raises(ValueError):
+        theirs[..., 1]
+    for index in ((Ellipsis, 1), (None,), (0, None)):
+        with pytest.raises(IndexError, match="None and"):
+            ours[index]
+
+
 def test_combinators():
     def glob(b, h, q_idx, kv_idx):
         return kv_idx < 8
