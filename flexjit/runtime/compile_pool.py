@@ -222,6 +222,7 @@ class WorkerError(RuntimeError):
 _BOOT = ("import sys; sys.path[:0] = {path!r}; "
          "from flexjit.runtime.compile_pool import serve; serve()")
 IDLE_S = 30.0  # a worker with no job for this long exits (a forked one holds the caller's pages)
+JOB_TIMEOUT_S = 900.0  # a job's longest wait: past it the worker is taken for hung, and killed
 _PIPES: set[int] = set()  # this process's ends of its workers' pipes (a forked child closes them)
 
 
@@ -390,6 +391,7 @@ class Pool:
         self.live: list[_Worker] = []
         self.lock = threading.Lock()
         self.waiting = 0  # jobs submitted and not yet taken by a worker
+        self.running: dict[str, _Worker] = {}  # Job.ident -> the worker running it
         self.threads = [threading.Thread(target=self._loop, daemon=True,
                                          name=f"flexjit-compile-{i}") for i in range(size)]
         for t in self.threads:
@@ -458,9 +460,12 @@ class Pool:
             worker = None
             try:
                 worker = self._take()
+                self.running[job.ident] = worker
                 fut.set_result(worker.run(job))
             except BaseException as e:
-                fut.set_exception(e if isinstance(e, WorkerError) else WorkerError(repr(e)))
+                if not fut.done():
+                    fut.set_exception(e if isinstance(e, WorkerError) else WorkerError(repr(e)))
+            self.running.pop(job.ident, None)
             if worker is not None:
                 if worker.alive():
                     self.idle.put(worker)
@@ -525,6 +530,12 @@ def submit(job: Job) -> cf.Future:
     return fut
 
 
+def _kill_running(job: Job) -> None:
+    worker = _POOL.running.get(job.ident) if _POOL is not None else None
+    if worker is not None:
+        worker.proc.kill()
+
+
 def start(job: Job) -> None:
     """Send ``job`` to a worker unless it is pending or an earlier process finished it."""
     if enabled() and not _on_disk(job):
@@ -532,10 +543,14 @@ def start(job: Job) -> None:
 
 
 def result(job: Job, fut: cf.Future) -> dict:
-    """The job's answer; a failed worker is reported (``CompileWorkerWarning``) and the job
-    run in this process instead."""
+    """The job's answer; a failed worker, or one silent past ``JOB_TIMEOUT_S`` (killed), is
+    reported (``CompileWorkerWarning``) and the job run in this process instead."""
     try:
-        return fut.result()
+        try:
+            return fut.result(timeout=JOB_TIMEOUT_S)
+        except cf.TimeoutError:
+            _kill_running(job)
+            raise WorkerError(f"no answer in {JOB_TIMEOUT_S:.0f} s; the worker was killed")
     except Exception as e:
         warnings.warn(f"flexjit: the compile worker failed on the {job.what()} ({e}); "
                       "compiling it in this process", CompileWorkerWarning, stacklevel=3)

@@ -197,6 +197,29 @@ def test_a_dead_worker_falls_back_with_a_warning_and_is_replaced(cache):
 
 
 @pytest.mark.slow
+def test_a_hung_worker_is_killed_and_the_caller_compiles(cache, monkeypatch):
+    _needs_cute()
+    import signal
+
+    from flexjit.backends.cute import sm90
+
+    sm90._COMPILED_BWD.clear()  # no kernel of another test's folder in memory
+    monkeypatch.setattr(compile_pool, "JOB_TIMEOUT_S", 3.0)
+    call = _call(mods.softcap(15.0))
+    compile_pool.ahead("cute", call)
+    pool = compile_pool.pool()
+    (pid,) = pool.pids()
+    os.kill(pid, signal.SIGSTOP)  # alive, and silent
+    with pytest.warns(compile_pool.CompileWorkerWarning, match="no answer in 3 s"):
+        compile_pool.wait("cute", call)
+    assert len(list((cache / "cute").glob("*.o"))) == 3  # compiled here, exported
+    deadline = time.monotonic() + 10
+    while pid in pool.pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pid not in pool.pids()
+
+
+@pytest.mark.slow
 def test_a_worker_forked_after_a_compile_here_compiles_and_starts_fast(cache):
     # The child inherits a process whose compiler has run (its thread pools, its contexts): it
     # must still compile, and it starts without paying torch's and cutlass's imports.
