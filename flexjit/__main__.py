@@ -1,4 +1,4 @@
-"""Command line: `flexjit demo`, `flexjit compile` (or `python -m flexjit ...`)."""
+"""Command line: `flexjit demo`, `flexjit compile`, `flexjit warmup` (or `python -m flexjit ...`)."""
 from __future__ import annotations
 
 import argparse
@@ -41,6 +41,35 @@ def _compile(parser, args) -> int:
     return 0
 
 
+def _lengths(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give lengths such as 4096 or 4096,8192") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive lengths such as 4096,8192")
+    return values
+
+
+def _warmup(parser, args) -> int:
+    try:  # here, not at the top: transformers takes seconds to import, and only this needs it
+        import transformers
+        import flexjit.integrations.transformers  # noqa: F401  (registers "flexjit")
+    except ImportError as e:
+        parser.error(f"flexjit warmup --model needs transformers: {e}")
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as e:
+        parser.error(f"cannot read a transformers config from {args.model!r}: {e}")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    summary = flexjit.warmup_model(cfg, args.seq_len, args.batch, dtype,
+                                   requires_grad=not args.inference)
+    for line in summary.skipped:
+        print(f"skipped: {line}")
+    print(summary)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="flexjit", description="flexjit: custom attention, compiled")
     parser.add_argument("--version", action="version", version=f"flexjit {flexjit.__version__}")
@@ -64,7 +93,18 @@ def main(argv=None) -> int:
     aot.add_argument("--deterministic", action="store_true",
                      help="the backward for torch.use_deterministic_algorithms(True)")
     aot.add_argument("--out", required=True, help="folder for the PTX and cubin files")
+    warm = sub.add_parser("warmup", help="compile, in parallel, the CuTe kernels a transformers "
+                          "model will need into the disk cache, so its first step starts warm")
+    warm.add_argument("--model", required=True,
+                      help="a transformers config: a folder or config.json, or a hub name")
+    warm.add_argument("--seq-len", type=_lengths, required=True,
+                      help="the lengths its steps run at, e.g. 4096 or 4096,8192")
+    warm.add_argument("--batch", type=int, default=1)
+    warm.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    warm.add_argument("--inference", action="store_true", help="forward kernels only")
     args = parser.parse_args(argv)
+    if args.command == "warmup":
+        return _warmup(parser, args)
     if args.command == "compile":
         return _compile(parser, args)
     if args.command == "demo":

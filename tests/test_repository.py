@@ -90,11 +90,14 @@ def _function_level_imports():
 
 
 def test_imports_of_our_own_modules_are_at_module_level():
-    # The exceptions import the CuTe templates, which import cutlass (seconds): only a CuTe
-    # kernel build needs them.
+    # The exceptions import what takes seconds and few runs need: the CuTe templates (they
+    # import cutlass; only a CuTe kernel build needs them) and, in the command line's
+    # `warmup --model`, the transformers integration.
     found = _function_level_imports()
-    assert len(found) <= 6, found
-    assert all(f.startswith("flexjit/backends/cute/") for f in found), found
+    assert len(found) <= 7, found
+    assert all(f.startswith("flexjit/backends/cute/") or f.startswith("flexjit/__main__.py")
+               for f in found), found
+    assert sum(f.startswith("flexjit/__main__.py") for f in found) <= 1, found
 
 
 def test_the_layers_contract_holds():

@@ -153,3 +153,30 @@ def test_a_models_first_call_starts_its_other_layer_kinds(family, monkeypatch):
     started.clear()
     model(ids[:, :128], attention_mask=torch.ones(B, 128).tril(0)[:, :128] > 0)  # padding
     assert started == []
+
+
+@pytest.mark.slow
+def test_the_warmup_command_fills_the_cache_a_model_run_loads(cache, tmp_path):
+    # `flexjit warmup --model DIR`, as a user runs it before training: a tiny Llama config saved
+    # to a folder, compiled in a fresh process into the cache folder; then a second command
+    # finds every kernel cached.
+    pytest.importorskip("cutlass")
+    pytest.importorskip("tvm_ffi")
+    import subprocess
+    import sys
+
+    _tiny("llama").save_pretrained(tmp_path / "model")
+    env = dict(os.environ, FLEXJIT_CACHE_DIR=str(cache), CUTE_DSL_ARCH="sm_90a")
+    env["PYTHONPATH"] = os.pathsep.join([str(wu.__file__).rsplit("/flexjit/", 1)[0],
+                                         env.get("PYTHONPATH", "")])
+    command = [sys.executable, "-m", "flexjit", "warmup", "--model", str(tmp_path / "model"),
+               "--seq-len", "384", "--batch", "2"]
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "flexjit warmup: 4 kernels compiled, 0 cached" in first.stdout
+    assert len(list((cache / "cute").glob("*.o"))) == 4
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert "flexjit warmup: 0 kernels compiled, 4 cached" in again.stdout, again.stdout
+    bad = subprocess.run(command[:5] + [str(tmp_path / "nowhere"), "--seq-len", "384"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "cannot read a transformers config" in bad.stderr
