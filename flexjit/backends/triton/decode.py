@@ -244,16 +244,16 @@ def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, b
 
 def _kv_fp8(tp, q, k, v, descale, even: bool) -> int:
     """The kernel's ``KV_FP8``: 0 for a 16-bit cache; 2 where K and V tiles load as 4-byte words
-    converted to float16 in registers (``_e4m3_words_to_f16``: sm_89 or later or the
-    interpreter, a float16 compute dtype, whole tiles, unpadded head dims, rows of 4-byte
-    aligned words); else 1 (``.to`` on the e4m3 tile)."""
+    converted to float16 in registers (``_e4m3_words_to_f16``: compiled for sm_89 or later, a
+    float16 compute dtype, whole tiles, unpadded head dims, rows of 4-byte aligned words); else
+    1 (``.to`` on the e4m3 tile)."""
     if descale is None:
         return 0
     words = all(t.stride(-1) == 1 and t.shape[-1] == head_pad(t.shape[-1])
                 and all(s % 4 == 0 for s in t.stride()[:-1]) and t.storage_offset() % 4 == 0
                 for t in (k, v))
-    ok = (tp.interpret or tp.arch >= 89) and compute_dtype(q) == torch.float16
-    return 2 if ok and words and even else 1
+    asm = not tp.interpret and tp.arch >= 89 and compute_dtype(q) == torch.float16
+    return 2 if asm and words and even else 1
 
 
 def merge_launch(dp: DecodePlan, parts, out, lse, maxs, EV: int) -> tb.Launch:
