@@ -20,10 +20,7 @@ What this module holds
   for an e4m3 or 16-bit query (one conversion a pair; to bfloat16 it takes three, which made the
   kernel conversion-bound), float32 for a float32 one. A bfloat16 query is multiplied per row by
   a power of two that brings its largest value into [2^14, 2^15) before it rounds to float16
-  (exact for every value within 2^-28 of that largest), undone in the score scale. Whole tiles
-  of 4-byte aligned rows (``KV_FP8`` 2) load as int32 words and convert where they land
-  (``_e4m3_words_to_f16``); ``.to`` on a byte tile (``KV_FP8`` 1) let Triton stage the bytes
-  into the dots' layout one shared-memory load a byte.
+  (exact for every value within 2^-28 of that largest), undone in the score scale.
   A program serves one (batch, kv head), so its descales are scalars: q's and k's fold into the
   score scale, v's into the output. Off (and DESCALE None) the kernel is the 16-bit one.
 
@@ -64,20 +61,6 @@ from flexjit.templates.triton.common import _dot, _max, _n_tiles, _score_tile, _
 
 
 @triton.jit
-def _e4m3_words_to_f16(w, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """A (ROWS, COLS // 4) tile of int32 words, each four e4m3 values, as the (ROWS, COLS)
-    float16 tile they hold, converted in the registers the words loaded into (two
-    ``cvt.rn.f16x2.e4m3x2`` a word). With ``.to`` on an e4m3 tile Triton moves it into the dot's
-    operand layout while it is still bytes: one shared-memory load a byte, and 4-byte copies."""
-    a, b, c, d = tl.inline_asm_elementwise(
-        asm="{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; "
-            "cvt.rn.f16x2.e4m3x2 x, lo; cvt.rn.f16x2.e4m3x2 y, hi; "
-            "mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
-        constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
-    return tl.reshape(tl.join(tl.join(a, b), tl.join(c, d)), (ROWS, COLS))
-
-
-@triton.jit
 def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             idx_ptr, stride_idx, lo, hi, off_b, off_h, q_idx, S, sm_scale, qk_scale_log2,
             # {{CAPTURE_PARAMS}}
@@ -94,15 +77,11 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k_ptrs = K + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd
         v_ptrs = V + offs_n[:, None].to(tl.int64) * stride_vn + offs_dv[None, :] * stride_vd
-        if KV_FP8 == 2:  # the host checked: even tiles, unpadded dims, 4-byte aligned rows
-            kw = (K.to(tl.pointer_type(tl.int32), bitcast=True)
-                  + offs_n[:, None].to(tl.int64) * (stride_kn // 4) + tl.arange(0, E_PAD // 4)[None, :])
-            k = _e4m3_words_to_f16(tl.load(kw), BLOCK_N, E_PAD)
-        elif EVEN_N and E == E_PAD:
+        if EVEN_N and E == E_PAD:
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=(offs_n[:, None] < S) & (offs_d[None, :] < E), other=0.0)
-        if KV_FP8 == 1:
+        if KV_FP8:
             k = k.to(q.dtype)  # exact: every e4m3 value is a float16/bfloat16/float32 value
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         s2 = _score_tile(qk, off_b, off_h, q_idx, offs_n[None, :], S, sm_scale, qk_scale_log2,
@@ -113,15 +92,11 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
         alpha = tl.math.exp2(m_i - m_base)
         p = tl.math.exp2(s2 - m_base[:, None])
         l_i = l_i * alpha + _sum(p, 1, False)
-        if KV_FP8 == 2:
-            vw = (V.to(tl.pointer_type(tl.int32), bitcast=True)
-                  + offs_n[:, None].to(tl.int64) * (stride_vn // 4) + tl.arange(0, EV_PAD // 4)[None, :])
-            v = _e4m3_words_to_f16(tl.load(vw), BLOCK_N, EV_PAD)
-        elif EVEN_N and EV == EV_PAD:
+        if EVEN_N and EV == EV_PAD:
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
-        if KV_FP8 == 1:
+        if KV_FP8:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)

@@ -32,7 +32,7 @@ import torch
 
 from flexjit import config
 from flexjit.backends.base import device_buffers
-from flexjit.backends.fp8 import compute_dtype, descale_table, is_fp8
+from flexjit.backends.fp8 import descale_table, is_fp8
 from flexjit.backends.triton import prefill as tb
 from flexjit.backends.triton.config import _next_pow2, head_pad
 
@@ -235,25 +235,11 @@ def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, b
                   HAS_SCORE_MOD=p.score is not None, EVEN_N=tb._even(S, dp.BLOCK_N, tp.sparse, 1),
                   DOT_PRECISION=tp.dot, FAST_MATH=tp.fast_math, NUM_STAGES=dp.num_stages,
                   OUTPUT_MAX=maxs is not None and maxs is not lse, SPLIT=dp.splits > 1,
-                  Q_FP8=descale is not None and is_fp8(q), KV_FP8=_kv_fp8(tp, q, k, v, descale, tb._even(S, dp.BLOCK_N, tp.sparse, 1)),
+                  Q_FP8=descale is not None and is_fp8(q), KV_FP8=descale is not None,
                   Q_TO_F16=descale is not None and q.dtype == torch.bfloat16)
     grid = (dp.q_blocks * dp.m_tiles * dp.splits, dp.head_programs, B)
     return tb.Launch("decode", "flex_decode", grid, args, consts,
                      tb._options(dp.num_warps, dp.num_stages))
-
-
-def _kv_fp8(tp, q, k, v, descale, even: bool) -> int:
-    """The kernel's ``KV_FP8``: 0 for a 16-bit cache; 2 where K and V tiles load as 4-byte words
-    converted to float16 in registers (``_e4m3_words_to_f16``: compiled for sm_89 or later, a
-    float16 compute dtype, whole tiles, unpadded head dims, rows of 4-byte aligned words); else
-    1 (``.to`` on the e4m3 tile)."""
-    if descale is None:
-        return 0
-    words = all(t.stride(-1) == 1 and t.shape[-1] == head_pad(t.shape[-1])
-                and all(s % 4 == 0 for s in t.stride()[:-1]) and t.storage_offset() % 4 == 0
-                for t in (k, v))
-    asm = not tp.interpret and tp.arch >= 89 and compute_dtype(q) == torch.float16
-    return 2 if asm and words and even else 1
 
 
 def merge_launch(dp: DecodePlan, parts, out, lse, maxs, EV: int) -> tb.Launch:

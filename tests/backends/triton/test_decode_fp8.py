@@ -294,21 +294,6 @@ def test_compiles_for_sm90(q_dtype):
     ptx = tb.compile_launch(tb.make_plan(call, arch=90, interpret=False), main, 90).asm["ptx"]
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx) or "wgmma" in ptx
-    # Whole tiles of 4-byte aligned rows load as words, converted where they land: 16-byte
-    # copies, wide shared-memory loads, no byte-wide one (those made the kernel LSU-bound).
-    assert main.constexprs["KV_FP8"] == 2
-    assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx
-    assert "ldmatrix" in ptx and "cp.async.cg.shared.global" in ptx
-    # A view whose rows break 4-byte alignment takes the byte path, which still converts.
-    wide = torch.empty(B, Hkv, S, 130, dtype=E4M3)[..., :128]  # rows 130 bytes apart
-    odd = prepare_call(q, wide, wide, score_mod, bm, None, True, None,
-                       max_scores=True,
-                       fp8=(torch.ones(B, Hkv) if q_dtype == E4M3 else None, torch.ones(()), None, None))
-    plan = tb.make_plan(odd, arch=90, interpret=False)
-    table = torch.ones(B, Hkv, 3)
-    assert td._kv_fp8(plan, q, wide, wide, table, True) == 1
-    assert td._kv_fp8(plan, q, k8, k8, table, True) == 2
-    assert td._kv_fp8(plan, q, k8, k8, table, False) == 1  # a ragged last tile
     bf16 = prepare_call(q.to(torch.bfloat16), k8.to(torch.bfloat16), k8.to(torch.bfloat16), score_mod, bm,
                         None, True, None, max_scores=True)
     main16 = td.launches_for(bf16, 90)[0]

@@ -1,7 +1,7 @@
 """The split-KV decode kernel reading an FP8 KV cache on CUDA (marked gpu), compiled for the GPU
 it runs on: the same checks as test_decode_fp8.py's under the interpreter, at the decode
 benchmark's head dim (D = 128) and a ragged KV_LEN of 4133 (33 kv blocks of 128, so splits fall
-mid-block; the kernel's byte path) or whole tiles (4096: its word path), GQA 4:1, bf16 / fp16 / e4m3 queries, every core mod (softcap's max_scores with FAST_MATH on and
+mid-block), GQA 4:1, bf16 / fp16 / e4m3 queries, every core mod (softcap's max_scores with FAST_MATH on and
 off); accuracy against the
 unquantised attention (≤ 1.1 × the plain FP8 reference's error) with and without outlier
 channels; a bf16 query whose rows differ by 2^20 in magnitude (the kernel's per-row power-of-two
@@ -39,20 +39,13 @@ def _on_gpu(stored, descales):
 
 @pytest.mark.parametrize("name", ["full", "causal", "sliding_window", "alibi", "document"])
 @pytest.mark.parametrize("q_kind", ["bf16", "e4m3"])
-@pytest.mark.parametrize("whole_tiles", [False, True])
-def test_core_mods(name, q_kind, whole_tiles, monkeypatch):
-    # Ragged lengths read bytes (KV_FP8 1); whole 128-key tiles read 4-byte words converted in
-    # registers (KV_FP8 2): both paths, every mod.
-    S = (384 if whole_tiles else 461) if name == "document" else (4096 if whole_tiles else 4133)
-    s = dict(SHAPE, S=S)  # the document id table covers 461 keys
+def test_core_mods(name, q_kind):
+    s = dict(SHAPE, S=461) if name == "document" else SHAPE  # the id table covers 461 keys
     stored, descales = _on_gpu(*_quantize(*_data(*s.values(), seed=1), q_fp8=q_kind == "e4m3"))
     score_mod, mask_mod = _decode_mods(name, s["B"], s["Hq"], s["L"], s["S"], device=DEV)
     bm = _mask(mask_mod, s["L"], s["S"])
-    paths, real = [], td._kv_fp8
-    monkeypatch.setattr(td, "_kv_fp8", lambda *a: paths.append(real(*a)) or paths[-1])
     for splits in (1, 5):
         check(stored, descales, score_mod, mask_mod, bm, splits)
-    assert set(paths) == {2 if whole_tiles else 1}
 
 
 @pytest.mark.parametrize("fast_math", [True, False])
