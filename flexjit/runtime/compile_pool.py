@@ -227,10 +227,17 @@ _PIPES: set[int] = set()  # this process's ends of its workers' pipes (a forked 
 
 
 def can_fork() -> bool:
-    """Whether a new worker may be forked from this thread now: POSIX, and no thread of this
-    process inside the CuTe compiler (a child inherits whatever locks are held at the fork; the
-    compile loop it runs takes the compiler's)."""
-    return hasattr(os, "fork") and cute_cache.compiles_running() == 0
+    """Whether a new worker may be forked from this thread now: POSIX; no thread of this process
+    inside the CuTe compiler (a child inherits whatever locks are held at the fork; the compile
+    loop it runs takes the compiler's); CUDA not initialized here; and cutlass either not yet
+    imported or imported for the workers' target. A child forked from a process whose cutlass
+    had settled on the GPU's arch compiled for another (sm_100a on an H200), and a CUDA context
+    does not survive a fork: such processes spawn their workers."""
+    if not hasattr(os, "fork") or cute_cache.compiles_running():
+        return False
+    if torch.cuda.is_initialized():
+        return False
+    return "cutlass" not in sys.modules or os.environ.get("CUTE_DSL_ARCH") == ARCH
 
 
 class _Forked:
@@ -264,9 +271,9 @@ class _Worker:
 
     Forked (``fork=True``) from the caller, it starts in milliseconds with torch, flexjit and
     cutlass already imported; a ``python -c`` worker (spawned) pays those imports, seconds. The
-    caller forks only from the thread submitting a job while no thread compiles
-    (``can_fork``); the child hides the GPU from itself and touches neither CUDA nor anything
-    of the caller's but its own pipes, and exits by ``os._exit``."""
+    caller forks only where ``can_fork`` allows (no thread compiling, no CUDA context: a
+    process compiling ahead without a GPU, as ``flexjit warmup`` and ``flexjit compile`` do);
+    the child touches nothing of the caller's but its own pipes, and exits by ``os._exit``."""
 
     def __init__(self, fork: bool = False):
         self.stderr = tempfile.TemporaryFile()
