@@ -184,7 +184,10 @@ class BlockMask:
 
     def __init__(self, seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                  q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
-                 BLOCK_SIZE=(_DEFAULT_SPARSE_BLOCK_SIZE, _DEFAULT_SPARSE_BLOCK_SIZE), mask_mod=None):
+                 BLOCK_SIZE=(_DEFAULT_SPARSE_BLOCK_SIZE, _DEFAULT_SPARSE_BLOCK_SIZE), mask_mod=None,
+                 *, dq_write_order=None, dq_write_order_full=None, dq_kv_order=None,
+                 dq_kv_order_spt=None):
+        _check_write_order(dq_write_order, dq_write_order_full, dq_kv_order)
         if kv_indices.dim() < 2:
             raise RuntimeError("BlockMask must have at least 2 dimensions")
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
@@ -215,8 +218,13 @@ class BlockMask:
     @classmethod
     def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
                        BLOCK_SIZE=_DEFAULT_SPARSE_BLOCK_SIZE, mask_mod=None, seq_lengths=None,
-                       compute_q_blocks=True):
-        """Build a BlockMask from kv block lists; q lists are derived by transposing."""
+                       compute_q_blocks=True, *, dq_write_order=None, dq_write_order_full=None,
+                       dq_kv_order=None):
+        """Build a BlockMask from kv block lists; q lists are derived by transposing. torch's
+        ``dq_write_order``/``dq_write_order_full``/``dq_kv_order`` (the order its deterministic
+        backward writes dQ in) are accepted and not needed: flexjit's deterministic backward
+        derives its own fixed order from the lists."""
+        _check_write_order(dq_write_order, dq_write_order_full, dq_kv_order)
         if kv_indices.dim() < 2:
             raise RuntimeError("BlockMask must have at least 2 dimensions")
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
@@ -557,6 +565,14 @@ def _block_size(bs) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- create_block_mask
+
+
+def _check_write_order(dq_write_order, dq_write_order_full, dq_kv_order) -> None:
+    for name, v in (("dq_write_order", dq_write_order), ("dq_write_order_full", dq_write_order_full)):
+        if v is not None and not isinstance(v, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(v).__name__}")
+    if dq_kv_order is not None and not isinstance(dq_kv_order, (bool, torch.Tensor)):
+        raise TypeError(f"dq_kv_order must be a bool, a tensor or None, got {type(dq_kv_order).__name__}")
 
 
 def _default_device():

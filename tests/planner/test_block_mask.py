@@ -354,3 +354,27 @@ def test_a_zero_length_mask_is_empty_and_serves_empty_inputs(L, S):
     with pytest.raises(ValueError, match="create it with Q_LEN"):  # still checked when empty
         flex_attention(q, k, v, block_mask=create_block_mask(causal, 2, None, L + 1, S + 1,
                                                              device="cpu"))
+
+
+def test_torchs_deterministic_order_arguments_are_accepted():
+    # torch's BlockMask takes the order its deterministic backward writes dQ in; flexjit's
+    # derives its own from the lists, so the arguments change nothing here, and a call that
+    # passes them builds the same mask as torch's (and a wrong type raises).
+    from torch.nn.attention import flex_attention as tflex
+    theirs = tflex.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 2, 256, 256, device="cpu",
+                                     BLOCK_SIZE=64)
+    args = (theirs.kv_num_blocks, theirs.kv_indices, theirs.full_kv_num_blocks,
+            theirs.full_kv_indices)
+    plain = BlockMask.from_kv_blocks(*args, BLOCK_SIZE=64)
+    ordered = BlockMask.from_kv_blocks(*args, BLOCK_SIZE=64, dq_write_order=None,
+                                       dq_write_order_full=None, dq_kv_order=True)
+    for name in ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices", "full_q_indices"):
+        assert torch.equal(getattr(ordered, name), getattr(plain, name))
+        assert torch.equal(getattr(ordered, name), getattr(theirs, name))
+    again = BlockMask(*ordered.as_tuple(flatten=False)[:-2], BLOCK_SIZE=(64, 64),
+                      dq_kv_order=None, dq_kv_order_spt=True)
+    assert torch.equal(again.q_indices, plain.q_indices)
+    with pytest.raises(TypeError, match="dq_write_order must be a tensor"):
+        BlockMask.from_kv_blocks(*args, BLOCK_SIZE=64, dq_write_order=[0, 1])
+    with pytest.raises(TypeError, match="dq_kv_order must be a bool"):
+        BlockMask.from_kv_blocks(*args, BLOCK_SIZE=64, dq_kv_order="yes")
