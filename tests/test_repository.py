@@ -1,6 +1,6 @@
 """The repository holds the product: the checks that keep it so (CPU, no kernels).
 
-What a clone shows must be flexjit itself: no notes of how the work was organised, one current
+What a clone shows must be flexjit itself: no working notes, one current
 record per benchmarked capability, imports that run one way through the pipeline, one place that
 reads the environment, short files and short docs.
 """
@@ -16,8 +16,7 @@ from flexjit import config
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Words that tell the story of the work instead of the product: rounds of work, machine loans,
-# issue numbers, stage folders, ledgers, notes files.
+# Phrases that belong in a project tracker, not in flexjit's files (the pattern has to name them).
 PROCESS_WORDS = re.compile(
     r"\bsession \d|\b\d+(st|nd|rd|th) session\b|\b(first|second|third|fourth|fifth|sixth|seventh|"
     r"eighth|ninth|tenth|eleventh|twelfth|next|last|this|previous|earlier) session\b|\blent\b|"
@@ -37,7 +36,7 @@ def _tracked() -> list[Path]:
     return [ROOT / p for p in out.split() if (ROOT / p).is_file()]
 
 
-def test_no_tracked_file_speaks_of_how_the_work_was_organised():
+def test_no_tracked_file_holds_working_notes():
     hits = []
     for path in _tracked():
         if path.suffix in (".png", ".o", ".cubin"):

@@ -172,9 +172,11 @@ def _compile_other_layers(module, query, key, value, score_mod, block_mask) -> N
         return
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     seen = (id(cfg), B, L, query.dtype, grad, str(query.device))
-    if seen in _STARTED or not _pool_serves(query.device):
+    if seen in _STARTED:
         return
-    _STARTED.add(seen)
+    _STARTED.add(seen)  # decided once a shape: later calls return above
+    if not _pool_serves(query.device):
+        return
     try:
         own, _ = warmup.jobs(WarmupCall.like(query, key, value, score_mod, block_mask))
         others = [job for call in warmup_calls(cfg, [L], B, query.dtype, grad)

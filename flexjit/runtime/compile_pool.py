@@ -42,6 +42,7 @@ import logging
 import os
 import pickle
 import queue
+import signal
 import site
 import subprocess
 import sys
@@ -221,6 +222,7 @@ class WorkerError(RuntimeError):
 
 _BOOT = ("import sys; sys.path[:0] = {path!r}; "
          "from flexjit.runtime.compile_pool import serve; serve()")
+_WORKER_ENV = dict(CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH=ARCH)  # no GPU; the workers' target
 IDLE_S = 30.0  # a worker with no job for this long exits (a forked one holds the caller's pages)
 JOB_TIMEOUT_S = 900.0  # a job's longest wait: past it the worker is taken for hung, and killed
 _PIPES: set[int] = set()  # this process's ends of its workers' pipes (a forked child closes them)
@@ -263,7 +265,7 @@ class _Forked:
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, 9)
+            os.kill(self.pid, signal.SIGKILL)
 
 
 class _Worker:
@@ -284,7 +286,7 @@ class _Worker:
     def _spawn(self) -> subprocess.Popen:
         root = str(Path(__file__).resolve().parents[2])
         path = [] if root in site.getsitepackages() + [site.getusersitepackages()] else [root]
-        env = config.child_environment(CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH=ARCH)
+        env = config.child_environment(**_WORKER_ENV)
         return subprocess.Popen([sys.executable, "-c", _BOOT.format(path=path)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=self.stderr, env=env)
@@ -306,7 +308,7 @@ class _Worker:
                         os.close(fd)
                 os.dup2(self.stderr.fileno(), 1)
                 os.dup2(self.stderr.fileno(), 2)
-                os.environ.update(CUDA_VISIBLE_DEVICES="", CUTE_DSL_ARCH=ARCH)
+                os.environ.update(_WORKER_ENV)
                 torch.set_num_threads(1)  # the caller's OpenMP pool did not survive the fork
                 serve(os.fdopen(job_r, "rb"), os.fdopen(answer_w, "wb"))
                 code = 0
@@ -397,7 +399,6 @@ class Pool:
         self.idle: queue.Queue = queue.Queue()
         self.live: list[_Worker] = []
         self.lock = threading.Lock()
-        self.waiting = 0  # jobs submitted and not yet taken by a worker
         self.running: dict[str, _Worker] = {}  # Job.ident -> the worker running it
         self.threads = [threading.Thread(target=self._loop, daemon=True,
                                          name=f"flexjit-compile-{i}") for i in range(size)]
@@ -406,9 +407,8 @@ class Pool:
 
     def submit(self, job: Job) -> cf.Future:
         fut: cf.Future = cf.Future()
-        with self.lock:
-            self.waiting += 1
-            if self.idle.qsize() < self.waiting and len(self.live) < self.size:
+        with self.lock:  # this job and those not yet taken, against the idle workers
+            if self.idle.qsize() < self.jobs.qsize() + 1 and len(self.live) < self.size:
                 worker = _Worker(fork=can_fork())
                 self.live.append(worker)
                 self.idle.put(worker)
@@ -460,8 +460,6 @@ class Pool:
             if item is None:
                 return
             job, fut = item
-            with self.lock:
-                self.waiting -= 1
             if not fut.set_running_or_notify_cancel():
                 continue
             worker = None
