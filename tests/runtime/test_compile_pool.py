@@ -193,8 +193,9 @@ def test_a_dead_worker_falls_back_with_a_warning_and_is_replaced(cache):
     # process's kernels in memory, a spawned one finds them on disk.
     compile_pool._PENDING.clear()
     answer = compile_pool.submit(job).result(timeout=600)
-    assert answer["compiled"] == 0
     assert pid not in pool.pids() and len(pool.pids()) == 1
+    (fresh,) = pool.live
+    assert answer["compiled"] == 0 and answer["cached"] == (0 if fresh.forked else 3)
 
 
 @pytest.mark.slow
