@@ -19,8 +19,9 @@ What this module holds
   on the job's identity, so that processes sharing a cache folder compile each kernel once: a
   second one waits for the first and then loads.
 * The pool: ``workers()`` processes (the cores less one, at most 4), started at first need and
-  stopped at exit. A worker is ``python -c`` importing this module with the GPU hidden and
-  ``CUTE_DSL_ARCH`` set, talking length-prefixed pickles over its stdin/stdout. Not
+  stopped at exit. A worker is forked from the caller where ``can_fork`` allows, its cutlass
+  pinned to ``ARCH``; else it is ``python -c`` importing this module with the GPU hidden and
+  ``CUTE_DSL_ARCH`` set. Either talks length-prefixed pickles over its pipes. Not
   ``multiprocessing``'s spawn: it re-imports the caller's ``__main__`` in every worker, which
   reruns a training script that has no ``if __name__ == "__main__"`` guard.
 * Failures: a job that raises, or a worker that dies (killed, out of memory, a crash in the
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -229,17 +231,29 @@ _PIPES: set[int] = set()  # this process's ends of its workers' pipes (a forked 
 
 
 def can_fork() -> bool:
-    """Whether a new worker may be forked from this thread now: POSIX; no thread of this process
-    inside the CuTe compiler (a child inherits whatever locks are held at the fork; the compile
-    loop it runs takes the compiler's); CUDA not initialized here; and cutlass either not yet
-    imported or imported for the workers' target. A child forked from a process whose cutlass
-    had settled on the GPU's arch compiled for another (sm_100a on an H200), and a CUDA context
-    does not survive a fork: such processes spawn their workers."""
-    if not hasattr(os, "fork") or cute_cache.compiles_running():
-        return False
-    if torch.cuda.is_initialized():
-        return False
-    return "cutlass" not in sys.modules or os.environ.get("CUTE_DSL_ARCH") == ARCH
+    """Whether a new worker may be forked from this thread now: POSIX, and no thread of this
+    process inside the CuTe compiler (a child inherits whatever locks are held at the fork; the
+    compile loop it runs takes the compiler's). A process using CUDA forks too: the child pins
+    cutlass's target to ``ARCH`` (``_pin_target``) whatever arch the caller's cutlass holds, and
+    never uses CUDA, whose state does not survive a fork (it compiles against placeholders and
+    CPU tensors)."""
+    return hasattr(os, "fork") and not cute_cache.compiles_running()
+
+
+def _pin_target() -> None:
+    """Set every cutlass DSL singleton's target arch to ``ARCH``, in a forked worker. cutlass
+    builds its singletons (``CuTeDSL``, ``CuteExperimentalDSL``) when it is imported, reads
+    ``<prefix>_ARCH`` then, and without it detects the arch from the CUDA driver at first use
+    (``EnvironmentVarManager.arch``); a compile reads the target there. A child inherits the
+    caller's singletons with the caller's arch, or detects it where the driver query fails (in
+    a child of a CUDA process) and gets cutlass's fallback, sm_100a. Without cutlass imported
+    here, the child's own import reads ``CUTE_DSL_ARCH`` from ``_WORKER_ENV``."""
+    if "cutlass" not in sys.modules:
+        return
+    from cutlass.base_dsl.dsl import DSLSingletonMeta
+
+    for dsl in tuple(DSLSingletonMeta._instances.values()):
+        dsl.envar.arch = ARCH
 
 
 class _Forked:
@@ -273,14 +287,23 @@ class _Worker:
 
     Forked (``fork=True``) from the caller, it starts in milliseconds with torch, flexjit and
     cutlass already imported; a ``python -c`` worker (spawned) pays those imports, seconds. The
-    caller forks only where ``can_fork`` allows (no thread compiling, no CUDA context: a
-    process compiling ahead without a GPU, as ``flexjit warmup`` and ``flexjit compile`` do);
-    the child touches nothing of the caller's but its own pipes, and exits by ``os._exit``."""
+    caller forks only where ``can_fork`` allows (no thread compiling). The child pins cutlass's
+    target to ``ARCH`` (``_pin_target``), never calls CUDA (a CUDA context does not survive a
+    fork: the compile needs none), touches nothing of the caller's but its own pipes, and exits
+    by ``os._exit``. A fork that fails (no memory to account for a large caller's copy) spawns
+    instead."""
 
     def __init__(self, fork: bool = False):
         self.stderr = tempfile.TemporaryFile()
-        self.forked = fork
-        self.proc = self._fork() if fork else self._spawn()
+        self.forked = False
+        if fork:
+            try:
+                self.proc = self._fork()
+                self.forked = True
+            except OSError as e:
+                log.info("flexjit: cannot fork a compile worker (%s); spawning one", e)
+        if not self.forked:
+            self.proc = self._spawn()
         _PIPES.update((self.proc.stdin.fileno(), self.proc.stdout.fileno()))
 
     def _spawn(self) -> subprocess.Popen:
@@ -295,11 +318,16 @@ class _Worker:
         job_r, job_w = os.pipe()
         answer_r, answer_w = os.pipe()
         sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is written twice
-        with warnings.catch_warnings():
-            # Python warns that forking a multi-threaded process may deadlock the child: the
-            # child here runs only the compile loop, forked while no thread compiles.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
+        try:
+            with warnings.catch_warnings():
+                # Python warns that forking a multi-threaded process may deadlock the child:
+                # the child here runs only the compile loop, forked while no thread compiles.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError:
+            for fd in (job_r, job_w, answer_r, answer_w):
+                os.close(fd)
+            raise
         if pid == 0:  # the worker
             code = 1
             try:
@@ -308,10 +336,13 @@ class _Worker:
                         os.close(fd)
                 os.dup2(self.stderr.fileno(), 1)
                 os.dup2(self.stderr.fileno(), 2)
-                os.environ.update(_WORKER_ENV)
+                os.environ.update(_WORKER_ENV)  # for what is read from here on
+                _pin_target()  # cutlass read its arch at its import, in the caller
                 torch.set_num_threads(1)  # the caller's OpenMP pool did not survive the fork
                 serve(os.fdopen(job_r, "rb"), os.fdopen(answer_w, "wb"))
                 code = 0
+            except BaseException:  # the caller's warning quotes this (``tail``)
+                traceback.print_exc()
             finally:
                 os._exit(code)  # never the caller's atexit hooks, nor its code after the fork
         os.close(job_r)

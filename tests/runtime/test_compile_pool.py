@@ -5,6 +5,9 @@
 * ``ahead`` compiles the backward's three kernels in another process while the caller goes on;
   afterwards this process loads all three from disk with ``cute.compile`` forbidden.
 * A worker killed mid-job: ``wait`` warns and compiles here; the next job gets a fresh worker.
+* A caller with CUDA initialized and its cutlass on another arch forks its worker all the same:
+  the child compiles for sm_90a without a CUDA call, and the caller loads its kernels. A fork
+  that fails spawns the worker instead.
 * Two processes sharing a cache folder that need the same backward at once compile it once.
 * With the disk cache off the pool starts nothing.
 * ``dispatch.run`` starts the job before the forward runs; ``dispatch.backward`` waits for it
@@ -69,6 +72,32 @@ def test_a_program_is_rebuilt_with_its_key():
             [(t.dtype, t.shape, t.requires_grad) for t in program.buffers]
         assert back.scalars == program.scalars
         assert len(back.grad_loads) == len(program.grad_loads)
+
+
+def _cubin_sms(path: Path) -> set:
+    """The SM numbers (90 for sm_90a) of the cubins embedded in an exported object file, from each
+    CUDA ELF header's e_flags: ABI version 7 holds the SM in the low byte, version 8 (CUDA 13's
+    for every arch, 12.x's from sm_100) in bits 8-15. Whether the arch-specific "a" features are
+    on is not in e_flags under every toolchain, and needs no check: the sm90 kernels' wgmma
+    compiles for sm_90a alone."""
+    data, sms = path.read_bytes(), set()
+    at = data.find(b"\x7fELF", 1)  # the host object's own header is at 0
+    while at > 0:
+        if int.from_bytes(data[at + 0x12:at + 0x14], "little") == 190:  # EM_CUDA
+            abi, flags = data[at + 8], int.from_bytes(data[at + 0x30:at + 0x34], "little")
+            sms.add(flags & 0xff if abi < 8 else (flags & 0xff00) >> 8)
+        at = data.find(b"\x7fELF", at + 1)
+    return sms
+
+
+def test_a_process_using_cuda_may_fork_its_workers(monkeypatch):
+    # The child pins cutlass's target and never uses CUDA: neither CUDA nor the caller's arch
+    # stands in the way; a thread inside the compiler (whose locks a child would inherit) does.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    assert compile_pool.can_fork()
+    with compile_pool.cute_cache.compiling():
+        assert not compile_pool.can_fork()
 
 
 def test_off_when_the_disk_cache_is_off(cache, monkeypatch):
@@ -241,6 +270,86 @@ def test_a_worker_forked_after_a_compile_here_compiles_and_starts_fast(cache):
     # a spawned worker's imports alone take seconds; a fork, milliseconds
     assert time.perf_counter() - t0 - answer["seconds"] < 1.0
     assert len(list((cache / "cute").glob("*.o"))) == 6
+
+
+@pytest.mark.slow
+def test_a_worker_forked_from_a_cuda_process_on_another_arch_compiles_for_sm90a(cache, tmp_path,
+                                                                                monkeypatch):
+    # A GPU process whose cutlass settled on another arch (another GPU's, or sm_100a, cutlass's
+    # fallback when detection fails) forks its worker: the child compiles for sm_90a all the same,
+    # calls no CUDA driver or runtime function, and the caller loads the kernels it exported.
+    _needs_cute()
+    driver = pytest.importorskip("cuda.bindings.driver")
+    runtime = pytest.importorskip("cuda.bindings.runtime")
+    import cutlass.cute as cute
+    from cutlass.base_dsl.dsl import DSLSingletonMeta
+
+    from flexjit.backends.cute import objects, sm90
+
+    parent, calls = os.getpid(), tmp_path / "cuda_calls"
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            if os.getpid() != parent:  # the worker's; this process's own are not in question
+                with open(calls, "a") as f:
+                    f.write(f"{name}\n")
+            return fn(*args, **kwargs)
+        return call
+
+    for module in (driver, runtime):
+        for name in dir(module):
+            fn = getattr(module, name)
+            if name.startswith("cu") and callable(fn) and not isinstance(fn, type):
+                monkeypatch.setattr(module, name, recorded(f"{module.__name__}.{name}", fn))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    sm90._COMPILED_BWD.clear()  # a forked worker would find another test's kernels in memory
+    envs = [dsl.envar for dsl in DSLSingletonMeta._instances.values()]
+    saved = [env._arch for env in envs]  # None where not yet read (detected at first use)
+    call = _call(mods.softcap(45.0))
+    try:
+        for env in envs:
+            env.arch = "sm_100a"
+        compile_pool.ahead("cute", call)
+        assert [w.forked for w in compile_pool.pool().live] == [True]
+        _, fut = next(iter(compile_pool._PENDING.values()))
+        answer = fut.result(timeout=600)
+        assert [env.arch for env in envs] == ["sm_100a"] * len(envs)  # the caller's, untouched
+    finally:
+        for env, arch in zip(envs, saved):
+            env.arch = arch
+    assert answer["compiled"] == 3
+    objs = sorted((cache / "cute").glob("*.o"))
+    assert len(objs) == 3 and [_cubin_sms(o) for o in objs] == [{90}] * 3  # not sm_100a's 100
+    assert not calls.exists(), calls.read_text()
+
+    real, hits = cute.compile, objects.STATS["hits"]
+    cute.compile = lambda *a, **k: pytest.fail("the backward compiled in the caller")
+    try:
+        compile_pool.wait("cute", call)
+        aux = tuple(sm90._aux_tensor(t, call.q.device) for t in call.program.buffers)
+        sm90._COMPILED_BWD.clear()
+        sm90.compile_backward(call.program, call.q.dtype, D, True, False, aux, head_dim_v=D)
+    finally:
+        cute.compile = real
+    assert objects.STATS["hits"] - hits == 3
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_be_forked_is_spawned(monkeypatch):
+    # Forking a large process can fail (ENOMEM where memory is not overcommitted): the pool then
+    # pays a spawned worker's start rather than failing the caller, and leaks no pipe.
+    def fork():
+        raise OSError(12, "Cannot allocate memory")
+
+    fds = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    monkeypatch.setattr(os, "fork", fork)
+    worker = compile_pool._Worker(fork=True)
+    try:
+        assert not worker.forked and isinstance(worker.proc, subprocess.Popen) and worker.alive()
+    finally:
+        worker.stop()
+    if fds is not None:
+        assert set(os.listdir("/proc/self/fd")) == fds
 
 
 @pytest.mark.slow
