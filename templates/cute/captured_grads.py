@@ -68,14 +68,15 @@ def flush_uniform(sums, offsets, grad_offsets: cutlass.Constexpr, accs,
 @cute.jit
 def element(g: Float32, batch, head, q_idx, kv_idx, aux, indices, sums: list,
             score_grads: cutlass.Constexpr, grad_offsets: cutlass.Constexpr, accs, only_wg0,
-            use_red: cutlass.Constexpr):
+            use_red: cutlass.Constexpr, at=None):
     """One element (q_idx, kv_idx) with g = P∘(dP − delta): the derivatives and offsets of the
-    learnable loads there, their contributions (``add_element``), and dS (``d_score``)."""
+    learnable loads there, their contributions (``add_element``), and dS (``d_score``).
+    ``at``: the element's index offsets from ``indices``' base (``FloatIndices.args``)."""
     derivs = score_grads(batch, head, q_idx, kv_idx, aux,
-                         *indices.args(score_grads, q_idx, kv_idx))
+                         *indices.args(score_grads, q_idx, kv_idx, at))
     offsets = None
     if const_expr(not all(grad_offsets.uniform)):
         offsets = grad_offsets(batch, head, q_idx, kv_idx, aux,
-                               *indices.args(grad_offsets, q_idx, kv_idx))
+                               *indices.args(grad_offsets, q_idx, kv_idx, at))
     add_element(g, derivs, offsets, sums, grad_offsets, accs, only_wg0, use_red)
     return d_score(g, derivs, score_grads)

@@ -17,6 +17,7 @@ order is each kernel's argument layout, so each keeps its own list; the shapes a
   grouped as one mode).
 """
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -25,7 +26,9 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import arith as _mlir_arith
+from cutlass._mlir_helpers import arith as cutlass_arith
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -48,20 +51,75 @@ class FloatIndices:
     one FADD instead of an int->float conversion, which issues on the MUFU pipe beside exp2
     (ALiBi's float(kv) - float(q) is one FADD, not three). Exact: indices are below 2^22.
     The last argument, (base, offset) of kv_idx - q_idx, lets a mod scale the difference by a
-    tile-uniform factor with one FFMA (see the holes' contract)."""
+    tile-uniform factor with one FFMA (see the holes' contract). ``.float_indices`` names the
+    arguments the mod reads (True: all); the others are passed as None, never computed."""
 
     def __init__(self, q0, kv0):
         self.q0, self.kv0 = q0, kv0
         self.q0_f, self.kv0_f = Float32(q0), Float32(kv0)
         self.d0_f = self.kv0_f - self.q0_f
 
-    def args(self, mod, q_idx, kv_idx) -> tuple:
-        if not getattr(mod, "float_indices", False):
+    def args(self, mod, q_idx, kv_idx, at=None) -> tuple:
+        """``at``: (q_idx - q0, kv_idx - kv0) as Python ints where the caller knows them
+        (``register_offsets``), else they are computed (and folded by the compiler)."""
+        uses = getattr(mod, "float_indices", False)
+        if uses is False:  # a mod without the float parameters
             return ()
-        dq, dkv = q_idx - self.q0, kv_idx - self.kv0
-        offset = Float32(dkv - dq)
-        return (self.q0_f + Float32(dq), self.kv0_f + Float32(dkv), self.d0_f + offset,
-                (self.d0_f, offset))
+        if uses is True:
+            uses = _FLOAT_ARGS
+        dq, dkv = at if at is not None else (q_idx - self.q0, kv_idx - self.kv0)
+        offset = Float32(dkv - dq) if "kv_minus_q_f" in uses or "kv_minus_q_parts" in uses else None
+        return (self.q0_f + Float32(dq) if "q_idx_f" in uses else None,
+                self.kv0_f + Float32(dkv) if "kv_idx_f" in uses else None,
+                self.d0_f + offset if "kv_minus_q_f" in uses else None,
+                (self.d0_f, offset) if "kv_minus_q_parts" in uses else None)
+
+
+_FLOAT_ARGS = ("q_idx_f", "kv_idx_f", "kv_minus_q_f", "kv_minus_q_parts")
+
+
+def bind(mod, b, h, aux):
+    """``mod`` (a generated score_mod, mask_mod, ...) with its tile-uniform part
+    (``mod.hoisted``) computed once, here, instead of once per register: call it at the start
+    of a tile's unrolled loop, in the same region as the loop."""
+    part = getattr(mod, "hoisted", None)
+    if part is None:
+        return mod
+    return functools.partial(mod, hoisted=part(b, h, aux))
+
+
+def where(cond, a: Float32, b: Float32) -> Float32:
+    """``a if cond else b`` as one select: the ternary in a kernel becomes an ``scf.if`` with two
+    regions per register, which the compiler turns back into this."""
+    return Float32(cutlass.select_(cond, a, b))
+
+
+def plain_i32(x) -> Int32:
+    """``x`` as a plain i32. A value read from a coordinate tensor keeps cute's integer-tuple
+    form, and every add on it builds tuple operations (three IR operations where one would do)
+    that the MLIR passes fold back; per register and index that is compile time."""
+    return Int32(cutlass_arith.ArithValue(Int32(x).ir_value(), True))
+
+
+def index_add(x: Int32, offset: int) -> Int32:
+    """``x + offset`` for an index, marked as never overflowing (as cute's own coordinate
+    arithmetic is): LLVM may then fold ``q + a >= kv + b`` into one compare of ``q - kv``."""
+    if offset == 0:
+        return x
+    v = _mlir_arith.addi(Int32(x).ir_value(), Int32(offset).ir_value(),
+                         overflow_flags=_mlir_arith.IntegerOverflowFlags.nsw)
+    return Int32(cutlass_arith.ArithValue(v, True))
+
+
+def register_offsets(coords: cute.Tensor) -> list:
+    """Each register's (row, col) offset from register 0 in a thread's partition of an identity
+    tensor, as Python ints: the partition's layout is static, only its base depends on the
+    thread. Indexing the coordinate tensor per register instead builds some twenty IR operations
+    a register and index that the MLIR passes then fold back to one add; over the ~400
+    registers a forward's mods visit, that was most of its IR and of its compile time."""
+    lay = coords.layout
+    first = lay(0)
+    return [tuple(c - f for c, f in zip(lay(i), first)) for i in range(cute.size(lay))]
 
 
 def smem_layout(dtype, rows: int, cols: int, stages: Optional[int] = None,

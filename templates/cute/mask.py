@@ -5,7 +5,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from flexjit.templates.cute.common import FloatIndices
+from flexjit.templates.cute.common import FloatIndices, bind
 
 
 @cute.jit
@@ -21,12 +21,13 @@ def mask_word(mask_mod: cutlass.Constexpr, batch: Int32, head: Int32, fixed: Int
     else:
         indices = FloatIndices(base, fixed)
     word = cutlass.Uint32(0)
+    bound = bind(mask_mod, batch, head, aux)
     for i in cutlass.range_constexpr(32):
         idx = base + i
         if const_expr(along_kv):
-            keep = mask_mod(batch, head, fixed, idx, aux, *indices.args(mask_mod, fixed, idx))
+            keep = bound(batch, head, fixed, idx, aux, *indices.args(mask_mod, fixed, idx, (0, i)))
         else:
-            keep = mask_mod(batch, head, idx, fixed, aux, *indices.args(mask_mod, idx, fixed))
+            keep = bound(batch, head, idx, fixed, aux, *indices.args(mask_mod, idx, fixed, (i, 0)))
         bit = cutlass.Uint32(1 << i) if keep else cutlass.Uint32(0)
         word = word | (bit if i < limit else cutlass.Uint32(0))
     return word

@@ -26,6 +26,7 @@ loads widen to float32.
 from __future__ import annotations
 
 import math
+import re
 
 from flexjit.ir import nodes as ir
 from flexjit.ir.nodes import DType, Node, Op
@@ -143,13 +144,15 @@ _OPS = {
 }
 
 
-def _load(n: Node, a: list[str]) -> str:
+def _load(n: Node, a: list[str], indices=None) -> str:
+    """A captured tensor's element; ``indices``: each dim's clamped index as an expression
+    (else formed here from ``a``)."""
     slot = n.src[0].arg[0]
     t = f"aux.tensors[{slot}]"
     if not a[1:]:
         idx = "0"  # a 0-d captured tensor arrives as a 1-element tensor
     else:
-        idx = ", ".join(f"_index({i}, {t}.shape[{d}])" for d, i in enumerate(a[1:]))
+        idx = ", ".join(indices or [f"_index({i}, {t}.shape[{d}])" for d, i in enumerate(a[1:])])
     value = f"{t}[({idx},)]" if len(a[1:]) <= 1 else f"{t}[{idx}]"
     if n.dtype is DType.BOOL:
         return value
@@ -173,15 +176,50 @@ def _float_index_pair(n: Node):
 
 def render_function(name: str, params: str, *roots: Node) -> str:
     """One straight-line function computing ``roots`` (a tuple if several, sharing common
-    subexpressions); each non-leaf node is one statement."""
+    subexpressions); each non-leaf node is one statement. What is uniform over a tile (varies
+    with neither index nor the score: ALiBi's slope load, a captured tensor's extent) goes into
+    ``<name>.hoisted(b, h, aux)``, which a kernel calls once per tile and passes on as
+    ``hoisted=``: traced per element, it was a third of a forward's IR."""
     body, names = _render_body(roots)
-    body.append(f"    return {', '.join(names[id(r)] for r in roots)}")
+    body.returns = [names[id(r)] for r in roots]
     return _wrap(name, params, body)
 
 
-def _wrap(name: str, params: str, body: list[str]) -> str:
-    return (f"def {name}({params}, q_idx_f, kv_idx_f, kv_minus_q_f, kv_minus_q_parts):\n"
-            + "\n".join(body) + "\n\n\n" f"{name}.float_indices = True\n")
+class _Body:
+    """A function's statements: ``uniform`` (the hoisted part, ``u`` names) and ``element``."""
+
+    def __init__(self):
+        self.uniform: list[str] = []
+        self.element: list[str] = []
+        self.returns: list[str] = []
+
+
+def _wrap(name: str, params: str, body: "_Body") -> str:
+    used = " ".join(body.element + body.returns)
+    shared = [line.split(" = ")[0].strip() for line in body.uniform]
+    shared = [u for u in shared if _mentions(used, u)]
+    lines = []
+    if shared:
+        lines.append(f"def _{name}_hoisted(b, h, aux):")
+        lines += body.uniform
+        lines.append(f"    return ({', '.join(shared)},)\n\n")
+    lines.append(f"def {name}({params}, q_idx_f, kv_idx_f, kv_minus_q_f, kv_minus_q_parts, "
+                 "hoisted=None):")
+    if shared:
+        lines.append(f"    {', '.join(shared)}, = _{name}_hoisted(b, h, aux) if hoisted is None "
+                     "else hoisted")
+    lines += body.element
+    lines.append(f"    return {', '.join(body.returns)}")
+    floats = tuple(p for p in _FLOAT_PARAMS if _mentions(used, p))
+    return ("\n".join(lines) + "\n\n\n" f"{name}.float_indices = {floats!r}\n"
+            f"{name}.hoisted = {f'_{name}_hoisted' if shared else None}\n")
+
+
+_FLOAT_PARAMS = ("q_idx_f", "kv_idx_f", "kv_minus_q_f", "kv_minus_q_parts")
+
+
+def _mentions(text: str, var: str) -> bool:
+    return re.search(rf"\b{var}\b", text) is not None
 
 
 def _is_kv_minus_q(n: Node) -> bool:
@@ -202,12 +240,28 @@ def _scaled_kv_minus_q(n: Node, memo: dict):
     return None
 
 
-def _render_body(roots) -> tuple[list[str], dict[int, str]]:
+def _render_body(roots) -> tuple["_Body", dict[int, str]]:
     """The statements computing ``roots`` and the name of every node's value."""
     names: dict[int, str] = {}
-    body: list[str] = []
+    body = _Body()
     exact = exact_float_nodes(list(roots))
     varies = {}  # ir.varies_with's memo
+    hoisted: dict[str, str] = {}  # a uniform expression -> its name
+
+    def hoist(expr: str) -> str:
+        if expr not in hoisted:
+            hoisted[expr] = f"u{len(body.uniform)}"
+            body.uniform.append(f"    {hoisted[expr]} = {expr}")
+        return hoisted[expr]
+
+    def load_indices(n: Node, args: list[str]) -> list[str]:
+        """A varying load's clamped indices: a uniform one whole, once per tile; a varying one
+        against its dim's size, read once per tile."""
+        t = f"aux.tensors[{n.src[0].arg[0]}]"
+        return [hoist(f"_index({a}, {t}.shape[{d}])") if not ir.varies_with(i, varies) else
+                f"_index({a}, {hoist(f'_extent({t}.shape[{d}])')})"
+                for d, (i, a) in enumerate(zip(n.src[1:], args[1:]))]
+
     for n in ir.toposort(list(roots)):
         if n.op in _LEAVES:
             names[id(n)] = _LEAVES[n.op]
@@ -223,20 +277,22 @@ def _render_body(roots) -> tuple[list[str], dict[int, str]]:
             names[id(n)] = ""
         else:
             args = [names[id(s)] for s in n.src]
+            uniform = not ir.varies_with(n, varies)
             scale = _scaled_kv_minus_q(n, varies)
             if scale is not None:  # X * (base + offset) as one FFMA; X * base is shared
                 x = names[id(scale)]
                 expr = f"cute.fma({x}, kv_minus_q_parts[1], {x} * kv_minus_q_parts[0])"
             elif n.op is Op.LOAD:
-                expr = _load(n, args)
+                expr = _load(n, args, None if uniform else load_indices(n, args))
             elif n.op in ir.TRANSCENDENTAL:
                 expr = _OPS[n.op](n, args, fast=id(n) not in exact)
             elif n.op is Op.DIV and id(n) not in exact:  # div.full.f32: 2 ulp, no slow path
                 expr = f"cute.math.div({args[0]}, {args[1]}, full=True)"
             else:
                 expr = _OPS[n.op](n, args)
-            var = f"t{len(body)}"
-            body.append(f"    {var} = {expr}")
+            lines = body.uniform if uniform else body.element
+            var = f"{'u' if uniform else 't'}{len(lines)}"
+            lines.append(f"    {var} = {expr}")
             names[id(n)] = var
     return body, names
 
@@ -246,12 +302,21 @@ Program key {key}."""
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
+from cutlass._mlir_helpers import arith as _arith
 
 
 def _index(i, n):
     # Python semantics for a negative index, then clamped: never an out-of-bounds read.
     j = Int32(cutlass.select_(i < 0, i + n, i))
     return Int32(cutlass.min(cutlass.max(j, Int32(0)), n - 1))
+
+
+def _extent(n):
+    # A tensor's size as a plain i32: a shape element keeps cute's integer-tuple form, whose
+    # every use in _index would build tuple operations for the compiler to fold.
+    if isinstance(n, int):
+        return n
+    return Int32(_arith.ArithValue(Int32(n).ir_value(), True))
 
 '''
 
@@ -335,13 +400,14 @@ def render_captured_grads(program: Program) -> str:
         idx = g.load.src[1:]
         var = f"o{j}"
         if not idx:
-            body.append(f"    {var} = Int32(0)")
+            body.element.append(f"    {var} = Int32(0)")
         for d, i in enumerate(idx):
             term = f"_index({names[id(i)]}, {t}.shape[{d}])"
-            body.append(f"    {var} = {term}" if d == 0 else f"    {var} = {var} * {t}.shape[{d}] + {term}")
+            body.element.append(f"    {var} = {term}" if d == 0 else
+                                f"    {var} = {var} * {t}.shape[{d}] + {term}")
         offsets.append(var)
         uniform.append(not any(ir.varies_with(i, varies) for i in idx))
-    body.append(f"    return {', '.join(offsets)},")
+    body.returns = [f"{', '.join(offsets)},"]
     parts.append(_wrap("grad_offsets", params, body))
     slots = grad_slots(program)
     parts.append(f"grad_offsets.uniform = {tuple(uniform)!r}\n")

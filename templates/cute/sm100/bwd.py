@@ -99,7 +99,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from flexjit.templates.cute import captured_grads, common, config, host, softmax
 from flexjit.templates.cute.block_sparse import QBlockLists, QOrder, order_rows, q_lists
-from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, kernel_aux, permute, smem_buffer
+from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, bind, kernel_aux, permute, smem_buffer, where
 from flexjit.templates.cute.host import PARTS, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.mask import kept, mask_word
 from flexjit.templates.cute.opaque import opaque_i32
@@ -813,13 +813,14 @@ class FlexAttentionBwdSm100(config.Kernel):
         q_first = q0 + col0
         indices = FloatIndices(q_first, kv_idx)
         kv_in = kv_idx < sched.seqlen_k
+        score_mod = bind(self.score_mod, sched.batch, head, cx.aux)
         for i in cutlass.range_constexpr(CHUNK):
             q_idx = q_first + i
             s = rS[i]
             ds = Float32(1.0)
             if const_expr(self.score_mod is not None):
-                s, ds = self.score_mod(s * cx.softmax_scale, sched.batch, head, q_idx, kv_idx,
-                                       cx.aux, *indices.args(self.score_mod, q_idx, kv_idx))
+                s, ds = score_mod(s * cx.softmax_scale, sched.batch, head, q_idx, kv_idx,
+                                  cx.aux, *indices.args(self.score_mod, q_idx, kv_idx, (i, 0)))
             ok = None
             if const_expr(bits is not None):
                 col = col0 + i
@@ -827,7 +828,7 @@ class FlexAttentionBwdSm100(config.Kernel):
             elif const_expr(use_bound):
                 ok = cutlass.and_(q_idx < sched.seqlen_q, kv_in)
             if const_expr(ok is not None):
-                s = s if ok else neg_inf
+                s = where(ok, s, neg_inf)
             p = cute.math.exp2(cute.fma(s, cx.c, -rL[i]), fastmath=True)
             rP[i] = p.to(self.dtype)
             if const_expr(self.score_grads is not None):
@@ -890,7 +891,7 @@ class FlexAttentionBwdSm100(config.Kernel):
             g = rP[i] * (rdP[i] - rD[i])
             rdP[i] = captured_grads.element(g, sched.batch, head_o, q_idx, kv_idx, cx.aux, indices,
                                             sums, self.score_grads, self.grad_offsets, cx.accs,
-                                            None, True)
+                                            None, True, (i, 0))
         return sums
 
     @cute.jit

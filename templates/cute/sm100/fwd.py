@@ -100,7 +100,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
 from flexjit.templates.cute import config, host, softmax
 from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, KIND_SKIP, BlockSparse256, count_of, row_of
-from flexjit.templates.cute.common import Aux, FloatIndices, fadd, kernel_aux, permute, smem_buffer, tree
+from flexjit.templates.cute.common import Aux, FloatIndices, bind, fadd, kernel_aux, permute, smem_buffer, tree, where
 from flexjit.templates.cute.host import placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.mask import kept, mask_word
 from flexjit.templates.cute.pipeline import group_pipeline, thread_group, tma_pipelines
@@ -748,18 +748,18 @@ class FlexAttentionFwdSm100(config.Kernel):
         indices = FloatIndices(row, kv_base + col0 + tTcS[0][1])
         neg_inf = -Float32.inf
         limit = sched.seqlen_k - kv_base
+        score_mod = bind(self.score_mod, sched.batch, sched.head, aux)
         for i in cutlass.range_constexpr(cute.size(rS)):
             col = col0 + tTcS[i][1]
             s = rS[i]
             if const_expr(self.score_mod is not None):
                 kv_idx = kv_base + col
-                s = self.score_mod(s * softmax_scale, sched.batch, sched.head, row, kv_idx, aux,
-                                   *indices.args(self.score_mod, row, kv_idx))
+                s = score_mod(s * softmax_scale, sched.batch, sched.head, row, kv_idx, aux,
+                              *indices.args(self.score_mod, row, kv_idx))
             if const_expr(bits is not None):
-                keep = kept(bits, col)
-                s = s if keep else neg_inf
+                s = where(kept(bits, col), s, neg_inf)
             elif const_expr(use_bound):
-                s = s if col < limit else neg_inf
+                s = where(col < limit, s, neg_inf)
             rS[i] = s
 
     # -----------------------------------------------------------------------------------------

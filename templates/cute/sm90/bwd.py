@@ -133,7 +133,7 @@ from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute import captured_grads, config, softmax
 from flexjit.templates.cute.block_sparse import QBlockLists, QOrder, listed_tile, order_rows, q_lists
-from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, DqPostprocess, FloatIndices, kernel_aux, launch, permute, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
+from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, DqPostprocess, FloatIndices, bind, index_add, kernel_aux, launch, permute, plain_i32, register_offsets, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.opaque import opaque_i32, opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.pipeline import tma_pipelines
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols, store_dq_acc
@@ -875,27 +875,31 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         use_mask = kind == "partial" and self.mask_mod is not None
         use_bound = kind != "full"
         sched = ctx.sched
-        q0 = m * self.tile_m
-        k0 = sched.n_block * self.tile_n
+        q_first = plain_i32(m * self.tile_m + ctx.tScS[0][1])
+        kv_first = plain_i32(sched.n_block * self.tile_n + ctx.tScS[0][0])
         neg_inf = -Float32.inf
-        indices = FloatIndices(q0 + ctx.tScS[0][1], k0 + ctx.tScS[0][0])
-        for i in cutlass.range_constexpr(cute.size(acc_S)):
-            kv_idx = k0 + ctx.tScS[i][0]
-            q_idx = q0 + ctx.tScS[i][1]
+        indices = FloatIndices(q_first, kv_first)
+        score_mod = bind(self.score_mod, sched.batch, head, ctx.aux)
+        mask_mod = bind(self.mask_mod, sched.batch, head, ctx.aux) if const_expr(use_mask) else None
+        offsets = register_offsets(ctx.tScS)  # (kv, q) per register
+        for i in cutlass.range_constexpr(len(offsets)):
+            at = (offsets[i][1], offsets[i][0])
+            q_idx = index_add(q_first, at[0])
+            kv_idx = index_add(kv_first, at[1])
             s = acc_S[i]
             ds = Float32(1.0)
             if const_expr(self.score_mod is not None):
-                s, ds = self.score_mod(s * ctx.softmax_scale, sched.batch, head, q_idx, kv_idx, ctx.aux,
-                                       *indices.args(self.score_mod, q_idx, kv_idx))
+                s, ds = score_mod(s * ctx.softmax_scale, sched.batch, head, q_idx, kv_idx, ctx.aux,
+                                  *indices.args(self.score_mod, q_idx, kv_idx, at))
             ok = None
             if const_expr(use_mask):
-                ok = self.mask_mod(sched.batch, head, q_idx, kv_idx, ctx.aux,
-                                   *indices.args(self.mask_mod, q_idx, kv_idx))
+                ok = mask_mod(sched.batch, head, q_idx, kv_idx, ctx.aux,
+                              *indices.args(self.mask_mod, q_idx, kv_idx, at))
             if const_expr(use_bound):
                 inb = cutlass.and_(q_idx < sched.seqlen_q, kv_idx < sched.seqlen_k)
                 ok = inb if const_expr(ok is None) else cutlass.and_(ok, inb)
             if const_expr(ok is not None):
-                s = s if ok else neg_inf
+                s = where(ok, s, neg_inf)
             p = cute.math.exp2(cute.fma(s, ctx.c, -tLSE[i]), fastmath=True)
             if const_expr(self.score_grads is not None):
                 # Keep P: the captured gradients need P∘(dP − delta) before d score/d score
@@ -925,24 +929,24 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # and would hoist the index arithmetic above the dPᵀ wait otherwise (152 bytes of
         # spills for ALiBi slopes at D = 128).
         after_dp = Int32(cutlass.select_(acc_dP[0] != acc_dP[0], Int32(1), Int32(0)))
-        qb = opaque_i32(m * self.tile_m + ctx.tScS[0][1]) + after_dp
-        kb = opaque_i32(sched.n_block * self.tile_n + ctx.tScS[0][0]) + after_dp
-        q0 = qb - ctx.tScS[0][1]
-        k0 = kb - ctx.tScS[0][0]
+        qb = plain_i32(opaque_i32(m * self.tile_m + ctx.tScS[0][1]) + after_dp)
+        kb = plain_i32(opaque_i32(sched.n_block * self.tile_n + ctx.tScS[0][0]) + after_dp)
         indices = FloatIndices(qb, kb)
+        offsets = register_offsets(ctx.tScS)  # (kv, q) per register
         uniform = self.grad_offsets.uniform
         n_loads = len(uniform)
         sums = [Float32(0.0) for _ in range(n_loads)]
         wg0 = None  # the dim split: both warpgroups hold the same elements
         if const_expr(self.dim_split):
             wg0 = ctx.wg
-        for i in cutlass.range_constexpr(cute.size(acc_dP)):
-            kv_idx = k0 + ctx.tScS[i][0]
-            q_idx = q0 + ctx.tScS[i][1]
+        for i in cutlass.range_constexpr(len(offsets)):
+            at = (offsets[i][1], offsets[i][0])
+            q_idx = index_add(qb, at[0])
+            kv_idx = index_add(kb, at[1])
             g = acc_P[i] * (acc_dP[i] - tDelta[i])
             acc_dP[i] = captured_grads.element(g, sched.batch, head, q_idx, kv_idx, ctx.aux, indices,
                                                sums, self.score_grads, self.grad_offsets,
-                                               ctx.grad_accs, wg0, False)
+                                               ctx.grad_accs, wg0, False, at)
         return sums
 
     @cute.jit

@@ -94,7 +94,9 @@ A mod with the attribute ``float_indices = True`` takes four more arguments, ``q
 cheaply: ``FloatIndices``) and ``kv_minus_q_parts`` = (base, offset), the two terms of
 ``kv_minus_q_f`` (a per-tile base and a compile-time offset per register): ``X * kv_minus_q_f``
 for an X uniform over the tile is ``cute.fma(X, offset, X * base)``, one FFMA per element once
-``X * base`` is shared (ALiBi's bias).
+``X * base`` is shared (ALiBi's bias). ``float_indices`` may instead name the ones the mod reads
+(a tuple); the others arrive as None. A mod with a ``hoisted`` function takes ``hoisted=``, its
+tile-uniform values (``common.bind`` computes them once per tile).
 
 * ``score`` is q·k·softmax_scale in natural units (torch's FlexAttention semantics).
 * ``b`` batch, ``h`` QUERY head, ``q_idx`` / ``kv_idx`` global positions. Rows q_idx >= L and
@@ -131,7 +133,7 @@ from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute import config, host, softmax, tile_scheduler
 from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, BlockSparse, BlockSparseRows, count_of, listed_tile, row_of
-from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, fadd, kernel_aux, launch, permute, quad_allreduce, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
+from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, bind, fadd, index_add, kernel_aux, launch, permute, plain_i32, quad_allreduce, register_offsets, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.pipeline import tma_pipelines
 
@@ -912,39 +914,44 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         mask block, whose kind for this kv block (``sched.kind_row[entry]``) decides per
         warpgroup: full keeps every score, skip none, partial applies mask_mod, exactly as the
         128-row tile reading that block would."""
-        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = ctx.thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         first_row = ctx.sched.m_block * self.tile_m
-        cS = cute.domain_offset((first_row, tile * self.tile_n), cS)
-        tScS = ctx.thr_qk.partition_C(cS)
+        q0 = plain_i32(first_row + tScS[0][0])
+        kv0 = plain_i32(tile * self.tile_n + tScS[0][1])
         neg_inf = -Float32.inf
-        indices = FloatIndices(tScS[0][0], tScS[0][1])
+        indices = FloatIndices(q0, kv0)
         sub_full = None
         sub_partial = None
         if const_expr(use_mask and self.merged_rows):
-            sub = tScS[0][0] // MASK_BLOCK - first_row // MASK_BLOCK
+            sub = q0 // MASK_BLOCK - first_row // MASK_BLOCK
             sub_kind = (ctx.sched.kind_row[entry] >> (sub * 2)) & 3
             sub_full = sub_kind == KIND_FULL
             sub_partial = sub_kind == KIND_PARTIAL
-        for i in cutlass.range_constexpr(cute.size(acc_S)):
-            q_idx = tScS[i][0]
-            kv_idx = tScS[i][1]
+        batch, head = ctx.sched.batch, ctx.sched.head
+        score_mod = bind(self.score_mod, batch, head, ctx.aux)
+        mask_mod = bind(self.mask_mod, batch, head, ctx.aux) if const_expr(use_mask) else None
+        offsets = register_offsets(tScS)
+        for i in cutlass.range_constexpr(len(offsets)):
+            at = offsets[i]
+            q_idx = index_add(q0, at[0])
+            kv_idx = index_add(kv0, at[1])
             s = acc_S[i]
             if const_expr(self.score_mod is not None):
-                s = self.score_mod(s * ctx.softmax_scale, ctx.sched.batch, ctx.sched.head, q_idx, kv_idx,
-                                   ctx.aux, *indices.args(self.score_mod, q_idx, kv_idx))
+                s = score_mod(s * ctx.softmax_scale, batch, head, q_idx, kv_idx, ctx.aux,
+                              *indices.args(self.score_mod, q_idx, kv_idx, at))
             if const_expr(use_mask and self.merged_rows):
                 masked = s
                 if const_expr(self.mask_mod is not None):
-                    keep = self.mask_mod(ctx.sched.batch, ctx.sched.head, q_idx, kv_idx, ctx.aux,
-                                         *indices.args(self.mask_mod, q_idx, kv_idx))
-                    masked = s if keep else neg_inf
-                s = s if sub_full else (masked if sub_partial else neg_inf)
+                    keep = mask_mod(batch, head, q_idx, kv_idx, ctx.aux,
+                                    *indices.args(self.mask_mod, q_idx, kv_idx, at))
+                    masked = where(keep, s, neg_inf)
+                s = where(sub_full, s, where(sub_partial, masked, neg_inf))
             elif const_expr(use_mask and self.mask_mod is not None):
-                keep = self.mask_mod(ctx.sched.batch, ctx.sched.head, q_idx, kv_idx, ctx.aux,
-                                     *indices.args(self.mask_mod, q_idx, kv_idx))
-                s = s if keep else neg_inf
+                keep = mask_mod(batch, head, q_idx, kv_idx, ctx.aux,
+                                *indices.args(self.mask_mod, q_idx, kv_idx, at))
+                s = where(keep, s, neg_inf)
             if const_expr(use_bound):
-                s = s if kv_idx < ctx.sched.seqlen_k else neg_inf
+                s = where(kv_idx < ctx.sched.seqlen_k, s, neg_inf)
             acc_S[i] = s
 
     def _online_softmax(self, ctx, acc_S: cute.Tensor, first: bool):
