@@ -268,12 +268,15 @@ def autocast_inputs(q, k, v):
     Outside autocast the inputs are returned as they are."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return q, k, v
-    device = q.device.type
-    if not torch.is_autocast_enabled(device):
-        return q, k, v
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE and t.dtype != dtype else t
-                 for t in (q, k, v))
+    return tuple(t.to(autocast_dtype(t)) for t in (q, k, v))
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype ``autocast_inputs`` gives ``t``."""
+    device = t.device.type
+    if t.dtype in _AUTOCAST_ELIGIBLE and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return t.dtype
 
 
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)

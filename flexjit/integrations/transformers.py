@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from flexjit.api.attention import flex_attention
+from flexjit.api.attention import autocast_dtype, flex_attention
 from flexjit.planner.block_mask import BlockMask, and_masks
 from flexjit.api.masks import create_block_mask
 from flexjit.frontend.trace import MASK_MOD, trace_mod
@@ -171,7 +171,8 @@ def _compile_other_layers(module, query, key, value, score_mod, block_mask) -> N
     if cfg is None or torch.compiler.is_compiling() or key.shape[2] != L or block_mask is None:
         return
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    seen = (id(cfg), B, L, query.dtype, grad, str(query.device))
+    dtype = autocast_dtype(query)  # what the call runs in (Gemma 2's q is float32 under autocast)
+    seen = (id(cfg), B, L, dtype, grad, str(query.device))
     if seen in _STARTED:
         return
     _STARTED.add(seen)  # decided once a shape: later calls return above
@@ -179,7 +180,7 @@ def _compile_other_layers(module, query, key, value, score_mod, block_mask) -> N
         return
     try:
         own, _ = warmup.jobs(WarmupCall.like(query, key, value, score_mod, block_mask))
-        others = [job for call in warmup_calls(cfg, [L], B, query.dtype, grad)
+        others = [job for call in warmup_calls(cfg, [L], B, dtype, grad)
                   for job in warmup.jobs(call)[0]]
     except Exception:  # noqa: BLE001 -- a config this cannot read: the layers compile as they come
         return

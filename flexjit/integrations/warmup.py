@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from flexjit.api.attention import prepare_call
+from flexjit.api.attention import autocast_dtype, prepare_call
 from flexjit.api.masks import create_block_mask
 from flexjit.backends.cute import sm90 as cute_sm90
 from flexjit.planner.block_mask import BlockMask, noop_mask
@@ -65,11 +65,13 @@ class WarmupCall:
              score_mod: Callable | None = None, block_mask: BlockMask | None = None,
              kernel_options: dict | None = None) -> "WarmupCall":
         """The call ``flex_attention(query, key, value, score_mod, block_mask)`` makes; the
-        tensors give only their shapes, dtype and requires_grad."""
+        tensors give only their shapes, dtype (as autocast hands it to the call: Gemma 2's
+        rotary embedding leaves q and k in float32 under a bfloat16 autocast) and
+        requires_grad."""
         B, H, S, D = query.shape
         if block_mask is not None and block_mask.kv_num_blocks.device.type != "cpu":
             block_mask = block_mask.to("cpu")
-        return cls(B, H, S, D, query.dtype, score_mod, None, key.shape[1], value.shape[-1],
+        return cls(B, H, S, D, autocast_dtype(query), score_mod, None, key.shape[1], value.shape[-1],
                    any(t.requires_grad for t in (query, key, value)), block_mask,
                    kernel_options)
 
