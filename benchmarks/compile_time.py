@@ -14,7 +14,8 @@ Compiles the sm90 forward and the backward's three kernels of a built-in variant
 
 plus the import of cutlass and the templates, the export of each object file and, in a second
 pass over the now warm cache, each kernel's load. Prints a table; ``--out DIR`` also writes
-``DIR/compile_time.json``.
+``DIR/results.json`` (one row per variant and kernel) and ``DIR/meta.json``, the output
+``benchmarks.records`` turns into a record. ``--variant`` takes a comma-separated list.
 
 ``--compare``: instead, a training call's four kernels compiled as the first step meets them,
 in two fresh processes on empty caches: ``serial`` (the forward, then the backward, in the
@@ -78,14 +79,19 @@ class _Clock:
                     clock.spent[field] += time.perf_counter() - t0
             return timed
 
+        real = (real_compile, compiler.Compiler.compile, base.BaseDSL.compile_and_jit)
         cute.compile = timed_compile
         # The pass pipeline (MLIR passes, LLVM NVPTX, ptxas: one C++ call, pm.run) and, around
         # it on the JIT path, building the host execution engine.
         compiler.Compiler.compile = wrap(compiler.Compiler.compile, "backend")
         base.BaseDSL.compile_and_jit = wrap(base.BaseDSL.compile_and_jit, "jit")
 
+        def uninstall():  # so that a later clock (the next variant) is the only one timing
+            cute.compile, compiler.Compiler.compile, base.BaseDSL.compile_and_jit = real
+        return uninstall
 
-def measure(variant: str, head_dim: int, out: Path | None) -> dict:
+
+def measure(variant: str, head_dim: int) -> dict:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     cache = tempfile.mkdtemp(prefix="flexjit-compile-time-")
     os.environ["FLEXJIT_CACHE_DIR"] = cache
@@ -100,7 +106,7 @@ def measure(variant: str, head_dim: int, out: Path | None) -> dict:
     templates("sm90").fwd, templates("sm90").bwd_host
     t_import = time.perf_counter()
     clock = _Clock()
-    clock.install()
+    uninstall = clock.install()
     exports: list[float] = []
     real_store = objects.store
 
@@ -119,6 +125,7 @@ def measure(variant: str, head_dim: int, out: Path | None) -> dict:
                             seq_len=4096, heads=16, out=dumps)
         walls[pass_] = time.perf_counter() - t
     objects.store = real_store
+    uninstall()
     ptxas = _ptxas()
     ptx_s = {}
     if ptxas:
@@ -142,10 +149,43 @@ def measure(variant: str, head_dim: int, out: Path | None) -> dict:
     result = {"variant": variant, "head_dim": head_dim, "import_torch_s": t_torch - t0,
               "import_cutlass_and_templates_s": t_import - t_torch, "wall_s": walls,
               "kernels": clock.records, "export_s": exports, "load_s": list(loads.values())}
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compile_time.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def rows_of(res: dict) -> list[dict]:
+    """``measure``'s result as record rows: one per kernel, its export and load beside it."""
+    rows = []
+    for i, r in enumerate(res["kernels"]):
+        rows.append({"variant": res["variant"], "head_dim": res["head_dim"], "kernel": r["part"],
+                     "total_s": r["total_s"], "python_s": r["python_s"],
+                     "backend_s": r["backend_s"], "ptxas_s": r["ptxas_s"], "jit_s": r["jit_s"],
+                     "export_s": res["export_s"][i] if i < len(res["export_s"]) else None,
+                     "load_s": res["load_s"][i] if i < len(res["load_s"]) else None})
+    return rows
+
+
+def _meta(argv: list[str], first: dict) -> dict:
+    import platform
+
+    import torch
+    from importlib import metadata
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+    git = os.environ.get("FLEXJIT_GIT_SHA") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True).stdout.strip()
+    return {"command": "python -m benchmarks.compile_time " + " ".join(argv),
+            "date": time.strftime("%Y-%m-%d"), "git": git,
+            "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "python": platform.python_version(), "torch": torch.__version__,
+            "triton": version("triton"), "cuda": None, "flash-attn-4": None,
+            "nvidia-cutlass-dsl": version("nvidia-cutlass-dsl"), "cudnn": None,
+            "import_torch_s": first["import_torch_s"],
+            "import_cutlass_and_templates_s": first["import_cutlass_and_templates_s"]}
 
 
 def table(res: dict) -> str:
@@ -220,7 +260,17 @@ def main(argv=None) -> int:
             print(f"{row['mode']:6}: forward compiled after {row['forward_s']:.1f} s, all four "
                   f"kernels after {row['total_s']:.1f} s", flush=True)
         return 0
-    print(table(measure(a.variant, a.head_dim, Path(a.out) if a.out else None)), flush=True)
+    results = []
+    for variant in a.variant.split(","):
+        results.append(measure(variant, a.head_dim))
+        print(table(results[-1]), flush=True)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = [row for res in results for row in rows_of(res)]
+        argv = sys.argv[1:] if argv is None else list(argv)
+        (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (out / "meta.json").write_text(json.dumps(_meta(argv, results[0]), indent=1) + "\n")
     return 0
 
 

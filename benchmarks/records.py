@@ -52,6 +52,7 @@ FORMATS = {
     "benchmarks.cpu_block_mask": ("impl", "mask", "S", "status"),
     "benchmarks.host_overhead": ("impl", "variant", "B", "H", "S", "D", "status"),
     "benchmarks.cold_start": ("case", "impl", "cold_s", "warm_s"),
+    "benchmarks.compile_time": ("variant", "head_dim", "kernel", "total_s", "python_s", "backend_s"),
     "log": ("file", "line"),
 }
 
@@ -422,6 +423,17 @@ def _md_cold(rows: list) -> list[str]:
         ["case", "impl", "cold s", "warm s", "status"], body) + [""]
 
 
+def _md_compile(rows: list) -> list[str]:
+    body = [[r["variant"], r["head_dim"], r["kernel"], _num(r["total_s"], 2), _num(r["python_s"], 2),
+             _num(r["backend_s"], 2), _num(r.get("ptxas_s"), 2), _num(r.get("export_s"), 2),
+             _num(r.get("load_s"), 3)] for r in rows]
+    return ["Seconds of one cold `cute.compile` for sm_90a on the CPU: the DSL's Python (trace to "
+            "MLIR), its backend (MLIR passes, LLVM, ptxas; ptxas alone beside it), then the "
+            "object's export to the disk cache and its load from there.", ""] + _table(
+        ["variant", "D", "kernel", "compile s", "python s", "backend s", "ptxas s", "export s",
+         "load s"], body) + [""]
+
+
 def _md_log(rows: list) -> list[str]:
     return [f"- `{r['file']}`: `{r['line']}`" for r in rows] + [""]
 
@@ -429,6 +441,7 @@ def _md_log(rows: list) -> list[str]:
 RENDER = {"benchmarks.run": _md_run, "benchmarks.decode": _md_decode, "benchmarks.train_step": _md_train,
           "benchmarks.fp32": _md_fp32, "benchmarks.grad_accuracy": _md_grad, "benchmarks.warm_start": _md_warm,
           "benchmarks.cpu_block_mask": _md_block_mask, "benchmarks.host_overhead": _md_host, "benchmarks.cold_start": _md_cold,
+          "benchmarks.compile_time": _md_compile,
           "log": _md_log}
 
 

@@ -84,6 +84,25 @@ End.
 """
 
 
+def test_compile_time_output_becomes_a_record(tmp_path):
+    from benchmarks import compile_time
+
+    res = {"variant": "alibi", "head_dim": 128, "export_s": [0.25, 0.125], "load_s": [0.004],
+           "kernels": [{"part": "fwd-main", "total_s": 4.0, "python_s": 1.5, "backend_s": 2.5,
+                        "ptxas_s": 0.5, "jit_s": 0.0},
+                       {"part": "bwd-pre", "total_s": 0.25, "python_s": 0.125, "backend_s": 0.125,
+                        "ptxas_s": None, "jit_s": 0.0}]}
+    rows = compile_time.rows_of(res)
+    assert [r["load_s"] for r in rows] == [0.004, None]
+    meta = {"machine": "cpu", "device": "CPU", "versions": {}, "date": "2026-01-01", "git": "abc1234",
+            "command": "python -m benchmarks.compile_time --out $OUT/compile_time"}
+    d = records.write_record(tmp_path / "cpu" / "compile_time", rows, meta)
+    assert records.load_record(d)[1]["format"] == "benchmarks.compile_time"
+    md = (d / "results.md").read_text()
+    assert "| alibi | 128 | fwd-main | 4.00 | 1.50 | 2.50 | 0.50 | 0.25 | 0.004 |" in md
+    assert "| alibi | 128 | bwd-pre | 0.25 | 0.12 | 0.12 | – | 0.12 | – |" in md
+
+
 def test_replace_blocks_exact():
     new = records.replace_blocks(SYNTHETIC, {"alpha": "| a |\n|---|\n| 3 |\n\nSource: x.", "beta": "B"})
     assert new == """# Title
