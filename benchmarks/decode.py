@@ -48,18 +48,13 @@ from pathlib import Path
 import torch
 
 from .impls import raise_dynamo_limits
+from .run import parse_sizes
 
 PAGE = 128
 IMPLS = ("flexjit", "flexjit-fp8", "fa4", "torch-flex")
 VARIANTS = ("causal", "sliding_window")
 
 
-def parse_sizes(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
-    return out
 
 
 def parse_args(argv=None):

@@ -221,6 +221,8 @@ def _ok(row: dict) -> bool:
 
 
 def _size(n: int) -> str:
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20}M"
     return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
 
 

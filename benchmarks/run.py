@@ -55,12 +55,23 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 KNOWN_IMPLS = impl_mod.DEFAULT_IMPLS + impl_mod.EXTRA_IMPLS
 
 
+_SUFFIX = {"k": 1024, "m": 1024 * 1024}
+
+
 def parse_sizes(text: str) -> list[int]:
-    """'2k,8192' -> [2048, 8192]."""
+    """'2k,8192,1M' -> [2048, 8192, 1048576] (k and M are powers of 1024)."""
     out = []
     for part in text.split(","):
         part = part.strip().lower()
-        out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+        scale = _SUFFIX.get(part[-1:], 1)
+        number = part[:-1] if scale > 1 else part
+        try:
+            size = float(number) * scale
+        except ValueError:
+            raise SystemExit(f"cannot read size {part!r}: write 8192, 8k or 1M") from None
+        if size <= 0 or size != int(size):
+            raise SystemExit(f"size {part!r} is not a positive whole number of tokens")
+        out.append(int(size))
     return out
 
 

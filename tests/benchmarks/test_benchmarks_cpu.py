@@ -45,6 +45,12 @@ def test_run_takes_unequal_head_dims_and_one_long_sequence(tmp_path):
     assert "D=64/32" in report.table(rows)
     assert run.parse_head_dims("128,192/128") == [(128, 128), (192, 128)]
     assert run.parse_sizes("128k") == [131072]
+    assert run.parse_sizes("2k, 8192,1M,0.5k") == [2048, 8192, 1 << 20, 512]
+    for bad in ("8q", "1.3k", "-2k", "k"):
+        with pytest.raises(SystemExit):
+            run.parse_sizes(bad)
+    from benchmarks import records
+    assert [records._size(n) for n in (512, 8192, 1 << 20, 3 << 20)] == ["512", "8k", "1M", "3M"]
 
 
 def test_long_sequences_are_checked_on_one_kv_head(tmp_path, monkeypatch):
