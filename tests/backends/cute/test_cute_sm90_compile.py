@@ -382,3 +382,23 @@ def test_write_max_adds_one_store(tmp_path, persistent):
         _assert_hopper_path(ptx)
         stores[write_max] = len(re.findall(r"\bst\.global\.(?:b32|f32)\b", ptx))
     assert stores[True] > stores[False] > 0, stores
+
+
+def test_long_static_loop_warning_is_hidden_for_the_templates_only():
+    # The templates unroll per-register loops of 64+ iterations on purpose; cutlass's warning
+    # about them must not reach a user's first call, while a user's own CuTe code keeps it.
+    import warnings
+
+    import flexjit.templates.cute  # noqa: F401  (installs the filter)
+    from cutlass.base_dsl.ast_helpers import range_value_check
+
+    def loop_in(module_name):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import flexjit.templates.cute as package  # the filter, as the package installs it
+            importlib.reload(package)  # after simplefilter, so it takes precedence as at import
+            exec("range_value_check(64)", {"__name__": module_name, "range_value_check": range_value_check})
+        return [str(w.message) for w in caught if "static loop" in str(w.message)]
+
+    assert loop_in("flexjit.templates.cute.sm90.fwd") == []
+    assert len(loop_in("my_kernels")) == 1
