@@ -30,7 +30,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import arith as _mlir_arith
 from cutlass._mlir_helpers import arith as cutlass_arith
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 MASK_BLOCK = 128  # FlexAttention BlockMask granularity, rows and columns
 LOG2_E = math.log2(math.e)

@@ -92,8 +92,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_helpers
+from cutlass.memory.smem import SmemAllocator
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
@@ -329,7 +329,7 @@ class FlexAttentionBwdSm100(config.Kernel):
             for atom in (tma_k, tma_v, tma_q, tma_do):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         pipes = self._make_pipelines(storage)
         tmem = tmem_allocator(storage, _REDUCE_WARP0, 32 * (4 + 8 + 1))
         cute.arch.mbarrier_init_fence()

@@ -3,10 +3,10 @@ and TMEM barriers, the one-CTA-per-SM launch, TMEM allocation (a CTA takes all 5
 
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 from cutlass import Float32, dsl_user_op
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import TmemAllocator
 
 from flexjit.templates.cute import common
 
@@ -46,12 +46,11 @@ def tmem_allocator(storage, allocator_warp: int, num_threads: int):
     """The CTA's TMEM allocator: warp ``allocator_warp`` allocates (and later frees), the
     ``num_threads`` threads that use TMEM wait on ``BAR_TMEM_ALLOC`` for the address it writes
     into ``storage.tmem_addr``."""
-    return utils.TmemAllocator(
+    return TmemAllocator(
         storage.tmem_addr.ptr,
         barrier_for_retrieve=pipeline.NamedBarrier(barrier_id=BAR_TMEM_ALLOC,
                                                    num_threads=num_threads),
         allocator_warp_id=allocator_warp,
-        arch="sm_100",
     )
 
 

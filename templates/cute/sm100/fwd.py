@@ -93,8 +93,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.blackwell_helpers as sm100_helpers
+from cutlass.memory.smem import SmemAllocator
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 
@@ -272,7 +272,7 @@ class FlexAttentionFwdSm100(config.Kernel):
             for atom in (tma_q, tma_k, tma_v):
                 cpasync.prefetch_descriptor(atom)
 
-        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         pipes = self._make_pipelines(storage)
         tmem = tmem_allocator(storage, _CORRECTION_WARP0, 32 * (3 * 4 + 1))
         cute.arch.mbarrier_init_fence()

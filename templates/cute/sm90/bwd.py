@@ -127,7 +127,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
@@ -350,7 +350,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         self.tx_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + row_bytes
         self.tx_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
 
-        K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
         RMEM = warpgroup.OperandSource.RMEM
         if const_expr(self.dim_split):
             # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: one warpgroup's tile (each computes all of it).

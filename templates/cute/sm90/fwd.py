@@ -127,7 +127,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
@@ -346,7 +346,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         self.tx_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.tx_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
 
-        K_MAJOR, MN_MAJOR = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
         mma_qk = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (self.num_mma_wgs, 1, 1), (64, tn)
         )
