@@ -451,8 +451,8 @@ class Pool:
             return [w.proc.pid for w in self.live]
 
     def _take(self) -> _Worker:
-        """An idle live worker, else a new spawned one (room permitting), else the next to
-        become idle."""
+        """An idle live worker, else a new one, forked or spawned (room permitting), else the
+        next to become idle."""
         while True:
             try:
                 worker = self.idle.get_nowait()
