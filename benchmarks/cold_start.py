@@ -143,7 +143,8 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def _meta(args, argv) -> dict:
+def environment(module: str, argv) -> dict:
+    """A run's meta.json: ``python3 -m <module> <argv>``, date, git, device and versions."""
     import torch
 
     def version(name):
@@ -154,7 +155,7 @@ def _meta(args, argv) -> dict:
             return None
     git = os.environ.get("FLEXJIT_GIT_SHA") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    return {"command": "python3 -m benchmarks.cold_start " + " ".join(argv),
+    return {"command": f"python3 -m {module} " + " ".join(argv),
             "date": time.strftime("%Y-%m-%d"), "git": git,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "python": platform.python_version(), "torch": torch.__version__,
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
             rows.append(measure(case, impl, args, deadline))
             print(json.dumps(rows[-1]), flush=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "meta.json").write_text(json.dumps(_meta(args, argv), indent=1) + "\n")
+    (out / "meta.json").write_text(json.dumps(environment("benchmarks.cold_start", argv), indent=1) + "\n")
     (out / "results.md").write_text(table(rows) + "\n")
     print(table(rows))
     return 0

@@ -167,23 +167,12 @@ def rows_of(res: dict) -> list[dict]:
 def _meta(argv: list[str], first: dict) -> dict:
     import platform
 
-    import torch
-    from importlib import metadata
+    from .cold_start import environment
 
-    def version(name):
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return None
-    git = os.environ.get("FLEXJIT_GIT_SHA") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parents[1],
-        capture_output=True, text=True).stdout.strip()
-    return {"command": "python -m benchmarks.compile_time " + " ".join(argv),
-            "date": time.strftime("%Y-%m-%d"), "git": git,
-            "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-            "python": platform.python_version(), "torch": torch.__version__,
-            "triton": version("triton"), "cuda": None, "flash-attn-4": None,
-            "nvidia-cutlass-dsl": version("nvidia-cutlass-dsl"), "cudnn": None,
+    meta = environment("benchmarks.compile_time", argv)
+    del meta["gpu"]  # none is used: the compile targets sm_90a on this CPU
+    return {**meta, "device": f"CPU: {platform.processor() or platform.machine()}, "
+                              f"{os.cpu_count()} cores",
             "import_torch_s": first["import_torch_s"],
             "import_cutlass_and_templates_s": first["import_cutlass_and_templates_s"]}
 

@@ -6,9 +6,10 @@ What this module holds
   values (no control flow, inlined per element when a kernel is traced):
   ``score_mod(score, b, h, q_idx, kv_idx, aux, q_idx_f, kv_idx_f, kv_minus_q_f,
   kv_minus_q_parts)``, ``mask_mod(b, h, q_idx, kv_idx, aux, ...)`` and ``score_mod_and_grad``
-  (the modded score and its derivative, for a backward). Functions marked ``.float_indices =
-  True`` take the indices as float32 too (formed cheaply by the kernel, ``cute_common.FloatIndices``)
-  and kv - q as (base, offset) so that a tile-uniform multiple of it, ALiBi's bias, is one FFMA.
+  (the modded score and its derivative, for a backward). Each function's ``.float_indices``
+  names the float32 copies of the indices it reads (formed cheaply by the kernel,
+  ``cute_common.FloatIndices``; kv - q also as (base, offset), so that a tile-uniform multiple
+  of it, ALiBi's bias, is one FFMA), and ``.hoisted`` is its tile-uniform part or None.
   Captured tensors are ``aux.tensors[i]`` and runtime scalars ``aux.scalars[j]``.
 * The captured-tensor gradients of a backward (``render_captured_grads``: ``score_grads`` and
   ``grad_offsets``), ``grad_slots``, ``captured_grads_in_kernel``.
@@ -203,8 +204,7 @@ def _wrap(name: str, params: str, body: "_Body") -> str:
         lines.append(f"def _{name}_hoisted(b, h, aux):")
         lines += body.uniform
         lines.append(f"    return ({', '.join(shared)},)\n\n")
-    lines.append(f"def {name}({params}, q_idx_f, kv_idx_f, kv_minus_q_f, kv_minus_q_parts, "
-                 "hoisted=None):")
+    lines.append(f"def {name}({params}, {', '.join(_FLOAT_PARAMS)}, hoisted=None):")
     if shared:
         lines.append(f"    {', '.join(shared)}, = _{name}_hoisted(b, h, aux) if hoisted is None "
                      "else hoisted")
