@@ -191,8 +191,11 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
             host = cute_sm90._bwd_host()
             t0 = time.perf_counter()
             folders = {part: _folder(root, f"bwd-{part}") for part in host.PARTS}
+            tiling = cute_sm90.tiling_for(program, head_dim, head_dim_v,
+                                          (kernel_options or {}).get("BWD_CONFIG", ""))
             keys = cute_sm90.export_backward(program, dtype, head_dim, bm is not None, deterministic,
-                                           aux, head_dim_v=head_dim_v, dump_dirs=folders)
+                                           aux, head_dim_v=head_dim_v, dump_dirs=folders,
+                                           tiling=tiling)
             spent = time.perf_counter() - t0  # the three parts together
             for part in host.PARTS:
                 files = _files(folders[part], arch) if folders[part] else (None, None)

@@ -106,6 +106,7 @@ class Job:
     persistent: bool = False  # the forward's tiling
     tile_m: int = 128  # the forward's query tile rows
     write_max: bool = False  # the forward writes max_scores
+    bwd_config: str = ""  # the backward's schedule variants (kernel_options BWD_CONFIG)
     cache_dir: str = ""
 
     @functools.cached_property
@@ -156,7 +157,8 @@ def backward_job(call, deterministic: bool | None = None) -> Job:
         deterministic = torch.are_deterministic_algorithms_enabled()
     return Job("bwd", call.program.key, wire(call.program), str(q.dtype).removeprefix("torch."), q.shape[-1],
                v.shape[-1], call.block_mask is not None, deterministic,
-               cute_sm90.kv_broadcast(call), cache_dir=str(config.settings.cache_dir))
+               cute_sm90.kv_broadcast(call), bwd_config=call.kernel_options.get("BWD_CONFIG", ""),
+               cache_dir=str(config.settings.cache_dir))
 
 
 def run_job(job: Job) -> dict:
@@ -173,9 +175,10 @@ def run_job(job: Job) -> dict:
     t0 = time.perf_counter()
     with cute_cache.building(job.ident):
         if job.kind == "bwd":
-            cute_sm90.compile_backward(program, dtype, job.head_dim, job.sparse, job.deterministic,
-                                       aux, head_dim_v=job.head_dim_v,
-                                       kv_batch_broadcast=job.kv_batch_broadcast)
+            cute_sm90.compile_backward(
+                program, dtype, job.head_dim, job.sparse, job.deterministic, aux,
+                head_dim_v=job.head_dim_v, kv_batch_broadcast=job.kv_batch_broadcast,
+                tiling=cute_sm90.tiling_for(program, job.head_dim, job.head_dim_v, job.bwd_config))
         else:
             q = torch.empty(1, 1, 128, job.head_dim, dtype=dtype)
             v = torch.empty(1, 1, 128, job.head_dim_v, dtype=dtype)

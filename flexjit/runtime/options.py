@@ -26,6 +26,10 @@ Keys with a meaning for flexjit:
 * ``TILE_M`` (flexjit): 128 or 192 pins the sm90 forward's query tile rows; 192 (three
   consumer warpgroups) is served at head dim 64 only, where it is the default, block masks
   included (their lists merged per tile). ``flexjit.explain`` shows the tile.
+* ``BWD_CONFIG`` (flexjit): the sm90 backward's schedule variants, "+"-joined: "late" (P
+  converted after dS, dV issued after it), "dksmem" (dK reads dSᵀ from shared memory),
+  "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "m80" /
+  "m128" (80- or 128-row query tiles); "" is the tile table's. For measuring schedules.
 * ``DECODE_SPLITS`` (flexjit): a positive int, the split-KV decode kernel's split count
   (default: from the shape and the SM count; ``flexjit.explain`` shows it).
 * ``BACKEND`` (torch): "AUTO" (default), "TRITON" and "TRITON_DECODE" run flexjit's Triton
@@ -44,9 +48,11 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
+from flexjit.backends.cute import sm90 as cute_sm90
+
 MEANINGFUL = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
               "BLOCK_N2", "FAST_MATH", "BACKEND", "FORCE_USE_FLEX_ATTENTION", "USE_TMA",
-              "WARP_SPECIALIZE", "PERSISTENT", "DECODE_SPLITS", "TILE_M")
+              "WARP_SPECIALIZE", "PERSISTENT", "DECODE_SPLITS", "TILE_M", "BWD_CONFIG")
 IGNORED = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
            "kpack", "matrix_instr_nonkdim", "waves_per_eu", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
            "SAFE_HEAD_DIMENSION",
@@ -78,6 +84,7 @@ class FlexKernelOptions(TypedDict, total=False):
     PERSISTENT: bool
     DECODE_SPLITS: int
     TILE_M: int
+    BWD_CONFIG: str
     PRESCALE_QK: bool
     ROWS_GUARANTEED_SAFE: bool
     BLOCKS_ARE_CONTIGUOUS: bool
@@ -105,6 +112,9 @@ _TYPED = (
     ("TILE_M", lambda v: v in (128, 192) and not isinstance(v, bool), "128 or 192"),
     ("DECODE_SPLITS", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
      "a positive int"),
+    ("BWD_CONFIG", lambda v: isinstance(v, str) and all(
+        t in cute_sm90.BWD_CONFIG_TOKENS for t in v.split("+") if t),
+     f"a '+'-joined string of {cute_sm90.BWD_CONFIG_TOKENS}"),
 )
 
 

@@ -304,6 +304,10 @@ class CompiledBwd:
     def check_operands(self, q, k, v, dq, dk, dv) -> None:
         raise NotImplementedError
 
+    def dq_transposed(self) -> bool:
+        """Whether the main kernel accumulates dQ transposed, (B, Hq, D, Lpad)."""
+        return False
+
     def __call__(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale: float,
                  block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_order=None,
                  grad_accs=()):
@@ -350,7 +354,12 @@ class CompiledBwd:
         f32 = dict(dtype=torch.float32, device=q.device)
         lse2 = torch.empty(B, Hq, lpad, **f32)
         delta = torch.empty(B, Hq, lpad, **f32)
-        dqacc = torch.empty(B, Hq, lpad, D, **f32)  # zeroed by the preprocess
+        # Zeroed by the preprocess, which sees it as (B, Hq, Lpad, D) either way.
+        if self.dq_transposed():
+            dqacc = torch.empty(B, Hq, D, lpad, **f32)
+            dqacc_rows = dqacc.view(B, Hq, lpad, D)
+        else:
+            dqacc = dqacc_rows = torch.empty(B, Hq, lpad, D, **f32)
         sem = None
         if cfg.deterministic:  # zeroed by the preprocess
             sem = torch.empty(B, Hq, self.sem_len(lpad), dtype=torch.int32, device=q.device)
@@ -365,7 +374,7 @@ class CompiledBwd:
             if a.dtype != torch.float64 or not a.is_contiguous():
                 raise ValueError("captured-gradient accumulators must be contiguous float64")
         accs = tuple(a.view(-1) for a in grad_accs) or None
-        self.parts["pre"].ffi_fn(out, dout, lse, dlse, int(has_dlse), lse2, delta, dqacc, sem)
+        self.parts["pre"].ffi_fn(out, dout, lse, dlse, int(has_dlse), lse2, delta, dqacc_rows, sem)
         self.parts["main"].ffi_fn(q, k, v, dout, lse2, delta, dqacc, dk, dv, float(softmax_scale),
                                   Hq // Hkv, qblocks, qorder, sem, tensors, scalars, accs)
         self.parts["post"].ffi_fn(dqacc, dq, float(softmax_scale))

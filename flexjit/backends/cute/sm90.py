@@ -423,6 +423,9 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
 # warpgroups (``cute_sm90_bwd.choose_bwd_tiling``); compiled spill-free on the CPU, their
 # GPU tests (tests/test_cute_sm90_bwd_gpu.py) not yet run.
 _BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
+# The backward's schedule variants (``cute_sm90_bwd.BWD_CONFIG_TOKENS``, repeated here so that
+# checking kernel_options needs no cutlass import).
+BWD_CONFIG_TOKENS = ("late", "dksmem", "shuffle", "swapdq", "m80", "m128")
 
 
 def _bwd_template():
@@ -431,6 +434,24 @@ def _bwd_template():
 
 def _bwd_host():
     return templates("sm90").bwd_host
+
+
+def backward_tiling(call, config: str | None = None):
+    """The backward's ``BwdTiling`` for the call: the tile table's, with the schedule variants
+    ``kernel_options["BWD_CONFIG"]`` (or ``config``) names; None for the table's own row."""
+    if config is None:
+        config = call.kernel_options.get("BWD_CONFIG", "")
+    return tiling_for(call.program, call.q.shape[-1], call.v.shape[-1], config)
+
+
+def tiling_for(prog: Program, head_dim: int, head_dim_v: int, config: str):
+    """``backward_tiling`` from the program, head dims and variant names (a compile job's)."""
+    if not config:
+        return None
+    if "late" in config.split("+") and prog.score is not None and not prog.grad_loads:
+        raise ValueError("kernel_options BWD_CONFIG 'late' converts P after dS, which needs P "
+                         "itself in the S accumulator: not with a score_mod (P∘dscore is there)")
+    return _bwd_template().bwd_tiling(head_dim, head_dim_v, light_mods(prog) or None, config)
 
 
 def backward_supports(call) -> tuple[bool, str]:
@@ -489,25 +510,27 @@ _COMPILED_BWD: dict[tuple, object] = {}
 
 def compile_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
                      deterministic: bool, aux_tensors, head_dim_v: int | None = None,
-                     kv_batch_broadcast: bool = False):
+                     kv_batch_broadcast: bool = False, tiling=None):
     """The sm90 backward's three kernels (preprocess, main, postprocess) for this program, from
     memory, the disk cache (each part its own object file) or a fresh compile. A program with
     learnable captured tensors (``Program.grad_loads``, part of its key) gets a main kernel that
     also accumulates their gradients (``BwdConfig.score_grads``). ``kv_batch_broadcast``: K/V
-    are one batch entry for every query batch (``BwdConfig.kv_batch_broadcast``)."""
+    are one batch entry for every query batch (``BwdConfig.kv_batch_broadcast``). ``tiling``:
+    a ``BwdTiling`` (None: the tile table's, ``choose_bwd_tiling``)."""
     host = _bwd_host()
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
     head_dim_v = head_dim_v or head_dim
     key = (program.key, dtype, head_dim, head_dim_v, sparse, deterministic, sig,
-           program.scalar_dtypes, kv_batch_broadcast)
+           program.scalar_dtypes, kv_batch_broadcast, tiling)
     return cache.cached(_COMPILED_BWD, key, lambda: _build_backward(
         host, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors, sig,
-        kv_batch_broadcast=kv_batch_broadcast))
+        kv_batch_broadcast=kv_batch_broadcast, tiling=tiling))
 
 
 def export_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse: bool,
                     deterministic: bool, aux_tensors, head_dim_v: int | None = None,
-                    dump_dirs: dict | None = None, kv_batch_broadcast: bool = False) -> dict:
+                    dump_dirs: dict | None = None, kv_batch_broadcast: bool = False,
+                    tiling=None) -> dict:
     """Compile the backward's three kernels afresh (never from disk), export each into the disk
     cache under the key ``compile_backward`` looks up, and with ``dump_dirs`` ({part: folder or
     None}) keep each part's PTX and cubin there. {part: disk key or None}. For ``flexjit.aot``."""
@@ -516,13 +539,14 @@ def export_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse:
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
     keys: dict = {}
     _build_backward(host, program, dtype, head_dim, head_dim_v, sparse, deterministic, aux_tensors,
-                    sig, dump_dirs=dump_dirs or {}, keys_out=keys, kv_batch_broadcast=kv_batch_broadcast)
+                    sig, dump_dirs=dump_dirs or {}, keys_out=keys, kv_batch_broadcast=kv_batch_broadcast,
+                    tiling=tiling)
     return keys
 
 
 def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
                     deterministic: bool, aux_tensors, sig, dump_dirs: dict | None = None,
-                    keys_out: dict | None = None, kv_batch_broadcast: bool = False):
+                    keys_out: dict | None = None, kv_batch_broadcast: bool = False, tiling=None):
     """The three kernels (``host``: the template ``cute_sm90_bwd_host``), each from its own object file on disk, the missing ones compiled
     together (and exported); the pre/postprocess keys leave the Program out: every mod shares
     them."""
@@ -532,7 +556,8 @@ def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: in
         has_block_mask=sparse, deterministic=deterministic,
         overlap_dp=True if light_mods(program) else None,
         score_grads=getattr(mods, "score_grads", None),
-        grad_offsets=getattr(mods, "grad_offsets", None), kv_batch_broadcast=kv_batch_broadcast)
+        grad_offsets=getattr(mods, "grad_offsets", None), kv_batch_broadcast=kv_batch_broadcast,
+        tiling=tiling)
     dims = f"{head_dim}" if head_dim_v == head_dim else f"{head_dim}/{head_dim_v}"
     what = f"{program.score_name}/{program.mask_name} D={dims} {str(dtype).replace('torch.', '')}"
     if kv_batch_broadcast:
@@ -584,7 +609,8 @@ def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
     deterministic = torch.are_deterministic_algorithms_enabled()
     broadcast = kv_broadcast(call)
     fn = compile_backward(prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic,
-                          aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast)
+                          aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast,
+                          tiling=backward_tiling(call))
     return run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic, broadcast)
 
 

@@ -115,6 +115,7 @@ dq/dk/dv like q/k/v. Last dims contiguous, other strides multiples of 8 elements
 fp16, ragged L and S, L != S, Hq = g·Hkv.
 """
 
+import dataclasses
 import math
 from collections import namedtuple
 from dataclasses import dataclass, field
@@ -143,6 +144,7 @@ _BAR_MMA = 1  # the 256 MMA threads: dS tile complete in smem; epilogue
 _BAR_DQ_EMPTY = 2  # + warpgroup: its dQ warp lets the warpgroup write its dQ box
 _BAR_DQ_FULL = 4  # + warpgroup: the warpgroup's dQ box is written
 _DQ_BAR_THREADS = 128 + 32
+_BAR_WG = 6  # + warpgroup: the warpgroup's own dS rows are in smem (``BwdTiling.dk_smem``)
 
 
 # (head_dim, head_dim_v) pairs with a row in ``choose_bwd_tiling``'s table.
@@ -151,13 +153,26 @@ HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
 
 @dataclass(frozen=True)
 class BwdTiling:
-    tile_m: int  # query rows per iteration (the N of the swapped S GEMM)
+    tile_m: int  # query rows per iteration (the N of the swapped S GEMM): 64, 80 or 128
     tile_n: int  # keys per CTA (M of the swapped GEMMs): MASK_BLOCK, or half of it (D = 192)
     num_stages: int  # Q/dO (and dS) pipeline depth
     dq_split: str  # how the two warpgroups split the dQ tile: "cols" (D) or "rows" (tile_m)
     overlap_dp: bool  # issue dP with S and form P under it (needs Sᵀ and dPᵀ live together)
     mma_regs: int
     load_regs: int
+    # dQᵀ = Kᵀ dSᵀ (head dims as M, the warpgroups split them): any tile_m that is a multiple
+    # of 16 (80 is no wgmma M); the accumulator is then kept transposed, (B, Hq, D, Lpad).
+    dq_swapped: bool = False
+    # P converted to 16 bits only after dS is formed, the dV GEMM issued after dS (FA3's
+    # order): P's 16-bit copy is not live across the dP wait, for tiles whose registers are
+    # tight (a 128-row tile at D = 64, an 80-row tile at D = 128).
+    p_late: bool = False
+    # lse2 and delta held one value in 8 per thread and fetched by warp shuffle at each use
+    # (``_ShuffledRow``), instead of tile_m / 4 registers each read before the waits.
+    shuffle_stats: bool = False
+    # dK += dSᵀ Q reads dSᵀ from the smem tile the dQ GEMM reads (SS) instead of registers: dS
+    # needs no 16-bit register copy past its store, which frees P's copy a block of its own.
+    dk_smem: bool = False
 
 
 def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -> BwdTiling:
@@ -208,6 +223,36 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
         # Half a mask block per CTA, head dims split between the warpgroups (see above).
         return BwdTiling(64, 64, 2, "cols", True, 240, 24)
     return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim <= 96, 240, 24)
+
+
+# The schedule variants a backward may be asked for by name (``bwd_tiling``), each a change to
+# the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "shuffle"
+# (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80" (80-row tiles, dense launches only, with
+# the dQ GEMM swapped), "m128" (128-row tiles, head dims up to 64, dQ split by rows).
+BWD_CONFIG_TOKENS = ("late", "dksmem", "shuffle", "swapdq", "m80", "m128")
+
+
+def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: str = "") -> BwdTiling:
+    """``choose_bwd_tiling``'s row with the variants ``config`` names ("+"-joined
+    ``BWD_CONFIG_TOKENS``; "" is the row itself)."""
+    base = choose_bwd_tiling(head_dim, head_dim_v, overlap_dp)
+    tokens = [t for t in config.split("+") if t]
+    unknown = [t for t in tokens if t not in BWD_CONFIG_TOKENS]
+    if unknown:
+        raise ValueError(f"unknown backward variant(s) {unknown}; known: {BWD_CONFIG_TOKENS}")
+    if tokens and base.tile_n != MASK_BLOCK:
+        raise ValueError(f"head dims ({head_dim}, {head_dim_v}) have no backward variants")
+    fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens,
+                  shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens)
+    if "m80" in tokens:
+        fields.update(tile_m=80, dq_swapped=True)
+    if "m128" in tokens:
+        if head_dim > 64:
+            raise ValueError("128-row backward tiles serve head dims up to 64")
+        fields.update(tile_m=128, dq_split="rows")
+    if fields["dq_swapped"] and head_dim != 128:
+        raise ValueError("the swapped dQ GEMM serves head dim 128 (64 head dims per warpgroup)")
+    return dataclasses.replace(base, **fields)
 
 
 @dataclass(frozen=True)
@@ -272,16 +317,29 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         self.score_grads, self.grad_offsets = cfg.score_grads, cfg.grad_offsets
         assert (self.score_grads is None) == (self.grad_offsets is None)
         assert self.score_grads is None or self.score_mod is not None
-        assert self.tile_n in (MASK_BLOCK, MASK_BLOCK // 2) and MASK_BLOCK % self.tile_m == 0
-        self.tiles_per_mask_block = MASK_BLOCK // self.tile_m
+        self.dq_swapped, self.p_late, self.shuffle_stats = t.dq_swapped, t.p_late, t.shuffle_stats
+        self.dk_smem = t.dk_smem
+        assert not self.dk_smem or t.tile_n == MASK_BLOCK  # not with the dim split
+        # p_late converts P from the fp32 it leaves in the Sᵀ accumulator: that is P itself
+        # only without a score_mod or with captured gradients (else P∘dscore).
+        assert not self.p_late or self.score_mod is None or self.score_grads is not None
+        assert self.tile_n in (MASK_BLOCK, MASK_BLOCK // 2) and self.tile_m % 16 == 0
+        # Block lists name 128-row q blocks: a tile must be a whole fraction of one. A tile
+        # that is not (80 rows) serves dense launches only.
+        assert MASK_BLOCK % self.tile_m == 0 or not self.sparse
+        assert self.tile_m % 64 == 0 or self.dq_swapped  # the dQ GEMM's M is then the head dim
+        self.tiles_per_mask_block = max(1, MASK_BLOCK // self.tile_m)
         # kv tiles per mask block. 2 (tile_n = 64, D = 192): "dim split": both MMA warpgroups
         # hold all 64 keys and split the head dims of dK/dV (and dQ) between them; each one
         # computes the whole Sᵀ and dPᵀ (the same 64 × tile_m tile, redundantly).
         self.kv_per_block = MASK_BLOCK // self.tile_n
         self.dim_split = self.kv_per_block > 1
-        # Each MMA warpgroup owns one fp32 dQ box: half the columns or half the rows.
-        assert self.tile_m % 64 == 0 and self.head_dim % 16 == 0
-        if self.dq_split == "cols":
+        # Each MMA warpgroup owns one fp32 dQ box: half the columns or half the rows; swapped,
+        # half the head dims of dQᵀ (its rows) by all of the tile's query rows.
+        assert self.head_dim % 16 == 0
+        if self.dq_swapped:
+            self.dq_box = (self.head_dim // 2, self.tile_m)
+        elif self.dq_split == "cols":
             self.dq_box = (self.tile_m, self.head_dim // 2)
         else:
             self.dq_box = (self.tile_m // 2, self.head_dim)
@@ -297,7 +355,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         mdO: cute.Tensor,  # (B, Hq, L, Dv)
         mLSE2: cute.Tensor,  # (B, Hq, Lpad) fp32, log2 units
         mDelta: cute.Tensor,  # (B, Hq, Lpad) fp32
-        mdQacc: cute.Tensor,  # (B, Hq, Lpad, D) fp32, zeroed
+        mdQacc: cute.Tensor,  # (B, Hq, Lpad, D) fp32, zeroed; (B, Hq, D, Lpad) if dq_swapped
         mdK: cute.Tensor,  # (B, Hkv, S, D)
         mdV: cute.Tensor,  # (B, Hkv, S, Dv)
         softmax_scale: Float32,
@@ -369,10 +427,18 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             mma_dkv = sm90_helpers.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, D), RMEM)
             mma_dv = mma_dkv
-        # dQ = dS K: each warpgroup one dq_box piece.
-        dq_atoms = (1, 2, 1) if const_expr(self.dq_split == "cols") else (2, 1, 1)
-        mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, dq_atoms, (64, self.dq_box[1]))
+            if const_expr(self.dk_smem):  # dSᵀ from the dS tile: A MN-major in smem
+                mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+                    self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, D))
+        # dQ = dS K: each warpgroup one dq_box piece. Swapped: dQᵀ = Kᵀ dSᵀ, A = Kᵀ (K read
+        # MN-major), B = dS (the smem tile as the unswapped A), warpgroups split the head dims.
+        if const_expr(self.dq_swapped):
+            mma_dq = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_MAJOR, K_MAJOR, Float32, (2, 1, 1), (64, tm))
+        else:
+            dq_atoms = (1, 2, 1) if const_expr(self.dq_split == "cols") else (2, 1, 1)
+            mma_dq = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, dq_atoms, (64, self.dq_box[1]))
 
         @cute.struct
         class SharedStorage:
@@ -633,7 +699,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             # The generic-proxy acquire must be ordered before our async-proxy reduce.
             cute.arch.fence_proxy("async.global")
         cute.arch.barrier(barrier_id=_BAR_DQ_FULL + box, number_of_threads=_DQ_BAR_THREADS)
-        if const_expr(self.dq_split == "cols"):
+        if const_expr(self.dq_swapped):  # (head dims, q rows) boxes of the transposed dQ
+            cute.copy(tma_dq, tSs[None, box], tSg[None, box, m])
+        elif const_expr(self.dq_split == "cols"):
             cute.copy(tma_dq, tSs[None, box], tSg[None, m, box])
         else:
             cute.copy(tma_dq, tSs[None, box], tSg[None, 2 * m + box, 0])
@@ -671,7 +739,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         tm, tn = self.tile_m, self.tile_n
         # Register operands (the smem ones are made per tile: ``_smem_operands``).
         tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
-        tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        tKrdS = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))  # dS in the A layout
         acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((tn, self.head_dim_v)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim)), Float32)
         acc_dV.fill(0.0)
@@ -691,21 +759,23 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         box_r, box_c = self.dq_box
         rows, cols = dq_box_view(box_r, box_c)
         box_stride = box_r * box_c
-        if const_expr(self.dq_split == "cols"):
+        if const_expr(self.dq_split == "cols" and not self.dq_swapped):
             # (64, (cols, 2)): D = 128 split by columns
             sdQ_tile = cute.make_tensor(sdQ.iterator, cute.make_layout(
                 (rows.shape, (cols.shape, 2)), stride=(rows.stride, (cols.stride, box_stride))))
         else:
-            # ((64, 2), cols): D = 64 split by rows
+            # ((64, 2), cols): D = 64 split by rows; swapped, dQᵀ's head dims split the same way
             sdQ_tile = cute.make_tensor(sdQ.iterator, cute.make_layout(
                 ((rows.shape, 2), cols.shape), stride=((rows.stride, box_stride), cols.stride)))
         tQsdQ = mma_dq.get_slice(tidx).partition_C(sdQ_tile)
 
         c = softmax.exp2_multiplier(self.score_mod, softmax_scale)
         ctx = _BwdCtx(mma_sdp, mma_dkv, mma_dv, mma_dq, wg_sdp, wg_dkv, wg_dv, wg_dq, smem, tVrP, tKrdS, acc_dV,
-                      acc_dK, tScS, tSsLSE, tSsDelta, thr_st_t, st_t, tSsdS, tQsdQ,
+                      acc_dK, tScS, tSsLSE, tSsDelta, sLSE, sDelta, thr_st_t, st_t, tSsdS, tQsdQ,
                       wg_sdp.partition_shape_C((tn, tm)),
-                      wg_dq.partition_shape_C((tm, self.head_dim)), c, softmax_scale, sched, aux, wg,
+                      wg_dq.partition_shape_C((self.head_dim, tm) if const_expr(self.dq_swapped)
+                                              else (tm, self.head_dim)),
+                      c, softmax_scale, sched, aux, wg,
                       grad_accs)
 
         # K and V must have landed even when no q tile is listed: the epilogue overwrites them.
@@ -772,32 +842,42 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # it does not hoist shared loads above it). Not with kv_batch_broadcast: its 16 more
         # live registers across the waits spill there (4 bytes), for no measurable gain: that
         # kernel reads them after the waits.
-        if const_expr(not self.kv_batch_broadcast):
+        if const_expr(self.shuffle_stats):
+            rLSE = self._shuffled_row(ctx, ctx.sLSE, idx)
+        elif const_expr(not self.kv_batch_broadcast):
             rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
         if const_expr(self.overlap_dp):
             warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under the elementwise work below
         else:
             warpgroup.wait_group(0)
         # Branch-free from here to the dPᵀ wait (a branch would make ptxas wait at its join).
-        if const_expr(self.kv_batch_broadcast):
+        if const_expr(self.kv_batch_broadcast and not self.shuffle_stats):
             rLSE = ctx.tSsLSE[None, None, None, idx]
-        self._probabilities(ctx, acc_S, _as_acc_layout(ctx.tVrP, acc_S), rLSE, head, m, kind)
+        rP = _as_acc_layout(ctx.tVrP, acc_S)
+        self._probabilities(ctx, acc_S, None if const_expr(self.p_late) else rP, rLSE, head, m, kind)
         if const_expr(not self.overlap_dp):
             pipe_do.consumer_wait(state)
         # delta likewise before the dPᵀ wait (and before the dV GEMM, whose issue covers them).
-        if const_expr(not self.kv_batch_broadcast):
+        if const_expr(self.shuffle_stats):
+            rDelta = self._shuffled_row(ctx, ctx.sDelta, idx)
+        elif const_expr(not self.kv_batch_broadcast):
             rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
-        # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
-        wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
-        if const_expr(self.overlap_dp):
+        if const_expr(self.p_late):
+            if const_expr(not self.overlap_dp):
+                wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
+            warpgroup.wait_group(0)  # dPᵀ done; dV is issued once dS is formed
+        elif const_expr(self.overlap_dp):
+            # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
+            wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
             warpgroup.wait_group(1)  # dPᵀ done (dV may still run)
         else:
+            wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
             # After dV, which reads P: ptxas keeps wgmmas in order, so it cannot hoist this one
             # above the elementwise work (it does hoist a dP GEMM issued right after P, and
             # the register peak comes back: 44 bytes of spills for softcap at D = 128).
             wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
             warpgroup.wait_group(0)
-        if const_expr(self.kv_batch_broadcast):
+        if const_expr(self.kv_batch_broadcast and not self.shuffle_stats):
             rDelta = ctx.tSsDelta[None, None, None, idx]
         sums = None
         if const_expr(self.score_grads is not None):
@@ -805,13 +885,17 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         else:
             for i in cutlass.range_constexpr(cute.size(acc_dP)):
                 acc_dP[i] = acc_S[i] * (acc_dP[i] - rDelta[i])
+        if const_expr(self.p_late):
+            rP.store(acc_S.load().to(self.dtype))
+            wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
         rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
         rdS.store(acc_dP.load().to(self.dtype))
         # Identity moves on the packed dS: otherwise the compiler converts dS to bf16 a second
         # time for the dK GEMM (after the barrier) instead of keeping what the stmatrix used.
-        rdS_words = cute.recast_tensor(rdS, Int32)
-        for i in cutlass.range_constexpr(cute.size(rdS_words)):
-            rdS_words[i] = opaque_i32(rdS_words[i])
+        if const_expr(not self.dk_smem):
+            rdS_words = cute.recast_tensor(rdS, Int32)
+            for i in cutlass.range_constexpr(cute.size(rdS_words)):
+                rdS_words[i] = opaque_i32(rdS_words[i])
         # dSᵀ -> smem; both warpgroups' halves are needed by each dQ GEMM.
         if const_expr(self.dim_split):
             # Both warpgroups hold all of dS: one stores it.
@@ -819,19 +903,34 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         else:
             cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
         acc_dQ = cute.make_rmem_tensor(ctx.dq_shape, Float32)
-        wgmma_gemm(ctx.mma_dq, acc_dQ, ops.tQrdS, ops.tQrK, zero_init=True)
-        warpgroup.wait_group(1)  # dV done: dO is free
-        pipe_do.consumer_release(state)
-        wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ops.tKrQ, zero_init=False)
-        warpgroup.wait_group(1)  # dQ done
+        if const_expr(self.dk_smem):
+            # dK reads only this warpgroup's keys of the dS tile: issued once the warpgroup's
+            # own stores are in, before the barrier that waits for the other half. dV is then
+            # waited for before the dQ GEMM, so P's registers are free for dQ's accumulator.
+            cute.arch.barrier(barrier_id=_BAR_WG + ctx.wg, number_of_threads=128)
+            wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ops.tKsdS, ops.tKrQ, zero_init=False)
+            cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+            warpgroup.wait_group(1)  # dV done: dO is free
+            pipe_do.consumer_release(state)
+            wgmma_gemm(ctx.mma_dq, acc_dQ, ops.tQrA, ops.tQrB, zero_init=True)
+            warpgroup.wait_group(1)  # dK done: Q is free
+            pipe_q.consumer_release(state)
+            warpgroup.wait_group(0)  # dQ done
+        else:
+            cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+            wgmma_gemm(ctx.mma_dq, acc_dQ, ops.tQrA, ops.tQrB, zero_init=True)
+            warpgroup.wait_group(1)  # dV done: dO is free
+            pipe_do.consumer_release(state)
+            wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ops.tKrQ, zero_init=False)
+            warpgroup.wait_group(1)  # dQ done
         cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
         store_dq_acc(acc_dQ, ctx.tQsdQ)
         cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
         cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
-        warpgroup.wait_group(0)  # dK done: Q is free
-        pipe_q.consumer_release(state)
+        if const_expr(not self.dk_smem):
+            warpgroup.wait_group(0)  # dK done: Q is free
+            pipe_q.consumer_release(state)
         if const_expr(self.score_grads is not None):
             self._flush_uniform_grads(ctx, sums, head, m)
         state.advance()
@@ -846,6 +945,27 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         for i in cutlass.range_constexpr(cute.size(r)):
             r[i] = tRow[i]
         return r
+
+    @cute.jit
+    def _shuffled_row(self, ctx, sRow: cute.Tensor, idx: Int32) -> "_ShuffledRow":
+        """Stage ``idx`` of lse2 or delta (``sRow``: (tile_m, stages) smem), one value in 8 per
+        thread. The Sᵀ accumulator gives lane 4ρ + t the query columns 8g + 2t + e (e ∈ {0, 1},
+        g < tile_m / 8), the same for the 8 lanes of one t: lane 4ρ + t holds the columns of
+        the groups g ≡ ρ (mod 8), and a use of column 8g + 2t + e shuffles it from lane
+        4·(g % 8) + t."""
+        lane = cute.arch.lane_idx()
+        rho, t = lane // 4, lane % 4
+        groups = self.tile_m // 8
+        held = []
+        for gg in cutlass.range_constexpr(-(-groups // 8)):
+            pair = []
+            for e in cutlass.range_constexpr(2):
+                col = 8 * (8 * gg + rho) + 2 * t + e
+                if const_expr((gg + 1) * 8 > groups):  # a partial last round: lanes past it idle
+                    col = cutlass.select_(8 * gg + rho < groups, col, Int32(0))
+                pair.append(sRow[col, idx])
+            held.append(pair)
+        return _ShuffledRow(held, register_offsets(ctx.tScS), t)
 
     def _smem_operands(self, ctx, idx: Int32) -> "_SmemOperands":
         """This tile's smem GEMM operands: K, V and stage ``idx`` of Q, dO, dS, each rebased on
@@ -863,14 +983,19 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             tPrdO=sdp.make_fragment_B(sdp.partition_B(sdO)),
             tVrdO=dv.make_fragment_B(dv.partition_B(_transposed_2d(sdO))),
             tKrQ=dkv.make_fragment_B(dkv.partition_B(_transposed_2d(sQ))),
-            tQrdS=dq.make_fragment_A(dq.partition_A(sdS)),
-            tQrK=dq.make_fragment_B(dq.partition_B(_transposed_2d(sK))),
+            tKsdS=(dkv.make_fragment_A(dkv.partition_A(_transposed_2d(sdS))) if const_expr(self.dk_smem)
+                   else None),
+            tQrA=(dq.make_fragment_A(dq.partition_A(_transposed_2d(sK))) if const_expr(self.dq_swapped)
+                  else dq.make_fragment_A(dq.partition_A(sdS))),
+            tQrB=(dq.make_fragment_B(dq.partition_B(sdS)) if const_expr(self.dq_swapped)
+                  else dq.make_fragment_B(dq.partition_B(_transposed_2d(sK)))),
         )
 
     @cute.jit
     def _probabilities(self, ctx, acc_S: cute.Tensor, rP: cute.Tensor, tLSE: cute.Tensor,
                        head: Int32, m: Int32, kind: cutlass.Constexpr):
-        """In place: Sᵀ -> P ∘ dscore (fp32, for dS), and P (bf16) into ``rP`` (for dV).
+        """In place: Sᵀ -> P ∘ dscore (fp32, for dS), and P (bf16) into ``rP`` (for dV; None:
+        the caller converts P later, ``BwdTiling.p_late``).
         kind: "partial" = mask_mod and bounds; "bounded" = bounds; "full" = neither."""
         use_mask = kind == "partial" and self.mask_mod is not None
         use_bound = kind != "full"
@@ -904,14 +1029,15 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             if const_expr(self.score_grads is not None):
                 # Keep P: the captured gradients need P∘(dP − delta) before d score/d score
                 # (``_captured_grads`` multiplies by it afterwards).
-                rP[i] = p.to(self.dtype)
+                if const_expr(rP is not None):
+                    rP[i] = p.to(self.dtype)
                 acc_S[i] = p
             elif const_expr(self.score_mod is not None):
                 rP[i] = p.to(self.dtype)
                 acc_S[i] = softmax.p_dscore(p, ds, ok)
             else:
                 acc_S[i] = p
-        if const_expr(self.score_mod is None):
+        if const_expr(self.score_mod is None and rP is not None):
             rP.store(acc_S.load().to(self.dtype))  # vectorised conversion
 
     @cute.jit
@@ -1017,14 +1143,32 @@ class _BwdSchedule(NamedTuple):
     mask_block: object  # the kv mask block (= n_block unless kv_per_block > 1): block-list column
 
 
+class _ShuffledRow:
+    """A row statistic indexed like the Sᵀ accumulator (``FlexAttentionBwdSm90._shuffled_row``):
+    ``[i]`` shuffles register i's query column from the lane that holds it, once per column
+    (the two registers of one column, rows h and h + 8, share the shuffle). Trace-time."""
+
+    def __init__(self, held, offsets, t):
+        self.held, self.offsets, self.t = held, offsets, t
+        self.cache = {}
+
+    def __getitem__(self, i):
+        q_off = self.offsets[i][1]  # 8g + e past the thread's first column 2t
+        g, e = q_off // 8, q_off % 8
+        if (g, e) not in self.cache:
+            self.cache[(g, e)] = cute.arch.shuffle_sync(self.held[g // 8][e], self.t + 4 * (g % 8))
+        return self.cache[(g, e)]
+
+
 # The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V (kv tile, D),
 # all K-major, and the swizzle of each.
 _SmemTiles = namedtuple("_SmemTiles", "sQ sdO sK sV sdS swQ swdO swK swV swdS")
 
 
 # One Q tile's smem wgmma fragments (``FlexAttentionBwdSm90._smem_operands``). tSrK: Sᵀ = K Qᵀ;
-# tPrV: dPᵀ = V dOᵀ; tVrdO: dV += Pᵀ dO (B); tKrQ: dK += dSᵀ Q (B); tQrdS: dQ = dS K.
-_SmemOperands = namedtuple("_SmemOperands", "tSrK tSrQ tPrV tPrdO tVrdO tKrQ tQrdS tQrK")
+# tPrV: dPᵀ = V dOᵀ; tVrdO: dV += Pᵀ dO (B); tKrQ: dK += dSᵀ Q (B); tKsdS: its A from smem
+# (``dk_smem``, else None); tQrA, tQrB: dQ = dS K (or swapped, dQᵀ = Kᵀ dSᵀ).
+_SmemOperands = namedtuple("_SmemOperands", "tSrK tSrQ tPrV tPrdO tVrdO tKrQ tKsdS tQrA tQrB")
 
 
 # Per-CTA MMA-warpgroup state threaded through the per-tile helpers (trace-time). mma_dv: =
@@ -1032,7 +1176,7 @@ _SmemOperands = namedtuple("_SmemOperands", "tSrK tSrQ tPrV tPrdO tVrdO tKrQ tQr
 # the tiled MMAs; smem: _SmemTiles; grad_accs: fp64 accumulators of the captured tensors'
 # gradients (or ()).
 _BwdCtx = namedtuple("_BwdCtx", "mma_sdp mma_dkv mma_dv mma_dq wg_sdp wg_dkv wg_dv wg_dq smem tVrP "
-                     "tKrdS acc_dV acc_dK tScS tSsLSE tSsDelta thr_st_t st_t tSsdS tQsdQ "
+                     "tKrdS acc_dV acc_dK tScS tSsLSE tSsDelta sLSE sDelta thr_st_t st_t tSsdS tQsdQ "
                      "s_shape dq_shape c softmax_scale sched aux wg grad_accs")
 
 
@@ -1151,3 +1295,58 @@ class FlexAttentionBwdPostSm90(DqPostprocess):
                             out[2 * t + e] = (acc[t // 2][4 * (t % 2) + 2 * h + e]
                                               * softmax_scale).to(self.dtype)
                     cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (8,), (g,)))
+
+
+class FlexAttentionBwdPostTransposedSm90:
+    """dQ = accumulator · softmax_scale from the transposed accumulator of ``dq_swapped``,
+    (B, Hq, D, Lpad) fp32, permuted within 16-dim × 8-row blocks (``dq_box_view`` with head
+    dims as its rows), into dQ (B, Hq, L, D). One 128-thread CTA per 64 query rows: coalesced
+    16-byte loads along the rows, each value un-permuted into a (row, dim) smem tile (rows
+    padded by one word, so that a warp's scattered 2-byte stores fall in distinct banks), then
+    each dQ row written from it."""
+
+    ROWS = 64  # query rows per CTA
+
+    def __init__(self, cfg: BwdConfig):
+        self.dtype = cfg.dtype
+        self.head_dim = cfg.head_dim
+        self.pitch = self.head_dim + 2  # elements per smem row
+
+    @cute.jit
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
+                 stream: cuda.CUstream):
+        grid = [cute.ceil_div(mdQ.shape[2], self.ROWS), mdQ.shape[1], mdQ.shape[0]]
+        launch(self.kernel(mdQacc, mdQ, softmax_scale), grid, 128, stream, one_cta_per_sm=False)
+
+    @cute.kernel
+    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, head, batch = cute.arch.block_idx()
+        D, R, pitch = self.head_dim, self.ROWS, self.pitch
+        base = SmemAllocator().allocate_array(self.dtype, R * pitch, byte_alignment=16)
+        tile = cute.make_tensor(base, cute.make_layout((R, pitch), stride=(pitch, 1)))
+        q0 = bx * R
+        vecs = R // 4  # 16-byte vectors per accumulator row and CTA
+        for k in cutlass.range_constexpr(D * vecs // 128):
+            v = tidx + 128 * k
+            dp, j = v // vecs, v % vecs  # accumulator row (a permuted head dim), vector
+            acc = cute.make_rmem_tensor((4,), Float32)
+            cute.autovec_copy(cute.local_tile(mdQacc[batch, head, dp, None], (4,), (q0 // 4 + j,)), acc)
+            # accumulator (dp, 4j + x) holds dQᵀ (16a + 8h + ρ, 8g + 2t + e): dp = 16a + 2ρ + t//2,
+            # column 8g + 4(t%2) + 2h + e (``dq_box_view``).
+            a, rho, t_hi = dp // 16, (dp % 16) // 2, dp % 2
+            g, t_lo = j // 2, j % 2
+            for x in cutlass.range_constexpr(4):
+                h, e = x // 2, x % 2
+                dim = 16 * a + 8 * h + rho
+                row = 8 * g + 2 * (2 * t_hi + t_lo) + e
+                tile[row, dim] = (acc[x] * softmax_scale).to(self.dtype)
+        cute.arch.sync_threads()
+        for k in cutlass.range_constexpr(R * D // 8 // 128):
+            v = tidx + 128 * k
+            row, c8 = v // (D // 8), v % (D // 8)
+            if q0 + row < mdQ.shape[2]:
+                out = cute.make_rmem_tensor((8,), self.dtype)
+                for x in cutlass.range_constexpr(8):
+                    out[x] = tile[row, 8 * c8 + x]
+                cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, q0 + row, None], (8,), (c8,)))

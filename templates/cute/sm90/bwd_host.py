@@ -3,7 +3,8 @@
 
 from flexjit.templates.cute import host
 from flexjit.templates.cute.host import PARTS
-from flexjit.templates.cute.sm90.bwd import BwdConfig, FlexAttentionBwdPostSm90, FlexAttentionBwdPreSm90, FlexAttentionBwdSm90
+from flexjit.templates.cute.sm90.bwd import (BwdConfig, FlexAttentionBwdPostSm90, FlexAttentionBwdPostTransposedSm90,
+                                              FlexAttentionBwdPreSm90, FlexAttentionBwdSm90)
 
 __all__ = ["PARTS", "CompiledBwd", "compile_bwd", "load_bwd"]
 
@@ -16,7 +17,10 @@ class CompiledBwd(host.CompiledBwd):
     def sem_len(self, lpad: int) -> int:
         """Semaphores per (batch, query head) in deterministic mode: two per q tile (one per
         tile for each of the two dQ boxes), zeroed by the preprocess."""
-        return 2 * (lpad // self.cfg.tiling.tile_m)
+        return 2 * -(-lpad // self.cfg.tiling.tile_m)
+
+    def dq_transposed(self) -> bool:
+        return self.cfg.tiling.dq_swapped
 
     def check_operands(self, q, k, v, dq, dk, dv) -> None:
         """K/V's batch against the query's (``check_kv_batch``)."""
@@ -35,7 +39,8 @@ def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "
         "pre": lambda: (FlexAttentionBwdPreSm90(cfg), host.placeholder_pre_args(cfg)),
         "main": lambda: (FlexAttentionBwdSm90(cfg),
                          host.placeholder_main_args(cfg, aux_tensors, aux_scalars)),
-        "post": lambda: (FlexAttentionBwdPostSm90(cfg), host.placeholder_post_args(cfg)),
+        "post": lambda: ((FlexAttentionBwdPostTransposedSm90 if cfg.tiling.dq_swapped
+                          else FlexAttentionBwdPostSm90)(cfg), host.placeholder_post_args(cfg)),
     }
     return CompiledBwd(cfg, host.compile_parts(kernels, host.compile_options(options), parts),
                        host.aux_signature(aux_tensors, aux_scalars))
