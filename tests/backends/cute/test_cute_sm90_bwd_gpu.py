@@ -54,18 +54,20 @@ def _block_mask(mask_mod, B, H, L, S):
                              H if uses(traced, Op.H) else None, L, S, device=DEV)
 
 
-def _compiled(case, D, dtype, sparse, deterministic, Dv=None):
+def _compiled(case, D, dtype, sparse, deterministic, Dv=None, config=""):
     program = lowered(case.score_mod, case.mask_mod)
     aux = tuple(_aux_tensor(t, torch.device(DEV)) for t in program.buffers)
     Dv = Dv or D
-    key = (program.key, D, Dv, dtype, sparse, deterministic)
+    key = (program.key, D, Dv, dtype, sparse, deterministic, config)
     if key not in _COMPILED:
         mods = load_mods(program)
+        overlap = True if light_mods(program) else None
         cfg = tpl.BwdConfig(D, Dv, _DTYPES[dtype], mods.score_mod_and_grad, mods.mask_mod,
                             has_block_mask=sparse, deterministic=deterministic,
-                            overlap_dp=True if light_mods(program) else None,
+                            overlap_dp=overlap,
                             score_grads=getattr(mods, "score_grads", None),
-                            grad_offsets=getattr(mods, "grad_offsets", None))
+                            grad_offsets=getattr(mods, "grad_offsets", None),
+                            tiling=tpl.bwd_tiling(D, Dv, overlap, config) if config else None)
         _COMPILED[key] = host.compile_bwd(cfg, aux, program.scalars)
     return _COMPILED[key], aux, program.scalars
 
@@ -80,14 +82,15 @@ def _inputs(B, Hq, Hkv, L, S, D, dtype, seed, Dv=None):
     return q, k, v, dout, dlse
 
 
-def run_backward(case, q, k, v, dout, dlse, bm, sparse=True, deterministic=False):
-    """Forward on the sm90 kernel, then the sm90 backward; returns (dq, dk, dv)."""
+def run_backward(case, q, k, v, dout, dlse, bm, sparse=True, deterministic=False, config=""):
+    """Forward on the sm90 kernel, then the sm90 backward (the schedule variants ``config``
+    names, ``tpl.bwd_tiling``); returns (dq, dk, dv)."""
     B, Hq, L, D = q.shape
     with torch.no_grad():
         out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=Hq != k.shape[1],
                                   return_lse=True, backend="cute")
     fn, aux, scalars = _compiled(case, D, q.dtype, sparse and bm is not None, deterministic,
-                                 Dv=v.shape[-1])
+                                 Dv=v.shape[-1], config=config)
     dq, dk, dv = [torch.full_like(t, float("nan")) for t in (q, k, v)]
     lists = bwd_block_lists(bm) if (sparse and bm is not None) else None
     order = dq_order(lists) if deterministic and lists is not None else None
@@ -124,13 +127,13 @@ def assert_bit_identical(runs, prefix, n=3):
 
 
 def check(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, sparse=True, with_dlse=True, seed=0,
-          Dv=None):
+          Dv=None, config=""):
     torch.manual_seed(seed)
     case = make_case(name, B, Hq, L, S, device=DEV)
     q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, dtype, seed, Dv=Dv)
     dlse = dlse if with_dlse else None
     bm = _block_mask(case.mask_mod, B, Hq, L, S)
-    got = run_backward(case, q, k, v, dout, dlse, bm, sparse=sparse)
+    got = run_backward(case, q, k, v, dout, dlse, bm, sparse=sparse, config=config)
     want = _oracle_grads(case, q, k, v, dout, dlse, torch.float64)
     low = _oracle_grads(case, q, k, v, dout, dlse, dtype)
     assert_grads_close(name, got, want, low, dtype)
@@ -206,6 +209,44 @@ def test_empty_kv_blocks_get_zero_gradients():
     dq, dk, dv = run_backward(case, q, k, v, dout, dlse, bm)
     assert torch.count_nonzero(dk[:, :, L:]) == 0 and torch.count_nonzero(dv[:, :, L:]) == 0
     assert not torch.isnan(dq).any()
+
+
+# The schedule variants (``tpl.bwd_tiling``) on every tile kind: ragged L and S against the
+# 64- and 80-row tiles, GQA, a causal block mask (partial and full tiles) and no mask.
+_VARIANTS = [(c, D) for c in ("late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle")
+             for D in (128, 64)] + [("swapdq", 128), ("late+dksmem+swapdq", 128)]
+
+
+@pytest.mark.parametrize("config,D", _VARIANTS)
+@pytest.mark.parametrize("name", ["causal", "full"])
+def test_schedule_variants(config, D, name):
+    check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
+
+
+@pytest.mark.parametrize("config,D,name", [("m80+late+dksmem+shuffle", 128, "full"),
+                                           ("m128+late+dksmem+shuffle", 64, "full"),
+                                           ("m128+late+dksmem+shuffle", 64, "causal")])
+def test_taller_tiles(config, D, name):
+    # 80 rows: no multiple of the 128-row mask block, dense launches only.
+    check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
+
+
+@pytest.mark.parametrize("config,D", [("swapdq", 128), ("m80+late+dksmem+shuffle", 128),
+                                      ("m128+late+dksmem+shuffle", 64)])
+def test_schedule_variants_deterministic(config, D):
+    # The transposed dQ boxes and 80-row tiles' semaphores (a tile count that does not divide
+    # the padded length) keep deterministic mode bit-identical.
+    B, Hq, L = 1, 4, 1100
+    case = make_case("causal", B, Hq, L, L, device=DEV)
+    q, k, v, dout, dlse = _inputs(B, Hq, Hq, L, L, D, torch.bfloat16, 3)
+    sparse = not config.startswith("m80")
+    bm = _block_mask(case.mask_mod, B, Hq, L, L)
+    runs = [run_backward(case, q, k, v, dout, dlse, bm, sparse=sparse, deterministic=True,
+                         config=config) for _ in range(3)]
+    want = _oracle_grads(case, q, k, v, dout, dlse, torch.float64)
+    low = _oracle_grads(case, q, k, v, dout, dlse, torch.bfloat16)
+    assert_grads_close(f"deterministic {config}", runs[0], want, low)
+    assert_bit_identical(runs, config)
 
 
 def _api_grads(case, q, k, v, dout, bm, gqa):
