@@ -181,7 +181,8 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
             cute_sm90.compile_program(program, q, k, v, sparse, aux, options=options,
                                       persistent=cute_sm90._persistent_fwd(
                                           head_dim, sparse, seq_len, owner=bm, pinned=pinned),
-                                      keys=keys, tile_m=tile_m)
+                                      keys=keys, tile_m=tile_m, rescale_every_tile="rescale" in
+                                      (kernel_options or {}).get("FWD_CONFIG", ""))
             kernels.append(Kernel(arch, "fwd", "main", what, *(_files(folder, arch) if folder else
                                                                (None, None)), keys.get("fwd"),
                                   time.perf_counter() - t0))

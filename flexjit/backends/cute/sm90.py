@@ -189,8 +189,9 @@ def _kernel_config(cfg, aux_tensors, program: Program, *extra) -> tuple:
 def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
     """The forward's disk-cache key material (``_kernel_config`` plus its rescale threshold,
     whether it writes max_scores and the code-changing compile options)."""
+    extra = ("rescale_every_tile",) if cfg.rescale_every_tile else ()  # older keys unchanged
     return _kernel_config(cfg, aux_tensors, program, float(cfg.rescale_threshold),
-                          bool(cfg.write_max), _key_options(options))
+                          bool(cfg.write_max), _key_options(options), *extra)
 
 
 # The persistent forward (one CTA per SM looping over tiles, claimed from an atomic counter)
@@ -235,7 +236,8 @@ def _rescale_threshold() -> float:
 
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
                     persistent: bool | None = None, write_max: bool = False, keys: dict | None = None,
-                    kv_batch_broadcast: bool = False, tile_m: int = 128):
+                    kv_batch_broadcast: bool = False, tile_m: int = 128,
+                    rescale_every_tile: bool = False):
     """Compile (or find in memory, or load from disk) the sm90 forward for this program and
     these input kinds.
 
@@ -262,7 +264,8 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     # Persistent launches claim tiles dynamically: part of the tiling, hence of both cache keys.
     dynamic = persistent and tpl.dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
-           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast, tile_m)
+           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast, tile_m,
+           rescale_every_tile)
     hit = _COMPILED.get(key)
     if hit is not None:  # the per-call path: no mods, config or disk key to build for `cached`
         return hit
@@ -273,7 +276,8 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
                         tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent,
                                                  dynamic_schedule=dynamic, tile_m=tile_m),
                         write_max=write_max,
-                        rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast)
+                        rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast,
+                        rescale_every_tile=rescale_every_tile)
     what = forward_label(program, q.dtype, D)
     if kv_batch_broadcast:
         what += " (K/V batch broadcast)"
@@ -408,7 +412,8 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     fn = compile_program(prog, q, k, v, sparse, aux,
                          persistent=_persistent_fwd(q.shape[-1], sparse, k.shape[2], owner=bm,
                                                     pinned=call.kernel_options.get("PERSISTENT")),
-                         write_max=call.max_scores, kv_batch_broadcast=broadcast, tile_m=tile_m)
+                         write_max=call.max_scores, kv_batch_broadcast=broadcast, tile_m=tile_m,
+                         rescale_every_tile="rescale" in call.kernel_options.get("FWD_CONFIG", ""))
     o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     max_scores = torch.empty_like(lse) if call.max_scores else None
