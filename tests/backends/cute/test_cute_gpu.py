@@ -60,7 +60,7 @@ def poison_allocator(nbytes=1 << 30):
     del x
 
 
-def run_case(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, seed=0, Dv=None):
+def run_case(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, seed=0, Dv=None, kernel_options=None):
     torch.manual_seed(seed)
     case = make_case(name, B, Hq, L, S, device="cuda")
     q = torch.randn(B, Hq, L, D, device="cuda", dtype=dtype)
@@ -71,7 +71,8 @@ def run_case(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, seed=0, Dv=None):
     assert choice.name == "cute", str(choice)
     poison_allocator()
     with torch.no_grad():
-        out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=Hq != Hkv, return_lse=True)
+        out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=Hq != Hkv, return_lse=True,
+                                  kernel_options=kernel_options)
         ref, ref_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=torch.float64)
         low, low_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=dtype)
     assert_close_to_oracle(f"{name} out", out, ref, low, FLOOR[dtype])
@@ -81,6 +82,14 @@ def run_case(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, seed=0, Dv=None):
 @pytest.mark.parametrize("name", CORE)
 def test_core_mods_d128_ragged_gqa(name):
     run_case(name, B=2, Hq=16, Hkv=4, L=1000, S=1000, D=128)
+
+
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("name", ["causal", "full", "alibi", "softcap"])
+def test_rescale_every_tile(name, D):
+    # FWD_CONFIG "rescale": O multiplied by its row factors every tile, no vote: the same
+    # function as the default (threshold 0), its 64- and 192-row tiles.
+    run_case(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, kernel_options={"FWD_CONFIG": "rescale"})
 
 
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap", "sliding_window"])
