@@ -47,7 +47,8 @@ FLEXJIT_MODES = {
     # the sm90 backward's schedule variants (kernel_options BWD_CONFIG)
     **{f"flexjit-cute-bwd-{name}": ("cute", {"BWD_CONFIG": name}, False) for name in (
         "late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle", "swapdq",
-        "late+dksmem+swapdq", "m80+late+dksmem+shuffle", "m128+late+dksmem+shuffle")},
+        "late+dksmem+swapdq", "psmem+dksmem", "psmem+dksmem+shuffle", "m80+late+dksmem+shuffle",
+        "m128+psmem+dksmem+shuffle")},
 }
 EXTRA_IMPLS = ("torch-flex-eager",) + tuple(FLEXJIT_MODES)
 

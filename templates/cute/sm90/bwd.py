@@ -173,6 +173,9 @@ class BwdTiling:
     # dK += dSᵀ Q reads dSᵀ from the smem tile the dQ GEMM reads (SS) instead of registers: dS
     # needs no 16-bit register copy past its store, which frees P's copy a block of its own.
     dk_smem: bool = False
+    # dV += Pᵀ dO reads Pᵀ from smem (SS; P stored by stmatrix into an extra stage of the dS
+    # buffer) instead of registers: P needs no 16-bit register copy across the dP wait.
+    p_smem: bool = False
 
 
 def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -> BwdTiling:
@@ -226,10 +229,11 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 
 
 # The schedule variants a backward may be asked for by name (``bwd_tiling``), each a change to
-# the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "shuffle"
+# the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "psmem"
+# (``p_smem``), "shuffle"
 # (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80" (80-row tiles, dense launches only, with
 # the dQ GEMM swapped), "m128" (128-row tiles, head dims up to 64, dQ split by rows).
-BWD_CONFIG_TOKENS = ("late", "dksmem", "shuffle", "swapdq", "m80", "m128")
+BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "shuffle", "swapdq", "m80", "m128")
 
 
 def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: str = "") -> BwdTiling:
@@ -242,7 +246,7 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
         raise ValueError(f"unknown backward variant(s) {unknown}; known: {BWD_CONFIG_TOKENS}")
     if tokens and base.tile_n != MASK_BLOCK:
         raise ValueError(f"head dims ({head_dim}, {head_dim_v}) have no backward variants")
-    fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens,
+    fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens, p_smem="psmem" in tokens,
                   shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens)
     if "m80" in tokens:
         fields.update(tile_m=80, dq_swapped=True)
@@ -318,7 +322,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         assert (self.score_grads is None) == (self.grad_offsets is None)
         assert self.score_grads is None or self.score_mod is not None
         self.dq_swapped, self.p_late, self.shuffle_stats = t.dq_swapped, t.p_late, t.shuffle_stats
-        self.dk_smem = t.dk_smem
+        self.dk_smem, self.p_smem = t.dk_smem, t.p_smem
+        assert not (self.p_smem and self.p_late)
+        assert not self.p_smem or t.tile_n == MASK_BLOCK  # not with the dim split
         assert not self.dk_smem or t.tile_n == MASK_BLOCK  # not with the dim split
         # p_late converts P from the fp32 it leaves in the Sᵀ accumulator: that is P itself
         # only without a score_mod or with captured gradients (else P∘dscore).
@@ -386,7 +392,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         sK_layout = smem_layout(self.dtype, tn, D, atom_cols=k_atom_cols(D, self.dq_split))
         sV_layout = smem_layout(self.dtype, tn, Dv, atom_cols=(
             k_atom_cols(Dv, "cols") if const_expr(self.dim_split) else None))
-        sdS_layout = smem_layout(self.dtype, tm, tn, st)
+        sdS_layout = smem_layout(self.dtype, tm, tn, st + (1 if const_expr(self.p_smem) else 0))
         sdQ_layout = dq_smem_layout(*self.dq_box)
         sRow_layout = cute.make_layout((tm, st))  # lse2 / delta stages
 
@@ -427,6 +433,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             mma_dkv = sm90_helpers.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, D), RMEM)
             mma_dv = mma_dkv
+            if const_expr(self.p_smem):  # Pᵀ from its smem tile: A MN-major
+                mma_dv = sm90_helpers.make_trivial_tiled_mma(
+                    self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, Dv))
             if const_expr(self.dk_smem):  # dSᵀ from the dS tile: A MN-major in smem
                 mma_dkv = sm90_helpers.make_trivial_tiled_mma(
                     self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (2, 1, 1), (64, D))
@@ -738,8 +747,11 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             thr_sdp = mma_sdp.get_slice(tidx)
         tm, tn = self.tile_m, self.tile_n
         # Register operands (the smem ones are made per tile: ``_smem_operands``).
-        tVrP = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
-        tKrdS = wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))  # dS in the A layout
+        # P and dS as the RS dV/dK GEMMs' A operands (None where that GEMM reads smem: P and dS
+        # are then converted into fresh registers for their stores only).
+        tVrP = None if const_expr(self.p_smem) else wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
+        tKrdS = None if const_expr(self.dk_smem) else wg_dkv.make_fragment_A(
+            wg_dkv.partition_shape_A((tn, tm)))
         acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((tn, self.head_dim_v)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim)), Float32)
         acc_dV.fill(0.0)
@@ -853,8 +865,17 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # Branch-free from here to the dPᵀ wait (a branch would make ptxas wait at its join).
         if const_expr(self.kv_batch_broadcast and not self.shuffle_stats):
             rLSE = ctx.tSsLSE[None, None, None, idx]
-        rP = _as_acc_layout(ctx.tVrP, acc_S)
+        if const_expr(self.p_smem):
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        else:
+            rP = _as_acc_layout(ctx.tVrP, acc_S)
         self._probabilities(ctx, acc_S, None if const_expr(self.p_late) else rP, rLSE, head, m, kind)
+        if const_expr(self.p_smem):
+            # Pᵀ -> its smem stage (read by this warpgroup's own dV GEMM only), then dV.
+            cute.copy(ctx.st_t, ctx.thr_st_t.retile(rP), ctx.tSsdS[None, None, None, self.num_stages])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=_BAR_WG + ctx.wg, number_of_threads=128)
+            wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ops.tVsP, ops.tVrdO, zero_init=False)
         if const_expr(not self.overlap_dp):
             pipe_do.consumer_wait(state)
         # delta likewise before the dPᵀ wait (and before the dV GEMM, whose issue covers them).
@@ -866,6 +887,12 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             if const_expr(not self.overlap_dp):
                 wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
             warpgroup.wait_group(0)  # dPᵀ done; dV is issued once dS is formed
+        elif const_expr(self.p_smem):
+            if const_expr(self.overlap_dp):
+                warpgroup.wait_group(1)  # dPᵀ done (issued before dV)
+            else:
+                wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
+                warpgroup.wait_group(0)
         elif const_expr(self.overlap_dp):
             # dV += Pᵀ dO needs only P: issue it before waiting for dPᵀ.
             wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
@@ -888,7 +915,10 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         if const_expr(self.p_late):
             rP.store(acc_S.load().to(self.dtype))
             wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
-        rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
+        if const_expr(self.dk_smem):
+            rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        else:
+            rdS = _as_acc_layout(ctx.tKrdS, acc_dP)
         rdS.store(acc_dP.load().to(self.dtype))
         # Identity moves on the packed dS: otherwise the compiler converts dS to bf16 a second
         # time for the dK GEMM (after the barrier) instead of keeping what the stmatrix used.
@@ -985,6 +1015,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             tKrQ=dkv.make_fragment_B(dkv.partition_B(_transposed_2d(sQ))),
             tKsdS=(dkv.make_fragment_A(dkv.partition_A(_transposed_2d(sdS))) if const_expr(self.dk_smem)
                    else None),
+            tVsP=(dv.make_fragment_A(dv.partition_A(_transposed_2d(
+                opaque_smem(sm.sdS[None, None, self.num_stages], sm.swdS))))
+                  if const_expr(self.p_smem) else None),
             tQrA=(dq.make_fragment_A(dq.partition_A(_transposed_2d(sK))) if const_expr(self.dq_swapped)
                   else dq.make_fragment_A(dq.partition_A(sdS))),
             tQrB=(dq.make_fragment_B(dq.partition_B(sdS)) if const_expr(self.dq_swapped)
@@ -1167,8 +1200,9 @@ _SmemTiles = namedtuple("_SmemTiles", "sQ sdO sK sV sdS swQ swdO swK swV swdS")
 
 # One Q tile's smem wgmma fragments (``FlexAttentionBwdSm90._smem_operands``). tSrK: Sᵀ = K Qᵀ;
 # tPrV: dPᵀ = V dOᵀ; tVrdO: dV += Pᵀ dO (B); tKrQ: dK += dSᵀ Q (B); tKsdS: its A from smem
-# (``dk_smem``, else None); tQrA, tQrB: dQ = dS K (or swapped, dQᵀ = Kᵀ dSᵀ).
-_SmemOperands = namedtuple("_SmemOperands", "tSrK tSrQ tPrV tPrdO tVrdO tKrQ tKsdS tQrA tQrB")
+# (``dk_smem``, else None); tVsP: dV's Pᵀ from smem (``p_smem``); tQrA, tQrB: dQ = dS K (or
+# swapped, dQᵀ = Kᵀ dSᵀ).
+_SmemOperands = namedtuple("_SmemOperands", "tSrK tSrQ tPrV tPrdO tVrdO tKrQ tKsdS tVsP tQrA tQrB")
 
 
 # Per-CTA MMA-warpgroup state threaded through the per-tile helpers (trace-time). mma_dv: =

@@ -213,7 +213,8 @@ def test_empty_kv_blocks_get_zero_gradients():
 
 # The schedule variants (``tpl.bwd_tiling``) on every tile kind: ragged L and S against the
 # 64- and 80-row tiles, GQA, a causal block mask (partial and full tiles) and no mask.
-_VARIANTS = [(c, D) for c in ("late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle")
+_VARIANTS = [(c, D) for c in ("late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle",
+                              "psmem", "psmem+dksmem+shuffle")
              for D in (128, 64)] + [("swapdq", 128), ("late+dksmem+swapdq", 128)]
 
 
@@ -224,15 +225,16 @@ def test_schedule_variants(config, D, name):
 
 
 @pytest.mark.parametrize("config,D,name", [("m80+late+dksmem+shuffle", 128, "full"),
-                                           ("m128+late+dksmem+shuffle", 64, "full"),
-                                           ("m128+late+dksmem+shuffle", 64, "causal")])
+                                           ("m128+psmem+dksmem+shuffle", 64, "full"),
+                                           ("m128+psmem+dksmem+shuffle", 64, "causal"),
+                                           ("m128+psmem+dksmem+shuffle", 64, "alibi")])
 def test_taller_tiles(config, D, name):
     # 80 rows: no multiple of the 128-row mask block, dense launches only.
     check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
 
 
 @pytest.mark.parametrize("config,D", [("swapdq", 128), ("m80+late+dksmem+shuffle", 128),
-                                      ("m128+late+dksmem+shuffle", 64)])
+                                      ("m128+psmem+dksmem+shuffle", 64)])
 def test_schedule_variants_deterministic(config, D):
     # The transposed dQ boxes and 80-row tiles' semaphores (a tile count that does not divide
     # the padded length) keep deterministic mode bit-identical.
