@@ -151,14 +151,16 @@ def run_call(spec: Spec, memo: dict | None = None):
         memo[built] = variant, impl_mod.plan_mask(flexjit.create_block_mask, variant, c, CPU)
     variant, bm = memo[built]
     last = memo.get("call")  # only the latest call (its q/k/v are full-size, if unwritten)
-    if last is None or last[0] != (spec.pass_, built):
+    options = impl_mod.make(spec.impl).kernel_options or None
+    # The impl's switches are part of the call: two modes of one case differ only there.
+    mine = (spec.pass_, built, tuple(sorted((options or {}).items())))
+    if last is None or last[0] != mine:
         grad = spec.pass_ == "fwdbwd"
         q = torch.empty(c.B, c.Hq, c.S, c.D, dtype=c.dtype).requires_grad_(grad)
         k = torch.empty(c.B, c.Hkv, c.S, c.D, dtype=c.dtype).requires_grad_(grad)
         v = torch.empty(c.B, c.Hkv, c.S, c.dv, dtype=c.dtype).requires_grad_(grad)
-        last = memo["call"] = ((spec.pass_, built),
-                               prepare_call(q, k, v, variant.score_mod, bm, None, c.gqa,
-                                            impl_mod.make(spec.impl).kernel_options or None))
+        last = memo["call"] = (mine, prepare_call(q, k, v, variant.score_mod, bm, None, c.gqa,
+                                                  options))
     return last[1], variant
 
 

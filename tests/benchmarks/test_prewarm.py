@@ -254,3 +254,20 @@ def test_plan_compiles_each_key_once_and_skips_what_is_on_disk(cache_dir):
     jobs2, on_disk2, _ = prewarm.plan(specs)
     assert [(j.pass_, j.keys) for j in jobs2] == [("bwd", bwd)]
     assert set(on_disk2) == {fwd, bwd["pre"], bwd["main"]}
+
+
+def test_plan_gives_each_mode_of_a_case_its_own_kernels(cache_dir):
+    # Consecutive modes of one case share its variant and block mask, never the call: each mode's
+    # kernel_options shape its kernels (at 1k full the default forward is persistent, the pertile
+    # mode's is not; the backward variant's three kernels are its own).
+    args = _args(*SMALL, "--S", "1k", "--variants", "full", "--passes", "fwdbwd", "--seed", "0",
+                 "--impls", "flexjit-cute,flexjit-cute-pertile,flexjit-cute-bwd-late")
+    specs = prewarm.specs(args, 0)
+    jobs, on_disk, errors = prewarm.plan(specs)
+    assert not errors and not on_disk
+    alone = {s.impl: prewarm.run_keys(s) for s in specs}  # each probed with a fresh memo
+    planned = {(j.pass_, tuple(sorted(j.keys.values()))) for j in jobs}
+    for keys in alone.values():
+        for pass_ in ("fwd", "bwd"):
+            assert (pass_, tuple(sorted(k for (p, _), k in keys.items() if p == pass_))) in planned
+    assert [j.pass_ for j in jobs].count("fwd") == 2 and [j.pass_ for j in jobs].count("bwd") == 2
