@@ -430,7 +430,7 @@ def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
 _BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
 # The backward's schedule variants (``cute_sm90_bwd.BWD_CONFIG_TOKENS``, repeated here so that
 # checking kernel_options needs no cutlass import).
-BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "shuffle", "swapdq", "m80", "m128")
+BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "shuffle", "swapdq", "m80", "m128")
 
 
 def _bwd_template():

@@ -145,6 +145,7 @@ _BAR_DQ_EMPTY = 2  # + warpgroup: its dQ warp lets the warpgroup write its dQ bo
 _BAR_DQ_FULL = 4  # + warpgroup: the warpgroup's dQ box is written
 _DQ_BAR_THREADS = 128 + 32
 _BAR_WG = 6  # + warpgroup: the warpgroup's own dS rows are in smem (``BwdTiling.dk_smem``)
+LPT_SECTION = 8  # (kv head, batch) pairs a longest-first launch walks together (``BwdTiling.lpt``)
 
 
 # (head_dim, head_dim_v) pairs with a row in ``choose_bwd_tiling``'s table.
@@ -176,6 +177,9 @@ class BwdTiling:
     # dV += Pᵀ dO reads Pᵀ from smem (SS; P stored by stmatrix into an extra stage of the dS
     # buffer) instead of registers: P needs no 16-bit register copy across the dP wait.
     p_smem: bool = False
+    # CTAs take their (kv tile, kv head, batch) longest first (``_lpt_order``): for masks whose
+    # work falls with the kv tile (causal), where a GQA CTA's long loop would start late.
+    lpt: bool = False
 
 
 def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -> BwdTiling:
@@ -230,10 +234,10 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 
 # The schedule variants a backward may be asked for by name (``bwd_tiling``), each a change to
 # the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "psmem"
-# (``p_smem``), "shuffle"
+# (``p_smem``), "lpt" (``lpt``), "shuffle"
 # (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80" (80-row tiles, dense launches only, with
 # the dQ GEMM swapped), "m128" (128-row tiles, head dims up to 64, dQ split by rows).
-BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "shuffle", "swapdq", "m80", "m128")
+BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "shuffle", "swapdq", "m80", "m128")
 
 
 def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: str = "") -> BwdTiling:
@@ -247,6 +251,7 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
     if tokens and base.tile_n != MASK_BLOCK:
         raise ValueError(f"head dims ({head_dim}, {head_dim_v}) have no backward variants")
     fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens, p_smem="psmem" in tokens,
+                  lpt="lpt" in tokens,
                   shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens)
     if "m80" in tokens:
         fields.update(tile_m=80, dq_swapped=True)
@@ -281,6 +286,17 @@ class BwdConfig(config.BwdConfig):
                 overlap = self.score_mod_and_grad is None and self.mask_mod is None
             object.__setattr__(self, "tiling",
                                choose_bwd_tiling(self.head_dim, self.head_dim_v, overlap))
+
+
+def lpt_coords(r, nx, ny, nz, minimum=min):
+    """``FlexAttentionBwdSm90._lpt_order``'s arithmetic (plain ints too, for the tests): launch
+    index r of an (nx, ny, nz) grid -> (kv tile, kv head, batch), a bijection."""
+    per_section = nx * LPT_SECTION
+    sec = r // per_section
+    width = minimum(LPT_SECTION, ny * nz - sec * LPT_SECTION)
+    j = r - sec * per_section
+    pair = sec * LPT_SECTION + j % width
+    return j // width, pair % ny, pair // ny
 
 
 def _transposed_2d(s: cute.Tensor) -> cute.Tensor:
@@ -322,7 +338,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         assert (self.score_grads is None) == (self.grad_offsets is None)
         assert self.score_grads is None or self.score_mod is not None
         self.dq_swapped, self.p_late, self.shuffle_stats = t.dq_swapped, t.p_late, t.shuffle_stats
-        self.dk_smem, self.p_smem = t.dk_smem, t.p_smem
+        self.dk_smem, self.p_smem, self.lpt = t.dk_smem, t.p_smem, t.lpt
         assert not (self.p_smem and self.p_late)
         assert not self.p_smem or t.tile_n == MASK_BLOCK  # not with the dim split
         assert not self.dk_smem or t.tile_n == MASK_BLOCK  # not with the dim split
@@ -394,7 +410,10 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             k_atom_cols(Dv, "cols") if const_expr(self.dim_split) else None))
         sdS_layout = smem_layout(self.dtype, tm, tn, st + (1 if const_expr(self.p_smem) else 0))
         sdQ_layout = dq_smem_layout(*self.dq_box)
-        sRow_layout = cute.make_layout((tm, st))  # lse2 / delta stages
+        # lse2 / delta stages, each starting on 128 bytes (a TMA destination's alignment: an
+        # 80-row tile's 320-byte stage would not)
+        self.row_pitch = -(-tm // 32) * 32
+        sRow_layout = cute.make_layout((tm, st), stride=(1, self.row_pitch))
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         s2g = cpasync.CopyBulkTensorTileS2GOp()
@@ -454,8 +473,8 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * st]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * st]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
-            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, tm * st], 128]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.row_pitch * st], 128]
+            sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.row_pitch * st], 128]
             sQ: smem_buffer(self.dtype, sQ_layout)
             sdO: smem_buffer(self.dtype, sdO_layout)
             sK: smem_buffer(self.dtype, sK_layout)
@@ -560,11 +579,28 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         n_kv_tiles = self._num_kv_tiles(mK.shape[0])
         if const_expr(self.deterministic):
             n_block = n_kv_tiles - 1 - n_block  # last kv tile first (see Deterministic mode)
+        elif const_expr(self.lpt):
+            n_block, head_kv, batch = self._lpt_order(n_block, head_kv, batch)
         mask_block = n_block
         if const_expr(self.dim_split):
             mask_block = n_block // self.kv_per_block
         return _BwdSchedule(n_block, head_kv, batch, q_per_kv, mQ.shape[0], mK.shape[0],
                             cute.ceil_div(mQ.shape[0], self.tile_m), n_kv_tiles, mask_block)
+
+    @cute.jit
+    def _lpt_order(self, x: Int32, y: Int32, z: Int32):
+        """(kv tile, kv head, batch) of the CTA launched ``r``-th (r = x + nx·(y + ny·z), the
+        launch order), longest first where kv tile n's work falls with n (causal masks: n
+        visits the q blocks from n on): sections of ``LPT_SECTION`` (kv head, batch) pairs,
+        each walked kv tile by kv tile, so that the CTAs running together read the Q and dO of
+        a few heads (an L2-sized working set) and a section's long CTAs start first. In the
+        launch order (kv tile fastest) the long CTAs of the last heads start last: a GQA CTA
+        loops over its group's heads, and those tails cost a tenth at D = 64, 4 query heads a kv
+        head."""
+        nx, ny, nz = cute.arch.grid_dim()
+        return lpt_coords(x + nx * (y + ny * z), nx, ny, nz,
+                          lambda a, b: cutlass.min(Int32(a), b))
+
 
     def _make_pipelines(self, storage):
         """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each; consumers
@@ -758,7 +794,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         acc_dK.fill(0.0)
         # Per-register (kv, q) coordinates and lse2 / delta (smem rows broadcast over keys).
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((tn, tm)))
-        bcast = cute.make_layout((tn, tm, self.num_stages), stride=(0, 1, tm))
+        bcast = cute.make_layout((tn, tm, self.num_stages), stride=(0, 1, self.row_pitch))
         tSsLSE = thr_sdp.partition_C(cute.make_tensor(sLSE.iterator, bcast))
         tSsDelta = thr_sdp.partition_C(cute.make_tensor(sDelta.iterator, bcast))
         # dS (registers, transposed) -> smem as the dQ GEMM's K-major A operand.

@@ -565,3 +565,33 @@ def test_int64_index_math_compiles_forward_and_backward(tmp_path):
     fn = fwd_tpl.compile_fwd(cfg, q, k, k.clone(), torch.empty_like(q), torch.empty(2, 4, 300), None,
                              aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}")
     assert "wgmma.mma_async" in fn.compiled.__ptx__ and "mul.lo.s64" in fn.compiled.__ptx__
+
+
+@pytest.mark.parametrize("grid", [(64, 4, 2), (7, 3, 5), (1, 1, 1), (3, 16, 2)])
+def test_lpt_order_is_a_bijection_longest_first(grid):
+    # Every (kv tile, kv head, batch) exactly once; kv tiles in rising order inside each section
+    # of LPT_SECTION (head, batch) pairs (tile 0 visits the most q blocks under a causal mask).
+    nx, ny, nz = grid
+    got = [tpl.lpt_coords(r, nx, ny, nz) for r in range(nx * ny * nz)]
+    assert sorted(got) == sorted((n, h, b) for n in range(nx) for h in range(ny) for b in range(nz))
+    pairs = ny * nz
+    for sec in range(-(-pairs // tpl.LPT_SECTION)):
+        width = min(tpl.LPT_SECTION, pairs - sec * tpl.LPT_SECTION)
+        block = got[sec * nx * tpl.LPT_SECTION:][:nx * width]
+        assert [n for n, _, _ in block] == sorted(n for n, _, _ in block)
+        assert {(h, b) for _, h, b in block} == {(p % ny, p // ny) for p in
+                                                 range(sec * tpl.LPT_SECTION, sec * tpl.LPT_SECTION + width)}
+
+
+@pytest.mark.parametrize("config,D,causal", [("m128+psmem+dksmem+shuffle", 64, True),
+                                             ("late+lpt", 128, True), ("swapdq", 128, False)])
+def test_schedule_variants_compile_clean(tmp_path, config, D, causal):
+    # Each variant the GPU suite runs builds without spills or serialised wgmma; the 128-row
+    # tile at D = 64 fits only with P and dS read from shared memory and the stats shuffled.
+    mods = load_mods(_program(None, fmods.causal() if causal else None))
+    cfg = tpl.BwdConfig(D, D, cutlass.BFloat16, None, mods.mask_mod, has_block_mask=causal,
+                        tiling=tpl.bwd_tiling(D, D, True, config))
+    fn = host.compile_bwd(cfg, (), (), options=f"--keep-ptx --dump-dir {tmp_path}",
+                         parts=("main", "post"))
+    _assert_clean_registers(tmp_path, fn.parts["main"].compiled.__ptx__)
+    assert "wgmma.mma_async" in fn.parts["main"].compiled.__ptx__
