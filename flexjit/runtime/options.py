@@ -26,6 +26,10 @@ Keys with a meaning for flexjit:
 * ``TILE_M`` (flexjit): 128 or 192 pins the sm90 forward's query tile rows; 192 (three
   consumer warpgroups) is served at head dim 64 only, where it is the default, block masks
   included (their lists merged per tile). ``flexjit.explain`` shows the tile.
+* ``AUTOTUNE`` (flexjit; ``fwd_``/``bwd_`` per pass): True (default) lets ``runtime.autotune``
+  choose among a backend's candidate configurations (the sm90 forward's tile and schedule) by
+  measurement, once per shape class, remembered on disk; False runs the heuristic's and never
+  measures. ``TILE_M`` and ``PERSISTENT`` pin their part either way.
 * ``DECODE_SPLITS`` (flexjit): a positive int, the split-KV decode kernel's split count
   (default: from the shape and the SM count; ``flexjit.explain`` shows it).
 * ``BACKEND`` (torch): "AUTO" (default), "TRITON" and "TRITON_DECODE" run flexjit's Triton
@@ -46,7 +50,7 @@ from typing import Literal, TypedDict
 
 MEANINGFUL = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
               "BLOCK_N2", "FAST_MATH", "BACKEND", "FORCE_USE_FLEX_ATTENTION", "USE_TMA",
-              "WARP_SPECIALIZE", "PERSISTENT", "DECODE_SPLITS", "TILE_M")
+              "WARP_SPECIALIZE", "PERSISTENT", "DECODE_SPLITS", "TILE_M", "AUTOTUNE")
 IGNORED = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
            "kpack", "matrix_instr_nonkdim", "waves_per_eu", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
            "SAFE_HEAD_DIMENSION",
@@ -78,6 +82,7 @@ class FlexKernelOptions(TypedDict, total=False):
     PERSISTENT: bool
     DECODE_SPLITS: int
     TILE_M: int
+    AUTOTUNE: bool
     PRESCALE_QK: bool
     ROWS_GUARANTEED_SAFE: bool
     BLOCKS_ARE_CONTIGUOUS: bool
@@ -102,6 +107,7 @@ KNOWN = _known_keys()  # every key accepted without a prefix: flexjit's, the ign
 
 _TYPED = (
     ("PERSISTENT", lambda v: isinstance(v, bool), "True or False"),
+    ("AUTOTUNE", lambda v: isinstance(v, bool), "True or False"),
     ("TILE_M", lambda v: v in (128, 192) and not isinstance(v, bool), "128 or 192"),
     ("DECODE_SPLITS", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
      "a positive int"),
