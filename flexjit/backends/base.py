@@ -7,8 +7,10 @@ forward and, for training, a backward among them; neither needs autograd of its 
 A pass with configurations chosen by measurement (``runtime.autotune``) adds two things: a
 declaration, ``tuning(call)`` for the forward or ``backward_tuning(call)`` for the backward,
 returning a :class:`Tuning` (or None: nothing to choose for this call), and a ``config`` keyword
-on ``forward`` / ``backward`` that runs the given :class:`Config` (None: the backend's own
-heuristic, as without a tuner). The backend only declares and runs; the runtime decides.
+on ``forward`` / ``backward`` that runs the given :class:`Config`; without it the backend runs
+its own heuristic, which must be the declared default. Every run writes fresh outputs (the
+tuner may launch each candidate several times). The backend only declares and runs; the
+runtime decides.
 """
 from __future__ import annotations
 

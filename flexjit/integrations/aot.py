@@ -40,7 +40,7 @@ from flexjit.api.masks import create_block_mask
 from flexjit.backends.cute import sm90 as cute_sm90, sm100 as cute_sm100, sm100_bwd as cute_sm100_bwd
 from flexjit.backends.cute.sm90 import _aux_tensor
 from flexjit.planner.block_mask import noop_mask
-from flexjit.runtime import autotune
+from flexjit.runtime import autotune, compile_pool
 
 ARCHS = ("sm_90a", "sm_100a")
 PASSES = ("fwd", "bwd")
@@ -173,12 +173,16 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
         kernels = []
         if "fwd" in passes:
             # Every configuration the tuner would measure (the run's heuristic's first, in
-            # fwd-main), so that a run with this cache tunes on its first call.
-            for n, cfg in enumerate(autotune.to_compile(cute_sm90, call, "fwd")):
+            # fwd-main), each with its done marker, so that a run with this cache tunes on its
+            # first call.
+            configs = autotune.to_compile(cute_sm90, call, "fwd")
+            jobs = compile_pool.candidate_jobs(call, cute_sm90.FAMILY, configs)
+            for n, cfg in enumerate(configs):
                 leaf = "fwd-main" if n == 0 else "fwd-" + str(cfg).replace(", ", "-").replace("=", "")
                 kernels.append(_sm90_forward(program, q, k, v, bm, aux, cfg, arch,
                                              what + ("" if n == 0 else f" ({cfg})"),
                                              _folder(root, leaf)))
+                compile_pool.mark_done(jobs[cfg])
                 if log:
                     log(kernels[-1].line())
         if "bwd" in passes:

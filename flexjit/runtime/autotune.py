@@ -177,16 +177,20 @@ def backward(mod, call, *args) -> tuple:
 
 
 def run(mod, call, pass_: str, launch: Callable[[Config | None], object]):
-    """``launch(config)`` on the configuration the decision order picks for ``call``'s pass
-    (``launch(None)`` where the backend declares nothing); may measure first (module doc)."""
+    """``launch(config)`` on the configuration the decision order picks for ``call``'s pass;
+    ``launch(None)`` (the backend's heuristic) where the backend declares nothing or the
+    default is picked. May measure first (module doc)."""
     tuning = declared(mod, call, pass_)
     if tuning is None:
         return launch(None)
+
+    def go(c: Config):
+        return launch(None if c == tuning.default else c)
     hit = _CHOICES.get(tuning.ident)
     if hit is not None:
-        return launch(hit.config)
-    chosen = _choose(tuning, call, pass_, launch)
-    out = launch(chosen)
+        return go(hit.config)
+    chosen = _choose(tuning, call, pass_, go)
+    out = go(chosen)
     state = _CLASSES.get(tuning.ident)
     if state is not None and chosen not in state.ran:
         state.ran.add(chosen)
@@ -306,8 +310,12 @@ def _drop_failed(state: _Class, tuning: Tuning) -> None:
 def _remember(tuning: Tuning, decision: Decision) -> None:
     """Keep the class's decision for this process, and say it once (INFO)."""
     _CHOICES[tuning.ident] = decision
-    log.info("flexjit: tuning %s [%s]: %s", tuning.family, " ".join(tuning.key[1:]),
-             decision.text(tuning))
+    log.info("flexjit: tuning %s [%s]: %s", tuning.family, _shape(tuning), decision.text(tuning))
+
+
+def _shape(tuning: Tuning) -> str:
+    """The shape class to show: its key less the Program's digest."""
+    return " ".join(k for k in tuning.key if not k.startswith("program="))
 
 
 def _measure(tuning: Tuning, state: _Class, launch) -> Decision:
@@ -350,7 +358,7 @@ def _measure(tuning: Tuning, state: _Class, launch) -> Decision:
         return Decision(tuning.default, "failed", {}, failed)
     times = {str(c): statistics.median(samples[c]) for c in alive}
     if config.settings.debug:
-        print(f"[flexjit] tuning {tuning.family} [{' '.join(tuning.key[1:])}], {r} rounds: " +
+        print(f"[flexjit] tuning {tuning.family} [{_shape(tuning)}], {r} rounds: " +
               ", ".join(f"{c}: {' '.join(f'{t:.3f}' for t in samples[c])} ms" for c in alive))
     best = min(alive, key=lambda c: times[str(c)])
     if tuning.default in alive and best != tuning.default and \
