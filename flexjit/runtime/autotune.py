@@ -268,8 +268,7 @@ def _choose(tuning: Tuning, call, pass_: str, launch) -> Config:
             return tuning.default
         state = _CLASSES.get(tuning.ident)
         if state is None:
-            state = _CLASSES[tuning.ident] = _Class(
-                compile_pool.candidate_jobs(call, tuning.family, tuning.candidates))
+            state = _CLASSES[tuning.ident] = _Class(_jobs(tuning, call))
         _drop_failed(state, tuning)
         waiting = [c for c in tuning.candidates if c not in state.failed and not _ready(state, c)]
         if waiting:
@@ -286,6 +285,17 @@ def _choose(tuning: Tuning, call, pass_: str, launch) -> Config:
         _RAN.update(job.ident for c, job in state.jobs.items() if str(c) in decision.times)
         del _CLASSES[tuning.ident]
         return decision.config
+
+
+def _jobs(tuning: Tuning, call) -> dict:
+    """The candidates' compile jobs ({} where they cannot be made: then only what runs here
+    becomes ready, and the default keeps running)."""
+    try:
+        return compile_pool.candidate_jobs(call, tuning.family, tuning.candidates)
+    except Exception as e:  # noqa: BLE001 -- tuning must never fail the call
+        log.warning("flexjit: tuning %s: no compile jobs for the candidates (%s: %s); the "
+                    "heuristic's configuration runs", tuning.family, type(e).__name__, e)
+        return {}
 
 
 def _ready(state: _Class, c: Config) -> bool:
@@ -424,7 +434,7 @@ def _parse(text: str, tuning: Tuning, device_name: str) -> tuple[Decision | None
             return None, f"its {', '.join(wrong)} differ from this class's"
         by_name = {str(c): c for c in tuning.candidates}
         times = {str(n): float(t) for n, t in rec["times_ms"].items()}
-        if rec["winner"] not in by_name or rec["how"] not in ("measured", "tie") or \
+        if rec["winner"] not in times or rec["how"] not in ("measured", "tie") or \
                 not set(times) <= set(by_name) or not all(math.isfinite(t) for t in times.values()):
             return None, "its winner or times are not this class's candidates"
         failed = {str(n): str(why) for n, why in rec.get("failed", {}).items()}

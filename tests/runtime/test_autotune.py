@@ -247,6 +247,18 @@ def test_when_every_candidate_fails_the_default_stays_unrecorded(env):
         "config tile_m=128: the heuristic's; no candidate could be measured; dropped: ")
 
 
+def test_candidates_without_compile_jobs_leave_the_default_running(env, monkeypatch, caplog):
+    def broken(call, family, configs):
+        raise ValueError("a program that cannot travel")
+    monkeypatch.setattr(compile_pool, "candidate_jobs", broken)
+    for _ in range(3):
+        assert _run(env) == _number(M128)
+    assert env.timer.rounds == [] and env.pool.sent == []
+    assert [r.getMessage() for r in caplog.records if "no compile jobs" in r.getMessage()] == [
+        "flexjit: tuning sm90-fwd: no compile jobs for the candidates (ValueError: a program "
+        "that cannot travel); the heuristic's configuration runs"]
+
+
 # --------------------------------------------------------------------------- pins, AUTOTUNE, never
 
 
