@@ -181,15 +181,15 @@ def run(mod, call, pass_: str, launch: Callable[[Config | None], object]):
     ``launch(None)`` (the backend's heuristic) where the backend declares nothing or the
     default is picked. May measure first (module doc)."""
     tuning = declared(mod, call, pass_)
-    if tuning is None:
-        return launch(None)
+    if tuning is None or len(tuning.candidates) == 1 or not _autotune_on(call.kernel_options, pass_):
+        return launch(None)  # nothing to decide: a pin's single candidate, or AUTOTUNE=False
 
     def go(c: Config):
         return launch(None if c == tuning.default else c)
     hit = _CHOICES.get(tuning.ident)
     if hit is not None:
         return go(hit.config)
-    chosen = _choose(tuning, call, pass_, go)
+    chosen = _choose(tuning, call, go)
     out = go(chosen)
     state = _CLASSES.get(tuning.ident)
     if state is not None and chosen not in state.ran:
@@ -249,10 +249,9 @@ def _capturing() -> bool:
         return False
 
 
-def _choose(tuning: Tuning, call, pass_: str, launch) -> Config:
-    """Steps 1-6 of the module doc for a class not yet decided in memory."""
-    if len(tuning.candidates) == 1 or not _autotune_on(call.kernel_options, pass_):
-        return tuning.default
+def _choose(tuning: Tuning, call, launch) -> Config:
+    """Steps 4-6 of the module doc for a class with candidates to choose among, not yet
+    decided in memory."""
     device = call.q.device
     if selfcheck.dry() or not timer.usable(device):
         return tuning.default

@@ -282,6 +282,9 @@ def test_autotune_false_runs_the_default_and_never_measures(env, key):
         "config tile_m=128: the heuristic's (AUTOTUNE=False)"
     assert autotune.to_compile(env.backend, _call({key: False}), "fwd") == (M128,)
     assert autotune.to_compile(env.backend, _call({"bwd_AUTOTUNE": False}), "fwd") == (M128, M128P, M192)
+    _ready_after_first_call(env)
+    assert _run(env) == _number(M128P)  # the class measured without the option...
+    assert _run(env, {key: False}) == _number(M128)  # ...and with it, still the heuristic's
 
 
 def test_never_measured_while_capturing_compiling_or_in_explain(env, monkeypatch):
