@@ -250,8 +250,8 @@ def _capturing() -> bool:
 
 
 def _choose(tuning: Tuning, call, launch) -> Config:
-    """Steps 4-6 of the module doc for a class with candidates to choose among, not yet
-    decided in memory."""
+    """Steps 3-6 of the module doc (memory again, under the lock) for a class with candidates
+    to choose among."""
     device = call.q.device
     if selfcheck.dry() or not timer.usable(device):
         return tuning.default

@@ -271,9 +271,9 @@ def test_sm100_backward_recompiles_only_a_missing_part(tmp_path, monkeypatch):
     cute_dir = tmp_path / "cache" / "cute"
     (cute_dir / f"{keys['post']}.o").unlink()
     monkeypatch.setattr(cute_sm100_bwd, "_COMPILED", {})
-    _, _, _, bm, program, aux = aot._example(*aot.builtin_variant("alibi", 256, 16), D, D,
-                                             torch.bfloat16, 256, 16, 16)
-    fn = cute_sm100_bwd.compile_backward(program, torch.bfloat16, D, bm is not None, False, aux)
+    _, _, _, bm, call, aux = aot._example(*aot.builtin_variant("alibi", 256, 16), D, D,
+                                          torch.bfloat16, 256, 16, 16)
+    fn = cute_sm100_bwd.compile_backward(call.program, torch.bfloat16, D, bm is not None, False, aux)
     assert {p: part.compiled is None for p, part in fn.parts.items()} == \
         {"pre": True, "main": True, "post": False}
     assert all(part.ffi_fn is not None for p, part in fn.parts.items() if p != "post")

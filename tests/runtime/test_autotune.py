@@ -396,6 +396,7 @@ def test_explain_says_which_config_runs_and_why(env, tuned_reference):
     first = explain(q, k, v)
     assert first.config == ("config tile_m=128: heuristic (3 candidates, 0 compiled; measured "
                             "once all are compiled)")
+    assert env.pool.sent == []  # explain sends no job: the class's first call does
     ref = flex_attention(q, k, v)
     assert explain(q, k, v).config.startswith("config tile_m=128: heuristic (3 candidates, 1 compiled")
     assert env.timer.rounds == []  # explain measured nothing
