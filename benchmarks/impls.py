@@ -43,7 +43,6 @@ FLEXJIT_MODES = {
     "flexjit-cute-persistent": ("cute", {"PERSISTENT": True}, False),
     "flexjit-cute-m128": ("cute", {"TILE_M": 128}, False),
     "flexjit-cute-m192": ("cute", {"TILE_M": 192}, False),
-    "flexjit-cute-fwd-rescale": ("cute", {"FWD_CONFIG": "rescale"}, False),
     # the sm90 backward's schedule variants (kernel_options BWD_CONFIG)
     **{f"flexjit-cute-bwd-{name}": ("cute", {"BWD_CONFIG": name}, False) for name in (
         "late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle", "swapdq",

@@ -34,7 +34,8 @@ def _compile(parser, args) -> int:
             args.variant, arch=args.arch, head_dim=args.head_dim, head_dim_v=args.head_dim_v,
             dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float16, passes=args.passes,
             seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads,
-            deterministic=args.deterministic, out=args.out, log=lambda line: print(line, flush=True))
+            deterministic=args.deterministic, out=args.out, log=lambda line: print(line, flush=True),
+            kernel_options={"AUTOTUNE": False} if args.no_autotune else None)
     except ValueError as e:
         parser.error(str(e))
     print(f"{len(kernels)} kernels for {args.arch} ({args.variant})")
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
     aot.add_argument("--deterministic", action="store_true",
                      help="the backward for torch.use_deterministic_algorithms(True)")
     aot.add_argument("--out", required=True, help="folder for the PTX and cubin files")
+    aot.add_argument("--no-autotune", action="store_true",
+                     help="only the heuristic's forward configuration (kernel_options AUTOTUNE=False), "
+                          "not every candidate the run's tuner measures")
     warm = sub.add_parser("warmup", help="compile, in parallel, the CuTe kernels a transformers "
                           "model will need into the disk cache, so its first step starts warm")
     warm.add_argument("--model", required=True,

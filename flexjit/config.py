@@ -1,9 +1,10 @@
 """flexjit's environment variables, read here and nowhere else, once at import.
 
 ========================  ==========================================================================
-``FLEXJIT_DEBUG=1``       print each traced IR, the backend choice and the generated kernels' paths
+``FLEXJIT_DEBUG=1``       print each traced IR, the backend choice, each tuning measurement and
+                          the generated kernels' paths
 ``FLEXJIT_CACHE_DIR``     where compiled kernels are kept (default ``~/.cache/flexjit``)
-``FLEXJIT_CACHE=0``       keep compiled kernels in memory only
+``FLEXJIT_CACHE=0``       keep compiled kernels (and tuning choices) in memory only
 ``FLEXJIT_DUMP_DIR``      keep a readable copy of every generated kernel source there
 ``FLEXJIT_DISABLE``       backends never to use, comma-separated: ``cute``, ``cute_sm100``,
                           ``triton``, ``triton_decode`` (``backend="auto"`` passes them over and

@@ -180,7 +180,8 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
             backend: str = "auto", q_descale=None, k_descale=None, v_descale=None,
             out_dtype=None) -> "dispatch.Choice":
     """Which backend flex_attention would run for these arguments, why, and why every other
-    backend was passed over (``Choice.passed_over``), on any device. Runs nothing: on a Blackwell
+    backend was passed over (``Choice.passed_over``), on any device, and the kernel
+    configuration each pass runs on (``Choice.config``, ``runtime.autotune``). Runs nothing: on a Blackwell
     GPU it says whether the call's sm100 kernel has passed its first-use self-check, failed it
     (and why), or has not run it yet (it runs on the first call). The FP8 arguments are
     flex_attention's; the reason says whether a backend reads FP8 itself or runs dequantised."""
@@ -190,7 +191,7 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
                         max_scores=return_aux is not None and return_aux.max_scores,
                         fp8=(q_descale, k_descale, v_descale, out_dtype))
     with selfcheck.dry_run():
-        return dispatch.select(backend, call)
+        return dispatch.with_configs(dispatch.select(backend, call), call)
 
 
 def _normalize(query, key, value, block_mask, kernel_options, backend, return_aux):

@@ -10,9 +10,10 @@ the same program, so that a job started with that cache loads it instead of comp
 
 What decides the key, hence what must match the run: the mods (and the dtypes of what they
 capture, and whether those require grad), the dtype, the head dims, whether a block mask is
-used, the forward's tiling (persistent or not: from the mean number of kv tiles per q tile at
-``seq_len``), deterministic mode for the backward, and the versions of flexjit's templates,
-CuTeDSL and tvm_ffi. Sizes, strides, batch, heads and scalar values are runtime arguments.
+used, the forward's tiling (its tile rows and schedule: every configuration the run's tuner
+would measure at ``seq_len``, ``runtime.autotune``), deterministic mode for the backward, and the
+versions of flexjit's templates, CuTeDSL and tvm_ffi. Sizes, strides, batch, heads and scalar
+values are runtime arguments.
 
 sm_100a: the forward and the backward's three kernels, exported to the disk cache the same way
 (``cute_sm100``, ``cute_sm100_bwd``). Caching does not make them trusted: a run uses an sm100
@@ -39,6 +40,7 @@ from flexjit.api.masks import create_block_mask
 from flexjit.backends.cute import sm90 as cute_sm90, sm100 as cute_sm100, sm100_bwd as cute_sm100_bwd
 from flexjit.backends.cute.sm90 import _aux_tensor
 from flexjit.planner.block_mask import noop_mask
+from flexjit.runtime import autotune, compile_pool
 
 ARCHS = ("sm_90a", "sm_100a")
 PASSES = ("fwd", "bwd")
@@ -130,8 +132,9 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     CPU BlockMask over ``seq_len``, e.g. one per batch entry for a mask that reads ``b``): the
     run's own, where they differ from the default batch of 1 and a mask built from ``mask_mod``
     broadcast over batch and heads (the mask's density picks the forward's tiling; the lengths
-    can widen index math). ``kernel_options``: the run's (``PERSISTENT`` pins the forward's
-    schedule). ``out``: where each kernel's PTX
+    can widen index math). ``kernel_options``: the run's (``TILE_M``/``PERSISTENT`` pin the
+    forward's configuration; by default every candidate the tuner would measure is compiled,
+    only the heuristic's with ``AUTOTUNE=False``). ``out``: where each kernel's PTX
     and cubin go (``out/<name>/<pass>-<part>/``); None keeps no files. ``log`` gets one line per
     kernel as it is done. Returns the kernels, forward first."""
     if arch not in ARCHS:
@@ -160,34 +163,28 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     if arch == "sm_100a":
         return _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq_len,
                               heads, kv_heads, deterministic, what, root, log, batch, block_mask)
-    pinned = (kernel_options or {}).get("PERSISTENT")
     with _arch(arch), torch.no_grad():
         _check_dims("sm90", (head_dim, head_dim_v), passes, cute_sm90._HEAD_DIMS,
                     cute_sm90._BWD_HEAD_DIMS, " (others train on the Triton backward)")
-        q, k, v, bm, program, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
-                                             seq_len, heads, kv_heads, batch, block_mask)
+        q, k, v, bm, call, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
+                                          seq_len, heads, kv_heads, batch, block_mask,
+                                          kernel_options)
+        program = call.program
         kernels = []
         if "fwd" in passes:
-            folder = _folder(root, "fwd-main")
-            tile_m = cute_sm90.forward_tile_m(head_dim, bm, (kernel_options or {}).get("TILE_M"))
-            sparse = cute_sm90.forward_lists(bm, tile_m)
-            options = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
-            t0 = time.perf_counter()
-            keys: dict = {}
-            # A compile that keeps files never loads from disk, and still exports its kernel
-            # (its options are part of the in-memory key: a run's own kernels stay as they are).
-            # Without a folder, the run's own path: loaded if cached, else compiled and exported
-            # (artifact flags without --dump-dir would write files into the working directory).
-            cute_sm90.compile_program(program, q, k, v, sparse, aux, options=options,
-                                      persistent=cute_sm90._persistent_fwd(
-                                          head_dim, sparse, seq_len, owner=bm, pinned=pinned),
-                                      keys=keys, tile_m=tile_m, rescale_every_tile="rescale" in
-                                      (kernel_options or {}).get("FWD_CONFIG", ""))
-            kernels.append(Kernel(arch, "fwd", "main", what, *(_files(folder, arch) if folder else
-                                                               (None, None)), keys.get("fwd"),
-                                  time.perf_counter() - t0))
-            if log:
-                log(kernels[-1].line())
+            # Every configuration the tuner would measure (the run's heuristic's first, in
+            # fwd-main), each with its done marker, so that a run with this cache tunes on its
+            # first call.
+            configs = autotune.to_compile(cute_sm90, call, "fwd")
+            jobs = compile_pool.candidate_jobs(call, cute_sm90.FAMILY, configs)
+            for n, cfg in enumerate(configs):
+                leaf = "fwd-main" if n == 0 else "fwd-" + str(cfg).replace(", ", "-").replace("=", "")
+                kernels.append(_sm90_forward(program, q, k, v, bm, aux, cfg, arch,
+                                             what + ("" if n == 0 else f" ({cfg})"),
+                                             _folder(root, leaf)))
+                compile_pool.mark_done(jobs[cfg])
+                if log:
+                    log(kernels[-1].line())
         if "bwd" in passes:
             host = cute_sm90._bwd_host()
             t0 = time.perf_counter()
@@ -204,6 +201,22 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
                 if log:
                     log(kernels[-1].line())
     return kernels
+
+
+def _sm90_forward(program, q, k, v, bm, aux, cfg, arch: str, what: str, folder) -> Kernel:
+    """Compile (with ``folder``: always, keeping its PTX and cubin there) and export the sm90
+    forward on configuration ``cfg``. A compile that keeps files never loads from disk, and
+    still exports its kernel (its options are part of the in-memory key: a run's own kernels
+    stay as they are). Without a folder, the run's own path: loaded if cached, else compiled and
+    exported (artifact flags without --dump-dir would write files into the working directory)."""
+    options = "" if folder is None else f"--keep-ptx --keep-cubin --dump-dir {folder}"
+    t0 = time.perf_counter()
+    keys: dict = {}
+    cute_sm90.compile_program(program, q, k, v, cute_sm90.forward_lists(bm, cfg["tile_m"]), aux,
+                              options=options, persistent=cfg["persistent"], keys=keys,
+                              tile_m=cfg["tile_m"])
+    return Kernel(arch, "fwd", "main", what, *(_files(folder, arch) if folder else (None, None)),
+                  keys.get("fwd"), time.perf_counter() - t0)
 
 
 def _check_dims(arch: str, dims: tuple, passes, fwd_dims, bwd_dims, bwd_note: str = "") -> None:
@@ -224,8 +237,9 @@ def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq
                 cute_sm100_bwd.HEAD_DIMS)
     kernels = []
     with torch.no_grad():
-        q, _, v, bm, program, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
-                                             seq_len, heads, kv_heads, batch, block_mask)
+        q, _, v, bm, call, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
+                                          seq_len, heads, kv_heads, batch, block_mask)
+        program = call.program
         if "fwd" in passes:
             folder = _folder(root, "fwd-main")
             # As the sm90 forward above: with a folder, always compiled (and exported under the
@@ -257,8 +271,8 @@ def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq
 
 
 def _example(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads, kv_heads,
-             batch=1, block_mask=None):
-    """(q, k, v, block mask or None, Program, aux tensors): the call a run at ``seq_len`` makes,
+             batch=1, block_mask=None, kernel_options=None):
+    """(q, k, v, block mask or None, Call, aux tensors): the call a run at ``seq_len`` makes,
     on CPU tensors without data (only kinds and the mask's lists shape the kernels)."""
     q = torch.empty(batch, heads, seq_len, head_dim, dtype=dtype)
     k = torch.empty(batch, kv_heads, seq_len, head_dim, dtype=dtype)
@@ -268,8 +282,8 @@ def _example(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads, k
     else:
         bm = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu") \
             if mask_mod is not None and mask_mod is not noop_mask else None
-    program = prepare_call(q, k, v, score_mod, bm, None, kv_heads != heads, None).program
-    return q, k, v, bm, program, tuple(_aux_tensor(t, q.device) for t in program.buffers)
+    call = prepare_call(q, k, v, score_mod, bm, None, kv_heads != heads, kernel_options)
+    return q, k, v, bm, call, tuple(_aux_tensor(t, q.device) for t in call.program.buffers)
 
 
 def _folder(root: Path | None, leaf: str) -> Path | None:

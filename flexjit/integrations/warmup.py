@@ -4,8 +4,9 @@
                                        mask_mod=causal, requires_grad=True)])
     flexjit.warmup_model(model, seq_lens=[4096], batch=2)   # after import flexjit.integrations.transformers
 
-Each call becomes the jobs its kernels need (the sm90 forward; with ``requires_grad`` the
-backward's three kernels too), built as ``flexjit compile`` (``integrations.aot``) builds them:
+Each call becomes the jobs its kernels need (the sm90 forward, on every configuration the tuner
+would measure, ``runtime.autotune``, so a warmed process tunes on its first call; with
+``requires_grad`` the backward's three kernels too), built as ``flexjit compile`` builds them:
 the call's Program traced on CPU tensors without data, the block mask planned at its length
 (which picks the forward's tiling), and the jobs run on ``runtime.compile_pool``'s workers, all
 at once, each exporting its kernels under the keys the run looks up. A later process (or this
@@ -31,7 +32,7 @@ from flexjit.api.attention import autocast_dtype, prepare_call
 from flexjit.api.masks import create_block_mask
 from flexjit.backends.cute import sm90 as cute_sm90
 from flexjit.planner.block_mask import BlockMask, noop_mask
-from flexjit.runtime import compile_pool
+from flexjit.runtime import autotune, compile_pool
 
 try:
     from tqdm import tqdm
@@ -90,9 +91,12 @@ class WarmupSummary:
                 f"{len(self.skipped)} calls skipped, in {self.seconds:.1f} s")
 
 
-def jobs(call: WarmupCall, backward: bool | None = None) -> tuple[list[compile_pool.Job], str]:
+def jobs(call: WarmupCall, backward: bool | None = None,
+         candidates: bool = False) -> tuple[list[compile_pool.Job], str]:
     """The pool's jobs for ``call`` (forward first), and why none where the sm90 kernels do not
-    take it. ``backward``: None follows ``call.requires_grad``."""
+    take it. ``backward``: None follows ``call.requires_grad``. ``candidates``: also every
+    other configuration the tuner would measure for each pass (``autotune.to_compile``), after
+    the kernels the call runs first."""
     Hkv, Dv = call.Hkv or call.H, call.Dv or call.D
     q = torch.empty(call.B, call.H, call.S, call.D, dtype=call.dtype)
     k = torch.empty(call.B, Hkv, call.S, call.D, dtype=call.dtype)
@@ -107,21 +111,28 @@ def jobs(call: WarmupCall, backward: bool | None = None) -> tuple[list[compile_p
         return [], f"dtype {call.dtype}: the sm90 kernels take float16 or bfloat16"
     if (call.D, Dv) not in cute_sm90._HEAD_DIMS:
         return [], f"head dims ({call.D}, {Dv}): the sm90 forward takes {cute_sm90._HEAD_DIMS}"
-    options = call.kernel_options or {}
-    tile_m = cute_sm90.forward_tile_m(call.D, bm, options.get("TILE_M"))
-    sparse = cute_sm90.forward_lists(bm, tile_m)
-    persistent = cute_sm90._persistent_fwd(call.D, sparse, call.S, owner=bm,
-                                           pinned=options.get("PERSISTENT"))
-    base = compile_pool.backward_job(prepared)
-    out = [dataclasses.replace(base, kind="fwd", deterministic=False, persistent=persistent,
-                               tile_m=tile_m)]
+    fwd = _pass_jobs(prepared, "fwd")
+    out, more, why = fwd[:1], fwd[1:], ""
     wants_backward = call.requires_grad if backward is None else backward
     if wants_backward:
-        ok, why = cute_sm90.backward_supports(prepared)
-        if not ok:
-            return out, f"the backward runs on Triton ({why})"
-        out.append(base)
-    return out, ""
+        ok, refusal = cute_sm90.backward_supports(prepared)
+        if ok:
+            bwd = _pass_jobs(prepared, "bwd")
+            out.append(bwd[0])
+            more += bwd[1:]
+        else:
+            why = f"the backward runs on Triton ({refusal})"
+    return out + (more if candidates else []), why
+
+
+def _pass_jobs(call, pass_: str) -> list[compile_pool.Job]:
+    """The jobs of one pass of ``call``: its default configuration's first, then the other
+    candidates (none where the backend declares no tuning: the backward, for now)."""
+    tuning = autotune.declared(cute_sm90, call, pass_)
+    if tuning is None:
+        return [compile_pool.backward_job(call)]
+    configs = autotune.to_compile(cute_sm90, call, pass_)
+    return list(compile_pool.candidate_jobs(call, tuning.family, configs).values())
 
 
 def warmup(calls: Iterable[WarmupCall], *, backward: bool | None = None,
@@ -133,7 +144,7 @@ def warmup(calls: Iterable[WarmupCall], *, backward: bool | None = None,
     summary = WarmupSummary()
     work: dict[str, compile_pool.Job] = {}
     for call in calls:
-        found, why = jobs(call, backward)
+        found, why = jobs(call, backward, candidates=True)
         if why:
             summary.skipped.append(f"B={call.B} H={call.H} S={call.S} D={call.D}: {why}")
             log.info("flexjit warmup: %s", summary.skipped[-1])

@@ -7,7 +7,9 @@ sends their compile to a worker process and returns at once; the forward compile
 the caller meanwhile. The worker exports the kernels into the disk cache under the keys the
 backend computes (it runs the backend's own ``compile_backward``); ``wait`` (called by
 ``dispatch.backward``) waits for that job, after which the backward loads them from disk in
-milliseconds. ``submit`` runs any ``Job`` (the forward too: ``flexjit.warmup``).
+milliseconds. ``submit`` runs any ``Job`` (the forward too: ``flexjit.warmup``). The tuner's
+candidates (``runtime.autotune``) go in the background (``background``): a worker takes one only
+while no job a call waits for is queued.
 
 What this module holds
 ----------------------
@@ -119,7 +121,9 @@ class Job:
     def what(self) -> str:
         names = self.program[2]
         which = "forward" if self.kind == "fwd" else "backward"
-        return f"sm90 {which} for {names[0]}/{names[1]} D={self.head_dim} {self.dtype}"
+        tiling = f" (tile_m={self.tile_m}{', persistent' if self.persistent else ''})" \
+            if self.kind == "fwd" else ""
+        return f"sm90 {which} for {names[0]}/{names[1]} D={self.head_dim} {self.dtype}{tiling}"
 
 
 def wire(program: Program) -> tuple:
@@ -161,6 +165,50 @@ def backward_job(call, deterministic: bool | None = None) -> Job:
                cache_dir=str(config.settings.cache_dir))
 
 
+# The tuning families whose candidates the workers compile, and the Job kind of each: a
+# candidate's ``Config`` fields are Job fields of the same names (``candidate_jobs``).
+FAMILIES = {"sm90-fwd": "fwd", "sm90-bwd": "bwd"}
+
+
+def candidate_jobs(call, family: str, configs) -> dict:
+    """{config: the Job that compiles ``call``'s kernels on it} for a tuning family's configs
+    ({} for a family the workers do not compile). A forward job writes max_scores as the call
+    asks; a backward job follows deterministic mode."""
+    kind = FAMILIES.get(family)
+    if kind is None:
+        return {}
+    base = backward_job(call)
+    if kind == "fwd":
+        base = dataclasses.replace(base, kind="fwd", deterministic=False, write_max=call.max_scores)
+    return {c: dataclasses.replace(base, **c.as_dict()) for c in configs}
+
+
+READY, PENDING, MISSING = "ready", "pending", "missing"
+
+
+def state(job: Job) -> str:
+    """``READY`` (done in this process, or by any process sharing the cache: its done marker),
+    ``PENDING``, ``MISSING``, or why its compile failed. Never waits, never compiles."""
+    hit = _PENDING.get(job.ident)
+    if hit is not None:
+        fut = hit[1]
+        if not fut.done():
+            return PENDING
+        error = fut.exception()
+        return READY if error is None else f"{type(error).__name__}: {error}"
+    marker = done_marker(job)
+    return READY if marker is not None and marker.exists() else MISSING
+
+
+def background(job: Job) -> bool:
+    """Queue ``job`` behind every job a call waits for, unless it is pending or done; whether
+    it was queued (never without workers: a compile here would hold up the caller)."""
+    if not enabled() or state(job) != MISSING:
+        return False
+    submit(job, background=True)
+    return True
+
+
 def run_job(job: Job) -> dict:
     """Compile (or load) the job's kernels through the backend's own path, in this process,
     holding the job's lock; {"compiled": kernels compiled, "cached": kernels loaded, "seconds"}."""
@@ -195,13 +243,18 @@ def run_job(job: Job) -> dict:
                                       kv_batch_broadcast=job.kv_batch_broadcast)
     hits = cute_cache.STATS["hits"] - before["hits"]
     misses = cute_cache.STATS["misses"] - before["misses"]
+    mark_done(job)
+    return {"compiled": misses, "cached": hits, "seconds": time.perf_counter() - t0}
+
+
+def mark_done(job: Job) -> None:
+    """Leave ``job``'s done marker (``done_marker``): its kernels are in the disk cache."""
     marker = done_marker(job)
     if marker is not None:
         try:
             marker.touch()
         except OSError:  # a read-only folder: later processes only lose the shortcut
             pass
-    return {"compiled": misses, "cached": hits, "seconds": time.perf_counter() - t0}
 
 
 def done_marker(job: Job) -> Path | None:
@@ -424,12 +477,15 @@ class Pool:
 
     ``submit`` forks a worker (``can_fork``) when fewer are idle than jobs are waiting, so the
     workers start from the caller's thread; a thread that finds no idle worker (one died)
-    spawns its replacement. Workers idle for ``IDLE_S`` exit; the next job starts another."""
+    spawns its replacement. Workers idle for ``IDLE_S`` exit; the next job starts another.
+    Background jobs queue behind the others and never fork (a fork of a large process costs
+    the caller milliseconds): a pool thread spawns a worker for them where room is left."""
 
     def __init__(self, size: int):
         self.pid = os.getpid()
         self.size = size
-        self.jobs: queue.Queue = queue.Queue()
+        self.order = iter(range(1 << 62))  # ties in priority keep the submission order
+        self.jobs: queue.PriorityQueue = queue.PriorityQueue()
         self.idle: queue.Queue = queue.Queue()
         self.live: list[_Worker] = []
         self.lock = threading.Lock()
@@ -439,14 +495,15 @@ class Pool:
         for t in self.threads:
             t.start()
 
-    def submit(self, job: Job) -> cf.Future:
+    def submit(self, job: Job, background: bool = False) -> cf.Future:
         fut: cf.Future = cf.Future()
         with self.lock:  # this job and those not yet taken, against the idle workers
-            if self.idle.qsize() < self.jobs.qsize() + 1 and len(self.live) < self.size:
+            if not background and self.idle.qsize() < self.jobs.qsize() + 1 and \
+                    len(self.live) < self.size:
                 worker = _Worker(fork=can_fork())
                 self.live.append(worker)
                 self.idle.put(worker)
-        self.jobs.put((job, fut))
+            self.jobs.put((int(background), next(self.order), (job, fut)))
         return fut
 
     def pids(self) -> list[int]:
@@ -487,7 +544,7 @@ class Pool:
     def _loop(self) -> None:
         while True:
             try:
-                item = self.jobs.get(timeout=IDLE_S)
+                item = self.jobs.get(timeout=IDLE_S)[2]
             except queue.Empty:
                 self._retire_idle()
                 continue
@@ -513,7 +570,7 @@ class Pool:
 
     def shutdown(self) -> None:
         for _ in self.threads:
-            self.jobs.put(None)
+            self.jobs.put((2, next(self.order), None))
         for t in self.threads:
             t.join(timeout=1)
         with self.lock:
@@ -550,15 +607,16 @@ def shutdown() -> None:
 atexit.register(shutdown)
 
 
-def submit(job: Job) -> cf.Future:
+def submit(job: Job, background: bool = False) -> cf.Future:
     """The job's future: the one already pending or done in this process, else a new job on a
-    worker (or, with the pool off, a future done here, now)."""
+    worker (or, with the pool off, a future done here, now). ``background``: behind the others
+    (``Pool``)."""
     ident = job.ident
     hit = _PENDING.get(ident)
     if hit is not None:
         return hit[1]
     if enabled():
-        fut = pool().submit(job)
+        fut = pool().submit(job, background)
     else:
         fut = cf.Future()
         try:

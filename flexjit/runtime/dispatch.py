@@ -28,6 +28,9 @@ dequantised to the output dtype (``Call.dequantized``: shape-only stand-ins whil
 backward follows an FP8 forward: ``run`` gives its outputs a backward that raises, saying how to
 train (bf16 inputs).
 
+A backend that declares configurations (``tuning``, ``backward_tuning``) runs the one
+``runtime.autotune`` picks; ``explain`` adds which and why (``Choice.config``).
+
 ``run`` is the eager entry: one ``torch.autograd.Function`` over every backend pair. A call
 that will train on the sm90 backward starts its backward's compile in a worker before the
 forward runs (``runtime.compile_pool``); ``backward`` waits for it. The
@@ -47,7 +50,7 @@ from flexjit.backends.base import Backend, capability
 from flexjit.backends.cute import sm90 as cute_sm90, sm100 as cute_sm100
 from flexjit.backends.triton import decode as triton_decode
 from flexjit.ir import bounds
-from flexjit.runtime import compile_pool, selfcheck
+from flexjit.runtime import autotune, compile_pool, selfcheck
 
 BACKENDS = ("cute", "triton", "reference")
 _MODULES: dict[str, Backend] = {"cute": cute_sm90, "cute_sm100": cute_sm100, "triton": triton,
@@ -68,12 +71,16 @@ class Choice:
     passed_over: tuple[tuple[str, str], ...] = ()
     backward: str | None = None
     backward_reason: str = ""
+    config: str = ""  # explain(): the forward's configuration and why ("" where none is tuned)
+    backward_config: str = ""
 
     def __str__(self):
         lines = [f"backend: {self.name} ({self.reason})"]
+        lines += [f"  {self.config}"] if self.config else []
         lines += [f"  not {n}: {r}" for n, r in self.passed_over]
         if self.backward is not None:
             lines.append(f"backward: {self.backward} ({self.backward_reason})")
+            lines += [f"  {self.backward_config}"] if self.backward_config else []
         return "\n".join(lines)
 
 
@@ -215,6 +222,16 @@ def _the_others(choice: Choice, call, order, unreached) -> Choice:
     return dataclasses.replace(choice, passed_over=choice.passed_over + tuple(rest))
 
 
+def with_configs(choice: Choice, call) -> Choice:
+    """``choice`` with the configuration each of its passes runs on, and why (``explain``)."""
+    fwd_call = call
+    if call.fp8 is not None and not fp8_native(module(choice.name), call)[0]:
+        fwd_call = call.dequantized(shapes_only=True)
+    backward = "" if choice.backward is None else autotune.describe(module(choice.backward), call, "bwd")
+    return dataclasses.replace(choice, config=autotune.describe(module(choice.name), fwd_call, "fwd"),
+                               backward_config=backward)
+
+
 def _sm100(device: torch.device) -> bool:
     return cute_sm100.on_sm100(device)
 
@@ -251,10 +268,10 @@ def forward(name: str, call) -> tuple:
         call = call.dequantized()  # the road around a backend without an FP8 kernel
     device = call.q.device.type
     if not torch.is_autocast_enabled(device):  # the context manager costs ~3 µs a call
-        out, lse, max_scores = module(name).forward(call)
+        out, lse, max_scores = autotune.forward(module(name), call)
     else:
         with torch.autocast(device, enabled=False):
-            out, lse, max_scores = module(name).forward(call)
+            out, lse, max_scores = autotune.forward(module(name), call)
     return follow_layout(out, like), lse, max_scores
 
 
@@ -265,7 +282,7 @@ def backward(name: str, call, q, k, v, out, lse, dout, dlse) -> tuple:
         dout = torch.zeros_like(out)
     compile_pool.wait(name, call)  # the kernels compiled ahead of need (``run``) are on disk now
     with torch.autocast(q.device.type, enabled=False):
-        dq, dk, dv, *rest = module(name).backward(call, q, k, v, out, lse, dout, dlse)
+        dq, dk, dv, *rest = autotune.backward(module(name), call, q, k, v, out, lse, dout, dlse)
     return (follow_layout(dq, q), follow_layout(dk, k), follow_layout(dv, v), *rest)
 
 

@@ -30,8 +30,10 @@ Keys with a meaning for flexjit:
   converted after dS, dV issued after it), "dksmem" (dK reads dSᵀ from shared memory),
   "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "m80" /
   "m128" (80- or 128-row query tiles); "" is the tile table's. For measuring schedules.
-* ``FWD_CONFIG`` (flexjit): the sm90 forward's schedule variants: "rescale" (O multiplied by
-  its row factors every tile, branch-free, instead of where a warp's row maxima moved).
+* ``AUTOTUNE`` (flexjit; ``fwd_``/``bwd_`` per pass): True (default) lets ``runtime.autotune``
+  choose among a backend's candidate configurations (the sm90 forward's tile and schedule) by
+  measurement, once per shape class, remembered on disk; False runs the heuristic's and never
+  measures. ``TILE_M`` and ``PERSISTENT`` pin their part either way.
 * ``DECODE_SPLITS`` (flexjit): a positive int, the split-KV decode kernel's split count
   (default: from the shape and the SM count; ``flexjit.explain`` shows it).
 * ``BACKEND`` (torch): "AUTO" (default), "TRITON" and "TRITON_DECODE" run flexjit's Triton
@@ -55,7 +57,7 @@ from flexjit.backends.cute import sm90 as cute_sm90
 MEANINGFUL = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
               "BLOCK_N2", "FAST_MATH", "BACKEND", "FORCE_USE_FLEX_ATTENTION", "USE_TMA",
               "WARP_SPECIALIZE", "PERSISTENT", "DECODE_SPLITS", "TILE_M", "BWD_CONFIG",
-              "FWD_CONFIG")
+              "AUTOTUNE")
 IGNORED = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
            "kpack", "matrix_instr_nonkdim", "waves_per_eu", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
            "SAFE_HEAD_DIMENSION",
@@ -88,7 +90,7 @@ class FlexKernelOptions(TypedDict, total=False):
     DECODE_SPLITS: int
     TILE_M: int
     BWD_CONFIG: str
-    FWD_CONFIG: str
+    AUTOTUNE: bool
     PRESCALE_QK: bool
     ROWS_GUARANTEED_SAFE: bool
     BLOCKS_ARE_CONTIGUOUS: bool
@@ -113,13 +115,13 @@ KNOWN = _known_keys()  # every key accepted without a prefix: flexjit's, the ign
 
 _TYPED = (
     ("PERSISTENT", lambda v: isinstance(v, bool), "True or False"),
+    ("AUTOTUNE", lambda v: isinstance(v, bool), "True or False"),
     ("TILE_M", lambda v: v in (128, 192) and not isinstance(v, bool), "128 or 192"),
     ("DECODE_SPLITS", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
      "a positive int"),
     ("BWD_CONFIG", lambda v: isinstance(v, str) and all(
         t in cute_sm90.BWD_CONFIG_TOKENS for t in v.split("+") if t),
      f"a '+'-joined string of {cute_sm90.BWD_CONFIG_TOKENS}"),
-    ("FWD_CONFIG", lambda v: v in ("", "rescale"), "'' or 'rescale'"),
 )
 
 

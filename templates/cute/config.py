@@ -26,9 +26,6 @@ class FwdConfig(Config):
     """A forward's compile-time configuration."""
 
     rescale_threshold: float = 0.0  # log2 units; 0.0 rescales whenever a row max grows
-    # O multiplied by its row factors every tile, branch-free (threshold 0; sm90), instead of
-    # only where a warp's rows changed their max
-    rescale_every_tile: bool = False
     write_max: bool = False  # also write each row's max modded score (AuxRequest(max_scores))
 
 

@@ -31,17 +31,6 @@ def max_step(blk_max: Float32, m_old: Float32, c: Float32, threshold: cutlass.Co
 
 
 @cute.jit
-def max_step_every_tile(blk_max: Float32, m_old: Float32, c: Float32):
-    """``max_step`` at threshold 0 without a condition: the kept max is the running max and the
-    factor exp2((m_old − m_new)·c) is formed whether or not it moved (1.0 where the row has
-    kept nothing yet, m_new = -inf), so O can be multiplied every tile with no vote or branch
-    (FA3's sm90 rule)."""
-    m_new = cute.arch.fmax(m_old, blk_max)
-    scale = cute.math.exp2((m_old - m_new) * c, fastmath=True)
-    return (Float32(1.0) if m_new == -Float32.inf else scale), m_new
-
-
-@cute.jit
 def exp2_bias(m: Float32, c: Float32) -> Float32:
     """m·c, with 0 for a row that has kept nothing yet (m = -inf)."""
     return (Float32(0.0) if m == -Float32.inf else m) * c
@@ -61,12 +50,10 @@ def finalize(row_sum: Float32, row_max: Float32, c: Float32):
 
 @cute.jit
 def online_softmax(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, row_peak,
-                   c: Float32, threshold: cutlass.Constexpr, first: cutlass.Constexpr,
-                   every_tile: cutlass.Constexpr = False):
+                   c: Float32, threshold: cutlass.Constexpr, first: cutlass.Constexpr):
     """One step over an sm90 S accumulator, in place -> P (unnormalised): the 4 threads of a row
     reduce by shuffles. ``row_peak`` (or None) tracks the true max. Returns the per-row factor
-    O must be multiplied by (1.0 where the kept max did not change). ``every_tile``: the
-    factor comes from ``max_step_every_tile`` (threshold 0, no condition)."""
+    O must be multiplied by (1.0 where the kept max did not change)."""
     s_rc = rows_cols(acc_S)
     n_rows = cute.size(s_rc, mode=[0])
     n_cols = cute.size(s_rc, mode=[1])
@@ -78,9 +65,7 @@ def online_softmax(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
             row_peak[r] = cute.arch.fmax(row_peak[r], blk_max)
         m_new = blk_max
         scale = Float32(1.0)
-        if const_expr(not first and every_tile):
-            scale, m_new = max_step_every_tile(blk_max, row_max[r], c)
-        elif const_expr(not first):
+        if const_expr(not first):
             scale, m_new = max_step(blk_max, row_max[r], c, threshold)
         row_max[r] = m_new
         bias = exp2_bias(m_new, c)
@@ -96,23 +81,15 @@ def online_softmax(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
 
 
 @cute.jit
-def rescale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor, vote: cutlass.Constexpr = True):
-    """O *= row_scale on an sm90 accumulator; with ``vote``, skipped when no row of this warp
-    changed its kept max (a warp vote), else unconditional (no branch)."""
-    if const_expr(vote):
-        smallest = tree([row_scale[r] for r in range(cute.size(row_scale))], cute.arch.fmin)
-        if cute.arch.vote_any_sync(smallest < 1.0):
-            _scale_rows(acc_O, row_scale)
-    else:
-        _scale_rows(acc_O, row_scale)
-
-
-@cute.jit
-def _scale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor):
-    o_rc = rows_cols(acc_O)
-    for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
-        for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
-            o_rc[r, k] = o_rc[r, k] * row_scale[r]
+def rescale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor):
+    """O *= row_scale on an sm90 accumulator, skipped when no row of this warp changed its kept
+    max (a warp vote)."""
+    smallest = tree([row_scale[r] for r in range(cute.size(row_scale))], cute.arch.fmin)
+    if cute.arch.vote_any_sync(smallest < 1.0):
+        o_rc = rows_cols(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
+            for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+                o_rc[r, k] = o_rc[r, k] * row_scale[r]
 
 
 @cute.jit

@@ -112,8 +112,10 @@ def test_cute_kernels_compile(tmp_path, monkeypatch, arch, name):
     from flexjit.integrations.aot import compile_kernels
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
     mod = _score_mods()[name][0]
+    # AUTOTUNE off: the run's own kernels, not the tuner's other candidates
     kernels = compile_kernels(mod, MASK_MODS["row_mask"], arch=arch, head_dim=64, seq_len=256,
-                              heads=2, out=tmp_path / "out")
+                              heads=2, out=tmp_path / "out",
+                              kernel_options={"AUTOTUNE": False})
     passes = {(k.pass_, k.part) for k in kernels}
     assert ("fwd", "main") in passes and ("bwd", "main") in passes
     mma = "wgmma.mma_async" if arch == "sm_90a" else "tcgen05.mma"

@@ -6,7 +6,8 @@
 * A second process that builds the same call the way a training script does, at another batch
   size, finds all four kernels there with ``cute.compile`` patched to raise: the AOT keys are the
   run's keys.
-* The Python function does the same for a user's mod (a captured tensor, a Python float).
+* The Python function does the same for a user's mod (a captured tensor, a Python float), and
+  builds every forward configuration the run's tuner measures, each marked done.
 * sm_100a the same way: the forward and the backward's three kernels (tcgen05 in the two main
   kernels' PTX, no wgmma), all four in the disk cache, all four found by a second process with
   ``cute.compile`` patched to raise (a run still self-checks each on its GPU before use); a
@@ -113,7 +114,8 @@ _CHILD = _CHILD_CALL + """
 def test_cli_compiles_a_variant_and_a_training_process_finds_it(tmp_path):
     cache_dir, out = tmp_path / "cache", tmp_path / "out"
     res = _cli(["compile", "--arch", "sm_90a", "--variant", "causal", "--head-dim", str(D),
-                "--pass", "fwd,bwd", "--seq-len", str(S), "--out", str(out)], cache_dir)
+                "--pass", "fwd,bwd", "--seq-len", str(S), "--out", str(out), "--no-autotune"],
+               cache_dir)
     objects = _cli_kernels(res, "sm_90a", cache_dir)
     for folder, ops in (("fwd-main", ("wgmma.mma_async", "cp.async.bulk.tensor")),
                         ("bwd-main", ("wgmma.mma_async", "cp.async.bulk.tensor")),
@@ -129,6 +131,36 @@ def test_cli_compiles_a_variant_and_a_training_process_finds_it(tmp_path):
     assert sorted(p.stem for p in cache_dir.rglob("*.o")) == objects  # nothing new was written
 
 
+def test_every_candidate_the_tuner_measures_is_compiled_and_marked_done(tmp_path, monkeypatch):
+    # Causal at 2048, D=64: both tiles and both schedules are measured, so all four are built,
+    # the heuristic's first (fwd-main), each with its done marker: the run tunes on its first call.
+    from flexjit.backends.cute import sm90 as cute_sm90
+    from flexjit.runtime import compile_pool
+
+    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
+    built = []
+
+    def compile_program(program, q, k, v, lists, aux, *, options, persistent, keys, tile_m):
+        built.append((tile_m, persistent, len(lists)))  # 192 rows read five merged lists
+        keys["fwd"] = f"key{len(built)}"
+    monkeypatch.setattr(cute_sm90, "compile_program", compile_program)
+    score_mod, mask_mod = aot.builtin_variant("causal", S, 16)
+    kernels = aot.compile_kernels(score_mod, mask_mod, head_dim=D, passes=("fwd",), seq_len=S)
+    assert built == [(128, True, 4), (128, False, 4), (192, False, 5), (192, True, 5)]
+    assert [k.what for k in kernels] == [f"causal_mask D=64 bfloat16{c}" for c in (
+        "", " (tile_m=128)", " (tile_m=192)", " (tile_m=192, persistent)")]
+    q = torch.empty(2, 16, S, D, dtype=torch.bfloat16)  # the run's call, another batch
+    call = aot.prepare_call(q, q, q, score_mod, aot.create_block_mask(mask_mod, None, None, S, S, device="cpu"),
+                            None, False, None)
+    tuning = cute_sm90.tuning(call)
+    jobs = compile_pool.candidate_jobs(call, tuning.family, tuning.candidates)
+    assert [compile_pool.state(j) for j in jobs.values()] == [compile_pool.READY] * 4
+    built.clear()
+    one = aot.compile_kernels(score_mod, mask_mod, head_dim=D, passes=("fwd",), seq_len=S,
+                              kernel_options={"AUTOTUNE": False})
+    assert built == [(128, True, 4)] and len(one) == 1
+
+
 def test_python_api_compiles_a_user_mod(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
     bias = torch.randn(16)
@@ -141,7 +173,8 @@ def test_python_api_compiles_a_user_mod(tmp_path, monkeypatch):
         return q_idx >= kv_idx
     lines = []
     kernels = aot.compile_kernels(head_bias, causal, head_dim=D, passes=("fwd",), seq_len=1024,
-                                  out=tmp_path / "out", log=lines.append)
+                                  out=tmp_path / "out", log=lines.append,
+                                  kernel_options={"AUTOTUNE": False})
     (k,) = kernels
     assert (k.arch, k.pass_, k.part) == ("sm_90a", "fwd", "main") and k.cache_key
     assert k.ptx.name == "fwd-main.sm_90a.ptx" and "wgmma.mma_async" in k.ptx.read_text()
@@ -238,9 +271,9 @@ def test_sm100_backward_recompiles_only_a_missing_part(tmp_path, monkeypatch):
     cute_dir = tmp_path / "cache" / "cute"
     (cute_dir / f"{keys['post']}.o").unlink()
     monkeypatch.setattr(cute_sm100_bwd, "_COMPILED", {})
-    _, _, _, bm, program, aux = aot._example(*aot.builtin_variant("alibi", 256, 16), D, D,
-                                             torch.bfloat16, 256, 16, 16)
-    fn = cute_sm100_bwd.compile_backward(program, torch.bfloat16, D, bm is not None, False, aux)
+    _, _, _, bm, call, aux = aot._example(*aot.builtin_variant("alibi", 256, 16), D, D,
+                                          torch.bfloat16, 256, 16, 16)
+    fn = cute_sm100_bwd.compile_backward(call.program, torch.bfloat16, D, bm is not None, False, aux)
     assert {p: part.compiled is None for p, part in fn.parts.items()} == \
         {"pre": True, "main": True, "post": False}
     assert all(part.ffi_fn is not None for p, part in fn.parts.items() if p != "post")
@@ -251,9 +284,9 @@ def test_every_builtin_variant_traces_with_its_captured_tensors():
     # Tracing only (no compile): each variant's mods build the Program a run would; T5's table
     # is (heads, buckets) and ALiBi's slopes one per head.
     for name in aot.VARIANTS:
-        _, _, _, _, program, _ = aot._example(*aot.builtin_variant(name, 256, 4), D, D,
-                                              torch.bfloat16, 256, 4, 4)
-        shapes = [tuple(t.shape) for t in program.buffers]
+        _, _, _, _, call, _ = aot._example(*aot.builtin_variant(name, 256, 4), D, D,
+                                           torch.bfloat16, 256, 4, 4)
+        shapes = [tuple(t.shape) for t in call.program.buffers]
         if name == "t5_bias":
             assert shapes == [(4, 32)], shapes
         elif name == "alibi":

@@ -1,7 +1,7 @@
 """``flexjit.warmup`` and ``flexjit.warmup_model``, on the CPU (kernels for sm_90a).
 
-* ``warmup`` compiles a training call's forward and the backward's three kernels on the pool's
-  workers; this process then builds the same call as a run does and loads all four from disk
+* ``warmup`` compiles a training call's forward (on every configuration the tuner measures) and
+  the backward's three kernels on the pool's workers; this process then builds the same call as a run does and loads all four from disk
   with ``cute.compile`` forbidden; a second warmup (in this process, and in a fresh worker)
   finds all four cached.
 * ``warmup_model``'s calls are the calls a transformers model makes: the jobs built from them
@@ -51,7 +51,9 @@ def test_warmup_compiles_forward_and_backward_and_a_run_loads_them(cache):
     from flexjit.backends.cute import objects
 
     alibi, causal = mods.alibi(H), mods.causal()
-    call = flexjit.WarmupCall(2, H, S, D, score_mod=alibi, mask_mod=causal, requires_grad=True)
+    # AUTOTUNE=False: the kernels a call runs (the tuner's other candidate is the next test's).
+    call = flexjit.WarmupCall(2, H, S, D, score_mod=alibi, mask_mod=causal, requires_grad=True,
+                              kernel_options={"AUTOTUNE": False})
     sm90._COMPILED.clear()  # a forked worker would find another test's kernels in memory
     sm90._COMPILED_BWD.clear()
     first = flexjit.warmup([call], progress=False)
@@ -81,6 +83,42 @@ def test_warmup_compiles_forward_and_backward_and_a_run_loads_them(cache):
     compile_pool.shutdown()  # a fresh worker, which looks on disk
     fresh = flexjit.warmup([call], progress=False)
     assert (fresh.compiled, fresh.cached) == (0, 4)
+
+
+def test_warmup_compiles_every_candidate_the_tuner_measures(cache, monkeypatch):
+    # Causal at 512, D=64: 2.5 kv tiles per q tile (both schedules measured), merged tiles mostly
+    # partial (128 rows only). The jobs are the run's: a run's tuner finds each one done.
+    import concurrent.futures as cf
+    import dataclasses
+
+    from flexjit.api.attention import prepare_call
+    from flexjit.runtime import autotune
+
+    call = flexjit.WarmupCall(2, H, S, D, score_mod=mods.alibi(H), mask_mod=mods.causal(),
+                              requires_grad=True)
+    fields = lambda jobs: [(j.kind, j.tile_m, j.persistent) for j in jobs]  # noqa: E731
+    assert fields(wu.jobs(call)[0]) == [("fwd", 128, True), ("bwd", 128, False)]
+    found, why = wu.jobs(call, candidates=True)
+    assert not why and fields(found) == [("fwd", 128, True), ("bwd", 128, False), ("fwd", 128, False)]
+    off = dataclasses.replace(call, kernel_options={"AUTOTUNE": False})
+    assert fields(wu.jobs(off, candidates=True)[0]) == fields(found[:2])
+
+    sent = []
+
+    def submit(job, background=False):
+        sent.append(job.ident)
+        fut = cf.Future()
+        fut.set_result({"compiled": 1 if job.kind == "fwd" else 3, "cached": 0, "seconds": 0.0})
+        return fut
+    monkeypatch.setattr(compile_pool, "submit", submit)
+    summary = flexjit.warmup([call], progress=False)
+    assert sorted(sent) == sorted(j.ident for j in found) and (summary.compiled, summary.cached) == (5, 0)
+    q = torch.empty(3, H, S, D, dtype=torch.bfloat16)  # the run's call: another batch
+    bm = flexjit.create_block_mask(mods.causal(), None, None, S, S, device="cpu")
+    run = prepare_call(q, q, q, call.score_mod, bm, None, False, None)
+    tuning = autotune.declared(sm90, run, "fwd")
+    jobs = compile_pool.candidate_jobs(run, tuning.family, tuning.candidates)
+    assert {j.ident for j in jobs.values()} == {j.ident for j in found if j.kind == "fwd"}
 
 
 def _tiny(family: str):
@@ -183,10 +221,11 @@ def test_the_warmup_command_fills_the_cache_a_model_run_loads(cache, tmp_path):
                "--seq-len", "384", "--batch", "2"]
     first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "flexjit warmup: 4 kernels compiled, 0 cached" in first.stdout
-    assert len(list((cache / "cute").glob("*.o"))) == 4
+    # The forward on both schedules the tuner measures at 384 tokens, and the backward's three.
+    assert "flexjit warmup: 5 kernels compiled, 0 cached" in first.stdout
+    assert len(list((cache / "cute").glob("*.o"))) == 5
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert "flexjit warmup: 0 kernels compiled, 4 cached" in again.stdout, again.stdout
+    assert "flexjit warmup: 0 kernels compiled, 5 cached" in again.stdout, again.stdout
     bad = subprocess.run(command[:5] + [str(tmp_path / "nowhere"), "--seq-len", "384"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "cannot read a transformers config" in bad.stderr

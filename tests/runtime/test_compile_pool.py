@@ -23,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -171,6 +172,85 @@ def test_a_job_done_by_an_earlier_process_starts_no_worker(cache, monkeypatch):
     compile_pool.ahead("cute", call)
     compile_pool.wait("cute", call)
     assert submitted == []
+
+
+def _fwd_job(call, **fields):
+    """A forward job for ``call`` on the tiling ``fields`` (as the tuner builds one)."""
+    from flexjit.backends.base import Config
+
+    config = Config.of(**{"tile_m": 128, "persistent": False, **fields})
+    return compile_pool.candidate_jobs(call, "sm90-fwd", (config,))[config]
+
+
+def test_a_jobs_state_comes_from_this_process_or_its_marker(cache, monkeypatch):
+    # What the tuner reads to know a candidate is compiled: never waits, never compiles.
+    import concurrent.futures as cf
+
+    job = _fwd_job(_call(grad=False))
+    assert compile_pool.state(job) == compile_pool.MISSING
+    fut = cf.Future()
+    compile_pool._PENDING[job.ident] = (job, fut)
+    assert compile_pool.state(job) == compile_pool.PENDING
+    fut.set_exception(compile_pool.WorkerError("ptxas died"))
+    assert compile_pool.state(job) == "WorkerError: ptxas died"
+    compile_pool._PENDING.clear()
+    monkeypatch.setattr(compile_pool.cute_cache, "available", lambda: True)
+    compile_pool.mark_done(job)  # what run_job, warmup and flexjit compile leave behind
+    assert compile_pool.state(job) == compile_pool.READY
+
+
+def test_background_jobs_go_out_once_and_only_to_workers(cache, monkeypatch):
+    import concurrent.futures as cf
+
+    sent = []
+
+    class FakePool:
+        def submit(self, job, background=False):
+            sent.append((job.tile_m, background))
+            return cf.Future()
+    job = _fwd_job(_call(grad=False), tile_m=192)
+    monkeypatch.setattr(compile_pool, "enabled", lambda: False)
+    assert not compile_pool.background(job) and sent == []  # no workers: never compiled here
+    monkeypatch.setattr(compile_pool, "enabled", lambda: True)
+    monkeypatch.setattr(compile_pool, "pool", FakePool)
+    assert compile_pool.background(job) and not compile_pool.background(job)
+    assert sent == [(192, True)] and compile_pool.state(job) == compile_pool.PENDING
+
+
+def test_background_jobs_wait_behind_the_ones_calls_need(monkeypatch):
+    # One worker, busy: a background job queued before a foreground one runs after it.
+    import threading
+
+    ran, started, release = [], threading.Event(), threading.Event()
+
+    class FakeWorker:
+        def __init__(self, fork=False):
+            self.proc = types.SimpleNamespace(pid=0)
+
+        def run(self, job):
+            ran.append(job.ident)
+            started.set()
+            release.wait(10)
+            return {"compiled": 1, "cached": 0, "seconds": 0.0}
+
+        def alive(self):
+            return True
+
+        def stop(self):
+            pass
+    monkeypatch.setattr(compile_pool, "_Worker", FakeWorker)
+    pool = compile_pool.Pool(1)
+    try:
+        first = pool.submit(types.SimpleNamespace(ident="needed first"))
+        assert started.wait(10)
+        later = [pool.submit(types.SimpleNamespace(ident="candidate"), background=True),
+                 pool.submit(types.SimpleNamespace(ident="needed next"))]
+        release.set()
+        for fut in [first, *later]:
+            assert fut.result(10)["compiled"] == 1
+    finally:
+        pool.shutdown()
+    assert ran == ["needed first", "needed next", "candidate"]
 
 
 @pytest.mark.slow

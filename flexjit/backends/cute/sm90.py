@@ -17,12 +17,15 @@ What this module holds
   ALiBi slopes) get their gradients from the sm90 backward itself.
 * The block lists the kernels read (``block_sparse_args``, ``bwd_block_lists``, remembered on the
   BlockMask) and the schedule choice (``_persistent_fwd``).
+* The forward's configurations (``tuning``: the candidates ``runtime.autotune`` measures, the
+  shape class, ``heuristic``'s default); ``forward(call, config)`` runs the one given.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+import math
 import time
 
 import torch
@@ -33,7 +36,7 @@ from flexjit.ir import nodes as ir
 from flexjit.ir.nodes import Op
 from flexjit.ir.program import Program
 from flexjit.planner.block_mask import _dense_to_ordered, _transpose_ordered, block_classes, dq_order
-from flexjit.backends.base import capability
+from flexjit.backends.base import Config, Tuning, capability
 from flexjit.backends.cute import objects as cute_cache, templates
 
 # (head_dim, head_dim_v) pairs the sm90 forward has a tile for (``cute_sm90_fwd.HEAD_DIMS``,
@@ -189,9 +192,8 @@ def _kernel_config(cfg, aux_tensors, program: Program, *extra) -> tuple:
 def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
     """The forward's disk-cache key material (``_kernel_config`` plus its rescale threshold,
     whether it writes max_scores and the code-changing compile options)."""
-    extra = ("rescale_every_tile",) if cfg.rescale_every_tile else ()  # older keys unchanged
     return _kernel_config(cfg, aux_tensors, program, float(cfg.rescale_threshold),
-                          bool(cfg.write_max), _key_options(options), *extra)
+                          bool(cfg.write_max), _key_options(options))
 
 
 # The persistent forward (one CTA per SM looping over tiles, claimed from an atomic counter)
@@ -199,6 +201,7 @@ def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
 # and buys nothing on long loops, where one CTA per tile keeps the hardware's greedy balancing of
 # uneven tiles (docs/performance.md, "Persistent CTAs"). Hence the threshold, in kv tiles per q tile.
 PERSISTENT_MAX_KV_TILES = 16
+PERSISTENT_HEAD_DIMS = (32, 64, 96, 128)  # the others have no smem for a separate O buffer
 
 
 def _mean_kv_tiles(lists, S: int, owner=None) -> float:
@@ -217,7 +220,7 @@ def _persistent_fwd(head_dim: int, lists, S: int, owner=None, pinned: bool | Non
     says, else when a q tile visits at most PERSISTENT_MAX_KV_TILES kv tiles on average. Head
     dims 192 and 256 always keep the one-tile-per-CTA kernel (no smem for a separate O buffer
     beside their K/V stages)."""
-    if head_dim not in (32, 64, 96, 128):
+    if head_dim not in PERSISTENT_HEAD_DIMS:
         return False
     if pinned is not None:
         return bool(pinned)
@@ -236,8 +239,7 @@ def _rescale_threshold() -> float:
 
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
                     persistent: bool | None = None, write_max: bool = False, keys: dict | None = None,
-                    kv_batch_broadcast: bool = False, tile_m: int = 128,
-                    rescale_every_tile: bool = False):
+                    kv_batch_broadcast: bool = False, tile_m: int = 128):
     """Compile (or find in memory, or load from disk) the sm90 forward for this program and
     these input kinds.
 
@@ -264,8 +266,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     # Persistent launches claim tiles dynamically: part of the tiling, hence of both cache keys.
     dynamic = persistent and tpl.dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
-           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast, tile_m,
-           rescale_every_tile)
+           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast, tile_m)
     hit = _COMPILED.get(key)
     if hit is not None:  # the per-call path: no mods, config or disk key to build for `cached`
         return hit
@@ -276,8 +277,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
                         tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent,
                                                  dynamic_schedule=dynamic, tile_m=tile_m),
                         write_max=write_max,
-                        rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast,
-                        rescale_every_tile=rescale_every_tile)
+                        rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast)
     what = forward_label(program, q.dtype, D)
     if kv_batch_broadcast:
         what += " (K/V batch broadcast)"
@@ -398,27 +398,90 @@ def forward_lists(bm, tile_m: int):
                       lambda: merged_row_lists(*block_sparse_args(bm), tile_m=tile_m))
 
 
-def forward(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(out, lse, max_scores or None)."""
+def forward(call, config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(out, lse, max_scores or None), on ``config`` (one of ``tuning(call)``'s candidates;
+    None: the heuristic's), into fresh outputs: the tuner may run it more than once."""
     prog = call.program
     q, k, v = call.q, call.k, call.v
     broadcast = kv_broadcast(call)
     if broadcast:
         k, v = _batch_one(k), _batch_one(v)
     bm = call.block_mask
-    tile_m = forward_tile_m(q.shape[-1], bm, call.kernel_options.get("TILE_M"))
+    if config is None:
+        config = heuristic(call)
+    tile_m = config["tile_m"]
     sparse = forward_lists(bm, tile_m)
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
-    fn = compile_program(prog, q, k, v, sparse, aux,
-                         persistent=_persistent_fwd(q.shape[-1], sparse, k.shape[2], owner=bm,
-                                                    pinned=call.kernel_options.get("PERSISTENT")),
-                         write_max=call.max_scores, kv_batch_broadcast=broadcast, tile_m=tile_m,
-                         rescale_every_tile="rescale" in call.kernel_options.get("FWD_CONFIG", ""))
+    fn = compile_program(prog, q, k, v, sparse, aux, persistent=config["persistent"],
+                         write_max=call.max_scores, kv_batch_broadcast=broadcast, tile_m=tile_m)
     o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     max_scores = torch.empty_like(lse) if call.max_scores else None
     o, lse = fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars, max_scores=max_scores)
     return o, lse, max_scores
+
+
+# --------------------------------------------------------------------------- configurations
+
+FAMILY = "sm90-fwd"
+
+
+def heuristic(call) -> Config:
+    """The forward's configuration by rule (``forward_tile_m``, ``_persistent_fwd``), pins in
+    ``kernel_options`` honoured: what runs until the tuner has measured, and without it."""
+    D, opts = call.q.shape[-1], call.kernel_options
+    return Config.of(tile_m=forward_tile_m(D, call.block_mask, opts.get("TILE_M")),
+                     persistent=_persistent_fwd(D, None, call.k.shape[2], owner=call.block_mask,
+                                                pinned=opts.get("PERSISTENT")))
+
+
+@functools.lru_cache(maxsize=None)
+def _configs(tile_ms: tuple, persistents: tuple) -> tuple[Config, ...]:
+    return tuple(Config.of(tile_m=m, persistent=p) for m in tile_ms for p in persistents)
+
+
+def _log2(x: float) -> int:
+    """A length's bucket: nearby lengths (8000, 8192) share one."""
+    return round(math.log2(max(x, 1.0)))
+
+
+def tuning(call) -> Tuning:
+    """The forward's candidates for this call (``runtime.autotune`` measures them).
+
+    Only close calls are measured: both tiles at head dim 64 (192 with a block mask only where
+    at most 2·MERGED_MAX_PARTIAL of the merged tiles are partial), both schedules where a query
+    tile visits at most 2·PERSISTENT_MAX_KV_TILES kv tiles on average; a kernel_options pin
+    keeps its value alone. The shape class holds what moves the answer: the Program, dtype,
+    head dims, mask presence, K/V broadcast, max_scores, and log2 buckets of L, S, the grid
+    (B·Hq·⌈L/128⌉) and the mean kv tiles per q tile; at head dim 64 with a mask the merged
+    tiles' partial share in tenths (known there already; elsewhere it would cost a sync)."""
+    q, bm, opts = call.q, call.block_mask, call.kernel_options
+    B, H, L, D = q.shape
+    S = call.k.shape[2]
+    default = heuristic(call)
+    kv_tiles = _mean_kv_tiles(None, S, bm)
+    share = None
+    tile_ms = (default["tile_m"],)
+    if D == 64 and "TILE_M" not in opts:
+        mergeable = bm is None or bm.kv_num_blocks.numel() * bm.kv_indices.shape[-1] <= _MERGE_MAX_BLOCKS
+        if bm is not None and mergeable:
+            share = _merged_partial_share(bm)
+        if mergeable and (share is None or share <= 2 * MERGED_MAX_PARTIAL):
+            tile_ms = (128, 192)
+    persistents = (default["persistent"],)
+    if D in PERSISTENT_HEAD_DIMS and "PERSISTENT" not in opts and \
+            kv_tiles <= 2 * PERSISTENT_MAX_KV_TILES:
+        persistents = (False, True)
+    key = (f"program={call.program.key}", f"dtype={str(q.dtype).removeprefix('torch.')}",
+           f"dims={D}x{call.v.shape[-1]}", f"mask={bm is not None}",
+           f"kv_broadcast={kv_broadcast(call)}", f"max_scores={call.max_scores}",
+           f"L=2^{_log2(L)}", f"S=2^{_log2(S)}", f"grid=2^{_log2(B * H * -(-L // 128))}",
+           f"kv_tiles=2^{_log2(kv_tiles)}")
+    if share is not None:
+        key += (f"partial={round(share, 1)}",)
+    pins = ", ".join(f"{k}={opts[k]!r}" for k in ("TILE_M", "PERSISTENT") if k in opts)
+    return Tuning(FAMILY, key, _configs(tile_ms, persistents), default,
+                  f"kernel_options {pins}" if pins else "")
 
 
 # --------------------------------------------------------------------------- backward

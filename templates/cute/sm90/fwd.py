@@ -293,8 +293,6 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         self.num_mma_wgs = t.num_mma_wgs
         self.pingpong = t.pingpong and t.num_mma_wgs >= 2
         self.rescale_threshold = float(cfg.rescale_threshold)
-        self.every_tile = bool(cfg.rescale_every_tile)
-        assert not self.every_tile or self.rescale_threshold == 0.0
         self.write_max = bool(cfg.write_max)
         # A query tile taller than a mask block reads merged list rows (``BlockSparseRows``).
         self.merged_rows = self.sparse and self.tile_m != MASK_BLOCK
@@ -873,7 +871,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
         ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-        softmax.rescale_rows(ctx.acc_O, row_scale, vote=not self.every_tile)
+        softmax.rescale_rows(ctx.acc_O, row_scale)
         return kv
 
     @cute.jit
@@ -960,7 +958,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         """One online-softmax step over S (in place -> P); the per-row factor O is rescaled by."""
         return softmax.online_softmax(acc_S, ctx.row_max, ctx.row_sum,
                                       ctx.row_peak if self.write_max else None, ctx.c,
-                                      self.rescale_threshold, first, self.every_tile)
+                                      self.rescale_threshold, first)
 
     # -----------------------------------------------------------------------------------------
     # Epilogue

@@ -401,10 +401,13 @@ _GPU_CHILD = """
     q = torch.randn(B, Hq, L, D, device="cuda", dtype=torch.bfloat16)
     k, v = [torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cuda") if case.mask_mod else None
-    choice = explain(q, k, v, case.score_mod, bm, enable_gqa=True)
+    # AUTOTUNE off: one kernel per process (the tuner would compile the other schedule in a worker)
+    opts = {"AUTOTUNE": False}
+    choice = explain(q, k, v, case.score_mod, bm, enable_gqa=True, kernel_options=opts)
     assert choice.name == "cute", str(choice)
     with torch.no_grad():
-        out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=True, return_lse=True)
+        out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=True, return_lse=True,
+                                  kernel_options=opts)
     torch.cuda.synchronize()
     (fn,) = cute_sm90._COMPILED.values()
     if role == "compile":

@@ -84,14 +84,6 @@ def test_core_mods_d128_ragged_gqa(name):
     run_case(name, B=2, Hq=16, Hkv=4, L=1000, S=1000, D=128)
 
 
-@pytest.mark.parametrize("D", [128, 64])
-@pytest.mark.parametrize("name", ["causal", "full", "alibi", "softcap"])
-def test_rescale_every_tile(name, D):
-    # FWD_CONFIG "rescale": O multiplied by its row factors every tile, no vote: the same
-    # function as the default (threshold 0), its 64- and 192-row tiles.
-    run_case(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, kernel_options={"FWD_CONFIG": "rescale"})
-
-
 @pytest.mark.parametrize("name", ["causal", "document", "alibi", "softcap", "sliding_window"])
 def test_d64_and_4k(name):
     run_case(name, B=1, Hq=16, Hkv=16, L=4096, S=4096, D=64)

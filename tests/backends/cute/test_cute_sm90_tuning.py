@@ -1,0 +1,109 @@
+"""The sm90 forward's tuning declarations (``cute_sm90.tuning``), on the CPU: no compile.
+
+For representative calls: the candidates (only close calls: both tiles at head dim 64 unless
+the merged tiles are mostly partial, both schedules up to twice the persistent threshold),
+the heuristic's default among them (the rule that ran before the tuner), what pins leave, and
+the shape class: lengths in log2 buckets (8000 and 8192 share one, 4096 does not), the grid, the
+mean kv tiles per q tile, the merged partial share at head dim 64. The jobs that compile the
+candidates carry their fields. Lengths 8k: the regime docs/performance.md measured.
+"""
+import pytest
+import torch
+
+from flexjit import create_block_mask, mods
+from flexjit.api.attention import prepare_call
+from flexjit.backends.base import Config
+from flexjit.backends.cute import sm90
+from flexjit.runtime import compile_pool
+
+N = 8192
+
+
+def _mask(mask_mod, L=N):
+    return create_block_mask(mask_mod, None, None, L, L, device="cpu")
+
+
+CAUSAL, WINDOW = _mask(mods.causal()), _mask(mods.sliding_window(1024))
+
+
+def _tuning(D, bm=None, L=N, B=2, H=16, options=None, dtype=torch.bfloat16):
+    q = torch.empty(B, H, L, D, dtype=dtype)
+    return sm90.tuning(prepare_call(q, q, q, None, bm, None, False, options))
+
+
+def _names(t):
+    return [str(c) for c in t.candidates]
+
+
+def _key(t) -> dict:
+    return dict(k.split("=", 1) for k in t.key)
+
+
+def test_head_dim_64_causal_8k_measures_both_tiles_on_one_schedule():
+    t = _tuning(64, CAUSAL)
+    assert _names(t) == ["tile_m=128", "tile_m=192"] and str(t.default) == "tile_m=192"
+    key = _key(t)
+    assert {k: key[k] for k in ("L", "S", "grid", "kv_tiles", "partial", "dims", "mask")} == {
+        "L": "2^13", "S": "2^13", "grid": "2^11", "kv_tiles": "2^5", "partial": "0.1",
+        "dims": "64x64", "mask": "True"}
+    assert t.family == "sm90-fwd" and t.pins == ""
+
+
+def test_head_dim_128_causal_8k_has_nothing_to_measure():
+    # 32.5 kv tiles per q tile on average: past twice the persistent threshold.
+    t = _tuning(128, CAUSAL)
+    assert _names(t) == ["tile_m=128"] and "partial" not in _key(t)
+
+
+def test_a_short_window_measures_both_schedules_and_keeps_its_tile():
+    # A 1k window: ~8.5 kv tiles per q tile (persistent by rule); merged tiles 40% partial (D=64).
+    for D in (64, 128):
+        t = _tuning(D, WINDOW)
+        assert _names(t) == ["tile_m=128", "tile_m=128, persistent"]
+        assert str(t.default) == "tile_m=128, persistent" and _key(t)["kv_tiles"] == "2^3"
+    assert _key(_tuning(64, WINDOW))["partial"] == "0.4"
+    assert _names(_tuning(256, WINDOW)) == ["tile_m=128"]  # no smem for the persistent O buffer
+
+
+def test_the_default_is_the_rule_that_ran_before():
+    cases = [(64, CAUSAL), (64, WINDOW), (64, None), (128, CAUSAL), (128, WINDOW), (96, None)]
+    for D, bm in cases:
+        t = _tuning(D, bm)
+        want = Config.of(tile_m=sm90.forward_tile_m(D, bm),
+                         persistent=sm90._persistent_fwd(D, sm90.block_sparse_args(bm), N, owner=bm))
+        assert t.default == want, (D, bm)
+
+
+def test_pins_leave_their_value_alone():
+    t = _tuning(64, WINDOW, options={"PERSISTENT": False})
+    assert _names(t) == ["tile_m=128"] and t.pins == "kernel_options PERSISTENT=False"
+    t = _tuning(64, CAUSAL, options={"TILE_M": 128})
+    assert _names(t) == ["tile_m=128"] and t.pins == "kernel_options TILE_M=128"
+    t = _tuning(64, _mask(mods.causal(), 2048), L=2048, options={"TILE_M": 192})
+    assert _names(t) == ["tile_m=192", "tile_m=192, persistent"]
+    with pytest.raises(ValueError, match="TILE_M=192"):
+        _tuning(128, CAUSAL, options={"TILE_M": 192})
+
+
+def test_the_shape_class_buckets_lengths_and_separates_regimes():
+    base = _tuning(128, None, L=8192)
+    assert _tuning(128, None, L=8000).key == base.key  # a nearby length: the same class
+    assert _key(_tuning(128, None, L=4096))["L"] == "2^12"
+    assert _key(_tuning(128, None, L=8192, B=4))["grid"] == "2^12"
+    assert _tuning(128, None, dtype=torch.float16).key != base.key
+    assert _tuning(128, CAUSAL).key != base.key  # a mask, and its density
+
+
+def test_candidate_jobs_carry_the_configs():
+    q = torch.empty(1, 4, 2048, 64, dtype=torch.bfloat16)
+    call = prepare_call(q, q, q, None, _mask(mods.causal(), 2048), None, False, None)
+    t = sm90.tuning(call)
+    # 8.5 kv tiles per q tile, merged tiles 20% partial: within twice each threshold, and past
+    # MERGED_MAX_PARTIAL, so the rule picks 128 rows.
+    assert len(t.candidates) == 4 and str(t.default) == "tile_m=128, persistent"
+    jobs = compile_pool.candidate_jobs(call, t.family, t.candidates)
+    assert [(j.kind, j.tile_m, j.persistent, j.write_max, j.deterministic) for j in jobs.values()] \
+        == [("fwd", m, p, False, False) for m in (128, 192) for p in (False, True)]
+    assert len({j.ident for j in jobs.values()}) == 4
+    assert jobs[Config.of(tile_m=192, persistent=True)].what().endswith("(tile_m=192, persistent)")
+    assert compile_pool.candidate_jobs(call, "sm100-fwd", t.candidates) == {}
