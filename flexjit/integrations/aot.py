@@ -186,21 +186,51 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
                 if log:
                     log(kernels[-1].line())
         if "bwd" in passes:
-            host = cute_sm90._bwd_host()
-            t0 = time.perf_counter()
-            folders = {part: _folder(root, f"bwd-{part}") for part in host.PARTS}
-            tiling = cute_sm90.tiling_for(program, head_dim, head_dim_v,
-                                          (kernel_options or {}).get("BWD_CONFIG", ""))
-            keys = cute_sm90.export_backward(program, dtype, head_dim, bm is not None, deterministic,
-                                           aux, head_dim_v=head_dim_v, dump_dirs=folders,
-                                           tiling=tiling)
-            spent = time.perf_counter() - t0  # the three parts together
-            for part in host.PARTS:
-                files = _files(folders[part], arch) if folders[part] else (None, None)
-                kernels.append(Kernel(arch, "bwd", part, what, *files, keys.get(part), spent))
-                if log:
-                    log(kernels[-1].line())
+            # Every configuration the tuner would measure, the heuristic's first (in bwd-*).
+            with _deterministic(deterministic):
+                configs = autotune.to_compile(cute_sm90, call, "bwd")
+                jobs = compile_pool.candidate_jobs(call, cute_sm90.BWD_FAMILY, configs)
+            for n, cfg in enumerate(configs):
+                tag = "" if n == 0 else "-" + cfg["bwd_config"].replace("+", "-")
+                kernels += _sm90_backward(program, dtype, head_dim, head_dim_v, bm is not None,
+                                          deterministic, aux, cfg["bwd_config"], arch,
+                                          what + ("" if n == 0 else f" ({cfg})"), root, tag, log)
+                compile_pool.mark_done(jobs[cfg])
     return kernels
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """torch's deterministic flag set to ``on`` while inside (the backward's candidates depend
+    on it), restored after."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=True)
+
+
+def _sm90_backward(program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
+                   deterministic: bool, aux, bwd_config: str, arch: str, what: str, root, tag: str,
+                   log) -> list:
+    """Compile and export the sm90 backward's three kernels on schedule ``bwd_config`` (folders
+    ``bwd-<part><tag>`` under ``root`` keep their PTX and cubin)."""
+    host = cute_sm90._bwd_host()
+    t0 = time.perf_counter()
+    folders = {part: _folder(root, f"bwd-{part}{tag}") for part in host.PARTS}
+    keys = cute_sm90.export_backward(program, dtype, head_dim, sparse, deterministic, aux,
+                                     head_dim_v=head_dim_v, dump_dirs=folders,
+                                     tiling=cute_sm90.tiling_for(program, head_dim, head_dim_v,
+                                                                 bwd_config))
+    spent = time.perf_counter() - t0  # the three parts together
+    out = []
+    for part in host.PARTS:
+        files = _files(folders[part], arch) if folders[part] else (None, None)
+        out.append(Kernel(arch, "bwd", part, what, *files, keys.get(part), spent))
+        if log:
+            log(out[-1].line())
+    return out
 
 
 def _sm90_forward(program, q, k, v, bm, aux, cfg, arch: str, what: str, folder) -> Kernel:

@@ -664,7 +664,43 @@ def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: in
     return host.load_bwd(cfg, loaded, sig + _scalar_signature(program))
 
 
-def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
+BWD_FAMILY = "sm90-bwd"
+
+
+def backward_heuristic(call) -> Config:
+    """The backward's configuration by rule: the tile table's schedule, or the variants
+    ``kernel_options["BWD_CONFIG"]`` pins."""
+    return Config.of(bwd_config=call.kernel_options.get("BWD_CONFIG", ""))
+
+
+def backward_tuning(call) -> Tuning:
+    """The backward's candidates for this call (``runtime.autotune`` measures them): the tile
+    table's schedule, FA3's order with P converted after dS ("late": P itself must be in the S
+    accumulator, so no score_mod without captured gradients), and, under a block mask outside
+    deterministic mode, kv tiles launched longest first ("lpt"; causal masks' work falls with
+    the kv tile). The dim split (D = 192) has none. The shape class: the Program, dtype, head
+    dims, mask presence, K/V broadcast, deterministic mode, the GQA group, and log2 buckets of
+    L, S and the grid (B·Hkv·⌈S/128⌉)."""
+    q, prog, bm, opts = call.q, call.program, call.block_mask, call.kernel_options
+    B, H, L, D = q.shape
+    S, Hkv, Dv = call.k.shape[2], call.k.shape[1], call.v.shape[-1]
+    default = backward_heuristic(call)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    names = [default["bwd_config"]]
+    if "BWD_CONFIG" not in opts and D <= 128:
+        late = prog.score is None or bool(prog.grad_loads)
+        names += ["late"] if late else []
+        if bm is not None and not deterministic:
+            names += ["lpt"] + (["late+lpt"] if late else [])
+    key = (f"program={prog.key}", f"dtype={str(q.dtype).removeprefix('torch.')}",
+           f"dims={D}x{Dv}", f"mask={bm is not None}", f"kv_broadcast={kv_broadcast(call)}",
+           f"deterministic={deterministic}", f"group={H // Hkv}", f"L=2^{_log2(L)}",
+           f"S=2^{_log2(S)}", f"grid=2^{_log2(B * Hkv * -(-S // 128))}")
+    pins = f"kernel_options BWD_CONFIG={opts['BWD_CONFIG']!r}" if "BWD_CONFIG" in opts else ""
+    return Tuning(BWD_FAMILY, key, tuple(Config.of(bwd_config=n) for n in names), default, pins)
+
+
+def backward(call, q, k, v, out, lse, dout, dlse, config: Config | None = None) -> tuple:
     """(dq, dk, dv, *captured-tensor grads) on the sm90 backward kernels: one gradient per
     ``Program.buffers`` entry, None for those that get none (no ``grad_loads``). dk/dv have the
     query's batch also where K/V are broadcast over it (``kv_broadcast``). dq/dk/dv are
@@ -678,7 +714,7 @@ def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:
     broadcast = kv_broadcast(call)
     fn = compile_backward(prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic,
                           aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast,
-                          tiling=backward_tiling(call))
+                          tiling=backward_tiling(call, None if config is None else config["bwd_config"]))
     return run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic, broadcast)
 
 
