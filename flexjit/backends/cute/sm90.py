@@ -491,7 +491,7 @@ def tuning(call) -> Tuning:
 # warpgroups (``cute_sm90_bwd.choose_bwd_tiling``); compiled spill-free on the CPU, their
 # GPU tests (tests/test_cute_sm90_bwd_gpu.py) not yet run.
 _BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
-# The backward's schedule variants (``cute_sm90_bwd.BWD_CONFIG_TOKENS``, repeated here so that
+# The backward's schedule variants (``bwd_tiling.BWD_CONFIG_TOKENS``, repeated here so that
 # checking kernel_options needs no cutlass import).
 BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "shuffle", "swapdq", "m80", "m128")
 
@@ -519,7 +519,8 @@ def tiling_for(prog: Program, head_dim: int, head_dim_v: int, config: str):
     if "late" in config.split("+") and prog.score is not None and not prog.grad_loads:
         raise ValueError("kernel_options BWD_CONFIG 'late' converts P after dS, which needs P "
                          "itself in the S accumulator: not with a score_mod (P∘dscore is there)")
-    return _bwd_template().bwd_tiling(head_dim, head_dim_v, light_mods(prog) or None, config)
+    return templates("sm90").bwd_tiling.bwd_tiling(head_dim, head_dim_v, light_mods(prog) or None,
+                                                   config)
 
 
 def backward_supports(call) -> tuple[bool, str]:

@@ -105,7 +105,8 @@ from flexjit.templates.cute.mask import kept, mask_word
 from flexjit.templates.cute.opaque import opaque_i32
 from flexjit.templates.cute.pipeline import group_pipeline, thread_group, tma_pipelines
 from flexjit.templates.cute.sm100.common import BAR_TMEM_FREE, GPU_ARCH, LOAD_WARP, MMA_WARP, SMEM_CAPACITY, TMEM_COLUMNS, free_tmem, launch, tcgen05_fence, tma_operand, tmem_address, tmem_allocator
-from flexjit.templates.cute.sm90.bwd import BwdConfig as _Sm90BwdConfig, FlexAttentionBwdPreSm90
+from flexjit.templates.cute.sm90.bwd import BwdConfig as _Sm90BwdConfig
+from flexjit.templates.cute.sm90.bwd_prepost import FlexAttentionBwdPreSm90
 
 HEAD_DIMS = ((64, 64), (128, 128))
 TILE_N = 128  # keys per CTA (the M of the swapped MMAs; one mask block)

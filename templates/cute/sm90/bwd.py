@@ -115,8 +115,6 @@ dq/dk/dv like q/k/v. Last dims contiguous, other strides multiples of 8 elements
 fp16, ragged L and S, L != S, Hq = g·Hkv.
 """
 
-import dataclasses
-import math
 from collections import namedtuple
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -134,9 +132,10 @@ from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute import captured_grads, config, softmax
 from flexjit.templates.cute.block_sparse import QBlockLists, QOrder, listed_tile, order_rows, q_lists
-from flexjit.templates.cute.common import LOG2_E, MASK_BLOCK, Aux, DqPostprocess, FloatIndices, bind, index_add, kernel_aux, launch, permute, plain_i32, register_offsets, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
+from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, bind, index_add, kernel_aux, launch, permute, plain_i32, register_offsets, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.opaque import opaque_i32, opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.pipeline import tma_pipelines
+from flexjit.templates.cute.sm90.bwd_tiling import BwdTiling, choose_bwd_tiling, lpt_coords
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols, store_dq_acc
 
 # Named barrier ids (0 is __syncthreads).
@@ -145,123 +144,6 @@ _BAR_DQ_EMPTY = 2  # + warpgroup: its dQ warp lets the warpgroup write its dQ bo
 _BAR_DQ_FULL = 4  # + warpgroup: the warpgroup's dQ box is written
 _DQ_BAR_THREADS = 128 + 32
 _BAR_WG = 6  # + warpgroup: the warpgroup's own dS rows are in smem (``BwdTiling.dk_smem``)
-LPT_SECTION = 8  # (kv head, batch) pairs a longest-first launch walks together (``BwdTiling.lpt``)
-
-
-# (head_dim, head_dim_v) pairs with a row in ``choose_bwd_tiling``'s table.
-HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
-
-
-@dataclass(frozen=True)
-class BwdTiling:
-    tile_m: int  # query rows per iteration (the N of the swapped S GEMM): 64, 80 or 128
-    tile_n: int  # keys per CTA (M of the swapped GEMMs): MASK_BLOCK, or half of it (D = 192)
-    num_stages: int  # Q/dO (and dS) pipeline depth
-    dq_split: str  # how the two warpgroups split the dQ tile: "cols" (D) or "rows" (tile_m)
-    overlap_dp: bool  # issue dP with S and form P under it (needs Sᵀ and dPᵀ live together)
-    mma_regs: int
-    load_regs: int
-    # dQᵀ = Kᵀ dSᵀ (head dims as M, the warpgroups split them): any tile_m that is a multiple
-    # of 16 (80 is no wgmma M); the accumulator is then kept transposed, (B, Hq, D, Lpad).
-    dq_swapped: bool = False
-    # P converted to 16 bits only after dS is formed, the dV GEMM issued after dS (FA3's
-    # order): P's 16-bit copy is not live across the dP wait, for tiles whose registers are
-    # tight (a 128-row tile at D = 64, an 80-row tile at D = 128).
-    p_late: bool = False
-    # lse2 and delta held one value in 8 per thread and fetched by warp shuffle at each use
-    # (``_ShuffledRow``), instead of tile_m / 4 registers each read before the waits.
-    shuffle_stats: bool = False
-    # dK += dSᵀ Q reads dSᵀ from the smem tile the dQ GEMM reads (SS) instead of registers: dS
-    # needs no 16-bit register copy past its store, which frees P's copy a block of its own.
-    dk_smem: bool = False
-    # dV += Pᵀ dO reads Pᵀ from smem (SS; P stored by stmatrix into an extra stage of the dS
-    # buffer) instead of registers: P needs no 16-bit register copy across the dP wait.
-    p_smem: bool = False
-    # CTAs take their (kv tile, kv head, batch) longest first (``_lpt_order``): for masks whose
-    # work falls with the kv tile (causal), where a GQA CTA's long loop would start late.
-    lpt: bool = False
-
-
-def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -> BwdTiling:
-    """Tile table: a 64-row Q tile against a 128-key tile (one mask block) for D = 128 and 64.
-
-    Per MMA warpgroup (64 keys) and thread, fp32 registers: Sᵀ and dPᵀ tile_m/2 = 32 each, dV
-    and dK D/2 each, dQ D/4 (its 64 × D/2 half), plus bf16 P and dS 16 each.
-    * D = 128, 64 × 128: dV + dK alone hold 128 registers for the whole CTA. With
-      ``overlap_dp`` (P formed while the dP GEMM runs) the elementwise step has Sᵀ, dPᵀ, P live:
-      208 + the mods' temporaries (+ 16 of lse2 or delta, read ahead of the waits) under the
-      240 cap. Fine without mods or with light ones (comparisons: causal, windows); mods with
-      loads or transcendentals (document ids, ALiBi slopes, softcap's tanh) spill 20-64 bytes
-      there, so they issue dP after P instead (176
-      live while the mods run; measured spill-free). An 80-row tile (FA3's non-causal choice)
-      would not divide the 128-row mask block, so a CTA would straddle two rows of the block
-      lists, and 80 is no wgmma M (the dQ GEMM would have to be swapped); 64 divides it.
-      Smem: Q, dO, dS 2 stages × 16 KB, K, V 32 KB each, dQ boxes 32 KB = 192 KB.
-    * D = 64, 64 × 128 too (dV + dK = 64 registers, so overlap always fits). FA3 uses 128 × 128
-      here (longer Q tiles amortise the per-tile work of the short K=64 GEMMs); with it Sᵀ, dPᵀ
-      (64 each), P (32) and dV, dK (32 each) reach the cap: ptxas serialises the wgmmas
-      (advisory C7512: a wait after every wgmma), with or without overlap_dp
-      (``BwdTiling(128, 128, 2, "rows", ..)`` builds). FA4 sheds registers there by holding each
-      LSE/delta value in one thread of 8 and shuffling; that is the next step for speed.
-    * D = 32: D = 64's row (overlap always).
-    * D = 96: D = 128's row, but overlap always: dV + dK = 96 registers leave room for every
-      core mod's temporaries beside Sᵀ, dPᵀ and P (all 18 compile spill-free overlapped, heavy
-      ones included). Smem 153 KB.
-      K's swizzle atom is 32 bytes, not 64 (``k_atom_cols``: the dQ GEMM splits K's 96 columns
-      at 48 between the warpgroups).
-    * D = 192 and (192, 128): 64 × 64 with the head dims split between the warpgroups. With
-      64 keys per warpgroup (the wgmma M) dK + dV alone are D/2 + Dv/2 = 192 (160) registers
-      per thread, Sᵀ and dPᵀ 32 more each: over the cap. So both warpgroups take the same 64
-      keys and split N of the dK/dV/dQ GEMMs: dK + dV = 96 (80) per thread, Sᵀ, dPᵀ 32 each,
-      P, dS 16 each, dQ 48: ~176 at the elementwise step with P under dP, so overlap always.
-      The price: each warpgroup computes the whole Sᵀ and dPᵀ (7 GEMM units of work for 5)
-      and Q/dO are streamed once per 64 keys instead of 128. FA3 instead uses 64 × 96 tiles
-      with swapped dK/dV GEMMs; a 96-key tile would straddle mask blocks. Q, dO, K and V get
-      32-column swizzle atoms at 192 (``k_atom_cols``: each half starts on an atom); V and dO
-      keep 64-column atoms at Dv = 128.
-    Registers: 2 MMA warpgroups at 240 + the producer warpgroup at 24 = 64512 (the launch's
-    168 per thread × 384): setmaxnreg.inc can only take what .dec released, so 240/24 is the
-    largest split (240/32 would leave the MMA warpgroups waiting forever).
-    """
-    if (head_dim, head_dim_v) not in HEAD_DIMS:
-        raise NotImplementedError(
-            f"cute_sm90_bwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
-    if head_dim == 192:
-        # Half a mask block per CTA, head dims split between the warpgroups (see above).
-        return BwdTiling(64, 64, 2, "cols", True, 240, 24)
-    return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim <= 96, 240, 24)
-
-
-# The schedule variants a backward may be asked for by name (``bwd_tiling``), each a change to
-# the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "psmem"
-# (``p_smem``), "lpt" (``lpt``), "shuffle"
-# (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80" (80-row tiles, dense launches only, with
-# the dQ GEMM swapped), "m128" (128-row tiles, head dims up to 64, dQ split by rows).
-BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "shuffle", "swapdq", "m80", "m128")
-
-
-def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: str = "") -> BwdTiling:
-    """``choose_bwd_tiling``'s row with the variants ``config`` names ("+"-joined
-    ``BWD_CONFIG_TOKENS``; "" is the row itself)."""
-    base = choose_bwd_tiling(head_dim, head_dim_v, overlap_dp)
-    tokens = [t for t in config.split("+") if t]
-    unknown = [t for t in tokens if t not in BWD_CONFIG_TOKENS]
-    if unknown:
-        raise ValueError(f"unknown backward variant(s) {unknown}; known: {BWD_CONFIG_TOKENS}")
-    if tokens and base.tile_n != MASK_BLOCK:
-        raise ValueError(f"head dims ({head_dim}, {head_dim_v}) have no backward variants")
-    fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens, p_smem="psmem" in tokens,
-                  lpt="lpt" in tokens,
-                  shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens)
-    if "m80" in tokens:
-        fields.update(tile_m=80, dq_swapped=True)
-    if "m128" in tokens:
-        if head_dim > 64:
-            raise ValueError("128-row backward tiles serve head dims up to 64")
-        fields.update(tile_m=128, dq_split="rows")
-    if fields["dq_swapped"] and head_dim != 128:
-        raise ValueError("the swapped dQ GEMM serves head dim 128 (64 head dims per warpgroup)")
-    return dataclasses.replace(base, **fields)
 
 
 @dataclass(frozen=True)
@@ -286,17 +168,6 @@ class BwdConfig(config.BwdConfig):
                 overlap = self.score_mod_and_grad is None and self.mask_mod is None
             object.__setattr__(self, "tiling",
                                choose_bwd_tiling(self.head_dim, self.head_dim_v, overlap))
-
-
-def lpt_coords(r, nx, ny, nz, minimum=min):
-    """``FlexAttentionBwdSm90._lpt_order``'s arithmetic (plain ints too, for the tests): launch
-    index r of an (nx, ny, nz) grid -> (kv tile, kv head, batch), a bijection."""
-    per_section = nx * LPT_SECTION
-    sec = r // per_section
-    width = minimum(LPT_SECTION, ny * nz - sec * LPT_SECTION)
-    j = r - sec * per_section
-    pair = sec * LPT_SECTION + j % width
-    return j // width, pair % ny, pair // ny
 
 
 def _transposed_2d(s: cute.Tensor) -> cute.Tensor:
@@ -1248,175 +1119,3 @@ _SmemOperands = namedtuple("_SmemOperands", "tSrK tSrQ tPrV tPrdO tVrdO tKrQ tKs
 _BwdCtx = namedtuple("_BwdCtx", "mma_sdp mma_dkv mma_dv mma_dq wg_sdp wg_dkv wg_dv wg_dq smem tVrP "
                      "tKrdS acc_dV acc_dK tScS tSsLSE tSsDelta sLSE sDelta thr_st_t st_t tSsdS tQsdQ "
                      "s_shape dq_shape c softmax_scale sched aux wg grad_accs")
-
-
-# ---------------------------------------------------------------------------------------------
-# Preprocess and postprocess (memory-bound; one 16-byte vector per thread per row chunk)
-# ---------------------------------------------------------------------------------------------
-class FlexAttentionBwdPreSm90:
-    """delta = rowsum(dO∘O) − dLSE, lse2 = LSE·log2 e (both 0 on a row with nothing kept and
-    on padding rows), dQ accumulator (and semaphores) zeroed. A row is handled by Dv/8 lanes."""
-
-    def __init__(self, cfg: BwdConfig):
-        self.dtype = cfg.dtype
-        self.head_dim, self.head_dim_v = cfg.head_dim, cfg.head_dim_v
-        self.tile_m = cfg.tiling.tile_m
-        self.deterministic = cfg.deterministic
-        self.lanes_per_row = _lanes_per_row(self.head_dim_v)
-        self.rows_per_cta = 128 // self.lanes_per_row
-
-    @cute.jit
-    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
-                 has_dlse: Int32, mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
-                 mSem: Optional[cute.Tensor], stream: cuda.CUstream):
-        grid = [cute.ceil_div(mLSE2.shape[2], self.rows_per_cta), mO.shape[1], mO.shape[0]]
-        launch(self.kernel(mO, mdO, mLSE, mdLSE, has_dlse, mLSE2, mDelta, mdQacc, mSem), grid, 128,
-               stream, one_cta_per_sm=False)
-
-    @cute.kernel
-    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE: cute.Tensor,
-               has_dlse: Int32, mLSE2: cute.Tensor, mDelta: cute.Tensor, mdQacc: cute.Tensor,
-               mSem: Optional[cute.Tensor]):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        lpr = self.lanes_per_row
-        row = bx * self.rows_per_cta + tidx // lpr
-        part = tidx % lpr
-        seqlen_q = mO.shape[2]
-        dot = Float32(0.0)
-        chunk = self.head_dim_v // lpr  # elements per lane: 8, or 24 for Dv = 96
-        if row < seqlen_q:
-            rO = cute.make_rmem_tensor((chunk,), self.dtype)
-            rdO = cute.make_rmem_tensor((chunk,), self.dtype)
-            cute.autovec_copy(cute.local_tile(mO[batch, head, row, None], (chunk,), (part,)), rO)
-            cute.autovec_copy(cute.local_tile(mdO[batch, head, row, None], (chunk,), (part,)), rdO)
-            for i in cutlass.range_constexpr(chunk):
-                dot += rO[i].to(Float32) * rdO[i].to(Float32)
-        for off in cutlass.range_constexpr(int(math.log2(lpr))):
-            dot += cute.arch.shuffle_sync_bfly(dot, offset=(lpr // 2) >> off)
-        if row < mLSE2.shape[2]:
-            if part == 0:
-                lse2 = Float32(0.0)
-                delta = Float32(0.0)
-                if row < seqlen_q:
-                    lse = mLSE[batch, head, row]
-                    kept = lse != -Float32.inf
-                    lse2 = lse * LOG2_E if kept else Float32(0.0)
-                    delta = dot
-                    if has_dlse != 0:
-                        # d lse / d s = P, so an LSE gradient only shifts delta.
-                        dlse = mdLSE[batch, head, row]
-                        delta = delta - (dlse if kept else Float32(0.0))
-                mLSE2[batch, head, row] = lse2
-                mDelta[batch, head, row] = delta
-                if const_expr(self.deterministic):
-                    if row % self.tile_m == 0:  # one semaphore per dQ box: 2 per q tile
-                        mSem[batch, head, 2 * (row // self.tile_m)] = Int32(0)
-                        mSem[batch, head, 2 * (row // self.tile_m) + 1] = Int32(0)
-            per = self.head_dim // lpr
-            zeros = cute.make_rmem_tensor((per,), Float32)
-            zeros.fill(0.0)
-            cute.autovec_copy(zeros, cute.local_tile(mdQacc[batch, head, row, None], (per,), (part,)))
-
-
-def _lanes_per_row(head_dim: int) -> int:
-    """Lanes that share one row in the preprocess: one 16-byte vector (8 elements) each
-    when head_dim / 8 is a power of two (32: 4, 64: 8, 128: 16), else the largest power of two
-    dividing it, each lane taking several vectors (96: 4 lanes of 24 elements). A power of two
-    dividing 32, so that a row's lanes sit in one warp and the butterfly reduction covers them
-    exactly (12 lanes for 96 would straddle warps and leave 8 threads on the next CTA's rows)."""
-    n = head_dim // 8
-    return n & -n
-
-
-class FlexAttentionBwdPostSm90(DqPostprocess):
-    """dQ = accumulator · softmax_scale, converted to the input dtype (rows < L only).
-
-    The accumulator is dQ permuted within 16-row × 8-column blocks (``dq_box_view``): a
-    thread takes accumulator rows 16a + 2ρ + {0, 1}, columns 8g..8g+7 (two 16-byte loads per
-    row), which hold dQ rows 16a + ρ + {0, 8}, columns 8g..8g+7 (one 16-byte store each)."""
-
-    def grid(self, mdQ: cute.Tensor) -> list:
-        # A work item (unit): 2 accumulator rows. D = 96: 12 lanes, 10 units; the 8 spare threads
-        # redo the next CTA's first unit, writing the same values (no reduction here: benign).
-        return [cute.ceil_div(cute.ceil_div(mdQ.shape[2], 16) * 8, self.per_cta),
-                mdQ.shape[1], mdQ.shape[0]]
-
-    @cute.kernel
-    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        lpr = self.lanes_per_row
-        unit = bx * self.per_cta + tidx // lpr  # = 8a + ρ
-        g = tidx % lpr
-        base = 16 * (unit // 8) + unit % 8  # dQ row 16a + ρ
-        if base < mdQ.shape[2]:
-            acc = [cute.make_rmem_tensor((8,), Float32) for _ in range(2)]  # acc. row 16a+2ρ+t1
-            for t1 in cutlass.range_constexpr(2):
-                cute.autovec_copy(
-                    cute.local_tile(mdQacc[batch, head, 2 * unit + t1, None], (8,), (g,)), acc[t1])
-            for h in cutlass.range_constexpr(2):
-                row = base + 8 * h
-                if row < mdQ.shape[2]:
-                    out = cute.make_rmem_tensor((8,), self.dtype)
-                    # dQ column 8g + 2t + e, t = t0 + 2·t1: accumulator column 8g + 4·t0 + 2h + e
-                    for t in cutlass.range_constexpr(4):
-                        for e in cutlass.range_constexpr(2):
-                            out[2 * t + e] = (acc[t // 2][4 * (t % 2) + 2 * h + e]
-                                              * softmax_scale).to(self.dtype)
-                    cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (8,), (g,)))
-
-
-class FlexAttentionBwdPostTransposedSm90:
-    """dQ = accumulator · softmax_scale from the transposed accumulator of ``dq_swapped``,
-    (B, Hq, D, Lpad) fp32, permuted within 16-dim × 8-row blocks (``dq_box_view`` with head
-    dims as its rows), into dQ (B, Hq, L, D). One 128-thread CTA per 64 query rows: coalesced
-    16-byte loads along the rows, each value un-permuted into a (row, dim) smem tile (rows
-    padded by one word, so that a warp's scattered 2-byte stores fall in distinct banks), then
-    each dQ row written from it."""
-
-    ROWS = 64  # query rows per CTA
-
-    def __init__(self, cfg: BwdConfig):
-        self.dtype = cfg.dtype
-        self.head_dim = cfg.head_dim
-        self.pitch = self.head_dim + 2  # elements per smem row
-
-    @cute.jit
-    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32,
-                 stream: cuda.CUstream):
-        grid = [cute.ceil_div(mdQ.shape[2], self.ROWS), mdQ.shape[1], mdQ.shape[0]]
-        launch(self.kernel(mdQacc, mdQ, softmax_scale), grid, 128, stream, one_cta_per_sm=False)
-
-    @cute.kernel
-    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, head, batch = cute.arch.block_idx()
-        D, R, pitch = self.head_dim, self.ROWS, self.pitch
-        base = SmemAllocator().allocate_array(self.dtype, R * pitch, byte_alignment=16)
-        tile = cute.make_tensor(base, cute.make_layout((R, pitch), stride=(pitch, 1)))
-        q0 = bx * R
-        vecs = R // 4  # 16-byte vectors per accumulator row and CTA
-        for k in cutlass.range_constexpr(D * vecs // 128):
-            v = tidx + 128 * k
-            dp, j = v // vecs, v % vecs  # accumulator row (a permuted head dim), vector
-            acc = cute.make_rmem_tensor((4,), Float32)
-            cute.autovec_copy(cute.local_tile(mdQacc[batch, head, dp, None], (4,), (q0 // 4 + j,)), acc)
-            # accumulator (dp, 4j + x) holds dQᵀ (16a + 8h + ρ, 8g + 2t + e): dp = 16a + 2ρ + t//2,
-            # column 8g + 4(t%2) + 2h + e (``dq_box_view``).
-            a, rho, t_hi = dp // 16, (dp % 16) // 2, dp % 2
-            g, t_lo = j // 2, j % 2
-            for x in cutlass.range_constexpr(4):
-                h, e = x // 2, x % 2
-                dim = 16 * a + 8 * h + rho
-                row = 8 * g + 2 * (2 * t_hi + t_lo) + e
-                tile[row, dim] = (acc[x] * softmax_scale).to(self.dtype)
-        cute.arch.sync_threads()
-        for k in cutlass.range_constexpr(R * D // 8 // 128):
-            v = tidx + 128 * k
-            row, c8 = v // (D // 8), v % (D // 8)
-            if q0 + row < mdQ.shape[2]:
-                out = cute.make_rmem_tensor((8,), self.dtype)
-                for x in cutlass.range_constexpr(8):
-                    out[x] = tile[row, 8 * c8 + x]
-                cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, q0 + row, None], (8,), (c8,)))

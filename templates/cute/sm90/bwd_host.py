@@ -3,8 +3,9 @@
 
 from flexjit.templates.cute import host
 from flexjit.templates.cute.host import PARTS
-from flexjit.templates.cute.sm90.bwd import (BwdConfig, FlexAttentionBwdPostSm90, FlexAttentionBwdPostTransposedSm90,
-                                              FlexAttentionBwdPreSm90, FlexAttentionBwdSm90)
+from flexjit.templates.cute.sm90.bwd import BwdConfig, FlexAttentionBwdSm90
+from flexjit.templates.cute.sm90.bwd_prepost import (FlexAttentionBwdPostSm90, FlexAttentionBwdPostTransposedSm90,
+                                                     FlexAttentionBwdPreSm90)
 
 __all__ = ["PARTS", "CompiledBwd", "compile_bwd", "load_bwd"]
 

@@ -42,6 +42,8 @@ from ptx_checks import assert_no_spills  # noqa: E402
 
 tpl = importlib.import_module("flexjit.templates.cute.sm90.bwd")
 host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")
+tiling_tpl = importlib.import_module("flexjit.templates.cute.sm90.bwd_tiling")
+prepost_tpl = importlib.import_module("flexjit.templates.cute.sm90.bwd_prepost")
 cute_host = importlib.import_module("flexjit.templates.cute.host")
 
 
@@ -253,9 +255,9 @@ def test_backward_tile_table():
     for dv in (192, 128):
         assert tpl.choose_bwd_tiling(192, dv, False) == T(64, 64, 2, "cols", True, 240, 24)
     # Pre/postprocess: a row's lanes are a power of two within one warp, covering the row.
-    assert [tpl._lanes_per_row(d) for d in (32, 64, 96, 128)] == [4, 8, 4, 16]
+    assert [prepost_tpl._lanes_per_row(d) for d in (32, 64, 96, 128)] == [4, 8, 4, 16]
     for d in (32, 64, 96, 128):
-        n = tpl._lanes_per_row(d)
+        n = prepost_tpl._lanes_per_row(d)
         assert 32 % n == 0 and (d // n) % 8 == 0
     for d, dv in ((256, 256), (128, 96), (192, 96)):
         with pytest.raises(NotImplementedError, match="head dims"):
@@ -575,12 +577,12 @@ def test_lpt_order_is_a_bijection_longest_first(grid):
     got = [tpl.lpt_coords(r, nx, ny, nz) for r in range(nx * ny * nz)]
     assert sorted(got) == sorted((n, h, b) for n in range(nx) for h in range(ny) for b in range(nz))
     pairs = ny * nz
-    for sec in range(-(-pairs // tpl.LPT_SECTION)):
-        width = min(tpl.LPT_SECTION, pairs - sec * tpl.LPT_SECTION)
-        block = got[sec * nx * tpl.LPT_SECTION:][:nx * width]
+    for sec in range(-(-pairs // tiling_tpl.LPT_SECTION)):
+        width = min(tiling_tpl.LPT_SECTION, pairs - sec * tiling_tpl.LPT_SECTION)
+        block = got[sec * nx * tiling_tpl.LPT_SECTION:][:nx * width]
         assert [n for n, _, _ in block] == sorted(n for n, _, _ in block)
         assert {(h, b) for _, h, b in block} == {(p % ny, p // ny) for p in
-                                                 range(sec * tpl.LPT_SECTION, sec * tpl.LPT_SECTION + width)}
+                                                 range(sec * tiling_tpl.LPT_SECTION, sec * tiling_tpl.LPT_SECTION + width)}
 
 
 @pytest.mark.parametrize("config,D,causal", [("m128+psmem+dksmem+shuffle", 64, True),
@@ -590,7 +592,7 @@ def test_schedule_variants_compile_clean(tmp_path, config, D, causal):
     # tile at D = 64 fits only with P and dS read from shared memory and the stats shuffled.
     mods = load_mods(_program(None, fmods.causal() if causal else None))
     cfg = tpl.BwdConfig(D, D, cutlass.BFloat16, None, mods.mask_mod, has_block_mask=causal,
-                        tiling=tpl.bwd_tiling(D, D, True, config))
+                        tiling=tiling_tpl.bwd_tiling(D, D, True, config))
     fn = host.compile_bwd(cfg, (), (), options=f"--keep-ptx --dump-dir {tmp_path}",
                          parts=("main", "post"))
     _assert_clean_registers(tmp_path, fn.parts["main"].compiled.__ptx__)

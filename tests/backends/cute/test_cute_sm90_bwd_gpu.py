@@ -41,6 +41,7 @@ from oracle import FLOOR, assert_close_to_oracle, dense_attention  # noqa: E402
 
 tpl = importlib.import_module("flexjit.templates.cute.sm90.bwd")
 host = importlib.import_module("flexjit.templates.cute.sm90.bwd_host")
+tiling_tpl = importlib.import_module("flexjit.templates.cute.sm90.bwd_tiling")
 DEV = "cuda"
 _DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}
 _COMPILED = {}
@@ -67,7 +68,7 @@ def _compiled(case, D, dtype, sparse, deterministic, Dv=None, config=""):
                             overlap_dp=overlap,
                             score_grads=getattr(mods, "score_grads", None),
                             grad_offsets=getattr(mods, "grad_offsets", None),
-                            tiling=tpl.bwd_tiling(D, Dv, overlap, config) if config else None)
+                            tiling=tiling_tpl.bwd_tiling(D, Dv, overlap, config) if config else None)
         _COMPILED[key] = host.compile_bwd(cfg, aux, program.scalars)
     return _COMPILED[key], aux, program.scalars
 
@@ -84,7 +85,7 @@ def _inputs(B, Hq, Hkv, L, S, D, dtype, seed, Dv=None):
 
 def run_backward(case, q, k, v, dout, dlse, bm, sparse=True, deterministic=False, config=""):
     """Forward on the sm90 kernel, then the sm90 backward (the schedule variants ``config``
-    names, ``tpl.bwd_tiling``); returns (dq, dk, dv)."""
+    names, ``tiling_tpl.bwd_tiling``); returns (dq, dk, dv)."""
     B, Hq, L, D = q.shape
     with torch.no_grad():
         out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=Hq != k.shape[1],
@@ -211,7 +212,7 @@ def test_empty_kv_blocks_get_zero_gradients():
     assert not torch.isnan(dq).any()
 
 
-# The schedule variants (``tpl.bwd_tiling``) on every tile kind: ragged L and S against the
+# The schedule variants (``tiling_tpl.bwd_tiling``) on every tile kind: ragged L and S against the
 # 64- and 80-row tiles, GQA, a causal block mask (partial and full tiles) and no mask.
 _VARIANTS = [(c, D) for c in ("late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle",
                               "psmem", "psmem+dksmem+shuffle")

@@ -1,0 +1,139 @@
+"""The sm90 backward's tile table and schedule variants (pure Python: what shapes a compile).
+
+* ``BwdTiling``: one configuration of the main kernel's tile and schedule.
+* ``choose_bwd_tiling``: the tile table (a row per head-dim pair), ``bwd_tiling``: that row with
+  the schedule variants a ``BWD_CONFIG`` string names (the tuner's backward candidates).
+* ``lpt_coords``: the longest-first launch order's arithmetic (``BwdTiling.lpt``).
+"""
+import dataclasses
+from dataclasses import dataclass
+
+from flexjit.templates.cute.common import MASK_BLOCK
+
+LPT_SECTION = 8  # (kv head, batch) pairs a longest-first launch walks together (``BwdTiling.lpt``)
+
+
+# (head_dim, head_dim_v) pairs with a row in ``choose_bwd_tiling``'s table.
+HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
+
+
+@dataclass(frozen=True)
+class BwdTiling:
+    tile_m: int  # query rows per iteration (the N of the swapped S GEMM): 64, 80 or 128
+    tile_n: int  # keys per CTA (M of the swapped GEMMs): MASK_BLOCK, or half of it (D = 192)
+    num_stages: int  # Q/dO (and dS) pipeline depth
+    dq_split: str  # how the two warpgroups split the dQ tile: "cols" (D) or "rows" (tile_m)
+    overlap_dp: bool  # issue dP with S and form P under it (needs Sᵀ and dPᵀ live together)
+    mma_regs: int
+    load_regs: int
+    # dQᵀ = Kᵀ dSᵀ (head dims as M, the warpgroups split them): any tile_m that is a multiple
+    # of 16 (80 is no wgmma M); the accumulator is then kept transposed, (B, Hq, D, Lpad).
+    dq_swapped: bool = False
+    # P converted to 16 bits only after dS is formed, the dV GEMM issued after dS (FA3's
+    # order): P's 16-bit copy is not live across the dP wait.
+    p_late: bool = False
+    # lse2 and delta held one value in 8 per thread and fetched by warp shuffle at each use
+    # (``_ShuffledRow``), instead of tile_m / 4 registers each read before the waits.
+    shuffle_stats: bool = False
+    # dK += dSᵀ Q reads dSᵀ from the smem tile the dQ GEMM reads (SS) instead of registers: dS
+    # needs no 16-bit register copy past its store, which frees P's copy a block of its own.
+    dk_smem: bool = False
+    # dV += Pᵀ dO reads Pᵀ from smem (SS; P stored by stmatrix into an extra stage of the dS
+    # buffer) instead of registers: P needs no 16-bit register copy across the dP wait.
+    p_smem: bool = False
+    # CTAs take their (kv tile, kv head, batch) longest first (``_lpt_order``): for masks whose
+    # work falls with the kv tile (causal), where a GQA CTA's long loop would start late.
+    lpt: bool = False
+
+
+def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -> BwdTiling:
+    """Tile table: a 64-row Q tile against a 128-key tile (one mask block) for D = 128 and 64.
+
+    Per MMA warpgroup (64 keys) and thread, fp32 registers: Sᵀ and dPᵀ tile_m/2 = 32 each, dV
+    and dK D/2 each, dQ D/4 (its 64 × D/2 half), plus bf16 P and dS 16 each.
+    * D = 128, 64 × 128: dV + dK alone hold 128 registers for the whole CTA. With
+      ``overlap_dp`` (P formed while the dP GEMM runs) the elementwise step has Sᵀ, dPᵀ, P live:
+      208 + the mods' temporaries (+ 16 of lse2 or delta, read ahead of the waits) under the
+      240 cap. Fine without mods or with light ones (comparisons: causal, windows); mods with
+      loads or transcendentals (document ids, ALiBi slopes, softcap's tanh) spill 20-64 bytes
+      there, so they issue dP after P instead (176
+      live while the mods run; measured spill-free). An 80-row tile (FA3's non-causal choice)
+      would not divide the 128-row mask block, so a CTA would straddle two rows of the block
+      lists, and 80 is no wgmma M (the dQ GEMM would have to be swapped); 64 divides it.
+      Smem: Q, dO, dS 2 stages × 16 KB, K, V 32 KB each, dQ boxes 32 KB = 192 KB.
+    * D = 64, 64 × 128 too (dV + dK = 64 registers, so overlap always fits). FA3 uses 128 × 128
+      here (longer Q tiles amortise the per-tile work of the short K=64 GEMMs); with it Sᵀ, dPᵀ
+      (64 each), P (32) and dV, dK (32 each) reach the cap: ptxas serialises the wgmmas
+      (advisory C7512: a wait after every wgmma), with or without overlap_dp
+      (``BwdTiling(128, 128, 2, "rows", ..)`` builds). FA4 sheds registers there by holding each
+      LSE/delta value in one thread of 8 and shuffling; that is the next step for speed.
+    * D = 32: D = 64's row (overlap always).
+    * D = 96: D = 128's row, but overlap always: dV + dK = 96 registers leave room for every
+      core mod's temporaries beside Sᵀ, dPᵀ and P (all 18 compile spill-free overlapped, heavy
+      ones included). Smem 153 KB.
+      K's swizzle atom is 32 bytes, not 64 (``k_atom_cols``: the dQ GEMM splits K's 96 columns
+      at 48 between the warpgroups).
+    * D = 192 and (192, 128): 64 × 64 with the head dims split between the warpgroups. With
+      64 keys per warpgroup (the wgmma M) dK + dV alone are D/2 + Dv/2 = 192 (160) registers
+      per thread, Sᵀ and dPᵀ 32 more each: over the cap. So both warpgroups take the same 64
+      keys and split N of the dK/dV/dQ GEMMs: dK + dV = 96 (80) per thread, Sᵀ, dPᵀ 32 each,
+      P, dS 16 each, dQ 48: ~176 at the elementwise step with P under dP, so overlap always.
+      The price: each warpgroup computes the whole Sᵀ and dPᵀ (7 GEMM units of work for 5)
+      and Q/dO are streamed once per 64 keys instead of 128. FA3 instead uses 64 × 96 tiles
+      with swapped dK/dV GEMMs; a 96-key tile would straddle mask blocks. Q, dO, K and V get
+      32-column swizzle atoms at 192 (``k_atom_cols``: each half starts on an atom); V and dO
+      keep 64-column atoms at Dv = 128.
+    Registers: 2 MMA warpgroups at 240 + the producer warpgroup at 24 = 64512 (the launch's
+    168 per thread × 384): setmaxnreg.inc can only take what .dec released, so 240/24 is the
+    largest split (240/32 would leave the MMA warpgroups waiting forever).
+    """
+    if (head_dim, head_dim_v) not in HEAD_DIMS:
+        raise NotImplementedError(
+            f"cute_sm90_bwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
+    if head_dim == 192:
+        # Half a mask block per CTA, head dims split between the warpgroups (see above).
+        return BwdTiling(64, 64, 2, "cols", True, 240, 24)
+    return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim <= 96, 240, 24)
+
+
+# The schedule variants a backward may be asked for by name (``bwd_tiling``), each a change to
+# the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "psmem"
+# (``p_smem``), "lpt" (``lpt``), "shuffle" (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80"
+# (80-row tiles, dense launches only, with the dQ GEMM swapped), "m128" (128-row tiles, head
+# dims up to 64, dQ split by rows).
+BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "shuffle", "swapdq", "m80", "m128")
+
+
+def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: str = "") -> BwdTiling:
+    """``choose_bwd_tiling``'s row with the variants ``config`` names ("+"-joined
+    ``BWD_CONFIG_TOKENS``; "" is the row itself)."""
+    base = choose_bwd_tiling(head_dim, head_dim_v, overlap_dp)
+    tokens = [t for t in config.split("+") if t]
+    unknown = [t for t in tokens if t not in BWD_CONFIG_TOKENS]
+    if unknown:
+        raise ValueError(f"unknown backward variant(s) {unknown}; known: {BWD_CONFIG_TOKENS}")
+    if tokens and base.tile_n != MASK_BLOCK:
+        raise ValueError(f"head dims ({head_dim}, {head_dim_v}) have no backward variants")
+    fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens, p_smem="psmem" in tokens,
+                  lpt="lpt" in tokens,
+                  shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens)
+    if "m80" in tokens:
+        fields.update(tile_m=80, dq_swapped=True)
+    if "m128" in tokens:
+        if head_dim > 64:
+            raise ValueError("128-row backward tiles serve head dims up to 64")
+        fields.update(tile_m=128, dq_split="rows")
+    if fields["dq_swapped"] and head_dim != 128:
+        raise ValueError("the swapped dQ GEMM serves head dim 128 (64 head dims per warpgroup)")
+    return dataclasses.replace(base, **fields)
+
+
+def lpt_coords(r, nx, ny, nz, minimum=min):
+    """``FlexAttentionBwdSm90._lpt_order``'s arithmetic (plain ints too, for the tests): launch
+    index r of an (nx, ny, nz) grid -> (kv tile, kv head, batch), a bijection."""
+    per_section = nx * LPT_SECTION
+    sec = r // per_section
+    width = minimum(LPT_SECTION, ny * nz - sec * LPT_SECTION)
+    j = r - sec * per_section
+    pair = sec * LPT_SECTION + j % width
+    return j // width, pair % ny, pair // ny
