@@ -190,11 +190,13 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
             with _deterministic(deterministic):
                 configs = autotune.to_compile(cute_sm90, call, "bwd")
                 jobs = compile_pool.candidate_jobs(call, cute_sm90.BWD_FAMILY, configs)
+            seen: set = set()  # the variants share their pre/postprocess (its key)
             for n, cfg in enumerate(configs):
                 tag = "" if n == 0 else "-" + cfg["bwd_config"].replace("+", "-")
                 kernels += _sm90_backward(program, dtype, head_dim, head_dim_v, bm is not None,
                                           deterministic, aux, cfg["bwd_config"], arch,
-                                          what + ("" if n == 0 else f" ({cfg})"), root, tag, log)
+                                          what + ("" if n == 0 else f" ({cfg})"), root, tag, log,
+                                          seen)
                 compile_pool.mark_done(jobs[cfg])
     return kernels
 
@@ -213,19 +215,24 @@ def _deterministic(on: bool):
 
 def _sm90_backward(program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
                    deterministic: bool, aux, bwd_config: str, arch: str, what: str, root, tag: str,
-                   log) -> list:
-    """Compile and export the sm90 backward's three kernels on schedule ``bwd_config`` (folders
-    ``bwd-<part><tag>`` under ``root`` keep their PTX and cubin)."""
+                   log, seen: set) -> list:
+    """Compile and export the sm90 backward's kernels on schedule ``bwd_config`` (folders
+    ``bwd-<part><tag>`` under ``root`` keep their PTX and cubin), each key once: a part whose key
+    is in ``seen`` (another variant's pre/postprocess) is neither built again nor listed."""
     host = cute_sm90._bwd_host()
     t0 = time.perf_counter()
-    folders = {part: _folder(root, f"bwd-{part}{tag}") for part in host.PARTS}
+    folders = {part: _folder(root, f"bwd-{part}{tag}") if part == "main" or not seen else None
+               for part in host.PARTS}
     keys = cute_sm90.export_backward(program, dtype, head_dim, sparse, deterministic, aux,
                                      head_dim_v=head_dim_v, dump_dirs=folders,
                                      tiling=cute_sm90.tiling_for(program, head_dim, head_dim_v,
                                                                  bwd_config))
-    spent = time.perf_counter() - t0  # the three parts together
+    spent = time.perf_counter() - t0  # the parts together
     out = []
     for part in host.PARTS:
+        if keys.get(part) is not None and keys[part] in seen:
+            continue
+        seen.add(keys.get(part))
         files = _files(folders[part], arch) if folders[part] else (None, None)
         out.append(Kernel(arch, "bwd", part, what, *files, keys.get(part), spent))
         if log:

@@ -180,13 +180,18 @@ def _kernel_config(cfg, aux_tensors, program: Program, *extra) -> tuple:
     disk-cache key material; sizes, strides and scalar values are runtime arguments), plus the
     kernel's own ``extra`` fields. The K/V batch broadcast is named only where it is on, so the
     keys of the kernels that existed before it did not change."""
-    import tvm_ffi  # the exported object calls into its C ABI: a new version must not reuse it
-
     return (cfg.dtype.__name__, cfg.head_dim, cfg.head_dim_v, cfg.has_block_mask,
             tuple((str(t.dtype), t.dim()) for t in aux_tensors),
             tuple(d.value for d in program.scalar_dtypes), dataclasses.astuple(cfg.tiling),
-            f"launch=tvm-ffi {tvm_ffi.__version__}", *extra,
-            *(("kv_batch_broadcast",) if cfg.kv_batch_broadcast else ()))
+            _launch_tag(), *extra, *(("kv_batch_broadcast",) if cfg.kv_batch_broadcast else ()))
+
+
+def _launch_tag() -> str:
+    """TVM-FFI's version: the exported object calls into its C ABI, so a new version must not
+    reuse it."""
+    import tvm_ffi
+
+    return f"launch=tvm-ffi {tvm_ffi.__version__}"
 
 
 def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
@@ -633,15 +638,24 @@ def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: in
         what += " (K/V batch broadcast)"
     frozen = _kernel_config(cfg, aux_tensors, program, f"deterministic={deterministic}",
                             f"grad_slots={grad_slots(program)}")
+    # The pre/postprocess read only these: schedule variants of one tile share them.
+    plain = (cfg.dtype.__name__, head_dim, head_dim_v, deterministic, cfg.tiling.tile_m,
+             cfg.tiling.dq_swapped, _launch_tag())
     disk = cute_cache.available()
-    keys = {part: cache.kernel_key(program.key if part == "main" else "", f"cute_sm90_bwd_{part}",
-                                   frozen, "sm90") for part in host.PARTS}
+    keys = {part: cache.kernel_key(program.key, f"cute_sm90_bwd_{part}", frozen, "sm90")
+            if part == "main" else cache.kernel_key("", f"cute_sm90_bwd_{part}", plain, "sm90")
+            for part in host.PARTS}
     if keys_out is not None:
         keys_out.update({part: keys[part] if disk else None for part in host.PARTS})
     t0 = time.perf_counter()
     fresh = dump_dirs is not None  # ahead of time: always compile (and keep the files asked for)
     loaded = {part: cute_cache.load(k) for part, k in keys.items()} if disk and not fresh else {}
     missing = tuple(p for p in host.PARTS if loaded.get(p) is None)
+    if fresh and disk:
+        # Ahead of time, a pre/postprocess another schedule variant already exported (they
+        # share its key) is not built again unless its files are asked for.
+        missing = tuple(p for p in missing if p == "main" or dump_dirs.get(p) is not None
+                        or not cute_cache.object_path(keys[p]).exists())
     if missing:
         log.info("flexjit: compiling the sm90 backward (%s) for %s ...", ", ".join(missing), what)
         with cute_cache.compiling():
