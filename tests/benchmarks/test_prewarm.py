@@ -200,12 +200,13 @@ def test_after_a_prewarm_the_runs_calls_all_hit_the_disk_cache(tmp_path):
     assert lines[-1].startswith("prewarm: 4 compiled, 0 already cached, 0 failed"), res.stdout
     # The other tuning candidates too, so the run measures instead of compiling: the forward's
     # one tile per CTA (128 rows only: these causal masks' merged tiles are mostly partial) and
-    # the backward's longest-first launch (ALiBi is a score_mod: no late P conversion).
+    # the backward's longest-first launches (sections of 8 and 2 head pairs).
     # The variant shares the default's pre/postprocess (one key): only its main kernel is new.
     extra = sorted(ln.split(":")[0] for ln in lines if ln.startswith("candidate "))
     assert extra == ["candidate bwd main alibi D=64 bfloat16 (bwd_config=lpt)",
+                     "candidate bwd main alibi D=64 bfloat16 (bwd_config=lpt2)",
                      "candidate fwd main alibi D=64 bfloat16 (tile_m=128)"], extra
-    assert len(list(cache_dir.rglob("*.o"))) == 6
+    assert len(list(cache_dir.rglob("*.o"))) == 7
 
     env = dict(os.environ, FLEXJIT_CACHE_DIR=str(cache_dir), CUTE_DSL_ARCH="sm_90a")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])

@@ -498,7 +498,8 @@ def tuning(call) -> Tuning:
 _BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
 # The backward's schedule variants (``bwd_tiling.BWD_CONFIG_TOKENS``, repeated here so that
 # checking kernel_options needs no cutlass import).
-BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "shuffle", "swapdq", "m80", "m128")
+BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80",
+                     "m128")
 
 
 def _bwd_template():
@@ -690,23 +691,20 @@ def backward_heuristic(call) -> Config:
 
 def backward_tuning(call) -> Tuning:
     """The backward's candidates for this call (``runtime.autotune`` measures them): the tile
-    table's schedule, FA3's order with P converted after dS ("late": P itself must be in the S
-    accumulator, so no score_mod without captured gradients), and, under a block mask outside
-    deterministic mode, kv tiles launched longest first ("lpt"; causal masks' work falls with
-    the kv tile). The dim split (D = 192) has none. The shape class: the Program, dtype, head
-    dims, mask presence, K/V broadcast, deterministic mode, the GQA group, and log2 buckets of
-    L, S and the grid (B·Hkv·⌈S/128⌉)."""
+    table's schedule and, under a block mask outside deterministic mode, kv tiles launched
+    longest first in sections of 8 or 2 (kv head, batch) pairs ("lpt", "lpt2": causal masks'
+    work falls with the kv tile; which section pays depends on the Q/dO bytes, docs/
+    performance.md). The dim split (D = 192) has none. The shape class: the Program, dtype,
+    head dims, mask presence, K/V broadcast, deterministic mode, the GQA group, and log2 buckets
+    of L, S and the grid (B·Hkv·⌈S/128⌉)."""
     q, prog, bm, opts = call.q, call.program, call.block_mask, call.kernel_options
     B, H, L, D = q.shape
     S, Hkv, Dv = call.k.shape[2], call.k.shape[1], call.v.shape[-1]
     default = backward_heuristic(call)
     deterministic = torch.are_deterministic_algorithms_enabled()
     names = [default["bwd_config"]]
-    if "BWD_CONFIG" not in opts and D <= 128:
-        late = prog.score is None or bool(prog.grad_loads)
-        names += ["late"] if late else []
-        if bm is not None and not deterministic:
-            names += ["lpt"] + (["late+lpt"] if late else [])
+    if "BWD_CONFIG" not in opts and D <= 128 and bm is not None and not deterministic:
+        names += ["lpt", "lpt2"]
     key = (f"program={prog.key}", f"dtype={str(q.dtype).removeprefix('torch.')}",
            f"dims={D}x{Dv}", f"mask={bm is not None}", f"kv_broadcast={kv_broadcast(call)}",
            f"deterministic={deterministic}", f"group={H // Hkv}", f"L=2^{_log2(L)}",

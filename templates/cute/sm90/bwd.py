@@ -209,7 +209,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         assert (self.score_grads is None) == (self.grad_offsets is None)
         assert self.score_grads is None or self.score_mod is not None
         self.dq_swapped, self.p_late, self.shuffle_stats = t.dq_swapped, t.p_late, t.shuffle_stats
-        self.dk_smem, self.p_smem, self.lpt = t.dk_smem, t.p_smem, t.lpt
+        self.dk_smem, self.p_smem, self.lpt_section = t.dk_smem, t.p_smem, t.lpt_section
         assert not (self.p_smem and self.p_late)
         assert not self.p_smem or t.tile_n == MASK_BLOCK  # not with the dim split
         assert not self.dk_smem or t.tile_n == MASK_BLOCK  # not with the dim split
@@ -450,7 +450,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         n_kv_tiles = self._num_kv_tiles(mK.shape[0])
         if const_expr(self.deterministic):
             n_block = n_kv_tiles - 1 - n_block  # last kv tile first (see Deterministic mode)
-        elif const_expr(self.lpt):
+        elif const_expr(self.lpt_section):
             n_block, head_kv, batch = self._lpt_order(n_block, head_kv, batch)
         mask_block = n_block
         if const_expr(self.dim_split):
@@ -462,14 +462,14 @@ class FlexAttentionBwdSm90(config.TiledKernel):
     def _lpt_order(self, x: Int32, y: Int32, z: Int32):
         """(kv tile, kv head, batch) of the CTA launched ``r``-th (r = x + nx·(y + ny·z), the
         launch order), longest first where kv tile n's work falls with n (causal masks: n
-        visits the q blocks from n on): sections of ``LPT_SECTION`` (kv head, batch) pairs,
+        visits the q blocks from n on): sections of ``lpt_section`` (kv head, batch) pairs,
         each walked kv tile by kv tile, so that the CTAs running together read the Q and dO of
         a few heads (an L2-sized working set) and a section's long CTAs start first. In the
         launch order (kv tile fastest) the long CTAs of the last heads start last: a GQA CTA
         loops over its group's heads, and those tails cost a tenth at D = 64, 4 query heads a kv
         head."""
         nx, ny, nz = cute.arch.grid_dim()
-        return lpt_coords(x + nx * (y + ny * z), nx, ny, nz,
+        return lpt_coords(x + nx * (y + ny * z), nx, ny, nz, self.lpt_section,
                           lambda a, b: cutlass.min(Int32(a), b))
 
 

@@ -3,14 +3,13 @@
 * ``BwdTiling``: one configuration of the main kernel's tile and schedule.
 * ``choose_bwd_tiling``: the tile table (a row per head-dim pair), ``bwd_tiling``: that row with
   the schedule variants a ``BWD_CONFIG`` string names (the tuner's backward candidates).
-* ``lpt_coords``: the longest-first launch order's arithmetic (``BwdTiling.lpt``).
+* ``lpt_coords``: the longest-first launch order's arithmetic (``BwdTiling.lpt_section``).
 """
 import dataclasses
 from dataclasses import dataclass
 
 from flexjit.templates.cute.common import MASK_BLOCK
 
-LPT_SECTION = 8  # (kv head, batch) pairs a longest-first launch walks together (``BwdTiling.lpt``)
 
 
 # (head_dim, head_dim_v) pairs with a row in ``choose_bwd_tiling``'s table.
@@ -41,9 +40,12 @@ class BwdTiling:
     # dV += Pᵀ dO reads Pᵀ from smem (SS; P stored by stmatrix into an extra stage of the dS
     # buffer) instead of registers: P needs no 16-bit register copy across the dP wait.
     p_smem: bool = False
-    # CTAs take their (kv tile, kv head, batch) longest first (``_lpt_order``): for masks whose
-    # work falls with the kv tile (causal), where a GQA CTA's long loop would start late.
-    lpt: bool = False
+    # CTAs take their (kv tile, kv head, batch) longest first (``_lpt_order``), in sections of
+    # this many (kv head, batch) pairs (0: the launch order): for masks whose work falls with the
+    # kv tile (causal), where a GQA CTA's long loop would start late. The section bounds the Q
+    # and dO bytes the running CTAs read: 8 pairs paid at D = 64 and lost at 128 (4 heads a kv
+    # head, 8k: 64 against 128 MB), so the width is a variant of its own.
+    lpt_section: int = 0
 
 
 def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -> BwdTiling:
@@ -98,10 +100,10 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 
 # The schedule variants a backward may be asked for by name (``bwd_tiling``), each a change to
 # the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "psmem"
-# (``p_smem``), "lpt" (``lpt``), "shuffle" (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80"
+# (``p_smem``), "lpt" / "lpt2" (``lpt_section`` 8 / 2), "shuffle" (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80"
 # (80-row tiles, dense launches only, with the dQ GEMM swapped), "m128" (128-row tiles, head
 # dims up to 64, dQ split by rows).
-BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "shuffle", "swapdq", "m80", "m128")
+BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80", "m128")
 
 
 def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: str = "") -> BwdTiling:
@@ -115,7 +117,7 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
     if tokens and base.tile_n != MASK_BLOCK:
         raise ValueError(f"head dims ({head_dim}, {head_dim_v}) have no backward variants")
     fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens, p_smem="psmem" in tokens,
-                  lpt="lpt" in tokens,
+                  lpt_section=8 if "lpt" in tokens else 2 if "lpt2" in tokens else 0,
                   shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens)
     if "m80" in tokens:
         fields.update(tile_m=80, dq_swapped=True)
@@ -128,12 +130,13 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
     return dataclasses.replace(base, **fields)
 
 
-def lpt_coords(r, nx, ny, nz, minimum=min):
+def lpt_coords(r, nx, ny, nz, section: int, minimum=min):
     """``FlexAttentionBwdSm90._lpt_order``'s arithmetic (plain ints too, for the tests): launch
-    index r of an (nx, ny, nz) grid -> (kv tile, kv head, batch), a bijection."""
-    per_section = nx * LPT_SECTION
+    index r of an (nx, ny, nz) grid -> (kv tile, kv head, batch), a bijection; ``section``
+    (kv head, batch) pairs walked together, kv tile by kv tile."""
+    per_section = nx * section
     sec = r // per_section
-    width = minimum(LPT_SECTION, ny * nz - sec * LPT_SECTION)
+    width = minimum(section, ny * nz - sec * section)
     j = r - sec * per_section
-    pair = sec * LPT_SECTION + j % width
+    pair = sec * section + j % width
     return j // width, pair % ny, pair // ny

@@ -569,24 +569,25 @@ def test_int64_index_math_compiles_forward_and_backward(tmp_path):
     assert "wgmma.mma_async" in fn.compiled.__ptx__ and "mul.lo.s64" in fn.compiled.__ptx__
 
 
+@pytest.mark.parametrize("section", [8, 2])
 @pytest.mark.parametrize("grid", [(64, 4, 2), (7, 3, 5), (1, 1, 1), (3, 16, 2)])
-def test_lpt_order_is_a_bijection_longest_first(grid):
+def test_lpt_order_is_a_bijection_longest_first(grid, section):
     # Every (kv tile, kv head, batch) exactly once; kv tiles in rising order inside each section
-    # of LPT_SECTION (head, batch) pairs (tile 0 visits the most q blocks under a causal mask).
+    # of (head, batch) pairs (tile 0 visits the most q blocks under a causal mask).
     nx, ny, nz = grid
-    got = [tpl.lpt_coords(r, nx, ny, nz) for r in range(nx * ny * nz)]
+    got = [tiling_tpl.lpt_coords(r, nx, ny, nz, section) for r in range(nx * ny * nz)]
     assert sorted(got) == sorted((n, h, b) for n in range(nx) for h in range(ny) for b in range(nz))
     pairs = ny * nz
-    for sec in range(-(-pairs // tiling_tpl.LPT_SECTION)):
-        width = min(tiling_tpl.LPT_SECTION, pairs - sec * tiling_tpl.LPT_SECTION)
-        block = got[sec * nx * tiling_tpl.LPT_SECTION:][:nx * width]
+    for sec in range(-(-pairs // section)):
+        width = min(section, pairs - sec * section)
+        block = got[sec * nx * section:][:nx * width]
         assert [n for n, _, _ in block] == sorted(n for n, _, _ in block)
         assert {(h, b) for _, h, b in block} == {(p % ny, p // ny) for p in
-                                                 range(sec * tiling_tpl.LPT_SECTION, sec * tiling_tpl.LPT_SECTION + width)}
+                                                 range(sec * section, sec * section + width)}
 
 
 @pytest.mark.parametrize("config,D,causal", [("m128+psmem+dksmem+shuffle", 64, True),
-                                             ("late+lpt", 128, True), ("swapdq", 128, False)])
+                                             ("lpt2", 128, True), ("swapdq", 128, False)])
 def test_schedule_variants_compile_clean(tmp_path, config, D, causal):
     # Each variant the GPU suite runs builds without spills or serialised wgmma; the 128-row
     # tile at D = 64 fits only with P and dS read from shared memory and the stats shuffled.

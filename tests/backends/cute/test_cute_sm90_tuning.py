@@ -118,16 +118,15 @@ def _bwd_tuning(D, bm=None, score_mod=None, L=N, B=2, H=16, Hkv=16, options=None
 def test_backward_candidates_follow_the_mask_and_the_mods():
     # Causal, GQA 16/4: the table's schedule, FA3's late P, the longest-first launch and both.
     t = _bwd_tuning(128, CAUSAL, Hkv=4)
-    assert [c["bwd_config"] for c in t.candidates] == ["", "late", "lpt", "late+lpt"]
+    assert [c["bwd_config"] for c in t.candidates] == ["", "lpt", "lpt2"]
     assert t.family == "sm90-bwd" and t.default["bwd_config"] == "" and t.pins == ""
     key = _key(t)
     assert {k: key[k] for k in ("group", "L", "grid", "mask", "deterministic")} == {
         "group": "4", "L": "2^13", "grid": "2^9", "mask": "True", "deterministic": "False"}
     # No mask: every kv tile does the same work, so no launch order to choose.
-    assert [c["bwd_config"] for c in _bwd_tuning(64).candidates] == ["", "late"]
-    # A score_mod leaves P∘dscore in the S accumulator: no late conversion.
+    assert [c["bwd_config"] for c in _bwd_tuning(64).candidates] == [""]
     alibi = mods.alibi(16)
-    assert [c["bwd_config"] for c in _bwd_tuning(128, CAUSAL, alibi).candidates] == ["", "lpt"]
+    assert [c["bwd_config"] for c in _bwd_tuning(128, CAUSAL, alibi).candidates] == ["", "lpt", "lpt2"]
     # The dim split (D = 192) has no variants; deterministic mode keeps its own launch order.
     assert [c["bwd_config"] for c in _bwd_tuning(192, CAUSAL).candidates] == [""]
     torch.use_deterministic_algorithms(True)
@@ -135,7 +134,7 @@ def test_backward_candidates_follow_the_mask_and_the_mods():
         t_det = _bwd_tuning(128, CAUSAL)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert [c["bwd_config"] for c in t_det.candidates] == ["", "late"]
+    assert [c["bwd_config"] for c in t_det.candidates] == [""]
     assert _key(t_det)["deterministic"] == "True"
 
 
@@ -147,6 +146,6 @@ def test_a_backward_pin_leaves_one_candidate_and_jobs_carry_it():
     tuning = sm90.backward_tuning(call)
     jobs = compile_pool.candidate_jobs(call, sm90.BWD_FAMILY, tuning.candidates)
     assert {c["bwd_config"]: j.bwd_config for c, j in jobs.items()} == {
-        n: n for n in ("", "late", "lpt", "late+lpt")}
+        n: n for n in ("", "lpt", "lpt2")}
     assert all(j.kind == "bwd" for j in jobs.values())
     assert jobs[tuning.default] == compile_pool.backward_job(call)  # the default's job is ahead()'s
