@@ -216,7 +216,8 @@ def test_empty_kv_blocks_get_zero_gradients():
 # 64- and 80-row tiles, GQA, a causal block mask (partial and full tiles) and no mask.
 _VARIANTS = [(c, D) for c in ("late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle",
                               "psmem", "psmem+dksmem+shuffle")
-             for D in (128, 64)] + [("swapdq", 128), ("late+dksmem+swapdq", 128)]
+             for D in (128, 64)] + [("swapdq", 128), ("late+dksmem+swapdq", 128),
+                                    ("lpt", 128), ("late+lpt", 128), ("late+lpt", 64)]
 
 
 @pytest.mark.parametrize("config,D", _VARIANTS)
