@@ -217,7 +217,7 @@ def test_empty_kv_blocks_get_zero_gradients():
 _VARIANTS = [(c, D) for c in ("late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle",
                               "psmem", "psmem+dksmem+shuffle")
              for D in (128, 64)] + [("swapdq", 128), ("late+dksmem+swapdq", 128),
-                                    ("lpt", 128), ("late+lpt", 128), ("late+lpt", 64)]
+                                    ("lpt", 128), ("lpt2", 128), ("lpt2", 64), ("late+lpt", 64)]
 
 
 @pytest.mark.parametrize("config,D", _VARIANTS)
