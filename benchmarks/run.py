@@ -44,6 +44,10 @@ from .variants import VARIANTS, Case, attention_flops, build, default_scale
 
 ALL_S = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_S = (2048, 8192)
+# --plain: the masks FA4 has built in (and prefix-LM, Flex-FLASH's), from 2k to 1M tokens
+PLAIN_S = (2048, 8192, 32768, 131072, 1 << 20)
+PLAIN_VARIANTS = ("full", "causal", "sliding_window", "prefix_lm")
+PLAIN_IMPLS = ("flexjit-cute", "fa4", "torch-flex-flash")
 # Run the trusted baselines first: a kernel that corrupts the CUDA context ends the run's GPU
 # work, and then at least the baselines it came after are in.
 RUN_ORDER = ("cudnn", "fa4", "fa4-bhsd", "torch-flex-triton", "torch-flex-flash",
@@ -104,12 +108,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=16384,
                    help="B*S per case (default 16384); a longer S runs one sequence (B=1)")
     p.add_argument("--passes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default both)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="default: all seven")
-    p.add_argument("--impls", default=",".join(impl_mod.DEFAULT_IMPLS),
-                   help=f"default: {','.join(impl_mod.DEFAULT_IMPLS)}")
+    p.add_argument("--variants", default=None, help="default: all seven")
+    p.add_argument("--impls", default=None, help=f"default: {','.join(impl_mod.DEFAULT_IMPLS)}")
     p.add_argument("--all", action="store_true",
                    help="every shape: S 1k..32k, Hkv 16 and 4, D 64 and 128 "
                         "(explicit --S/--hkv/--d still win)")
+    p.add_argument("--plain", action="store_true",
+                   help="the plain cases against FA4: full, causal, sliding window and prefix-LM at "
+                        "S 2k, 8k, 32k, 128k and 1M, Hkv 16 and 4, D 64 and 128, on flexjit-cute, "
+                        "fa4 and torch-flex-flash (explicit flags still win)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu (smoke runs)")
     p.add_argument("--budget-s", type=float, default=450.0,
@@ -132,12 +139,16 @@ def parse_args(argv=None, parser: argparse.ArgumentParser | None = None):
     """The run's arguments, normalised (sizes, lists, device, seed); ``parser``: ``make_parser()``
     with flags added (``benchmarks.prewarm``)."""
     args = (parser or make_parser()).parse_args(argv)
-    args.S = parse_sizes(args.S) if args.S else list(ALL_S if args.all else DEFAULT_S)
-    args.hkv = parse_sizes(args.hkv) if args.hkv else ([16, 4] if args.all else [16])
-    args.d = parse_head_dims(args.d) if args.d else ([(64, 64), (128, 128)] if args.all else [(128, 128)])
+    wide = args.all or args.plain
+    args.S = parse_sizes(args.S) if args.S else list(
+        PLAIN_S if args.plain else ALL_S if args.all else DEFAULT_S)
+    args.hkv = parse_sizes(args.hkv) if args.hkv else ([16, 4] if wide else [16])
+    args.d = parse_head_dims(args.d) if args.d else ([(64, 64), (128, 128)] if wide else [(128, 128)])
     args.passes = parse_list(args.passes, ("fwd", "fwdbwd"))
-    args.variants = parse_list(args.variants, VARIANTS)
-    args.impls = parse_list(args.impls, KNOWN_IMPLS)
+    args.variants = parse_list(args.variants or ",".join(PLAIN_VARIANTS if args.plain else VARIANTS),
+                               VARIANTS)
+    args.impls = parse_list(args.impls or ",".join(PLAIN_IMPLS if args.plain else impl_mod.DEFAULT_IMPLS),
+                            KNOWN_IMPLS)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(2**31)

@@ -180,3 +180,20 @@ def test_train_step_trains_and_compares_losses(tmp_path):
         assert r["status"] == "ok" and r["step_ms"] > 0, r
         assert {"model", "impl", "seq", "batch", "step_ms", "loss_first", "loss_last", "correct"} <= set(r)
         assert r["max_loss_dev_vs_eager"] < 1e-2 and r["correct"], r
+
+
+def test_plain_preset_is_the_plain_cases_grid():
+    from benchmarks import run as run_mod
+
+    a = run_mod.parse_args(["--out", "x", "--plain", "--device", "cpu", "--seed", "1"])
+    assert a.S == [2048, 8192, 32768, 131072, 1 << 20]
+    assert a.hkv == [16, 4] and a.d == [(64, 64), (128, 128)]
+    assert a.variants == ["full", "causal", "sliding_window", "prefix_lm"]
+    assert a.impls == ["flexjit-cute", "fa4", "torch-flex-flash"]
+    # 2k and 8k fill 16k tokens; 32k, 128k and 1M run one sequence (4 shapes per length).
+    assert sorted({(c.S, c.B) for c in run_mod.cases(a)}) == [
+        (2048, 8), (8192, 2), (32768, 1), (131072, 1), (1 << 20, 1)]
+    # Explicit flags still win over the preset.
+    b = run_mod.parse_args(["--out", "x", "--plain", "--S", "8k", "--impls", "fa4", "--device", "cpu"])
+    assert b.S == [8192] and b.impls == ["fa4"] and b.hkv == [16, 4]
+    assert run_mod.parse_args(["--out", "x", "--device", "cpu"]).variants == list(run_mod.VARIANTS)
