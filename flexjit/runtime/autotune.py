@@ -5,7 +5,8 @@ family ("sm90-fwd"), the call's shape class, the candidate configs and its heuri
 (``backends/base.py`` has the contract). This module decides which candidate runs:
 
 1. a ``kernel_options`` pin (the backend leaves the pinned candidates only; one left runs);
-2. ``AUTOTUNE=False`` (``fwd_``/``bwd_`` per pass): the default, never measured;
+2. ``AUTOTUNE=False`` (``fwd_``/``bwd_`` per pass), or deterministic algorithms (the same bits
+   in every call and process): the default, never measured;
 3. the choice remembered in this process;
 4. the choice on disk (``record_path``), written by any process on this device and toolchain;
 5. a measurement, once every candidate is compiled;
@@ -221,7 +222,9 @@ def describe(mod, call, pass_: str) -> str:
         return f"config {name}: " + (f"pinned by {tuning.pins}" if tuning.pins
                                      else "the only candidate for this shape")
     if not _autotune_on(call.kernel_options, pass_):
-        return f"config {name}: the heuristic's (AUTOTUNE=False)"
+        why = ("deterministic algorithms" if torch.are_deterministic_algorithms_enabled()
+               else "AUTOTUNE=False")
+        return f"config {name}: the heuristic's ({why})"
     hit = _CHOICES.get(tuning.ident)
     if hit is None and timer.usable(call.q.device):
         hit = _read(tuning, call.q.device, heal=False)
@@ -239,6 +242,11 @@ def describe(mod, call, pass_: str) -> str:
 
 
 def _autotune_on(options: dict, pass_: str) -> bool:
+    """Whether the tuner may choose: ``AUTOTUNE`` (per pass) and not deterministic algorithms,
+    whose users expect the same bits in every call and process (candidates may sum in another
+    order, and a choice depends on the cache a process finds)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return False
     return bool(options.get(f"{pass_}_AUTOTUNE", options.get("AUTOTUNE", True)))
 
 

@@ -287,6 +287,23 @@ def test_autotune_false_runs_the_default_and_never_measures(env, key):
     assert _run(env, {key: False}) == _number(M128)  # ...and with it, still the heuristic's
 
 
+def test_deterministic_algorithms_run_the_default_and_never_measure(env):
+    # Deterministic users expect the same bits in every call and process: no measurement, no
+    # background jobs, and a class measured before is not followed either.
+    _ready_after_first_call(env)
+    assert _run(env) == _number(M128P)  # measured with the flag off
+    torch.use_deterministic_algorithms(True)
+    try:
+        sent, rounds = list(env.pool.sent), list(env.timer.rounds)
+        for _ in range(2):
+            assert _run(env) == _number(M128)
+        assert env.pool.sent == sent and env.timer.rounds == rounds
+        assert autotune.describe(env.backend, _call(), "fwd") == \
+            "config tile_m=128: the heuristic's (deterministic algorithms)"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_never_measured_while_capturing_compiling_or_in_explain(env, monkeypatch):
     _ready_after_first_call(env)
     with selfcheck.dry_run():
