@@ -32,8 +32,8 @@ Keys with a meaning for flexjit:
   "m128" (80- or 128-row query tiles); "" is the tile table's. For measuring schedules.
 * ``AUTOTUNE`` (flexjit; ``fwd_``/``bwd_`` per pass): True (default) lets ``runtime.autotune``
   choose among a backend's candidate configurations (the sm90 forward's tile and schedule) by
-  measurement, once per shape class, remembered on disk; False runs the heuristic's and never
-  measures. ``TILE_M`` and ``PERSISTENT`` pin their part either way.
+  measurement, once per shape class, remembered on disk; False (and deterministic
+  algorithms) run the heuristic's and never measure. ``TILE_M`` and ``PERSISTENT`` pin their part either way.
 * ``DECODE_SPLITS`` (flexjit): a positive int, the split-KV decode kernel's split count
   (default: from the shape and the SM count; ``flexjit.explain`` shows it).
 * ``BACKEND`` (torch): "AUTO" (default), "TRITON" and "TRITON_DECODE" run flexjit's Triton
