@@ -96,10 +96,14 @@ def test_warmup_compiles_every_candidate_the_tuner_measures(cache, monkeypatch):
 
     call = flexjit.WarmupCall(2, H, S, D, score_mod=mods.alibi(H), mask_mod=mods.causal(),
                               requires_grad=True)
-    fields = lambda jobs: [(j.kind, j.tile_m, j.persistent) for j in jobs]  # noqa: E731
-    assert fields(wu.jobs(call)[0]) == [("fwd", 128, True), ("bwd", 128, False)]
+    fields = lambda jobs: [(j.kind, j.tile_m, j.persistent, j.bwd_config) for j in jobs]  # noqa: E731
+    assert fields(wu.jobs(call)[0]) == [("fwd", 128, True, ""), ("bwd", 128, False, "")]
     found, why = wu.jobs(call, candidates=True)
-    assert not why and fields(found) == [("fwd", 128, True), ("bwd", 128, False), ("fwd", 128, False)]
+    # The defaults, the forward's other schedule, the backward's two longest-first launches.
+    assert not why and sorted(fields(found)) == sorted([
+        ("fwd", 128, True, ""), ("bwd", 128, False, ""), ("fwd", 128, False, ""),
+        ("bwd", 128, False, "lpt"), ("bwd", 128, False, "lpt2")])
+    assert fields(found[:2]) == fields(wu.jobs(call)[0])
     off = dataclasses.replace(call, kernel_options={"AUTOTUNE": False})
     assert fields(wu.jobs(off, candidates=True)[0]) == fields(found[:2])
 
@@ -112,7 +116,7 @@ def test_warmup_compiles_every_candidate_the_tuner_measures(cache, monkeypatch):
         return fut
     monkeypatch.setattr(compile_pool, "submit", submit)
     summary = flexjit.warmup([call], progress=False)
-    assert sorted(sent) == sorted(j.ident for j in found) and (summary.compiled, summary.cached) == (5, 0)
+    assert sorted(sent) == sorted(j.ident for j in found) and (summary.compiled, summary.cached) == (11, 0)
     q = torch.empty(3, H, S, D, dtype=torch.bfloat16)  # the run's call: another batch
     bm = flexjit.create_block_mask(mods.causal(), None, None, S, S, device="cpu")
     run = prepare_call(q, q, q, call.score_mod, bm, None, False, None)
@@ -221,11 +225,12 @@ def test_the_warmup_command_fills_the_cache_a_model_run_loads(cache, tmp_path):
                "--seq-len", "384", "--batch", "2"]
     first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
-    # The forward on both schedules the tuner measures at 384 tokens, and the backward's three.
-    assert "flexjit warmup: 5 kernels compiled, 0 cached" in first.stdout
-    assert len(list((cache / "cute").glob("*.o"))) == 5
+    # The forward on both schedules the tuner measures at 384 tokens, the backward's three, and
+    # the main kernels of its two longest-first launches (each finds the pre/postprocess cached).
+    assert "flexjit warmup: 7 kernels compiled, 4 cached" in first.stdout, first.stdout
+    assert len(list((cache / "cute").glob("*.o"))) == 7
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert "flexjit warmup: 0 kernels compiled, 5 cached" in again.stdout, again.stdout
+    assert "flexjit warmup: 0 kernels compiled, 11 cached" in again.stdout, again.stdout
     bad = subprocess.run(command[:5] + [str(tmp_path / "nowhere"), "--seq-len", "384"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "cannot read a transformers config" in bad.stderr

@@ -355,10 +355,11 @@ def test_a_worker_forked_after_a_compile_here_compiles_and_starts_fast(cache):
     assert [w.forked for w in pool.live] == [True]
     job, fut = next(iter(compile_pool._PENDING.values()))
     answer = fut.result(timeout=600)
-    assert answer["compiled"] == 3
+    # Its main kernel; the pre/postprocess (the same for every mod) come from the first job.
+    assert (answer["compiled"], answer["cached"]) == (1, 2)
     # a spawned worker's imports alone take seconds; a fork, milliseconds
     assert time.perf_counter() - t0 - answer["seconds"] < 1.0
-    assert len(list((cache / "cute").glob("*.o"))) == 6
+    assert len(list((cache / "cute").glob("*.o"))) == 4
 
 
 @pytest.mark.slow
