@@ -6,7 +6,7 @@
 
 Each call becomes the jobs its kernels need (the sm90 forward, on every configuration the tuner
 would measure, ``runtime.autotune``, so a warmed process tunes on its first call; with
-``requires_grad`` the backward's three kernels too), built as ``flexjit compile`` builds them:
+``requires_grad`` the backward's kernels too, likewise), built as ``flexjit compile`` builds them:
 the call's Program traced on CPU tensors without data, the block mask planned at its length
 (which picks the forward's tiling), and the jobs run on ``runtime.compile_pool``'s workers, all
 at once, each exporting its kernels under the keys the run looks up. A later process (or this
@@ -127,7 +127,7 @@ def jobs(call: WarmupCall, backward: bool | None = None,
 
 def _pass_jobs(call, pass_: str) -> list[compile_pool.Job]:
     """The jobs of one pass of ``call``: its default configuration's first, then the other
-    candidates (none where the backend declares no tuning: the backward, for now)."""
+    candidates (none where the backend declares no tuning for the pass)."""
     tuning = autotune.declared(cute_sm90, call, pass_)
     if tuning is None:
         return [compile_pool.backward_job(call)]

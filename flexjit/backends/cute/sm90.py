@@ -510,16 +510,9 @@ def _bwd_host():
     return templates("sm90").bwd_host
 
 
-def backward_tiling(call, config: str | None = None):
-    """The backward's ``BwdTiling`` for the call: the tile table's, with the schedule variants
-    ``kernel_options["BWD_CONFIG"]`` (or ``config``) names; None for the table's own row."""
-    if config is None:
-        config = call.kernel_options.get("BWD_CONFIG", "")
-    return tiling_for(call.program, call.q.shape[-1], call.v.shape[-1], config)
-
-
 def tiling_for(prog: Program, head_dim: int, head_dim_v: int, config: str):
-    """``backward_tiling`` from the program, head dims and variant names (a compile job's)."""
+    """The backward's ``BwdTiling``: the tile table's row with the schedule variants ``config``
+    names (a ``BWD_CONFIG`` string); None for the row itself."""
     if not config:
         return None
     if "late" in config.split("+") and prog.score is not None and not prog.grad_loads:
@@ -720,14 +713,17 @@ def backward(call, q, k, v, out, lse, dout, dlse, config: Config | None = None) 
     deterministic (a fixed dQ accumulation order) when
     ``torch.are_deterministic_algorithms_enabled()``; the captured gradients are summed by fp64
     atomics in any order (as the Triton backward's), so they are reproducible to fp64 rounding,
-    not bit for bit."""
+    not bit for bit. ``config``: one of ``backward_tuning(call)``'s candidates (None: the
+    heuristic's)."""
     prog = call.program
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
     deterministic = torch.are_deterministic_algorithms_enabled()
     broadcast = kv_broadcast(call)
+    if config is None:
+        config = backward_heuristic(call)
+    tiling = tiling_for(prog, q.shape[-1], v.shape[-1], config["bwd_config"])
     fn = compile_backward(prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic,
-                          aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast,
-                          tiling=backward_tiling(call, None if config is None else config["bwd_config"]))
+                          aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast, tiling=tiling)
     return run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic, broadcast)
 
 

@@ -472,7 +472,6 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         return lpt_coords(x + nx * (y + ny * z), nx, ny, nz, self.lpt_section,
                           lambda a, b: cutlass.min(Int32(a), b))
 
-
     def _make_pipelines(self, storage):
         """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each; consumers
         arrive once per MMA warp."""

@@ -198,4 +198,6 @@ def test_backend_head_dims_match_the_templates():
     """The backend's tables (kept free of cutlass imports) list exactly the templates' rows."""
     from flexjit.backends.cute import sm90 as cute_sm90
     assert set(cute_sm90._HEAD_DIMS) == set(importlib.import_module("flexjit.templates.cute.sm90.fwd").HEAD_DIMS)
-    assert set(cute_sm90._BWD_HEAD_DIMS) == set(importlib.import_module("flexjit.templates.cute.sm90.bwd_tiling").HEAD_DIMS)
+    tiling = importlib.import_module("flexjit.templates.cute.sm90.bwd_tiling")
+    assert set(cute_sm90._BWD_HEAD_DIMS) == set(tiling.HEAD_DIMS)
+    assert cute_sm90.BWD_CONFIG_TOKENS == tiling.BWD_CONFIG_TOKENS  # kernel_options' check
