@@ -37,11 +37,15 @@ from flexjit.ir.nodes import Op
 from flexjit.ir.program import Program
 from flexjit.planner.block_mask import _dense_to_ordered, _transpose_ordered, block_classes, dq_order
 from flexjit.backends.base import Config, Tuning, capability
+from flexjit.backends.fp8 import descale_table
 from flexjit.backends.cute import objects as cute_cache, templates
 
 # (head_dim, head_dim_v) pairs the sm90 forward has a tile for (``cute_sm90_fwd.HEAD_DIMS``,
 # repeated here so that refusing a shape needs no cutlass import).
 _HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256))
+# The pairs its FP8 (e4m3) forward serves (``cute_sm90_fwd.FP8_HEAD_DIMS``).
+_FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
+_E4M3 = torch.float8_e4m3fn
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,9 +87,10 @@ def _scalar_signature(program: Program) -> tuple:
     return tuple(type(as_scalar(x)).__name__ for x in program.scalars)
 
 
-def operands_refusal(q, k, v, head_dims, kernel: str) -> tuple[bool, str] | None:
-    """Why a CuTe kernel cannot take these q/k/v (dtype, head dims, TMA strides), or None."""
-    if q.dtype not in (torch.float16, torch.bfloat16):
+def operands_refusal(q, k, v, head_dims, kernel: str, fp8: bool = False) -> tuple[bool, str] | None:
+    """Why a CuTe kernel cannot take these q/k/v (dtype, head dims, TMA strides), or None.
+    ``fp8``: the call's q, k and v are float8_e4m3fn (``fp8_native`` said so)."""
+    if not fp8 and q.dtype not in (torch.float16, torch.bfloat16):
         return False, f"dtype {q.dtype} (the {kernel} kernel takes fp16/bf16)"
     D, Dv = q.shape[-1], v.shape[-1]
     if (D, Dv) not in head_dims:
@@ -116,7 +121,12 @@ def supports(call) -> tuple[bool, str]:
     major, minor = capability(q.device)
     if (major, minor) != (9, 0):
         return False, f"the sm90 kernel needs Hopper (sm_90), this GPU is sm_{major}{minor}"
-    refusal = operands_refusal(q, k, v, _HEAD_DIMS, "sm90")
+    fp8 = call.fp8 is not None
+    if fp8:
+        native, why = fp8_native(call)
+        if not native:
+            return False, why
+    refusal = operands_refusal(q, k, v, _FP8_HEAD_DIMS if fp8 else _HEAD_DIMS, "sm90", fp8)
     if refusal:
         return refusal
     if q.shape[0] > 1 and q.stride(0) == 0:
@@ -132,14 +142,52 @@ def supports(call) -> tuple[bool, str]:
         _template()
     except ImportError as e:
         return False, f"nvidia-cutlass-dsl is not importable ({e})"
-    tile_m = forward_tile_m(q.shape[-1], call.block_mask, call.kernel_options.get("TILE_M"))
-    what = (f"Hopper GPU: the CuTeDSL sm90 kernel (TMA, wgmma, warp-specialised; {tile_m}-row "
-            f"query tiles, {tile_m // 64} consumer warpgroups")
+    tile_m = 128 if fp8 else forward_tile_m(q.shape[-1], call.block_mask, call.kernel_options.get("TILE_M"))
+    what = (f"Hopper GPU: the CuTeDSL sm90 kernel (TMA, {'e4m3 ' if fp8 else ''}wgmma, "
+            f"warp-specialised; {tile_m}-row query tiles, {tile_m // 64} consumer warpgroups")
     if tile_m != 128 and call.block_mask is not None:
         what += ", block-mask rows merged per tile"
     if kv_broadcast(call):
         return True, what + "), key/value batch broadcast (read at batch 0)"
     return True, what + ")"
+
+
+def fp8_native(call) -> tuple[bool, str]:
+    """Whether the sm90 forward reads this FP8 call's inputs itself: e4m3 q, k and v (an FP8
+    KV cache beside a 16-bit query is dequantised), a 16-bit output, head dims it has an FP8
+    tile for, no ``kernel_options`` tile pins (one configuration)."""
+    f, q, v = call.fp8, call.q, call.v
+    if not f.q_fp8:
+        return False, "the sm90 FP8 forward takes an FP8 query too (FP8 K/V beside a 16-bit query are dequantised)"
+    if f.out_dtype not in (torch.bfloat16, torch.float16):
+        return False, f"the sm90 FP8 forward writes bf16 or fp16, not {f.out_dtype}"
+    if (q.shape[-1], v.shape[-1]) not in _FP8_HEAD_DIMS:
+        return False, (f"head dims ({q.shape[-1]}, {v.shape[-1]}); the sm90 FP8 forward takes "
+                       f"{_FP8_HEAD_DIMS}")
+    pins = [k for k in ("TILE_M", "PERSISTENT") if k in call.kernel_options]
+    if pins:
+        return False, f"kernel_options {pins} pin a tiling the sm90 FP8 forward does not have"
+    return True, ("the sm90 FP8 forward: e4m3 wgmma for QKᵀ and PV (P rounded to e4m3), V "
+                  "transposed on the device first, descales folded into the scale and output")
+
+
+def fp8_value_transposed(v: torch.Tensor) -> torch.Tensor:
+    """The FP8 forward's V operand: (B, H, S, Dv) e4m3 -> Vᵀ (B, H, Dv, S rounded up to 128),
+    contiguous, key j of every 32-key block at slot ``KEY_SLOT[j]`` (``cute_sm90.fp8``), zeros
+    past S. One read of V and one write."""
+    slot = templates("sm90").fp8.KEY_SLOT
+    B, H, S, Dv = v.shape
+    S32, Sp = -(-S // 32) * 32, -(-S // 128) * 128
+    u = v.view(torch.uint8)
+    if S32 != S:
+        u = torch.cat([u, u.new_zeros(B, H, S32 - S, Dv)], dim=2)
+    out = torch.empty(B, H, Dv, Sp, dtype=torch.uint8, device=v.device)
+    if Sp != S32:
+        out[..., S32:].zero_()
+    index = torch.tensor(slot, device=v.device)
+    out[..., :S32].view(B, H, Dv, S32 // 32, 32)[..., index] = \
+        u.view(B, H, S32 // 32, 32, Dv).permute(0, 1, 4, 2, 3)
+    return out.view(_E4M3)
 
 
 def kv_broadcast(call) -> bool:
@@ -198,7 +246,8 @@ def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
     """The forward's disk-cache key material (``_kernel_config`` plus its rescale threshold,
     whether it writes max_scores and the code-changing compile options)."""
     return _kernel_config(cfg, aux_tensors, program, float(cfg.rescale_threshold),
-                          bool(cfg.write_max), _key_options(options))
+                          bool(cfg.write_max), _key_options(options),
+                          *(("fp8",) if cfg.fp8 else ()))
 
 
 # The persistent forward (one CTA per SM looping over tiles, claimed from an atomic counter)
@@ -244,7 +293,8 @@ def _rescale_threshold() -> float:
 
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
                     persistent: bool | None = None, write_max: bool = False, keys: dict | None = None,
-                    kv_batch_broadcast: bool = False, tile_m: int = 128):
+                    kv_batch_broadcast: bool = False, tile_m: int = 128,
+                    out_dtype: torch.dtype | None = None):
     """Compile (or find in memory, or load from disk) the sm90 forward for this program and
     these input kinds.
 
@@ -262,27 +312,34 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     ``tile_m``: the query tile's rows (``forward_tile_m``); 192 with a block mask takes the
     lists merged per tile (``merged_row_lists``).
     ``keys``: if given, ``keys["fwd"]`` is set to the disk-cache key (None with the cache off;
-    ``flexjit.aot`` reports it)."""
+    ``flexjit.aot`` reports it).
+    FP8 (float8_e4m3fn q, k and v, where ``v`` is the permuted Vᵀ, ``fp8_value_transposed``):
+    ``out_dtype`` is the output's (bf16 or fp16); one tile per CTA."""
     tpl = _template()
-    D, Dv = q.shape[-1], v.shape[-1]
+    fp8 = q.dtype == _E4M3
+    D, Dv = q.shape[-1], v.shape[-2 if fp8 else -1]
+    out_dtype = out_dtype or q.dtype
     sig = tuple((t.dtype, t.dim()) for t in aux_tensors)
+    if fp8:
+        persistent = False
     if persistent is None:
         persistent = _persistent_fwd(D, block_mask, k.shape[2])
     # Persistent launches claim tiles dynamically: part of the tiling, hence of both cache keys.
     dynamic = persistent and tpl.dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
-           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast, tile_m)
+           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast, tile_m, out_dtype)
     hit = _COMPILED.get(key)
     if hit is not None:  # the per-call path: no mods, config or disk key to build for `cached`
         return hit
     mods = load_mods(program)
     # The tiling (persistent flag included) is part of _frozen_config, hence of the disk key.
-    cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(q.dtype), mods.score_mod, mods.mask_mod,
+    cfg = tpl.FwdConfig(D, Dv, _cutlass_dtype(out_dtype), mods.score_mod, mods.mask_mod,
                         has_block_mask=block_mask is not None,
                         tiling=tpl.choose_tiling(D, Dv, block_mask is not None, persistent=persistent,
-                                                 dynamic_schedule=dynamic, tile_m=tile_m),
+                                                 dynamic_schedule=dynamic, tile_m=tile_m, fp8=fp8),
                         write_max=write_max,
-                        rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast)
+                        rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast,
+                        fp8=fp8)
     what = forward_label(program, q.dtype, D)
     if kv_batch_broadcast:
         what += " (K/V batch broadcast)"
@@ -290,7 +347,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
                                 lambda: _frozen_config(cfg, aux_tensors, program, options))
 
     def build():
-        o = torch.empty(*q.shape[:-1], Dv, dtype=q.dtype, device=q.device)
+        o = torch.empty(*q.shape[:-1], Dv, dtype=out_dtype, device=q.device)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         return tpl.compile_fwd(cfg, q, k, v, o, lse, block_mask, aux_tensors, program.scalars,
                                options=options)
@@ -417,12 +474,18 @@ def forward(call, config: Config | None = None) -> tuple[torch.Tensor, torch.Ten
     tile_m = config["tile_m"]
     sparse = forward_lists(bm, tile_m)
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
+    descale = None
+    if call.fp8 is not None:  # fp8_native: e4m3 q, k, v
+        v = fp8_value_transposed(v)
+        descale = descale_table(call)
     fn = compile_program(prog, q, k, v, sparse, aux, persistent=config["persistent"],
-                         write_max=call.max_scores, kv_batch_broadcast=broadcast, tile_m=tile_m)
-    o = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+                         write_max=call.max_scores, kv_batch_broadcast=broadcast, tile_m=tile_m,
+                         out_dtype=call.out_dtype)
+    o = torch.empty(*q.shape[:-1], call.v.shape[-1], dtype=call.out_dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     max_scores = torch.empty_like(lse) if call.max_scores else None
-    o, lse = fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars, max_scores=max_scores)
+    o, lse = fn(q, k, v, o, lse, call.scale, sparse, aux, prog.scalars, max_scores=max_scores,
+                descale=descale)
     return o, lse, max_scores
 
 
@@ -435,6 +498,8 @@ def heuristic(call) -> Config:
     """The forward's configuration by rule (``forward_tile_m``, ``_persistent_fwd``), pins in
     ``kernel_options`` honoured: what runs until the tuner has measured, and without it."""
     D, opts = call.q.shape[-1], call.kernel_options
+    if call.fp8 is not None:
+        return _configs((128,), (False,))[0]  # the FP8 forward's only tiling
     return Config.of(tile_m=forward_tile_m(D, call.block_mask, opts.get("TILE_M")),
                      persistent=_persistent_fwd(D, None, call.k.shape[2], owner=call.block_mask,
                                                 pinned=opts.get("PERSISTENT")))
@@ -467,14 +532,15 @@ def tuning(call) -> Tuning:
     kv_tiles = _mean_kv_tiles(None, S, bm)
     share = None
     tile_ms = (default["tile_m"],)
-    if D == 64 and "TILE_M" not in opts:
+    fp8 = call.fp8 is not None  # one tiling: nothing to measure
+    if D == 64 and "TILE_M" not in opts and not fp8:
         mergeable = bm is None or bm.kv_num_blocks.numel() * bm.kv_indices.shape[-1] <= _MERGE_MAX_BLOCKS
         if bm is not None and mergeable:
             share = _merged_partial_share(bm)
         if mergeable and (share is None or share <= 2 * MERGED_MAX_PARTIAL):
             tile_ms = (128, 192)
     persistents = (default["persistent"],)
-    if D in PERSISTENT_HEAD_DIMS and "PERSISTENT" not in opts and \
+    if D in PERSISTENT_HEAD_DIMS and "PERSISTENT" not in opts and not fp8 and \
             kv_tiles <= 2 * PERSISTENT_MAX_KV_TILES:
         persistents = (False, True)
     key = (f"program={call.program.key}", f"dtype={str(q.dtype).removeprefix('torch.')}",

@@ -136,6 +136,9 @@ from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, BlockSp
 from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, bind, fadd, index_add, kernel_aux, launch, permute, plain_i32, quad_allreduce, register_offsets, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.pipeline import tma_pipelines
+from flexjit.templates.cute.sm90 import fp8
+from flexjit.templates.cute.sm90.fwd_tiling import (FP8_HEAD_DIMS, HEAD_DIMS, SMEM_CAPACITY, Tiling,  # noqa: F401  (the template's API)
+                                                    choose_tiling, dynamic_schedule_default, smem_bytes)
 
 # The block lists: one row per mask-block row (128-row tiles) or merged rows (192).
 Lists = Union[BlockSparse, BlockSparseRows]
@@ -143,126 +146,6 @@ Lists = Union[BlockSparse, BlockSparseRows]
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPILOGUE = 1
 _BAR_PINGPONG_BASE = 2  # 2 + consumer warpgroup index
-
-
-@dataclass(frozen=True)
-class Tiling:
-    tile_m: int
-    tile_n: int
-    num_stages: int
-    num_mma_wgs: int
-    pingpong: bool
-    mma_regs: int
-    load_regs: int
-    # Persistent: min(num_tiles, num_SMs) CTAs each walk tiles block_idx, block_idx + grid, ...
-    # in ``tile_scheduler.tile_coords``'s order; O gets its own smem buffer (see "Persistent variant").
-    persistent: bool = False
-    # Persistent only: after its first tile (block_idx) a CTA takes the next unclaimed tile of
-    # the same order from a global atomic counter instead of striding by the grid size (see
-    # "Dynamic tile scheduler").
-    dynamic_schedule: bool = False
-
-
-SMEM_CAPACITY = 227 * 1024  # sm90 opt-in maximum per CTA
-
-# (head_dim, head_dim_v) pairs with a row in ``choose_tiling``'s table.
-HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256))
-
-
-def dynamic_schedule_default() -> bool:
-    """Whether persistent tilings built without an explicit choice claim tiles dynamically: yes
-    (docs/performance.md compares it with the static grid stride)."""
-    return True
-
-
-def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
-                  persistent: bool = False, dynamic_schedule: Optional[bool] = None,
-                  tile_m: Optional[int] = None) -> Tiling:
-    """Tile table. With a block mask, tile_m is 128 = one mask-block row by default, so a CTA
-    reads exactly one row of the BlockMask, and tile_n divides the 128-wide mask block for the
-    same reason. ``tile_m=192`` (D = 64) takes dense D = 64's tile with a block mask too: the
-    kernel then reads the lists merged per 192-row tile (``BlockSparseRows``).
-
-    * D = 64, dense (no block mask): 192×128, 3 consumer warpgroups (FA3/FA4's choice): the
-      K=64 GEMMs are short, so a third warpgroup keeps the tensor cores fed while two run their
-      softmax. Registers 3×128×160 + 128×32 = 65536. Smem Q 24 KB + 3×(16+16) KB.
-    * D = 64, block-sparse: 128×128, 2 warpgroups, 3 stages; or, with ``tile_m=192``, the dense
-      row over merged list rows (a 192-row tile straddles two mask-block rows).
-    * D = 128: 128×128, 2 warpgroups, 2 stages (32 + 2×(32+32) = 160 KB), both overlaps: FA3's
-      best configuration.
-    * D = 256: 128×64, 2 warpgroups, 2 stages (64 + 2×(32+32) = 192 KB). O alone is 128 fp32
-      registers per thread; an S tile of 64 columns (32 regs) keeps the total under 240. FA4 uses
-      tile_n = 80, which would not divide the mask block. No ping-pong (the long PV GEMM makes the
-      two warpgroups' turns uneven).
-    * D = 32: D = 64's block-sparse row, dense too (57 KB): the 192-row 3-warpgroup tile at 160
-      registers spills 48 bytes with a gathered bias (relative_bias), 240 leaves room.
-    * D = 96: D = 128's row (smem 24 + 2×(24+24) = 120 KB). FA3 runs 192×144 with 3 consumer
-      warpgroups; here 192×128 at 160 registers spills 144 bytes (O 48 + S 64 + P 32 per thread
-      leaves too little for the rest), and 144 would not divide the mask block.
-    * D = 192, Dv = 192: 128×64, 2 stages (48 + 2×(24+24) = 144 KB). tile_n = 128 would need
-      48 + 2×96 = 240 KB > 227 KB; FA3's 112 does not divide the mask block. Registers as
-      D = 256's minus 32 (O 96 + S 32 + P 16); the GEMMs of a kv tile are of equal length
-      (64×64×192 and 64×192×64), so ping-pong stays on.
-    * D = 192, Dv = 128 (DeepSeek's MLA shapes): 128×128, 2 stages (Q 48 + 2×(K 48 + V 32)
-      = 208 KB); the register picture is D = 128's (O 64 + S 64 + P 32); O (32 KB) fits in
-      Q's buffer.
-    Two consumer warpgroups: 2×128×240 + producer 128×24 = 64512 <= 65536 registers. Every row
-    compiles without spills with the heaviest core mods (tests/test_cute_sm90_compile.py).
-
-    ``persistent`` adds a separate O buffer (tile_m × Dv): D = 128 needs 192 KB, D = 64 128 KB
-    (block-sparse) or 144 KB (dense), D = 96 145 KB, D = 32 65 KB; D = 256 would need
-    256 KB > 227 KB and (192, 128) 240 KB, so they are refused; (192, 192) would fit (192 KB) but
-    is refused as well until it is measured.
-
-    ``dynamic_schedule`` (persistent only; None: ``FLEXJIT_CUTE_DYNAMIC_SCHEDULE``) picks the
-    atomic-counter tile scheduler over the static grid stride; it is ignored without
-    ``persistent``.
-    """
-    if dynamic_schedule is None:
-        dynamic_schedule = dynamic_schedule_default()
-    dyn = bool(persistent and dynamic_schedule)
-    if (head_dim, head_dim_v) not in HEAD_DIMS:
-        raise NotImplementedError(
-            f"cute_sm90_fwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
-    if tile_m not in (None, 128) and not (tile_m == 192 and head_dim == 64):
-        raise NotImplementedError(
-            f"cute_sm90_fwd: a {tile_m}-row query tile at head dim {head_dim} (192 rows are "
-            "served at head dim 64, else 128)")
-    if persistent and head_dim == 256:
-        raise NotImplementedError(
-            "cute_sm90_fwd: the persistent variant does not support head_dim 256 (Q 64 KB + "
-            "K/V 2x64 KB + a separate O buffer 64 KB = 256 KB > 227 KB of shared memory)")
-    if persistent and head_dim == 192:
-        raise NotImplementedError(
-            f"cute_sm90_fwd: the persistent variant does not support head dims ({head_dim}, "
-            f"{head_dim_v}) (no smem for a separate O buffer beside 2 K/V stages)")
-    if head_dim == 64:
-        if tile_m == 192 or (tile_m is None and not block_sparse):
-            return Tiling(192, 128, 3, 3, True, 160, 32, persistent, dyn)
-        return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
-    if head_dim == 32:
-        return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
-    if head_dim in (96, 128):
-        return Tiling(128, 128, 2, 2, True, 240, 24, persistent, dyn)
-    if head_dim == 192 and head_dim_v == 128:
-        return Tiling(128, 128, 2, 2, True, 240, 24)
-    if head_dim == 192:
-        return Tiling(128, 64, 2, 2, True, 240, 24)
-    return Tiling(128, 64, 2, 2, False, 240, 24)  # 256
-
-
-def smem_bytes(cfg: "FwdConfig") -> int:
-    """Shared memory the kernel allocates (operand buffers at 1 KB alignment + mbarriers)."""
-    t = cfg.tiling
-    elem = 2  # bf16 / fp16
-    q = t.tile_m * cfg.head_dim * elem
-    o = t.tile_m * cfg.head_dim_v * elem
-    kv = t.num_stages * t.tile_n * (cfg.head_dim + cfg.head_dim_v) * elem
-    bars = 8 * (2 + 4 * t.num_stages)
-    if t.dynamic_schedule:
-        bars += 8  # the published tile index
-    q_region = q + o if t.persistent else max(q, o)
-    return 1024 + q_region + kv + bars  # 1024: worst-case padding to the first aligned buffer
 
 
 @dataclass(frozen=True)
@@ -274,11 +157,14 @@ class FwdConfig(config.FwdConfig):
     # K/V of batch extent 1 serve every query batch (torch's batch broadcast; the paged caches):
     # their TMA loads take batch coordinate 0. Off: K/V have the query's batch.
     kv_batch_broadcast: bool = False
+    # q, k and v are float8_e4m3fn (``dtype`` is then the output's): e4m3 wgmma for both GEMMs,
+    # V passed as its permuted transpose and the descales as a table (``sm90.fp8``).
+    fp8: bool = False
 
     def __post_init__(self):
         if self.tiling is None:
             object.__setattr__(self, "tiling", choose_tiling(self.head_dim, self.head_dim_v,
-                                                             self.has_block_mask))
+                                                             self.has_block_mask, fp8=self.fp8))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +178,10 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         super().__init__(cfg, 128 * t.num_mma_wgs)
         self.num_mma_wgs = t.num_mma_wgs
         self.pingpong = t.pingpong and t.num_mma_wgs >= 2
+        # FP8: q, k, v (Vᵀ) are e4m3; ``dtype`` stays the output's. O gets its own smem buffer
+        # (16-bit O is twice an e4m3 Q tile).
+        self.fp8 = bool(getattr(cfg, "fp8", False))
+        self.in_dtype = cutlass.Float8E4M3FN if self.fp8 else self.dtype
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.write_max = bool(cfg.write_max)
         # A query tile taller than a mask block reads merged list rows (``BlockSparseRows``).
@@ -316,13 +206,16 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
         softmax_scale: Float32, hb_per_section: Int32, blocks: Optional[Lists],
         aux_tensors: Optional[tuple], aux_scalars: Optional[tuple], num_sms: Int32,
-        tile_counter: Optional[cute.Tensor], mMax: Optional[cute.Tensor], stream: cuda.CUstream,
+        tile_counter: Optional[cute.Tensor], mMax: Optional[cute.Tensor],
+        descale: Optional[cute.Tensor], stream: cuda.CUstream,
     ):
         """The operands' layouts: ``common``'s docstring. ``hb_per_section``: the L2 swizzle's
         (head, batch) pairs per scheduling section; ``num_sms``: the persistent grid's size cap
         (runtime: not baked into the kernel); ``tile_counter``: (2,) int32, the dynamic
-        scheduler's only (else None)."""
-        if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype):
+        scheduler's only (else None). FP8: ``mV`` is Vᵀ with its keys permuted, (B, Hkv, Dv,
+        S padded to 128) (``sm90.fp8``), and ``descale`` the (B, Hkv, 3) float32 table of the
+        q, k and v descales (else None)."""
+        if const_expr(mQ.element_type != self.in_dtype or mK.element_type != self.in_dtype):
             raise TypeError("q/k dtype does not match the config")
         # Sequence-major views: (L, D, Hq, B), (S, D, Hkv, B), (S, Dv, Hkv, B), (L, Hq, B).
         q, k, v, o = [permute(t, [2, 3, 1, 0]) for t in (mQ, mK, mV, mO)]
@@ -330,29 +223,32 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         row_max = permute(mMax, [2, 1, 0]) if const_expr(mMax is not None) else None
 
         D, Dv, tm, tn = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
-        sQ_layout = smem_layout(self.dtype, tm, D)
-        sK_layout = smem_layout(self.dtype, tn, D, self.num_stages)
-        sV_layout = smem_layout(self.dtype, tn, Dv, self.num_stages)
+        dt = self.in_dtype
+        sQ_layout = smem_layout(dt, tm, D)
+        sK_layout = smem_layout(dt, tn, D, self.num_stages)
+        v_tile = (Dv, tn) if const_expr(self.fp8) else (tn, Dv)  # FP8: Vᵀ, keys contiguous
+        sV_layout = smem_layout(dt, *v_tile, self.num_stages)
         sO_layout = smem_layout(self.dtype, tm, Dv)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, q, sQ_layout, (tm, D))
         tma_k, tK = cpasync.make_tiled_tma_atom(g2s, k, cute.select(sK_layout, mode=[0, 1]), (tn, D))
-        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, v, cute.select(sV_layout, mode=[0, 1]), (tn, Dv))
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, v, cute.select(sV_layout, mode=[0, 1]), v_tile)
         tma_o, tO = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), o, sO_layout, (tm, Dv)
         )
-        self.tx_q = cute.size_in_bytes(self.dtype, sQ_layout)
-        self.tx_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
-        self.tx_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+        self.tx_q = cute.size_in_bytes(dt, sQ_layout)
+        self.tx_k = cute.size_in_bytes(dt, cute.select(sK_layout, mode=[0, 1]))
+        self.tx_v = cute.size_in_bytes(dt, cute.select(sV_layout, mode=[0, 1]))
 
         K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
         mma_qk = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (self.num_mma_wgs, 1, 1), (64, tn)
+            dt, dt, K_MAJOR, K_MAJOR, Float32, (self.num_mma_wgs, 1, 1), (64, tn)
         )
+        # FP8 wgmma takes both operands K-major: Vᵀ is stored so.
         mma_pv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (self.num_mma_wgs, 1, 1),
-            (64, Dv), warpgroup.OperandSource.RMEM,
+            dt, dt, K_MAJOR, K_MAJOR if const_expr(self.fp8) else MN_MAJOR, Float32,
+            (self.num_mma_wgs, 1, 1), (64, Dv), warpgroup.OperandSource.RMEM,
         )
 
         # O reuses Q's buffer with one tile per CTA; persistent, the producer may load the next
@@ -365,14 +261,16 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         if const_expr(self.dynamic):
             fields["tile_idx"] = cute.struct.MemRange[Int32, 2]
         name, q_elems = "SharedStorage", max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
-        if const_expr(self.persistent):
-            name, q_elems = "SharedStoragePersistent", cute.cosize(sQ_layout)
+        if const_expr(self.persistent or self.fp8):
+            name, q_elems = "SharedStorageOwnO", cute.cosize(sQ_layout)
         if const_expr(self.dynamic):
             name = "SharedStorageDynamic"
-        fields["sQ"] = smem_buffer(self.dtype, q_elems)
-        fields["sK"] = smem_buffer(self.dtype, sK_layout)
-        fields["sV"] = smem_buffer(self.dtype, sV_layout)
-        if const_expr(self.persistent):
+        if const_expr(self.fp8):
+            name = "SharedStorageFp8"
+        fields["sQ"] = smem_buffer(dt, q_elems)
+        fields["sK"] = smem_buffer(dt, sK_layout)
+        fields["sV"] = smem_buffer(dt, sV_layout)
+        if const_expr(self.persistent or self.fp8):
             fields["sO"] = smem_buffer(self.dtype, sO_layout)
         self.shared_storage = shared_storage(name, fields)
 
@@ -384,7 +282,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         launch(self.kernel(
             tQ, tK, tV, tO, lse, tma_q, tma_k, tma_v, tma_o, mma_qk, mma_pv,
             softmax_scale, hb_per_section, blocks, aux_tensors, aux_scalars,
-            sQ_layout, sK_layout, sV_layout, sO_layout, tile_counter, row_max,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tile_counter, row_max, descale,
         ), [num_ctas, 1, 1], self.num_threads, stream)
 
     # -----------------------------------------------------------------------------------------
@@ -398,6 +296,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
         tile_counter: Optional[cute.Tensor], mMax: Optional[cute.Tensor],
+        descale: Optional[cute.Tensor],
     ):
         """The operands' layouts: ``common``'s docstring (mQ, mK, mV, mO: TMA views)."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -418,7 +317,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        if const_expr(self.persistent):
+        if const_expr(self.persistent or self.fp8):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
@@ -434,8 +333,10 @@ class FlexAttentionFwdSm90(config.TiledKernel):
                 self.load(ld, hb_per_section, blocks, sched, sTile, tile_counter)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.mma(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, transposed(sV), sO, tma_o, pipe_q,
-                     pipe_k, pipe_v, softmax_scale, hb_per_section, blocks, aux, sched, sTile, mMax)
+            sVt = sV if const_expr(self.fp8) else transposed(sV)
+            self.mma(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, sVt, sO, tma_o, pipe_q,
+                     pipe_k, pipe_v, softmax_scale, hb_per_section, blocks, aux, sched, sTile, mMax,
+                     descale)
 
     def _make_pipelines(self, storage):
         """Q: one stage; K and V: ``num_stages`` each; consumers arrive once per warp
@@ -580,7 +481,10 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         gQ = cute.local_tile(mQ[None, None, sched.head, sched.batch],
                              (self.tile_m, self.head_dim), (sched.m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, kv_batch], (self.tile_n, self.head_dim), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, kv_batch], (self.tile_n, self.head_dim_v), (None, 0))
+        if const_expr(self.fp8):  # Vᵀ: (Dv, S) tiles of (Dv, tile_n)
+            gV = cute.local_tile(mV[None, None, head_kv, kv_batch], (self.head_dim_v, self.tile_n), (0, None))
+        else:
+            gV = cute.local_tile(mV[None, None, head_kv, kv_batch], (self.tile_n, self.head_dim_v), (None, 0))
         tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
         tKsK, tKgK = tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_v, sV, gV)
@@ -648,6 +552,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         cta_sched,  # one tile per CTA: this CTA's tile; else None
         sTile: Optional[cute.Tensor],  # dynamic: (2,) int32 smem, [0] the published tile index
         mMax: Optional[cute.Tensor],  # (L, Hq, B) or None
+        descale: Optional[cute.Tensor],  # FP8: (B, Hkv, 3) float32; else None
     ):
         """A consumer warpgroup, in the producer's schedule (``load``). Persistent: Q and K/V
         consumer states carried across tiles; the ping-pong token is handed out once per CTA
@@ -664,9 +569,13 @@ class FlexAttentionFwdSm90(config.TiledKernel):
             row_peak = cute.make_rmem_tensor(cute.size(row_max), Float32)
             row_peak.fill(-Float32.inf)
         if const_expr(not self.persistent):
-            ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
-                          row_max, row_sum, c, softmax_scale, cta_sched, aux, wg, row_peak, mMax)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            if const_expr(self.fp8):
+                softmax_scale, c = self._fp8_scales(cta_sched, mQ, descale, softmax_scale, sQ,
+                                                    pipe_q, q_state, tidx)
+            ctx = _MmaCtx(mma_qk, mma_pv, thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape,
+                          row_max, row_sum, c, softmax_scale, cta_sched, aux, wg, row_peak, mMax,
+                          descale)
             kv = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             self._mainloop(ctx, q_state, kv, pipe_q, pipe_k, pipe_v)
             self.epilogue(ctx, mma_pv, mQ, mO, mLSE, sO, tma_o, tidx)
@@ -846,7 +755,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
                 else:
                     self._mods(ctx, acc_S, tile, "full")
         self._online_softmax(ctx, acc_S, True)
-        ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        self._store_p(ctx, acc_S)
 
     @cute.jit
     def _steady_tile(self, ctx, j: Int32, kv, tile: Int32, pipe_k: pipeline.PipelineAsync,
@@ -870,9 +779,36 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         row_scale = self._online_softmax(ctx, acc_S, False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
-        ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        self._store_p(ctx, acc_S)
         softmax.rescale_rows(ctx.acc_O, row_scale)
         return kv
+
+    @cute.jit
+    def _store_p(self, ctx, acc_S: cute.Tensor):
+        """P (the softmax's output in acc_S) into the PV GEMM's A fragment, converted."""
+        if const_expr(self.fp8):
+            src, dst = fp8.acc_as_fp8_operand_a(acc_S, ctx.tOrP)
+            dst.store(src.load().to(self.in_dtype))
+        else:
+            ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+
+    @cute.jit
+    def _fp8_scales(self, sched, mQ: cute.Tensor, descale: cute.Tensor, softmax_scale: Float32,
+                    sQ: cute.Tensor, pipe_q, q_state, tidx: Int32):
+        """(score scale, exp2 multiplier) of an FP8 tile: the scale times |q_descale · k_descale|
+        of its (batch, kv head). A negative product negates the Q tile in smem first
+        (``fp8.negate_fp8``; waits for Q), so that raw products keep their order. (The v
+        descale is read by the epilogue: no register carries it through the mainloop.)"""
+        head_kv = sched.head // (mQ.shape[2] // descale.shape[1])
+        qk = descale[sched.batch, head_kv, 0] * descale[sched.batch, head_kv, 1]
+        if qk < Float32(0.0):
+            pipe_q.consumer_wait(q_state)  # waited for again (at once) by _mainloop
+            fp8.negate_fp8(sQ, tidx, self.num_mma_threads)
+            cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> wgmma (async proxy)
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+            qk = -qk
+        scale = softmax_scale * qk
+        return scale, softmax.exp2_multiplier(self.score_mod, scale)
 
     @cute.jit
     def _pingpong_wait(self, wg: Int32):
@@ -972,9 +908,15 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         o_rc = rows_cols(acc_O)
         n_rows = cute.size(o_rc, mode=[0])
         lse = cute.make_rmem_tensor(n_rows, Float32)
+        v_descale = None
+        if const_expr(self.fp8):
+            head_kv = ctx.sched.head // (mQ.shape[2] // ctx.descale.shape[1])
+            v_descale = ctx.descale[ctx.sched.batch, head_kv, 2]
         for r in cutlass.range_constexpr(n_rows):
             total = quad_allreduce(ctx.row_sum[r], fadd)
             inv, lse[r] = softmax.finalize(total, ctx.row_max[r], ctx.c)
+            if const_expr(self.fp8):
+                inv = inv * v_descale
             for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
                 o_rc[r, k] = o_rc[r, k] * inv
 
@@ -1051,8 +993,10 @@ _Loads = namedtuple("_Loads", "mQ mK mV sQ sK sV tma_q tma_k tma_v pipe_q pipe_k
 
 # Per-CTA consumer state threaded through the mainloop helpers (trace-time container). row_peak:
 # the true row max, write_max only; mMax: (L, Hq, B), write_max only.
+# descale: FP8 only, the (B, Hkv, 3) table.
 _MmaCtx = namedtuple("_MmaCtx", "mma_qk mma_pv thr_qk tSrQ tSrK tOrVt tOrP acc_O s_shape row_max "
-                     "row_sum c softmax_scale sched aux wg row_peak mMax", defaults=(None, None))
+                     "row_sum c softmax_scale sched aux wg row_peak mMax descale",
+                     defaults=(None, None, None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1074,7 +1018,9 @@ def _as_cute(t, align: int = 16):
 def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
     """The compile-time arguments of the TVM-FFI path, in ``FlexAttentionFwdSm90.__call__``'s
     order (without the stream)."""
-    q, k, v, o = [placeholder(cfg.dtype, 4, 16, 8) for _ in range(4)]  # TMA: 16 B, 8 elems
+    in_dtype = cutlass.Float8E4M3FN if cfg.fp8 else cfg.dtype
+    q, k, v = [placeholder(in_dtype, 4, 16, 16 // in_dtype.width * 8) for _ in range(3)]  # TMA: 16 B
+    o = placeholder(cfg.dtype, 4, 16, 8)
     lse = placeholder(Float32, 3, 4)
     blocks = None
     if cfg.has_block_mask:
@@ -1082,9 +1028,10 @@ def _placeholder_args(cfg: FwdConfig, aux_tensors, aux_scalars) -> tuple:
         blocks = kind(*[placeholder(Int32, n, 4) for n in (3, 4, 3, 4, 4)[:len(kind._fields)]])
     counter = placeholder(Int32, 1, 4) if cfg.tiling.dynamic_schedule else None
     row_max = placeholder(Float32, 3, 4) if cfg.write_max else None
+    descale = placeholder(Float32, 3, 4) if cfg.fp8 else None
     return (q, k, v, o, lse, Float32(1.0), Int32(1), blocks,
             *host.aux_placeholders(aux_tensors, aux_scalars),
-            Int32(tile_scheduler.CPU_NUM_SMS), counter, row_max)
+            Int32(tile_scheduler.CPU_NUM_SMS), counter, row_max, descale)
 
 
 class CompiledFwd(host.CompiledFwd):
@@ -1093,13 +1040,16 @@ class CompiledFwd(host.CompiledFwd):
 
     def __call__(self, q, k, v, o, lse, softmax_scale: float, block_mask=None, aux_tensors=(),
                  aux_scalars=(), stream=None, hb_per_section: Optional[int] = None,
-                 num_sms: Optional[int] = None, max_scores=None):
+                 num_sms: Optional[int] = None, max_scores=None, descale=None):
         """``num_sms`` caps the persistent grid (default: the device's SM count); tests pass a
         small value to make each CTA run many tiles. Ignored by the non-persistent kernel.
-        ``max_scores``: lse's shape and dtype, written by a ``write_max`` kernel (which needs it)."""
+        ``max_scores``: lse's shape and dtype, written by a ``write_max`` kernel (which needs it).
+        FP8: ``v`` is the permuted Vᵀ (``sm90.fp8``), ``descale`` the (B, Hkv, 3) table."""
         self.check_max_scores(max_scores)
+        if (descale is not None) != bool(self.cfg.fp8):
+            raise ValueError("an FP8 forward takes a descale table, a 16-bit one none")
         args = (self.cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
-                hb_per_section, num_sms, max_scores)
+                hb_per_section, num_sms, max_scores, descale)
         if self.ffi_fn is None:
             import torch
 
@@ -1123,7 +1073,7 @@ def _lists_kind(cfg: FwdConfig):
 
 
 def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
-                     hb_per_section=None, num_sms=None, max_scores=None) -> tuple:
+                     hb_per_section=None, num_sms=None, max_scores=None, descale=None) -> tuple:
     """TVM-FFI call arguments: the torch tensors themselves (the C wrapper checks alignment,
     strides, dtypes and block-mask presence); only the copies that make block lists / aux
     buffers contiguous happen here. The tile counter is the current stream's."""
@@ -1136,12 +1086,12 @@ def _ffi_launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensor
     counter = tile_scheduler.scheduler_counter(q.device) if cfg.tiling.dynamic_schedule else None
     return (q, k, v, o, lse, float(softmax_scale), int(hb_per_section), blocks,
             *host.aux_args(aux_tensors, aux_scalars), tile_scheduler.num_sms(cfg, q, num_sms),
-            counter, max_scores)
+            counter, max_scores, descale)
 
 
 def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, aux_scalars,
-                 hb_per_section=None, num_sms=None, max_scores=None):
-    """DLPack-path call arguments (the fallback): cute tensors built per call."""
+                 hb_per_section=None, num_sms=None, max_scores=None, descale=None):
+    """DLPack-path call arguments (the fallback): cute tensors built per call (16-bit only)."""
     host.check_kv_batch(cfg.kv_batch_broadcast, q, k, v)
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o)):
         if t.stride(-1) != 1 or t.data_ptr() % 16 != 0:
@@ -1163,7 +1113,7 @@ def _launch_args(cfg, q, k, v, o, lse, softmax_scale, block_mask, aux_tensors, a
     return (_as_cute(q), _as_cute(k), _as_cute(v), _as_cute(o), _as_cute(lse, align=4),
             Float32(softmax_scale), Int32(hb_per_section), blocks, tensors or None,
             scalars or None, Int32(tile_scheduler.num_sms(cfg, q, num_sms)), counter,
-            None if max_scores is None else _as_cute(max_scores, align=4))
+            None if max_scores is None else _as_cute(max_scores, align=4), None)
 
 
 def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=(),
@@ -1174,6 +1124,9 @@ def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=()
     ``use_tvm_ffi``: None picks TVM-FFI when available (``tvm_ffi_enabled()``)."""
     if use_tvm_ffi is None:
         use_tvm_ffi = tvm_ffi_enabled()
+    if cfg.fp8:
+        host.require_tvm_ffi("cute_sm90_fwd (FP8)")
+        use_tvm_ffi = True
     signature = host.aux_signature(aux_tensors, aux_scalars)
     kernel = FlexAttentionFwdSm90(cfg)
     if not use_tvm_ffi:
@@ -1181,7 +1134,11 @@ def compile_fwd(cfg: FwdConfig, q, k, v, o, lse, block_mask=None, aux_tensors=()
                             max_scores=lse.new_empty(lse.shape) if cfg.write_max else None)
         compiled = cute.compile(kernel, *args, cuda.CUstream(0), options=options)
         return CompiledFwd(cfg, compiled, signature)
-    if host.cutlass_dtype(q.dtype, "cute_sm90_fwd") is not cfg.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
+    if cfg.fp8:
+        if str(q.dtype) != "torch.float8_e4m3fn" or k.dtype != q.dtype or v.dtype != q.dtype or \
+                host.cutlass_dtype(o.dtype, "cute_sm90_fwd") is not cfg.dtype:
+            raise TypeError("an FP8 forward takes float8_e4m3fn q/k/v and an output of the config's dtype")
+    elif host.cutlass_dtype(q.dtype, "cute_sm90_fwd") is not cfg.dtype or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError("q/k/v dtype does not match the config")
     if (block_mask is not None) != cfg.has_block_mask:
         raise ValueError("block_mask presence must match FwdConfig.has_block_mask")

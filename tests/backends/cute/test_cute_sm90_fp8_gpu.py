@@ -1,0 +1,110 @@
+"""The sm90 FP8 forward (e4m3 wgmma for QKᵀ and PV) through ``flex_attention`` on a Hopper GPU.
+
+Against the float64 attention of the dequantised inputs: err(out) ≤ 2·err(the same math in
+torch) + floor, where the same math is the plain FP8 reference with P rounded to e4m3 before P·V
+(``fp8_reference(p_dtype=e4m3)``), as the kernel's PV GEMM does; lse (P's rounding does not
+reach it) against float32 math. Every head dim the kernel serves, ragged lengths (L 300, S 500:
+the permuted Vᵀ's tail block is partial), GQA 4:2, per-(batch, kv head) and scalar descales, a
+negative descale product (the kernel negates its Q tile), block masks with partial, full and
+empty blocks, captured tensors (ALiBi slopes, document ids), softcap. explain() must name the
+FP8 kernel, so a silent fall back to the dequantising road fails.
+"""
+import pytest
+import torch
+
+import flexjit
+from flexjit import create_block_mask, mods
+from oracle import FLOOR, dense_attention, dequantize_e4m3, fp8_reference, max_err, quantize_e4m3
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
+
+DEV = "cuda"
+E4M3 = torch.float8_e4m3fn
+B, HQ, HKV, L, S = 2, 4, 2, 300, 500
+G = HQ // HKV
+
+
+def _mods(name):
+    """(score_mod, mask_mod) on DEV; the queries are the last L of the S positions."""
+    off = S - L
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx + off >= kv_idx
+
+    if name == "full":
+        return None, None
+    if name == "causal":
+        return None, causal
+    if name == "sliding_window":
+        def window(b, h, q_idx, kv_idx):
+            return (q_idx + off >= kv_idx) & (q_idx + off - kv_idx < 96)
+        return None, window
+    if name == "alibi":
+        slopes = mods.alibi_slopes(HQ).to(DEV)
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx - off)
+        return alibi, causal
+    if name == "softcap":
+        return mods.softcap(4.0), None
+    if name == "document":
+        doc = (torch.arange(S, device=DEV) * 7 // S).to(torch.int32)
+
+        def same_doc(b, h, q_idx, kv_idx):
+            return doc[q_idx + off] == doc[kv_idx]
+        return None, same_doc
+    raise ValueError(name)
+
+
+def _inputs(D, seed, per_head=True, negative=False):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, n, D, generator=g, dtype=torch.float64)
+               for h, n in ((HQ, L), (HKV, S), (HKV, S)))
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_e4m3(t, gr if per_head else None)
+                                    for t, gr in ((q, G), (k, 1), (v, 1)))
+    if negative:  # one (batch, kv head) with a negative q·k descale product, another negative v
+        qd = qd.clone()
+        vd = vd.clone()
+        qd[0, 1] = -qd[0, 1]
+        vd[1, 0] = -vd[1, 0]
+    return (q8, k8, v8), (qd, kd, vd)
+
+
+def _check(D, name, seed=0, per_head=True, negative=False):
+    (q8, k8, v8), (qd, kd, vd) = _inputs(D, seed, per_head, negative)
+    score_mod, mask_mod = _mods(name)
+    bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, L, S, device=DEV)
+    args = [t.to(DEV) for t in (q8, k8, v8)]
+    kw = dict(q_descale=qd.to(DEV), k_descale=kd.to(DEV), v_descale=vd.to(DEV))
+    choice = flexjit.explain(*args, score_mod, bm, enable_gqa=True, **kw)
+    assert choice.name == "cute" and "FP8 forward" in choice.reason, choice
+    for t in (q8, k8, v8):  # the dequantising road must not be what runs
+        assert t.dtype == E4M3
+    out, lse = flexjit.flex_attention(*args, score_mod, bm, enable_gqa=True, return_lse=True, **kw)
+    assert out.dtype == torch.bfloat16
+    real = [dequantize_e4m3(t.to(DEV), d.to(DEV), torch.float64, gr)
+            for t, d, gr in ((q8, qd, G), (k8, kd, 1), (v8, vd, 1))]
+    ref, ref_lse = dense_attention(*real, score_mod, mask_mod)
+    descales = tuple(d.to(DEV) for d in (qd, kd, vd))
+    same, _ = fp8_reference(*args, descales, score_mod, mask_mod, p_dtype=E4M3)
+    _, lse32 = fp8_reference(*args, descales, score_mod, mask_mod)
+    assert not torch.isnan(out).any()
+    err, bound = max_err(out, ref), 2 * max_err(same, ref) + FLOOR[torch.bfloat16]
+    assert err <= bound, f"{name} D={D}: out error {err:.3g} > {bound:.3g}"
+    err, bound = max_err(lse, ref_lse), 2 * max_err(lse32, ref_lse) + FLOOR[torch.float32]
+    assert err <= bound, f"{name} D={D}: lse error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("name", ["full", "causal", "alibi", "softcap", "document", "sliding_window"])
+def test_core_mods(D, name):
+    _check(D, name)
+
+
+@pytest.mark.parametrize("name", ["full", "alibi"])
+def test_negative_and_scalar_descales(name):
+    _check(128, name, seed=1, negative=True)
+    _check(128, name, seed=2, per_head=False)
