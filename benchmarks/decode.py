@@ -71,9 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--flexjit-modes", default="",
                    help="extra flexjit rows, ';'-separated, each comma-separated key=value: "
-                        "splits=N (kernel_options DECODE_SPLITS) or another kernel_options key "
-                        "(BLOCK_N, "
-                        "num_warps, num_stages), e.g. 'splits=8;BLOCK_N=128,num_stages=4'")
+                        "splits=N (kernel_options DECODE_SPLITS), cfg=TOKENS (DECODE_CONFIG) or "
+                        "another kernel_options key (BLOCK_N, num_warps, num_stages), e.g. "
+                        "'splits=8;BLOCK_N=128,num_stages=4;cfg=prefetch+vbits'")
     p.add_argument("--fp8-modes", default="",
                    help="extra flexjit-fp8 rows, as --flexjit-modes (the FP8 cache's tiles)")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -276,7 +276,7 @@ def paged_lists(case: Case, variant: str, lib):
 # ---- implementations --------------------------------------------------------------------------
 
 
-MODE_OPTIONS = {"splits": "DECODE_SPLITS"}
+MODE_OPTIONS = {"splits": "DECODE_SPLITS", "cfg": "DECODE_CONFIG"}
 """--flexjit-modes keys that are short names of kernel_options keys (the rest are the keys)."""
 
 
@@ -287,7 +287,8 @@ def parse_mode(mode: str) -> dict:
         key, _, value = item.partition("=")
         if not value:
             raise SystemExit(f"--flexjit-modes entry {item!r} is not key=value")
-        opts[MODE_OPTIONS.get(key, key)] = int(value)
+        key = MODE_OPTIONS.get(key, key)
+        opts[key] = value if key == "DECODE_CONFIG" else int(value)
     return opts
 
 

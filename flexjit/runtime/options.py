@@ -36,6 +36,9 @@ Keys with a meaning for flexjit:
   algorithms) run the heuristic's and never measure. ``TILE_M`` and ``PERSISTENT`` pin their part either way.
 * ``DECODE_SPLITS`` (flexjit): a positive int, the split-KV decode kernel's split count
   (default: from the shape and the SM count; ``flexjit.explain`` shows it).
+* ``DECODE_CONFIG`` (flexjit): the split-KV decode kernel's variants, "+"-joined: "prefetch"
+  (two K/V tiles in flight), "kbits" / "vbits" (an FP8 cache's tiles converted by integer
+  ops); "" is the plain kernel. For measuring (``backends.triton.decode``).
 * ``BACKEND`` (torch): "AUTO" (default), "TRITON" and "TRITON_DECODE" run flexjit's Triton
   kernels, "FLASH" its CuTeDSL kernels (torch's FLASH backend is FlashAttention-4's CuTeDSL
   kernel); with ``backend="auto"`` only: an explicit ``backend=`` wins.
@@ -57,7 +60,7 @@ from flexjit.backends.cute import sm90 as cute_sm90
 MEANINGFUL = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
               "BLOCK_N2", "FAST_MATH", "BACKEND", "FORCE_USE_FLEX_ATTENTION", "USE_TMA",
               "WARP_SPECIALIZE", "PERSISTENT", "DECODE_SPLITS", "TILE_M", "BWD_CONFIG",
-              "AUTOTUNE")
+              "AUTOTUNE", "DECODE_CONFIG")
 IGNORED = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
            "kpack", "matrix_instr_nonkdim", "waves_per_eu", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
            "SAFE_HEAD_DIMENSION",
@@ -91,6 +94,7 @@ class FlexKernelOptions(TypedDict, total=False):
     TILE_M: int
     BWD_CONFIG: str
     AUTOTUNE: bool
+    DECODE_CONFIG: str
     PRESCALE_QK: bool
     ROWS_GUARANTEED_SAFE: bool
     BLOCKS_ARE_CONTIGUOUS: bool
@@ -122,6 +126,7 @@ _TYPED = (
     ("BWD_CONFIG", lambda v: isinstance(v, str) and all(
         t in cute_sm90.BWD_CONFIG_TOKENS for t in v.split("+") if t),
      f"a '+'-joined string of {cute_sm90.BWD_CONFIG_TOKENS}"),
+    ("DECODE_CONFIG", lambda v: isinstance(v, str), "a '+'-joined string"),
 )
 
 

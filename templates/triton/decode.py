@@ -23,6 +23,14 @@ What this module holds
   (exact for every value within 2^-28 of that largest), undone in the score scale.
   A program serves one (batch, kv head), so its descales are scalars: q's and k's fold into the
   score scale, v's into the output. Off (and DESCALE None) the kernel is the 16-bit one.
+* Variants (constexprs, all off in the default build; ``DECODE_CONFIG`` in the host module):
+  ``PREFETCH`` tests ``kv_idx < S`` in every tile's scores (true there: no result changes).
+  Triton's pipeliner gives a block-index load whose only use is the K/V addresses a stage of its
+  own, leaving the K/V copies one stage, single-buffered: the next tile's copy starts after
+  this tile's P·V. A use in the softmax keeps the index load in the copies' stage, and they get
+  two tiles of lead in two buffers. ``K_BITS`` / ``V_BITS`` convert e4m3 to float16 by
+  moving bits (``_e4m3_bits``: integer ops on four bytes at a time instead of two conversion
+  instructions), giving 2^-8 × the value, undone in the score scale / the output.
 
 Holes (filled by ``flexjit.backends.triton_render``, as for ``triton_fwd.py``):
 ``# {{CAPTURE_PARAMS}}``, ``# {{CAPTURE_ARGS}}``, ``# {{SCORE_MOD}}``, ``# {{MASK_MOD}}``,
@@ -61,6 +69,35 @@ from flexjit.templates.triton.common import _dot, _max, _n_tiles, _score_tile, _
 
 
 @triton.jit
+def _e4m3_bits(x, ASM: tl.constexpr):
+    """e4m3 ``x`` as float16 × 2^-8, exactly (normals and subnormals; e4m3's NaN becomes 1.875):
+    the sign to bit 15, the 4 exponent and 3 mantissa bits to bits 13..7, whose float16 value is
+    the e4m3 one shifted by the bias difference 15 - 7. ASM: four bytes a register (PRMT puts
+    two in the high bytes of the halves, a shift and two LOP3s finish each pair); else the same
+    on each element (the interpreter)."""
+    u = x.to(tl.uint8, bitcast=True)
+    if ASM:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, s0, s1;
+            prmt.b32 t0, $2, 0, 0x1404;
+            prmt.b32 t1, $2, 0, 0x3424;
+            and.b32 s0, t0, 0x7F007F00;
+            and.b32 s1, t1, 0x7F007F00;
+            shr.b32 s0, s0, 1;
+            shr.b32 s1, s1, 1;
+            and.b32 t0, t0, 0x80008000;
+            and.b32 t1, t1, 0x80008000;
+            or.b32 $0, t0, s0;
+            or.b32 $1, t1, s1;
+            }""",
+            "=r,=r,r", [u], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        w = u.to(tl.uint16)
+        return (((w & 0x80) << 8) | ((w & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             idx_ptr, stride_idx, lo, hi, off_b, off_h, q_idx, S, sm_scale, qk_scale_log2,
             # {{CAPTURE_PARAMS}}
@@ -68,7 +105,8 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, HAS_BLOCK_MASK: tl.constexpr,
             APPLY_MASK: tl.constexpr, EVEN_N: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
             DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
-            KV_FP8: tl.constexpr):
+            KV_FP8: tl.constexpr, PREFETCH: tl.constexpr, K_BITS: tl.constexpr,
+            V_BITS: tl.constexpr, ASM: tl.constexpr):
     """Online softmax (FlashAttention-2 §3.1) over tiles [lo, hi) of one block list's walk."""
     offs_d = tl.arange(0, E_PAD)
     offs_dv = tl.arange(0, EV_PAD)
@@ -81,12 +119,15 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=(offs_n[:, None] < S) & (offs_d[None, :] < E), other=0.0)
-        if KV_FP8:
+        if K_BITS:
+            k = _e4m3_bits(k, ASM)
+        elif KV_FP8:
             k = k.to(q.dtype)  # exact: every e4m3 value is a float16/bfloat16/float32 value
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION)
         s2 = _score_tile(qk, off_b, off_h, q_idx, offs_n[None, :], S, sm_scale, qk_scale_log2,
                          # {{CAPTURE_ARGS}}
-                         APPLY_MASK, EVEN_N, HAS_SCORE_MOD, FAST_MATH, False, False)
+                         APPLY_MASK, EVEN_N and not PREFETCH, HAS_SCORE_MOD, FAST_MATH, False,
+                         False)
         m_new = tl.maximum(m_i, _max(s2, 1))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing kept yet: exp2 gives 0
         alpha = tl.math.exp2(m_i - m_base)
@@ -96,7 +137,9 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=(offs_n[:, None] < S) & (offs_dv[None, :] < EV), other=0.0)
-        if KV_FP8:
+        if V_BITS:
+            v = _e4m3_bits(v, ASM)
+        elif KV_FP8:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None]
         acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION)
@@ -126,7 +169,8 @@ def flex_decode(
     HAS_MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
     OUTPUT_MAX: tl.constexpr, SPLIT: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr,
-    Q_TO_F16: tl.constexpr,
+    Q_TO_F16: tl.constexpr, PREFETCH: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     split = tl.program_id(0) % n_splits
     q_blk = (tl.program_id(0) // n_splits) // MT
@@ -156,6 +200,11 @@ def flex_decode(
         sm_scale = sm_scale * qk_descale
         qk_scale_log2 = qk_scale_log2 * qk_descale
         v_descale = tl.load(ds + 2)
+        if K_BITS:  # the tiles hold 2^-8 × k
+            sm_scale = sm_scale * 256.0
+            qk_scale_log2 = qk_scale_log2 * 256.0
+        if V_BITS:
+            v_descale = v_descale * 256.0
         if Q_TO_F16:  # a bfloat16 query: float16 dots (module docstring)
             q32 = q.to(tl.float32)
             amax = _max(tl.abs(q32), 1)
@@ -194,7 +243,8 @@ def flex_decode(
                 q_pos[:, None], S, sm_scale, qk_scale_log2,
                 # {{CAPTURE_ARGS}}
                 E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, HAS_MASK_MOD, EVEN_N,
-                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, KV_FP8)
+                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, KV_FP8, PREFETCH, K_BITS, V_BITS,
+                ASM)
         if HAS_FULL:
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -202,14 +252,16 @@ def flex_decode(
                 off_b, heads[:, None], q_pos[:, None], S, sm_scale, qk_scale_log2,
                 # {{CAPTURE_ARGS}}
                 E, EV, E_PAD, EV_PAD, BLOCK_N, SPARSE_KV, True, False, EVEN_N,
-                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, KV_FP8)
+                HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, KV_FP8, PREFETCH, K_BITS, V_BITS,
+                ASM)
     else:
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
             KV_IDX, 0, lo, hi, off_b, heads[:, None], q_pos[:, None], S, sm_scale, qk_scale_log2,
             # {{CAPTURE_ARGS}}
             E, EV, E_PAD, EV_PAD, BLOCK_N, BLOCK_N, False, False, EVEN_N,
-            HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, KV_FP8)
+            HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, KV_FP8, PREFETCH, K_BITS, V_BITS,
+                ASM)
 
     empty = l_i == 0.0  # nothing kept (in this split): out = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)

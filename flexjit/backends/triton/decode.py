@@ -23,6 +23,11 @@ What this module holds
 
 FP8 (``call.fp8``): the same kernel specialised (``KV_FP8``, ``Q_FP8``) reads the e4m3 tiles and
 a (B, Hkv, 3) table of descales (``fp8.descale_table``); the output is ``call.out_dtype``.
+
+``kernel_options["DECODE_CONFIG"]``: the kernel's variants, "+"-joined ``CONFIG_TOKENS`` (the
+template's docstring says what each does): "prefetch" (two tiles of K/V in flight, any dtype),
+"kbits" / "vbits" (an FP8 cache's K / V tiles converted to float16 by integer ops; needs a
+float16 compute dtype, i.e. a 16-bit or e4m3 query). "" (default) is the plain kernel.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import torch
 
 from flexjit import config
 from flexjit.backends.base import device_buffers
-from flexjit.backends.fp8 import descale_table, is_fp8
+from flexjit.backends.fp8 import compute_dtype, descale_table, is_fp8
 from flexjit.backends.triton import prefill as tb
 from flexjit.backends.triton.config import _next_pow2, head_pad
 
@@ -51,6 +56,7 @@ MIN_TILES_PER_SPLIT = 4  # a shorter split pays more in pipeline fill than it sa
 MAX_SPLITS = 256
 DEFAULT_SMS = 132  # the SM count assumed off the GPU (interpreter, explain on the CPU): an H100/H200
 _MERGE_SPLITS = 32  # splits a merge program combines per step: a (32, 128) fp32 tile, 32 values a thread
+CONFIG_TOKENS = ("prefetch", "kbits", "vbits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +74,14 @@ class DecodePlan:
     head_programs: int
     splits: int
     sms: int
+    config: frozenset = frozenset()  # DECODE_CONFIG's tokens
 
     def describe(self, B: int) -> str:
+        cfg = f", {'+'.join(sorted(self.config))}" if self.config else ""
         return (f"split-KV decode kernel: {self.splits} split{'s' if self.splits != 1 else ''} × "
                 f"{B * self.head_programs * self.q_blocks * self.m_tiles} programs ({self.GP} query head"
                 f"{'s' if self.GP != 1 else ''} packed per program, BLOCK_M={self.BLOCK_M}, "
-                f"BLOCK_N={self.BLOCK_N}), for {self.sms} SMs")
+                f"BLOCK_N={self.BLOCK_N}{cfg}), for {self.sms} SMs")
 
 
 def _forced_off(opts: dict) -> bool:
@@ -211,7 +219,23 @@ def _make_plan(call, splits: int | None) -> DecodePlan:
         splits = choose_splits(B * head_programs * q_blocks * m_tiles, max(1, -(-int(tokens) // bn)), sms)
     if splits < 1:
         raise ValueError(f"the decode split count must be >= 1, got {splits}")
-    return DecodePlan(GP, QB, q_blocks, bmm, bn, warps, stages, m_tiles, head_programs, int(splits), sms)
+    return DecodePlan(GP, QB, q_blocks, bmm, bn, warps, stages, m_tiles, head_programs, int(splits), sms,
+                      _config(call))
+
+
+def _config(call) -> frozenset:
+    """DECODE_CONFIG's tokens, checked against the call: the bit conversions need an FP8 cache
+    and float16 tiles."""
+    text = call.kernel_options.get("DECODE_CONFIG", "")
+    tokens = frozenset(t for t in str(text).split("+") if t)
+    unknown = sorted(tokens - set(CONFIG_TOKENS))
+    if unknown:
+        raise ValueError(f"kernel_options DECODE_CONFIG {text!r}: unknown {unknown}; tokens: {CONFIG_TOKENS}")
+    bits = tokens & {"kbits", "vbits"}
+    if bits and not (call.fp8 is not None and is_fp8(call.k) and compute_dtype(call.q) == torch.float16):
+        raise ValueError(f"kernel_options DECODE_CONFIG {sorted(bits)} convert an FP8 cache to float16 "
+                         "tiles: they need e4m3 K/V and a 16-bit or e4m3 query")
+    return tokens
 
 
 def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, bufs,
@@ -236,7 +260,9 @@ def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, b
                   DOT_PRECISION=tp.dot, FAST_MATH=tp.fast_math, NUM_STAGES=dp.num_stages,
                   OUTPUT_MAX=maxs is not None and maxs is not lse, SPLIT=dp.splits > 1,
                   Q_FP8=descale is not None and is_fp8(q), KV_FP8=descale is not None,
-                  Q_TO_F16=descale is not None and q.dtype == torch.bfloat16)
+                  Q_TO_F16=descale is not None and q.dtype == torch.bfloat16,
+                  PREFETCH="prefetch" in dp.config, K_BITS="kbits" in dp.config,
+                  V_BITS="vbits" in dp.config, ASM=not tp.interpret)
     grid = (dp.q_blocks * dp.m_tiles * dp.splits, dp.head_programs, B)
     return tb.Launch("decode", "flex_decode", grid, args, consts,
                      tb._options(dp.num_warps, dp.num_stages))

@@ -13,6 +13,9 @@ TRITON_INTERPRET=1, and the Triton prefill kernel's road around FP8 (dequantised
 * Routing: explain() says the decode kernel reads the FP8 tiles, and the prefill road dequantises.
 * Compile-only for sm_90 (no GPU): the FP8 kernel converts e4m3 pairs in registers and feeds
   tensor-core MMAs; the 16-bit launch passes no descale table and has no FP8 instruction.
+* DECODE_CONFIG variants (prefetch, kbits, vbits): the same numerics checks (the bit
+  conversions' 2^-8 undone exactly); the tokens are checked; "kbits+vbits" builds for sm_90 with
+  no e4m3 conversion instruction.
 
 Sizes as tests/backends/triton/test_decode.py's: D = 32, KV_LEN 300 over 32-key mask blocks
 (ragged; 10 kv tiles, so several splits each get partial and full tiles), GQA 4:1, Q_LEN 3.
@@ -221,6 +224,70 @@ def test_a_repeated_call_reads_new_descales(interp):
     ref, _ = fp8_reference(qb, k8, v8, (None, 2 * kd, vd))
     real = _real((qb, k8, v8), (None, 2 * kd, vd))
     assert_close_to_oracle("out", out3, dense_attention(*real)[0], ref, FLOOR[torch.bfloat16])
+
+
+# --------------------------------------------------------------------------- DECODE_CONFIG
+
+CONFIGS = ["prefetch", "kbits", "vbits", "prefetch+kbits+vbits"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("name", ["causal", "alibi"])
+def test_decode_config_variants(interp, config, name):
+    """Each variant against the float64 oracle, as the default kernel is (3 splits: partial and
+    full tiles in several programs)."""
+    s = SHAPE
+    stored, descales = _quantize(*_data(*s.values(), seed=10), q_fp8=False)
+    score_mod, mask_mod = _decode_mods(name, s["B"], s["Hq"], s["L"], s["S"])
+    check(stored, descales, score_mod, mask_mod, _mask(mask_mod, s["B"], s["Hq"], s["L"], s["S"]), 3,
+          kernel_options={"DECODE_CONFIG": config})
+
+
+@pytest.mark.parametrize("q_fp8", [False, True])
+def test_decode_config_accuracy(interp, q_fp8):
+    """The bit conversions keep the unquantised attention's error within 1.1 x the plain FP8
+    reference's (they are exact), e4m3 queries included; large channels as the worst case."""
+    s = SHAPE
+    q, k, v = _data(*s.values(), seed=11, outliers=True)
+    stored, descales = _quantize(q, k, v, q_fp8)
+    call = prepare_call(*stored, None, None, None, True, {"DECODE_CONFIG": "prefetch+kbits+vbits"},
+                        fp8=(*descales, None))
+    out, lse, _ = td.forward(call, splits=2)
+    true, true_lse = dense_attention(q, k, v)
+    plain, plain_lse = fp8_reference(*stored, descales)
+    assert_fp8_accuracy("out", out, true, plain)
+    assert_fp8_accuracy("lse", lse, true_lse, plain_lse)
+
+
+def test_decode_config_is_checked():
+    s = SHAPE
+    (qb, k8, v8), descales = _quantize(*_data(*s.values(), seed=12), q_fp8=False)
+    with pytest.raises(ValueError, match="unknown"):
+        td.make_plan(prepare_call(qb, k8, v8, None, None, None, True, {"DECODE_CONFIG": "prefetch+fast"},
+                                  fp8=(*descales, None)))
+    with pytest.raises(ValueError, match="need e4m3 K/V"):  # a 16-bit cache has nothing to convert
+        td.make_plan(prepare_call(qb, qb[:, :2], qb[:, :2], None, None, None, True,
+                                  {"DECODE_CONFIG": "vbits"}))
+    with pytest.raises(ValueError, match="need e4m3 K/V"):  # float32 tiles beside a float32 query
+        td.make_plan(prepare_call(qb.float(), k8, v8, None, None, None, True, {"DECODE_CONFIG": "kbits"},
+                                  fp8=(*descales, None)))
+    plan = td.make_plan(prepare_call(qb, k8, v8, None, None, None, True, {"DECODE_CONFIG": "vbits+prefetch"},
+                                     fp8=(*descales, None)))
+    assert plan.config == {"prefetch", "vbits"} and "prefetch+vbits" in plan.describe(s["B"])
+
+
+def test_bit_conversions_compile_for_sm90():
+    """kbits+vbits: no e4m3 conversion instruction is left, byte permutes take its place."""
+    B, Hq, Hkv, L, S = 8, 32, 8, 1, 32768
+    q = torch.empty(B, Hq, L, 128, dtype=torch.bfloat16)
+    k8 = torch.empty(B, Hkv, S, 128, dtype=E4M3)
+    call = prepare_call(q, k8, k8, None, None, None, True, {"DECODE_CONFIG": "prefetch+kbits+vbits"},
+                        fp8=(None, torch.ones(B, Hkv), torch.ones(B, Hkv), None))
+    main = td.launches_for(call, 90)[0]
+    assert main.constexprs["K_BITS"] and main.constexprs["V_BITS"] and main.constexprs["PREFETCH"]
+    ptx = tb.compile_launch(tb.make_plan(call, arch=90, interpret=False), main, 90).asm["ptx"]
+    assert "e4m3" not in ptx and "prmt.b32" in ptx
+    assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx)
 
 
 # --------------------------------------------------------------------------- prefill road

@@ -5,7 +5,8 @@ mid-block), GQA 4:1, bf16 / fp16 / e4m3 queries, every core mod (softcap's max_s
 off); accuracy against the
 unquantised attention (≤ 1.1 × the plain FP8 reference's error) with and without outlier
 channels; a bf16 query whose rows differ by 2^20 in magnitude (the kernel's per-row power-of-two
-scaling into float16 must keep the small rows exact).
+scaling into float16 must keep the small rows exact); the DECODE_CONFIG variants (prefetch,
+kbits, vbits: the inline-assembly bit conversions run only here) through the same checks.
 """
 import pytest
 import torch
@@ -89,5 +90,31 @@ def test_accuracy_against_the_unquantised_attention(outliers, q_fp8):
     out, lse, _ = td.forward(call, splits=3)
     true, true_lse = dense_attention(q, k, v, score_mod, mask_mod)
     plain, plain_lse = fp8_reference(*stored, descales, score_mod, mask_mod)
+    assert_fp8_accuracy("out", out, true, plain)
+    assert_fp8_accuracy("lse", lse, true_lse, plain_lse)
+
+
+@pytest.mark.parametrize("config", ["prefetch", "kbits", "vbits", "prefetch+vbits", "prefetch+kbits+vbits"])
+@pytest.mark.parametrize("name", ["causal", "alibi"])
+def test_decode_config_variants(config, name):
+    s = SHAPE
+    stored, descales = _on_gpu(*_quantize(*_data(*s.values(), seed=5), q_fp8=False))
+    score_mod, mask_mod = _decode_mods(name, s["B"], s["Hq"], s["L"], s["S"], device=DEV)
+    bm = _mask(mask_mod, s["L"], s["S"])
+    for splits, opts in ((1, {}), (5, {}), (3, {"BLOCK_N": 64, "num_stages": 4})):
+        check(stored, descales, score_mod, mask_mod, bm, splits,
+              kernel_options=dict(opts, DECODE_CONFIG=config))
+
+
+@pytest.mark.parametrize("q_fp8", [False, True])
+def test_decode_config_accuracy(q_fp8):
+    s = SHAPE
+    q, k, v = (t.to(DEV) for t in _data(*s.values(), seed=6, outliers=True))
+    stored, descales = _quantize(q, k, v, q_fp8)
+    call = prepare_call(*stored, None, None, None, True, {"DECODE_CONFIG": "prefetch+kbits+vbits"},
+                        fp8=(*descales, None))
+    out, lse, _ = td.forward(call, splits=3)
+    true, true_lse = dense_attention(q, k, v)
+    plain, plain_lse = fp8_reference(*stored, descales)
     assert_fp8_accuracy("out", out, true, plain)
     assert_fp8_accuracy("lse", lse, true_lse, plain_lse)
