@@ -24,8 +24,8 @@ Errors, per output tensor (B, Hq, S, Dv): ``rel_*`` = ‖out − true‖₂ / �
 (Frobenius) norm over every element (a relative RMS error); ``max_*`` = max |out − true|.
 ``ratio_rel`` / ``ratio_max`` = fp8's over plain's; the target is ≤ 1.1.
 
-Writes a record (``records.write_record``, capability ``fp8_accuracy``): DIR/results.json (the
-rows), DIR/meta.json, DIR/results.md (the table). ``--device cpu`` with small sizes is a smoke
+Writes a record (``records.write_record``, capability ``fp8_accuracy``) after every case:
+DIR/results.json (the rows), DIR/meta.json, DIR/results.md (the table). ``--device cpu`` with small sizes is a smoke
 run (the reference backend answers there).
 """
 from __future__ import annotations
@@ -248,14 +248,15 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 references must be float32
     rows: list[dict] = []
     start = time.monotonic()
+    meta = meta_of(args)
     for D in args.d:
         case = Case(args.B, args.S, args.hq, args.hkv, D)
         for flavour in args.data:
             for vname in args.variants:
                 rows += measure_case(args, case, vname, flavour, gen)
+                out = records.write_record(args.out, rows, meta)  # after each case: a run cut short keeps its rows
                 if args.device.type == "cuda":
                     torch.cuda.empty_cache()
-    out = records.write_record(args.out, rows, meta_of(args))
     missed = [r for r in rows if not r["within_target"]]
     print(f"\nbenchmarks.fp8_accuracy: {len(rows)} rows in {time.monotonic() - start:.0f} s -> {out}; "
           f"{len(missed)} above {TARGET}× the plain FP8 reference")

@@ -8,7 +8,9 @@ For each pass, shape and variant, every implementation is
 3. timed with `triton.testing.do_bench` (median of events around each call), inputs rotating
    through enough copies that they cannot sit in the 60 MB L2 (do_bench also flushes L2
    before every call, so the rotation is belt and braces).
-All baselines run in the same process as flexjit, on the same GPU, minutes apart.
+All baselines run in the same process as flexjit, on the same GPU, minutes apart. FP8 impls
+(``impls.FP8_IMPLS``: e4m3 inputs quantised from the same sets outside the timed region) run the
+forward only and are checked against the attention of the values they hold (``Refs.fp8_pair``).
 
 DIR/meta.json (versions, clocks) is written first and DIR/results.json after each measurement,
 so a run cut short still leaves its data; DIR/results.md (the table) and DIR/results.png (the
