@@ -19,6 +19,18 @@ each layout's copies and transposes the results back, outside the timed region.
 |                    | hands it: FA4's kernel on flexjit's own layout                          |
 | cudnn              | F.scaled_dot_product_attention under SDPBackend.CUDNN_ATTENTION        |
 | torch-flex-eager   | flex_attention without compile: for CPU smoke runs only                |
+| flexjit-cute-fp8   | flexjit.flex_attention on float8_e4m3fn q, k, v with (B, Hkv) descales, |
+| (-triton-, -ref-)  | bf16 out: the user's call, flexjit's own per-call work timed with it    |
+| sdpa-fp8           | torch's _scaled_dot_product_attention_quantized (FA3 underneath, where  |
+|                    | torch has it activated), (B, Hkv) descales; full and causal              |
+| torch-flex-triton-fp8 | torch.compile(flex_attention) on e4m3 q, k, v, the descales folded    |
+|                    | into a score_mod and the output (torch's flex takes none)               |
+| fa4-fp8            | flash_attn_func on e4m3 q, k, v with its descale keywords, if it has them |
+
+FP8 impls (``FP8_IMPLS``, adapters with ``fp8 = True``) time the forward only. Their inputs are
+the case's bf16 sets quantised outside the timed region (``prepare``, ``reference.fp8_set``:
+every FP8 impl gets the same values); ``fn(q, k, v)`` takes the bf16 tensors and looks their
+quantised copies up. The run checks them against the attention of the dequantised values.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from .reference import E4M3, fp8_set
 from .variants import Case, Variant
 
 FLEXJIT_IMPLS = ("flexjit-cute", "flexjit-triton", "flexjit-reference")
@@ -49,7 +62,18 @@ FLEXJIT_MODES = {
         "late+dksmem+swapdq", "psmem+dksmem", "psmem+dksmem+shuffle", "m80+late+dksmem+shuffle",
         "m128+psmem+dksmem+shuffle", "lpt", "lpt2")},
 }
-EXTRA_IMPLS = ("torch-flex-eager",) + tuple(FLEXJIT_MODES)
+# FP8 inputs: name -> (backend, pre). ``pre(fp8_set) -> (q8, k8, v8, kwargs)`` runs outside the
+# timed region on each input set (None: the plain user call, flexjit's per-call preparation
+# timed with it). A mode that hands flexjit that preparation pre-made (once a kernel exposes a
+# way) is one more entry here with its ``pre``.
+FLEXJIT_FP8_MODES = {
+    "flexjit-cute-fp8": ("cute", None),
+    "flexjit-triton-fp8": ("triton", None),
+    "flexjit-reference-fp8": ("reference", None),
+}
+FP8_BASELINES = ("sdpa-fp8", "torch-flex-triton-fp8", "fa4-fp8")
+FP8_IMPLS = tuple(FLEXJIT_FP8_MODES) + FP8_BASELINES
+EXTRA_IMPLS = ("torch-flex-eager",) + tuple(FLEXJIT_MODES) + FP8_IMPLS
 
 # Generous enough for every (variant, shape, pass) of one process: at torch's default of 8,
 # FlexAttention silently falls back to its unfused eager path after 8 recompiles.
@@ -231,6 +255,144 @@ class CudnnImpl:
         return fn
 
 
+class Fp8Inputs:
+    """The FP8 half of an FP8 adapter: ``prepare(sets)`` quantises each bf16 input set once,
+    outside the timed region; ``lookup(q)`` finds set q's quantised values (a dict lookup in the
+    timed call). ``pre``: (fp8_set) -> (q8, k8, v8, extra keyword arguments), run in prepare."""
+
+    fp8 = True
+    pre = None
+
+    def prepare(self, sets: list[dict]) -> None:
+        self._by_q = {}
+        for s in sets:
+            f = fp8_set(s)
+            q8, k8, v8, extra = self.pre(f) if self.pre else (f["q8"], f["k8"], f["v8"], {})
+            self._by_q[id(s["q"])] = (s["q"], f, q8, k8, v8, extra)  # holds q: its id stays its own
+
+    def lookup(self, q: torch.Tensor):
+        """(fp8_set, q8, k8, v8, extra kwargs) of the set whose bf16 query is ``q``."""
+        hit = getattr(self, "_by_q", {}).get(id(q))
+        if hit is None or hit[0] is not q:
+            raise RuntimeError(f"{self.name}: inputs not prepared (the harness calls prepare(sets) "
+                               "before the first call)")
+        return hit[1:]
+
+
+class FlexjitFp8Impl(Fp8Inputs, FlexjitImpl):
+    """flexjit.flex_attention on e4m3 q, k, v with (B, Hkv) float32 descales, bf16 out."""
+
+    def __init__(self, name: str, backend: str, pre=None):
+        super().__init__(backend, name)
+        self.pre = pre
+
+    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+        fj = _import("flexjit")
+        block_mask = plan_mask(fj.create_block_mask, variant, case, device)
+        attend, score_mod, gqa, backend = fj.flex_attention, variant.score_mod, case.gqa, self.backend
+        lookup = self.lookup
+
+        def fn(q, k, v):
+            f, q8, k8, v8, extra = lookup(q)
+            return attend(q8, k8, v8, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa,
+                          backend=backend, q_descale=f["q_descale"], k_descale=f["k_descale"],
+                          v_descale=f["v_descale"], out_dtype=torch.bfloat16, **extra)
+
+        return fn
+
+
+class SdpaFp8Impl(Fp8Inputs):
+    """torch's experimental FP8 SDPA (FlashAttention-3's FP8 forward where torch has FA3
+    activated; otherwise it raises, and the row records why)."""
+
+    name = "sdpa-fp8"
+    layout = "bhsd"
+
+    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+        _need_cuda(device)
+        if variant.sdpa_kwargs is None:
+            raise Skip(f"SDPA has no built-in {variant.name}")
+        quantized = getattr(_import("torch.nn.attention.experimental._scaled_dot_product_attention_quantized"),
+                            "_scaled_dot_product_attention_quantized", None)
+        if quantized is None:
+            raise Skip(f"torch {torch.__version__} has no _scaled_dot_product_attention_quantized")
+        is_causal, lookup = bool(variant.sdpa_kwargs.get("is_causal")), self.lookup
+
+        def fn(q, k, v):
+            f, q8, k8, v8, _ = lookup(q)
+            return quantized(q8, k8, v8, is_causal=is_causal, q_descale=f["q_descale"],
+                             k_descale=f["k_descale"], v_descale=f["v_descale"])
+
+        return fn
+
+
+class TorchFlexFp8Impl(Fp8Inputs, TorchFlexImpl):
+    """torch's compiled flex_attention on e4m3 inputs. It takes no descales: q's and k's are
+    folded into a score_mod (score × q_descale × k_descale of the query's kv head, before the
+    variant's own score_mod) and v's multiplies the output, both inside the timed call."""
+
+    def __init__(self):
+        TorchFlexImpl.__init__(self, "torch-flex-triton-fp8", None, compiled=True)
+
+    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+        _need_cuda(device)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        block_mask = plan_mask(create_block_mask, variant, case, device)
+        flex, inner, gqa, group, lookup = self._flex(), variant.score_mod, case.gqa, case.Hq // case.Hkv, self.lookup
+        mods: dict = {}  # one score_mod per input set, made on its first call (no recompiles after)
+
+        def score_mod_of(f: dict):
+            qk = f["q_descale"] * f["k_descale"]
+
+            def descaled(score, b, h, q_idx, kv_idx):
+                score = score * qk[b, h // group]
+                return score if inner is None else inner(score, b, h, q_idx, kv_idx)
+            return descaled, f["v_descale"].repeat_interleave(group, 1)[:, :, None, None]
+
+        def fn(q, k, v):
+            f, q8, k8, v8, _ = lookup(q)
+            if id(f) not in mods:
+                mods[id(f)] = score_mod_of(f)
+            descaled, vd = mods[id(f)]
+            out = flex(q8, k8, v8, score_mod=descaled, block_mask=block_mask, enable_gqa=gqa)
+            return (out.float() * vd).to(torch.bfloat16)
+
+        return fn
+
+
+class FA4Fp8Impl(Fp8Inputs, FA4Impl):
+    """FA4's flash_attn_func on e4m3 q, k, v ([B, S, H, D] copies made in prepare, outside the
+    timed region), where its signature has FA3's descale keywords; out back as a view."""
+
+    name = "fa4-fp8"
+    layout = "bhsd"  # the sets it is given; its own [B, S, H, D] copies come from ``pre``
+    DESCALES = ("q_descale", "k_descale", "v_descale")
+
+    def pre(self, f: dict):
+        return (*(f[n].transpose(1, 2).contiguous() for n in ("q8", "k8", "v8")), {})
+
+    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+        _need_cuda(device)
+        if variant.fa4_kwargs is None:
+            raise Skip(f"FA4 has no built-in {variant.name}")
+        flash_attn_func = _import("flash_attn.cute").flash_attn_func
+        params = inspect.signature(flash_attn_func).parameters
+        missing = [k for k in (*variant.fa4_kwargs, *self.DESCALES) if k not in params]
+        if missing:
+            raise Skip(f"flash_attn_func takes no {missing}: no FP8 forward with descales in this "
+                       f"FA4; its signature: {inspect.signature(flash_attn_func)}")
+        kwargs, lookup = dict(variant.fa4_kwargs), self.lookup
+
+        def fn(q, k, v):
+            f, q8, k8, v8, _ = lookup(q)
+            out = flash_attn_func(q8, k8, v8, q_descale=f["q_descale"], k_descale=f["k_descale"],
+                                  v_descale=f["v_descale"], **kwargs)
+            return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+        return fn
+
+
 def make(name: str):
     """The adapter for an impl name (see the module table)."""
     if name in FLEXJIT_IMPLS:
@@ -238,6 +400,9 @@ def make(name: str):
     if name in FLEXJIT_MODES:
         backend, options, deterministic = FLEXJIT_MODES[name]
         return FlexjitImpl(backend, name, options, deterministic)
+    if name in FLEXJIT_FP8_MODES:
+        backend, pre = FLEXJIT_FP8_MODES[name]
+        return FlexjitFp8Impl(name, backend, pre)
     table = {
         "torch-flex-triton": lambda: TorchFlexImpl(name, None, compiled=True),
         "torch-flex-flash": lambda: TorchFlexImpl(name, {"BACKEND": "FLASH"}, compiled=True),
@@ -245,6 +410,9 @@ def make(name: str):
         "fa4": FA4Impl,
         "fa4-bhsd": FA4BhsdImpl,
         "cudnn": CudnnImpl,
+        "sdpa-fp8": SdpaFp8Impl,
+        "torch-flex-triton-fp8": TorchFlexFp8Impl,
+        "fa4-fp8": FA4Fp8Impl,
     }
     if name not in table:
         raise ValueError(f"unknown impl {name!r}; known: {', '.join(DEFAULT_IMPLS + EXTRA_IMPLS)}")

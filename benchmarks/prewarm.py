@@ -7,7 +7,8 @@
 one process, one after another, and compiles it there on one core. This walks the run's own grid
 (``run.make_parser``, ``run.parse_args``, ``run.grid``: the same flags, cases and order) and,
 for every (pass, case, variant) that the run sends to a CuTe impl (``flexjit-cute`` and its
-modes in ``impls.FLEXJIT_MODES``, each under its own switches), compiles the kernels with
+modes in ``impls.FLEXJIT_MODES``, each under its own switches; an FP8 impl's forward as the bf16
+call its dequantising road runs, the same kernel), compiles the kernels with
 ``flexjit.aot.compile_kernels`` in N ``spawn``-ed worker processes, each kernel once.
 
 How it knows which kernels the run needs, without a GPU (``run_keys``): it builds the call the
@@ -98,6 +99,7 @@ def specs(args, seed: int) -> list[Spec]:
     """Every CuTe (pass, case, variant, impl) of the run, its variants built from ``seed`` in
     the order the run builds them (``Runner.prepare``: once per (case, variant), at first need)."""
     names = cute_impls(args)
+    fp8 = {n for n in names if getattr(impl_mod.make(n), "fp8", False)}  # forward only
     gen = torch.Generator().manual_seed(seed)
     states: dict = {}
     out = []
@@ -106,7 +108,7 @@ def specs(args, seed: int) -> list[Spec]:
             states[(case, vname)] = gen.get_state()
             build(vname, case, CPU, gen)  # advances gen as the run's build does
         out += [Spec(pass_, case, vname, n, bool(args.deterministic), states[(case, vname)])
-                for n in names]
+                for n in names if pass_ == "fwd" or n not in fp8]
     return out
 
 

@@ -53,6 +53,7 @@ FORMATS = {
     "benchmarks.host_overhead": ("impl", "variant", "B", "H", "S", "D", "status"),
     "benchmarks.cold_start": ("case", "impl", "cold_s", "warm_s"),
     "benchmarks.compile_time": ("variant", "head_dim", "kernel", "total_s", "python_s", "backend_s"),
+    "benchmarks.fp8_accuracy": ("variant", "D", "data", "inputs", "rotate", "rel_fp8", "rel_plain"),
     "log": ("file", "line"),
 }
 
@@ -436,6 +437,29 @@ def _md_compile(rows: list) -> list[str]:
          "load s"], body) + [""]
 
 
+def _md_fp8_accuracy(rows: list) -> list[str]:
+    shape = sorted({(r["B"], r["Hq"], r["Hkv"], r["S"]) for r in rows})
+    body = []
+    for r in rows:
+        road = r["backend"] + ("" if r["native"] else " (dequantised)")
+        body.append([r["variant"], r["D"], r["data"], r["inputs"], "yes" if r["rotate"] else "no", road,
+                     _sig(r["rel_fp8"]), _sig(r["rel_plain"]), _sig(r["rel_plain_p8"]), _sig(r["rel_bf16"]),
+                     _num(r["ratio_rel"], 3), _sig(r["max_fp8"]), _sig(r["max_plain"]), _sig(r["max_bf16"]),
+                     _num(r["ratio_max"], 3), "yes" if r["within_target"] else "**no**"])
+    missed = sum(not r["within_target"] for r in rows)
+    return ["Errors against float64 attention of the bf16 data before quantising; "
+            + "; ".join(f"B {b}, Hq {hq} / Hkv {hkv}, S {_size(s)}" for b, hq, hkv, s in shape)
+            + ". `rel`: ‖out − true‖₂ / ‖true‖₂ over the whole output; `max`: max |out − true|. "
+            "`fp8`: flexjit on e4m3 inputs (per-(batch, kv head) descales; `kv8`: a bf16 query); "
+            "`plain`: dequantise, float32 attention, bf16 out; `plain P e4m3`: the same with P "
+            "rounded to e4m3 before P·V (an e4m3-MMA kernel's math); `bf16`: flexjit on the bf16 "
+            "data; `rotated`: q and k Hadamard-rotated before quantising. Target: fp8 ÷ plain ≤ 1.1 "
+            f"in both norms ({missed} of {len(rows)} rows miss it).", ""] + _table(
+        ["variant", "D", "data", "inputs", "rotated", "backend", "rel fp8", "rel plain",
+         "rel plain P e4m3", "rel bf16", "fp8 ÷ plain (rel)", "max fp8", "max plain", "max bf16",
+         "fp8 ÷ plain (max)", "≤ 1.1"], body) + [""]
+
+
 def _md_log(rows: list) -> list[str]:
     return [f"- `{r['file']}`: `{r['line']}`" for r in rows] + [""]
 
@@ -443,7 +467,7 @@ def _md_log(rows: list) -> list[str]:
 RENDER = {"benchmarks.run": _md_run, "benchmarks.decode": _md_decode, "benchmarks.train_step": _md_train,
           "benchmarks.fp32": _md_fp32, "benchmarks.grad_accuracy": _md_grad, "benchmarks.warm_start": _md_warm,
           "benchmarks.cpu_block_mask": _md_block_mask, "benchmarks.host_overhead": _md_host, "benchmarks.cold_start": _md_cold,
-          "benchmarks.compile_time": _md_compile,
+          "benchmarks.compile_time": _md_compile, "benchmarks.fp8_accuracy": _md_fp8_accuracy,
           "log": _md_log}
 
 

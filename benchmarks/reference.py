@@ -59,8 +59,11 @@ def _full_fp32_matmul():
         torch.set_float32_matmul_precision(old)
 
 
-def _attend(q_rows, k, v, row0: int, variant: Variant, scale: float):
-    """Attention of query rows [row0, row0 + rows) against all keys; k, v already hold Hq heads."""
+def _attend(q_rows, k, v, row0: int, variant: Variant, scale: float, p_dtype=None):
+    """Attention of query rows [row0, row0 + rows) against all keys; k, v already hold Hq heads.
+    ``p_dtype``: the unnormalised probabilities exp(s - rowmax), in [0, 1], are rounded to it
+    before P·V and the row sums taken before that rounding, as an FP8 kernel that feeds P to an
+    e4m3 MMA does (every variant keeps a key in each row)."""
     B, H, rows, _ = q_rows.shape
     S = k.shape[2]
     b, h, qi, ki = index_grids(B, H, row0, rows, S, q_rows.device)
@@ -69,12 +72,16 @@ def _attend(q_rows, k, v, row0: int, variant: Variant, scale: float):
         s = variant.score_mod(s, b, h, qi, ki).to(s.dtype)
     if variant.mask_mod is not None:
         s = s.masked_fill(~variant.mask_mod(b, h, qi, ki), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+    if p_dtype is None:
+        return torch.softmax(s, dim=-1) @ v
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    return (e.to(p_dtype).to(s.dtype) @ v) / e.sum(-1, keepdim=True)
 
 
-def attention_reference(q, k, v, variant: Variant, scale: float, dtype: torch.dtype, dout=None):
+def attention_reference(q, k, v, variant: Variant, scale: float, dtype: torch.dtype, dout=None,
+                        p_dtype=None):
     """Attention of q [B,Hq,S,D] over k [B,Hkv,S,D], v [B,Hkv,S,Dv], computed in `dtype`, chunked
-    over rows.
+    over rows; `p_dtype` (forward only): P rounded to it before P·V (`_attend`).
 
     Returns float32 tensors: {"out"} and, when `dout` is given, also {"dq", "dk", "dv"}.
     """
@@ -96,7 +103,7 @@ def attention_reference(q, k, v, variant: Variant, scale: float, dtype: torch.dt
             q_rows = qc[:, :, rows].detach().requires_grad_(want_grad)
             k_all = kc.repeat_interleave(group, dim=1) if group > 1 else kc
             v_all = vc.repeat_interleave(group, dim=1) if group > 1 else vc
-            o = _attend(q_rows, k_all, v_all, r0, variant, scale)
+            o = _attend(q_rows, k_all, v_all, r0, variant, scale, p_dtype)
             res["out"][:, :, rows] = o.float()
             if want_grad:
                 gq, gk, gv = torch.autograd.grad(o, (q_rows, kc, vc), dout[:, :, rows].to(dtype))
@@ -153,3 +160,40 @@ def check(got: dict, ref: dict, low: dict) -> Check:
         if rel > tol_rel or mx > tol_max:
             bad.append(f"{name}: rel {rel:.2e} (tol {tol_rel:.2e}), max {mx:.2e} (tol {tol_max:.2e})")
     return Check(not bad, "; ".join(bad), detail)
+
+
+# ---- FP8 inputs --------------------------------------------------------------------------------
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_e4m3(x: torch.Tensor, group: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x stored as float8_e4m3fn, its float32 descale (B, H // group)): one factor per batch row
+    and run of ``group`` heads (a query's heads share their kv head's: pass the GQA ratio),
+    amax / 448, so that x ≈ stored.float() × descale (FlashAttention-3's convention, flexjit's).
+    x / descale is formed in float32 and rounded once to e4m3."""
+    B, H = x.shape[:2]
+    amax = x.detach().reshape(B, H // group, -1).abs().amax(-1).float()
+    descale = (amax / E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    d = descale.repeat_interleave(group, 1)[:, :, None, None]
+    return (x.detach().float() / d).to(E4M3), descale
+
+
+def dequantize_e4m3(x8: torch.Tensor, descale: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """The float32 values ``x8`` stands for: stored × descale (``quantize_e4m3``'s inverse)."""
+    return x8.float() * descale.repeat_interleave(group, 1)[:, :, None, None]
+
+
+def fp8_set(s: dict) -> dict:
+    """Input set ``s`` (bf16 q, k, v) quantised with per-(batch, kv head) descales: {"q8", "k8",
+    "v8", "q_descale", "k_descale", "v_descale"}; every FP8 impl of a case gets these values."""
+    g = s["q"].shape[1] // s["k"].shape[1]
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_e4m3(s[n], g if n == "q" else 1) for n in "qkv")
+    return {"q8": q8, "k8": k8, "v8": v8, "q_descale": qd, "k_descale": kd, "v_descale": vd}
+
+
+def fp8_dequantized(f: dict) -> dict:
+    """float32 q, k, v of an ``fp8_set``: the values the FP8 rows are checked against."""
+    g = f["q8"].shape[1] // f["k8"].shape[1]
+    return {n: dequantize_e4m3(f[f"{n}8"], f[f"{n}_descale"], g if n == "q" else 1) for n in "qkv"}

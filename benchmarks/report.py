@@ -12,11 +12,15 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from .impls import BASELINE_IMPLS, EXTRA_IMPLS, FLEXJIT_IMPLS
+from .impls import BASELINE_IMPLS, EXTRA_IMPLS, FLEXJIT_FP8_MODES, FLEXJIT_IMPLS, FP8_IMPLS
 from .variants import VARIANTS
 
 COLUMNS = FLEXJIT_IMPLS + BASELINE_IMPLS + EXTRA_IMPLS
-BASELINES = BASELINE_IMPLS + EXTRA_IMPLS  # everything that is not flexjit
+# The bf16 baselines: neither flexjit's modes nor FP8 inputs (an FP8 row is not a bf16 yardstick).
+BASELINES = tuple(c for c in BASELINE_IMPLS + EXTRA_IMPLS
+                  if not c.startswith("flexjit") and c not in FP8_IMPLS)
+# FP8 flexjit impls get their speed over the same backend's bf16 row: what FP8 inputs buy.
+FP8_OVER_BF16 = {name: f"flexjit-{backend}" for name, (backend, _) in FLEXJIT_FP8_MODES.items()}
 CASE_KEYS = ("pass", "Hkv", "D", "Dv", "variant", "S", "B", "Hq", "dtype")
 CELL = {"wrong": "wrong", "error": "err", "skipped": "–"}
 
@@ -72,7 +76,9 @@ def table(rows: list[dict]) -> str:
     present = {r["impl"] for r in rows}
     impls = [c for c in COLUMNS if c in present]
     fj = [c for c in FLEXJIT_IMPLS if c in present]
+    fp8 = [c for c, bf16 in FP8_OVER_BF16.items() if c in present and bf16 in present]
     head = ["variant", "S", "B", "density"] + impls + ["best baseline"] + [f"{c.removeprefix('flexjit-')} / best" for c in fj]
+    head += [f"{c.removeprefix('flexjit-')} / {FP8_OVER_BF16[c].removeprefix('flexjit-')}" for c in fp8]
     out, current = [], None
     for key, by_impl in _cases(rows).items():
         pass_, hkv = key[:2]
@@ -93,6 +99,10 @@ def table(rows: list[dict]) -> str:
             r = by_impl.get(c)
             ok = best and r is not None and r["status"] == "ok"
             cells.append(f"{r['tflops'] / best['tflops']:.2f}×" if ok else "–")
+        for c in fp8:
+            r, b = by_impl.get(c), by_impl.get(FP8_OVER_BF16[c])
+            ok = r is not None and b is not None and r["status"] == b["status"] == "ok"
+            cells.append(f"{r['tflops'] / b['tflops']:.2f}×" if ok else "–")
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out).lstrip("\n")
 
@@ -121,7 +131,10 @@ def markdown(rows: list[dict], env: dict) -> str:
         f"Command: `{env.get('command')}`", "", f"Environment: {env_line}", "",
         "Each implementation's output (and, for fwdbwd, dq/dk/dv) was checked against a chunked fp32 "
         "reference before timing; median of `triton.testing.do_bench`. "
-        "`x / best`: flexjit's TFLOP/s over the best baseline's for the same case.", "",
+        "`x / best`: flexjit's TFLOP/s over the best bf16 baseline's for the same case; "
+        "`cute-fp8 / cute`: the FP8-input row's TFLOP/s over the same backend's bf16 row. FP8 rows "
+        "(e4m3 q, k, v, per-(batch, kv head) descales, bf16 out) are checked against the attention "
+        "of the values they hold.", "",
         table(rows), "", notes(rows), ""])
 
 

@@ -8,7 +8,9 @@ For each pass, shape and variant, every implementation is
 3. timed with `triton.testing.do_bench` (median of events around each call), inputs rotating
    through enough copies that they cannot sit in the 60 MB L2 (do_bench also flushes L2
    before every call, so the rotation is belt and braces).
-All baselines run in the same process as flexjit, on the same GPU, minutes apart.
+All baselines run in the same process as flexjit, on the same GPU, minutes apart. FP8 impls
+(``impls.FP8_IMPLS``: e4m3 inputs quantised from the same sets outside the timed region) run the
+forward only and are checked against the attention of the values they hold (``Refs.fp8_pair``).
 
 DIR/meta.json (versions, clocks) is written first and DIR/results.json after each measurement,
 so a run cut short still leaves its data; DIR/results.md (the table) and DIR/results.png (the
@@ -39,7 +41,7 @@ import torch
 
 from . import impls as impl_mod
 from . import report
-from .reference import attention_reference, check, mask_density
+from .reference import E4M3, attention_reference, check, fp8_dequantized, fp8_set, mask_density
 from .variants import VARIANTS, Case, attention_flops, build, default_scale
 
 ALL_S = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -50,9 +52,9 @@ PLAIN_VARIANTS = ("full", "causal", "sliding_window", "prefix_lm")
 PLAIN_IMPLS = ("flexjit-cute", "fa4", "torch-flex-flash")
 # Run the trusted baselines first: a kernel that corrupts the CUDA context ends the run's GPU
 # work, and then at least the baselines it came after are in.
-RUN_ORDER = ("cudnn", "fa4", "fa4-bhsd", "torch-flex-triton", "torch-flex-flash",
-             "flexjit-triton", "flexjit-cute", *impl_mod.FLEXJIT_MODES, "flexjit-reference",
-             "torch-flex-eager")
+RUN_ORDER = ("cudnn", "fa4", "fa4-bhsd", *impl_mod.FP8_BASELINES, "torch-flex-triton",
+             "torch-flex-flash", "flexjit-triton", "flexjit-cute", *impl_mod.FLEXJIT_MODES,
+             *impl_mod.FLEXJIT_FP8_MODES, "flexjit-reference", "torch-flex-eager")
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
               "misaligned address", "illegal instruction", "CUDA error: an illegal")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -353,7 +355,7 @@ class Refs:
         self.s, self.variant, self.scale, self.pass_, self.dtype = s, variant, scale, pass_, dtype
         q, k = s["q"], s["k"]
         self.group = q.shape[1] // k.shape[1] if q.shape[2] >= REF_ONE_HEAD_FROM_S else None
-        self._pair = None
+        self._pair = self._fp8_pair = None
 
     def _first_group(self, tensors: dict, kv_names: tuple) -> dict:
         """The first KV head (``kv_names``) and its query heads of each tensor; all without
@@ -364,6 +366,19 @@ class Refs:
 
     def restrict(self, got: dict) -> dict:
         return self._first_group(got, ("dk", "dv"))
+
+    def fp8_pair(self):
+        """The FP8 rows' references: float32 attention of the values the quantised set holds
+        (``reference.fp8_set``, dequantised), and the bar's math: the same with P rounded to e4m3
+        before P·V and the output to bf16, as an FP8 kernel with an e4m3 P·V MMA computes (it
+        errs more than bf16 math on those values, and a road that dequantises to bf16 less)."""
+        if self._fp8_pair is None:
+            real = self._first_group(fp8_dequantized(fp8_set(self.s)), ("k", "v"))
+            args = (real["q"], real["k"], real["v"], self.variant, self.scale, torch.float32)
+            low = attention_reference(*args, p_dtype=E4M3)
+            low["out"] = low["out"].to(torch.bfloat16).float()
+            self._fp8_pair = (attention_reference(*args), low)
+        return self._fp8_pair
 
     def pair(self):
         if self._pair is None:
@@ -378,6 +393,10 @@ class Refs:
 def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: Refs, args) -> dict:
     """One row: set up, check, time. Never raises: failures become the row's status and error."""
     row = {"status": "ok", "ms": None, "tflops": None, "correct": False, "error": None}
+    fp8 = getattr(impl, "fp8", False)
+    if fp8 and pass_ != "fwd":
+        return {**row, "status": "skipped",
+                "error": "skipped: FP8 inputs have no backward (train on bf16 inputs)"}
     try:
         fn = impl.setup(variant, case, args.device)
     except (impl_mod.Skip, NotImplementedError) as e:
@@ -388,6 +407,11 @@ def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: R
         sets_by_layout[impl.layout] = in_layout(sets_by_layout["bhsd"], impl.layout)
     sets = sets_by_layout[impl.layout]
     sets = for_pass(sets, pass_)
+    if fp8:
+        try:
+            impl.prepare(sets)  # quantised once, outside the timed region
+        except Exception as e:
+            return {**row, "status": "error", "error": f"quantise: {type(e).__name__}: {e}"}
     poison_allocator(case, args.device)
     mode = getattr(impl, "context", contextlib.nullcontext)  # flexjit's switches (impls.FLEXJIT_MODES)
     t0 = time.perf_counter()
@@ -399,7 +423,7 @@ def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: R
     except Exception as e:
         return {**row, "status": "error", "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=6)}
     row["first_call_s"] = round(time.perf_counter() - t0, 3)
-    ref, low = refs.pair()
+    ref, low = refs.fp8_pair() if fp8 else refs.pair()
     verdict = check(refs.restrict(got), ref, low)
     del got
     row["check"] = verdict.detail

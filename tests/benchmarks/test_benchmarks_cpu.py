@@ -98,6 +98,57 @@ def test_flexjit_modes_are_impls(tmp_path):
     assert all(r["status"] == "skipped" and "CUDA" in r["error"] for r in rows), rows
 
 
+def test_fp8_impls_run_forward_only_and_are_checked(tmp_path, monkeypatch):
+    # flexjit-reference-fp8 reads the sets quantised outside the timed region, and is checked
+    # against the attention of the values they hold; a mode whose ``pre`` corrupts v (keys in
+    # reverse) must fail that check. No backward for FP8; GPU baselines say they need one.
+    # GQA 4/2, so the query's descale is per kv head.
+    from benchmarks import impls, run
+    monkeypatch.setitem(impls.FLEXJIT_FP8_MODES, "flexjit-reference-fp8-flipped",
+                        ("reference", lambda f: (f["q8"], f["k8"], f["v8"].flip(2), {})))
+    monkeypatch.setattr(run, "KNOWN_IMPLS", run.KNOWN_IMPLS + ("flexjit-reference-fp8-flipped",))
+    monkeypatch.setattr(run, "RUN_ORDER", run.RUN_ORDER + ("flexjit-reference-fp8-flipped",))
+    out = tmp_path / "bench"
+    run.main(["--out", str(out), "--device", "cpu", "--impls",
+              "flexjit-reference,flexjit-reference-fp8,flexjit-reference-fp8-flipped,sdpa-fp8",
+              "--variants", "causal,document", "--S", "256", "--tokens", "512", "--hq", "4",
+              "--hkv", "2", "--passes", "fwd,fwdbwd", "--no-png", "--rep-ms", "5", "--warmup-ms", "1"])
+    rows = json.loads((out / "results.json").read_text())
+    by = {(r["impl"], r["variant"], r["pass"]): r for r in rows}
+    for v in ("causal", "document"):
+        r = by[("flexjit-reference-fp8", v, "fwd")]
+        assert r["status"] == "ok" and r["correct"] and r["ms"] > 0, r
+        assert r["check"]["out"]["rel"] < 0.2 * r["check"]["out"]["tol_rel"], r["check"]
+        assert by[("flexjit-reference-fp8-flipped", v, "fwd")]["status"] == "wrong"
+        for impl in ("flexjit-reference-fp8", "flexjit-reference-fp8-flipped", "sdpa-fp8"):
+            assert "no backward" in by[(impl, v, "fwdbwd")]["error"]
+        assert by[("sdpa-fp8", v, "fwd")]["error"] == "skipped: needs a CUDA GPU"
+    assert "reference-fp8 / reference" in (out / "results.md").read_text()
+
+
+def test_fp8_accuracy_writes_a_record(tmp_path):
+    # On the CPU the reference answers: it is the plain FP8 reference's math (ratio 1), and the
+    # Hadamard rotation lowers the error on outlier data.
+    from benchmarks import fp8_accuracy, records
+    out = tmp_path / "cpu" / "fp8_accuracy"
+    fp8_accuracy.main(["--out", str(out), "--device", "cpu", "--S", "128", "--d", "32", "--B", "1",
+                       "--hq", "2", "--hkv", "1", "--variants", "causal,document"])
+    rows, meta = records.load_record(out)
+    assert meta["format"] == "benchmarks.fp8_accuracy" and meta["capability"] == "fp8_accuracy"
+    assert len(rows) == 2 * 2 * 2 * 2  # variants x data x inputs x rotated
+    for r in rows:
+        assert r["backend"] == "reference" and r["native"], r
+        assert abs(r["ratio_rel"] - 1) < 0.01 and r["within_target"], r
+        assert r["rel_bf16"] < 0.2 * r["rel_plain"], r  # bf16 data: no quantisation error
+    for v in ("causal", "document"):
+        for inputs in ("qkv8", "kv8"):
+            rel = {r["rotate"]: r["rel_fp8"] for r in rows
+                   if (r["variant"], r["data"], r["inputs"]) == (v, "outliers", inputs)}
+            assert rel[True] < 0.7 * rel[False], rel
+    assert (out / "results.md").read_text() == records.render_md(rows, meta)
+    assert "| causal | 32 | outliers | qkv8 | yes | reference |" in (out / "results.md").read_text()
+
+
 def test_tune_triton_plans_its_sweep(tmp_path):
     from benchmarks import tune_triton
     tune_triton.main(["--dry-run", "--out", str(tmp_path), "--S", "2k", "--variants", "causal"])
