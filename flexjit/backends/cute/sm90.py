@@ -175,9 +175,12 @@ def fp8_value_transposed(v: torch.Tensor) -> torch.Tensor:
     """The FP8 forward's V operand: (B, H, S, Dv) e4m3 -> Vᵀ (B, H, Dv, S rounded up to 128),
     contiguous, key j of every 32-key block at slot ``KEY_SLOT[j]`` (``cute_sm90.fp8``), zeros
     past S. One read of V and one write."""
-    slot = templates("sm90").fp8.KEY_SLOT
     B, H, S, Dv = v.shape
     S32, Sp = -(-S // 32) * 32, -(-S // 128) * 128
+    if v.device.type == "cuda":  # the same bytes in one pass (torch's scatter below is ~10x slower)
+        from flexjit.backends.cute import fp8_layout
+        return fp8_layout.value_transposed(v, Sp)
+    slot = templates("sm90").fp8.KEY_SLOT
     u = v.view(torch.uint8)
     if S32 != S:
         u = torch.cat([u, u.new_zeros(B, H, S32 - S, Dv)], dim=2)
