@@ -62,7 +62,9 @@ D = 192 and (192, 128): 64 × 64, "dim split" (``kv_per_block`` = 2): two CTAs p
 (both read its column of the lists; the grid always covers whole mask blocks), each MMA
 warpgroup computes the whole 64 × 64 Sᵀ and dPᵀ (redundantly: 2 of the 5 GEMMs run twice) and
 owns half of dK's, dV's and dQ's columns; warpgroup 0 alone stores dSᵀ. Smem 209 KB (192) /
-185 KB (192, 128).
+185 KB (192, 128). With ``BwdTiling.q_split`` no GEMM runs twice: each warpgroup forms Sᵀ and
+dPᵀ for its 32 query rows (m64n32), stores Pᵀ and dSᵀ into smem stages, and reads all 64 rows
+of both there for its half of dV and dK (SS; ``_q_tile_split``). Smem 225 KB / 201 KB.
 
 dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
 swizzle: see ``dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
@@ -135,6 +137,7 @@ from flexjit.templates.cute.block_sparse import QBlockLists, QOrder, listed_tile
 from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, bind, index_add, kernel_aux, launch, permute, plain_i32, register_offsets, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.opaque import opaque_i32, opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.pipeline import tma_pipelines
+from flexjit.templates.cute.sm90.bwd_rows import shuffled_row
 from flexjit.templates.cute.sm90.bwd_tiling import BwdTiling, choose_bwd_tiling, lpt_coords
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols, store_dq_acc
 
@@ -844,7 +847,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # live registers across the waits spill there (4 bytes), for no measurable gain: that
         # kernel reads them after the waits.
         if const_expr(self.shuffle_stats):
-            rLSE = self._shuffled_row(ctx, ctx.sLSE, idx)
+            rLSE = shuffled_row(ctx.sLSE, idx, self.tile_m, ctx.tScS)
         elif const_expr(not self.kv_batch_broadcast):
             rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
         if const_expr(self.overlap_dp):
@@ -869,7 +872,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             pipe_do.consumer_wait(state)
         # delta likewise before the dPᵀ wait (and before the dV GEMM, whose issue covers them).
         if const_expr(self.shuffle_stats):
-            rDelta = self._shuffled_row(ctx, ctx.sDelta, idx)
+            rDelta = shuffled_row(ctx.sDelta, idx, self.tile_m, ctx.tScS)
         elif const_expr(not self.kv_batch_broadcast):
             rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
         if const_expr(self.p_late):
@@ -964,27 +967,6 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         for i in cutlass.range_constexpr(cute.size(r)):
             r[i] = tRow[i]
         return r
-
-    @cute.jit
-    def _shuffled_row(self, ctx, sRow: cute.Tensor, idx: Int32) -> "_ShuffledRow":
-        """Stage ``idx`` of lse2 or delta (``sRow``: (tile_m, stages) smem), one value in 8 per
-        thread. The Sᵀ accumulator gives lane 4ρ + t the query columns 8g + 2t + e (e ∈ {0, 1},
-        g < tile_m / 8), the same for the 8 lanes of one t: lane 4ρ + t holds the columns of
-        the groups g ≡ ρ (mod 8), and a use of column 8g + 2t + e shuffles it from lane
-        4·(g % 8) + t."""
-        lane = cute.arch.lane_idx()
-        rho, t = lane // 4, lane % 4
-        groups = self.tile_m // 8
-        held = []
-        for gg in cutlass.range_constexpr(-(-groups // 8)):
-            pair = []
-            for e in cutlass.range_constexpr(2):
-                col = 8 * (8 * gg + rho) + 2 * t + e
-                if const_expr((gg + 1) * 8 > groups):  # a partial last round: lanes past it idle
-                    col = cutlass.select_(8 * gg + rho < groups, col, Int32(0))
-                pair.append(sRow[col, idx])
-            held.append(pair)
-        return _ShuffledRow(held, register_offsets(ctx.tScS), t)
 
     def _p_stage(self, idx: Int32):
         """The smem stage of the dS buffer that holds Pᵀ (``p_smem``, ``q_split``)."""
@@ -1167,23 +1149,6 @@ class _BwdSchedule(NamedTuple):
     n_q_tiles: object  # ceil(L / tile_m): dense launches
     n_kv_tiles: object  # the grid's x extent (``_num_kv_tiles``)
     mask_block: object  # the kv mask block (= n_block unless kv_per_block > 1): block-list column
-
-
-class _ShuffledRow:
-    """A row statistic indexed like the Sᵀ accumulator (``FlexAttentionBwdSm90._shuffled_row``):
-    ``[i]`` shuffles register i's query column from the lane that holds it, once per column
-    (the two registers of one column, rows h and h + 8, share the shuffle). Trace-time."""
-
-    def __init__(self, held, offsets, t):
-        self.held, self.offsets, self.t = held, offsets, t
-        self.cache = {}
-
-    def __getitem__(self, i):
-        q_off = self.offsets[i][1]  # 8g + e past the thread's first column 2t
-        g, e = q_off // 8, q_off % 8
-        if (g, e) not in self.cache:
-            self.cache[(g, e)] = cute.arch.shuffle_sync(self.held[g // 8][e], self.t + 4 * (g % 8))
-        return self.cache[(g, e)]
 
 
 # The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V (kv tile, D),

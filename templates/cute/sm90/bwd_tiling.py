@@ -32,7 +32,7 @@ class BwdTiling:
     # order): P's 16-bit copy is not live across the dP wait.
     p_late: bool = False
     # lse2 and delta held one value in 8 per thread and fetched by warp shuffle at each use
-    # (``_ShuffledRow``), instead of tile_m / 4 registers each read before the waits.
+    # (``bwd_rows.ShuffledRow``), instead of tile_m / 4 registers each read before the waits.
     shuffle_stats: bool = False
     # dK += dSᵀ Q reads dSᵀ from the smem tile the dQ GEMM reads (SS) instead of registers: dS
     # needs no 16-bit register copy past its store, which frees P's copy a block of its own.
