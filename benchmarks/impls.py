@@ -47,7 +47,7 @@ FLEXJIT_MODES = {
     **{f"flexjit-cute-bwd-{name}": ("cute", {"BWD_CONFIG": name}, False) for name in (
         "late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle", "swapdq",
         "late+dksmem+swapdq", "psmem+dksmem", "psmem+dksmem+shuffle", "m80+late+dksmem+shuffle",
-        "m128+psmem+dksmem+shuffle", "lpt", "lpt2")},
+        "m128+psmem+dksmem+shuffle", "lpt", "lpt2", "qsplit", "sdpdup")},
 }
 EXTRA_IMPLS = ("torch-flex-eager",) + tuple(FLEXJIT_MODES)
 
