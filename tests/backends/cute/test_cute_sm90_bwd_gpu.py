@@ -13,8 +13,9 @@ template (``compile_bwd``) on the out/LSE of the sm90 forward; the last ones go 
   with loads or transcendentals issue dP after P (``BwdConfig.overlap_dp``).
 * Shapes: L = S = 1000 (ragged against the 64-row Q tile and the 128-key tile), GQA 16/4
   (each CTA loops over 4 query heads), head dims 128 and 64 (32, 96, 192 and (192, 128) in
-  ``test_more_head_dims``; 192's 64-key tile also in ``test_head_dim_192_*``); L != S once; 2k tokens for the
-  determinism checks (16 kv blocks add into every causal dQ tile's last rows).
+  ``test_more_head_dims``; 192's 64-key tile, in both its forms, also in ``test_head_dim_192_*``);
+  L != S once; 2k tokens for the determinism checks (16 kv blocks add into every causal dQ
+  tile's last rows).
 Compiles: ~2-6 s per new (mods, head dim, mode) on the H200 host.
 """
 import importlib
