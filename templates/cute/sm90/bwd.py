@@ -62,7 +62,9 @@ D = 192 and (192, 128): 64 × 64, "dim split" (``kv_per_block`` = 2): two CTAs p
 (both read its column of the lists; the grid always covers whole mask blocks), each MMA
 warpgroup computes the whole 64 × 64 Sᵀ and dPᵀ (redundantly: 2 of the 5 GEMMs run twice) and
 owns half of dK's, dV's and dQ's columns; warpgroup 0 alone stores dSᵀ. Smem 209 KB (192) /
-185 KB (192, 128).
+185 KB (192, 128). With ``BwdTiling.q_split`` no GEMM runs twice: each warpgroup forms Sᵀ and
+dPᵀ for its 32 query rows (m64n32), stores Pᵀ and dSᵀ into smem stages, and reads all 64 rows
+of both there for its half of dV and dK (SS; ``_q_tile_split``). Smem 225 KB / 201 KB.
 
 dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
 swizzle: see ``dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
@@ -135,6 +137,7 @@ from flexjit.templates.cute.block_sparse import QBlockLists, QOrder, listed_tile
 from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, bind, index_add, kernel_aux, launch, permute, plain_i32, register_offsets, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.opaque import opaque_i32, opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.pipeline import tma_pipelines
+from flexjit.templates.cute.sm90.bwd_rows import shuffled_row
 from flexjit.templates.cute.sm90.bwd_tiling import BwdTiling, choose_bwd_tiling, lpt_coords
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols, store_dq_acc
 
@@ -210,6 +213,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         assert self.score_grads is None or self.score_mod is not None
         self.dq_swapped, self.p_late, self.shuffle_stats = t.dq_swapped, t.p_late, t.shuffle_stats
         self.dk_smem, self.p_smem, self.lpt_section = t.dk_smem, t.p_smem, t.lpt_section
+        self.q_split = t.q_split
         assert not (self.p_smem and self.p_late)
         assert not self.p_smem or t.tile_n == MASK_BLOCK  # not with the dim split
         assert not self.dk_smem or t.tile_n == MASK_BLOCK  # not with the dim split
@@ -227,6 +231,11 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # computes the whole Sᵀ and dPᵀ (the same 64 × tile_m tile, redundantly).
         self.kv_per_block = MASK_BLOCK // self.tile_n
         self.dim_split = self.kv_per_block > 1
+        # ``BwdTiling.q_split``: the dim split without the duplicated Sᵀ/dPᵀ (each warpgroup
+        # half of the query rows; P and dS reach dV/dK through smem). dup_sdp: both warpgroups
+        # hold the whole Sᵀ/dPᵀ.
+        assert not self.q_split or (self.dim_split and self.tile_m == 64)
+        self.dup_sdp = self.dim_split and not self.q_split
         # Each MMA warpgroup owns one fp32 dQ box: half the columns or half the rows; swapped,
         # half the head dims of dQᵀ (its rows) by all of the tile's query rows.
         assert self.head_dim % 16 == 0
@@ -279,7 +288,10 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         sK_layout = smem_layout(self.dtype, tn, D, atom_cols=k_atom_cols(D, self.dq_split))
         sV_layout = smem_layout(self.dtype, tn, Dv, atom_cols=(
             k_atom_cols(Dv, "cols") if const_expr(self.dim_split) else None))
-        sdS_layout = smem_layout(self.dtype, tm, tn, st + (1 if const_expr(self.p_smem) else 0))
+        # dS stages, then Pᵀ's: one (``p_smem``: read by its own warpgroup only) or one per Q
+        # stage (``q_split``: both warpgroups read all of it, as dS).
+        p_stages = st if const_expr(self.q_split) else (1 if const_expr(self.p_smem) else 0)
+        sdS_layout = smem_layout(self.dtype, tm, tn, st + p_stages)
         sdQ_layout = dq_smem_layout(*self.dq_box)
         # lse2 / delta stages, each starting on 128 bytes (a TMA destination's alignment: an
         # 80-row tile's 320-byte stage would not)
@@ -306,7 +318,17 @@ class FlexAttentionBwdSm90(config.TiledKernel):
 
         K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
         RMEM = warpgroup.OperandSource.RMEM
-        if const_expr(self.dim_split):
+        if const_expr(self.q_split):
+            # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: the warpgroups split N (the query rows) in halves.
+            mma_sdp = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 2, 1), (64, tm // 2))
+            # dK += dSᵀ Q, dV += Pᵀ dO: Pᵀ and dSᵀ (all query rows) read MN-major from smem,
+            # the warpgroups split N (D, Dv) in halves.
+            mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (64, D // 2))
+            mma_dv = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32, (1, 2, 1), (64, Dv // 2))
+        elif const_expr(self.dim_split):
             # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ: one warpgroup's tile (each computes all of it).
             mma_sdp = sm90_helpers.make_trivial_tiled_mma(
                 self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (64, tm))
@@ -644,7 +666,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         wg_dkv = mma_dkv.get_slice(wg * 128)
         wg_dv = mma_dv.get_slice(wg * 128)
         wg_dq = mma_dq.get_slice(wg * 128)
-        if const_expr(self.dim_split):
+        if const_expr(self.dup_sdp):
             # One warpgroup's Sᵀ/dPᵀ MMA: each warpgroup is its thread range 0..127.
             wg_sdp = mma_sdp.get_slice(0)
             thr_sdp = mma_sdp.get_slice(tidx % 128)
@@ -655,8 +677,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # Register operands (the smem ones are made per tile: ``_smem_operands``).
         # P and dS as the RS dV/dK GEMMs' A operands (None where that GEMM reads smem: P and dS
         # are then converted into fresh registers for their stores only).
-        tVrP = None if const_expr(self.p_smem) else wg_dv.make_fragment_A(wg_dv.partition_shape_A((tn, tm)))
-        tKrdS = None if const_expr(self.dk_smem) else wg_dkv.make_fragment_A(
+        tVrP = None if const_expr(self.p_smem or self.q_split) else wg_dv.make_fragment_A(
+            wg_dv.partition_shape_A((tn, tm)))
+        tKrdS = None if const_expr(self.dk_smem or self.q_split) else wg_dkv.make_fragment_A(
             wg_dkv.partition_shape_A((tn, tm)))
         acc_dV = cute.make_rmem_tensor(wg_dv.partition_shape_C((tn, self.head_dim_v)), Float32)
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((tn, self.head_dim)), Float32)
@@ -670,7 +693,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # dS (registers, transposed) -> smem as the dQ GEMM's K-major A operand.
         st_t = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         thr_st_t = cute.make_tiled_copy_C(st_t, mma_sdp).get_slice(
-            tidx % 128 if const_expr(self.dim_split) else tidx)
+            tidx % 128 if const_expr(self.dup_sdp) else tidx)
         tSsdS = thr_st_t.partition_D(transposed(smem.sdS))
         # dQ accumulator -> this warpgroup's fp32 box, viewed as the whole (tm, D) tile.
         # Rows and columns through dq_box_view (16-byte runs per thread).
@@ -740,9 +763,72 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "full")
         return state
 
+    def _q_tile(self, ctx, pipe_q, pipe_do, state, head, m, kind):
+        """One Q tile: ``_q_tile_split`` with ``q_split``, else ``_q_tile_regs``."""
+        if self.q_split:
+            return self._q_tile_split(ctx, pipe_q, pipe_do, state, head, m, kind)
+        return self._q_tile_regs(ctx, pipe_q, pipe_do, state, head, m, kind)
+
     @cute.jit
-    def _q_tile(self, ctx, pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
-                state, head: Int32, m: Int32, kind: cutlass.Constexpr):
+    def _q_tile_split(self, ctx, pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
+                      state, head: Int32, m: Int32, kind: cutlass.Constexpr):
+        """One Q tile with ``q_split``: each warpgroup forms Sᵀ, P, dPᵀ and dS for its half of
+        the query rows and stores Pᵀ and dSᵀ into their smem stages; after a named barrier
+        (both halves in) it runs dV, dK and dQ for its half of the head dims over all rows, A
+        from smem. Every GEMM is computed once. The stages follow the Q stage's index: a
+        warpgroup passes this tile's Pᵀ barrier only once the other has waited for all of its
+        previous tile's GEMMs, the last readers of the other stage."""
+        idx = state.index
+        ops = self._smem_operands(ctx, idx)
+        pipe_q.consumer_wait(state)
+        acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        wgmma_gemm(ctx.mma_sdp, acc_S, ops.tSrK, ops.tSrQ, zero_init=True)
+        pipe_do.consumer_wait(state)
+        acc_dP = cute.make_rmem_tensor(ctx.s_shape, Float32)
+        wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
+        # lse2 and delta (16 registers each here) read under the GEMMs, as in ``_q_tile_regs``.
+        rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
+        rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
+        warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under P
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        self._probabilities(ctx, acc_S, rP, rLSE, head, m, kind)
+        cute.copy(ctx.st_t, ctx.thr_st_t.retile(rP), ctx.tSsdS[None, None, None, self._p_stage(idx)])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+        # dV += Pᵀ dO needs only Pᵀ: issued before the dPᵀ wait, it runs under dS's forming.
+        wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ops.tVsP, ops.tVrdO, zero_init=False)
+        warpgroup.wait_group(1)  # dPᵀ done
+        sums = None
+        if const_expr(self.score_grads is not None):
+            sums = self._captured_grads(ctx, acc_S, acc_dP, rDelta, head, m)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - rDelta[i])
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+        acc_dQ = cute.make_rmem_tensor(ctx.dq_shape, Float32)
+        wgmma_gemm(ctx.mma_dq, acc_dQ, ops.tQrA, ops.tQrB, zero_init=True)
+        wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ops.tKsdS, ops.tKrQ, zero_init=False)
+        warpgroup.wait_group(2)  # dV done: dO is free
+        pipe_do.consumer_release(state)
+        warpgroup.wait_group(1)  # dQ done
+        cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
+        store_dq_acc(acc_dQ, ctx.tQsdQ)
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
+        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
+        warpgroup.wait_group(0)  # dK done: Q is free
+        pipe_q.consumer_release(state)
+        if const_expr(self.score_grads is not None):
+            self._flush_uniform_grads(ctx, sums, head, m)
+        state.advance()
+        return state
+
+    @cute.jit
+    def _q_tile_regs(self, ctx, pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
+                     state, head: Int32, m: Int32, kind: cutlass.Constexpr):
         """One Q tile (see the module docstring for the order). The dS smem buffer uses the Q
         stage's index: both warpgroups pass this tile's barrier only after finishing the
         previous tile, whose dQ GEMM was the last reader of the other buffer."""
@@ -761,7 +847,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # live registers across the waits spill there (4 bytes), for no measurable gain: that
         # kernel reads them after the waits.
         if const_expr(self.shuffle_stats):
-            rLSE = self._shuffled_row(ctx, ctx.sLSE, idx)
+            rLSE = shuffled_row(ctx.sLSE, idx, self.tile_m, ctx.tScS)
         elif const_expr(not self.kv_batch_broadcast):
             rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
         if const_expr(self.overlap_dp):
@@ -786,7 +872,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             pipe_do.consumer_wait(state)
         # delta likewise before the dPᵀ wait (and before the dV GEMM, whose issue covers them).
         if const_expr(self.shuffle_stats):
-            rDelta = self._shuffled_row(ctx, ctx.sDelta, idx)
+            rDelta = shuffled_row(ctx.sDelta, idx, self.tile_m, ctx.tScS)
         elif const_expr(not self.kv_batch_broadcast):
             rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
         if const_expr(self.p_late):
@@ -833,7 +919,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             for i in cutlass.range_constexpr(cute.size(rdS_words)):
                 rdS_words[i] = opaque_i32(rdS_words[i])
         # dSᵀ -> smem; both warpgroups' halves are needed by each dQ GEMM.
-        if const_expr(self.dim_split):
+        if const_expr(self.dup_sdp):
             # Both warpgroups hold all of dS: one stores it.
             _copy_if(ctx.wg == 0, ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
         else:
@@ -882,26 +968,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             r[i] = tRow[i]
         return r
 
-    @cute.jit
-    def _shuffled_row(self, ctx, sRow: cute.Tensor, idx: Int32) -> "_ShuffledRow":
-        """Stage ``idx`` of lse2 or delta (``sRow``: (tile_m, stages) smem), one value in 8 per
-        thread. The Sᵀ accumulator gives lane 4ρ + t the query columns 8g + 2t + e (e ∈ {0, 1},
-        g < tile_m / 8), the same for the 8 lanes of one t: lane 4ρ + t holds the columns of
-        the groups g ≡ ρ (mod 8), and a use of column 8g + 2t + e shuffles it from lane
-        4·(g % 8) + t."""
-        lane = cute.arch.lane_idx()
-        rho, t = lane // 4, lane % 4
-        groups = self.tile_m // 8
-        held = []
-        for gg in cutlass.range_constexpr(-(-groups // 8)):
-            pair = []
-            for e in cutlass.range_constexpr(2):
-                col = 8 * (8 * gg + rho) + 2 * t + e
-                if const_expr((gg + 1) * 8 > groups):  # a partial last round: lanes past it idle
-                    col = cutlass.select_(8 * gg + rho < groups, col, Int32(0))
-                pair.append(sRow[col, idx])
-            held.append(pair)
-        return _ShuffledRow(held, register_offsets(ctx.tScS), t)
+    def _p_stage(self, idx: Int32):
+        """The smem stage of the dS buffer that holds Pᵀ (``p_smem``, ``q_split``)."""
+        return self.num_stages + idx if const_expr(self.q_split) else self.num_stages
 
     def _smem_operands(self, ctx, idx: Int32) -> "_SmemOperands":
         """This tile's smem GEMM operands: K, V and stage ``idx`` of Q, dO, dS, each rebased on
@@ -919,11 +988,11 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             tPrdO=sdp.make_fragment_B(sdp.partition_B(sdO)),
             tVrdO=dv.make_fragment_B(dv.partition_B(_transposed_2d(sdO))),
             tKrQ=dkv.make_fragment_B(dkv.partition_B(_transposed_2d(sQ))),
-            tKsdS=(dkv.make_fragment_A(dkv.partition_A(_transposed_2d(sdS))) if const_expr(self.dk_smem)
-                   else None),
+            tKsdS=(dkv.make_fragment_A(dkv.partition_A(_transposed_2d(sdS)))
+                   if const_expr(self.dk_smem or self.q_split) else None),
             tVsP=(dv.make_fragment_A(dv.partition_A(_transposed_2d(
-                opaque_smem(sm.sdS[None, None, self.num_stages], sm.swdS))))
-                  if const_expr(self.p_smem) else None),
+                opaque_smem(sm.sdS[None, None, self._p_stage(idx)], sm.swdS))))
+                  if const_expr(self.p_smem or self.q_split) else None),
             tQrA=(dq.make_fragment_A(dq.partition_A(_transposed_2d(sK))) if const_expr(self.dq_swapped)
                   else dq.make_fragment_A(dq.partition_A(sdS))),
             tQrB=(dq.make_fragment_B(dq.partition_B(sdS)) if const_expr(self.dq_swapped)
@@ -1002,7 +1071,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         n_loads = len(uniform)
         sums = [Float32(0.0) for _ in range(n_loads)]
         wg0 = None  # the dim split: both warpgroups hold the same elements
-        if const_expr(self.dim_split):
+        if const_expr(self.dup_sdp):
             wg0 = ctx.wg
         for i in cutlass.range_constexpr(len(offsets)):
             at = (offsets[i][1], offsets[i][0])
@@ -1080,23 +1149,6 @@ class _BwdSchedule(NamedTuple):
     n_q_tiles: object  # ceil(L / tile_m): dense launches
     n_kv_tiles: object  # the grid's x extent (``_num_kv_tiles``)
     mask_block: object  # the kv mask block (= n_block unless kv_per_block > 1): block-list column
-
-
-class _ShuffledRow:
-    """A row statistic indexed like the Sᵀ accumulator (``FlexAttentionBwdSm90._shuffled_row``):
-    ``[i]`` shuffles register i's query column from the lane that holds it, once per column
-    (the two registers of one column, rows h and h + 8, share the shuffle). Trace-time."""
-
-    def __init__(self, held, offsets, t):
-        self.held, self.offsets, self.t = held, offsets, t
-        self.cache = {}
-
-    def __getitem__(self, i):
-        q_off = self.offsets[i][1]  # 8g + e past the thread's first column 2t
-        g, e = q_off // 8, q_off % 8
-        if (g, e) not in self.cache:
-            self.cache[(g, e)] = cute.arch.shuffle_sync(self.held[g // 8][e], self.t + 4 * (g % 8))
-        return self.cache[(g, e)]
 
 
 # The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V (kv tile, D),

@@ -32,7 +32,7 @@ class BwdTiling:
     # order): P's 16-bit copy is not live across the dP wait.
     p_late: bool = False
     # lse2 and delta held one value in 8 per thread and fetched by warp shuffle at each use
-    # (``_ShuffledRow``), instead of tile_m / 4 registers each read before the waits.
+    # (``bwd_rows.ShuffledRow``), instead of tile_m / 4 registers each read before the waits.
     shuffle_stats: bool = False
     # dK += dSᵀ Q reads dSᵀ from the smem tile the dQ GEMM reads (SS) instead of registers: dS
     # needs no 16-bit register copy past its store, which frees P's copy a block of its own.
@@ -46,6 +46,15 @@ class BwdTiling:
     # and dO bytes the running CTAs read: 8 pairs paid at D = 64 and lost at 128 (4 heads a kv
     # head, 8k: 64 against 128 MB), so the width is a variant of its own.
     lpt_section: int = 0
+    # The dim split's S/dP GEMMs split by query rows instead of computed whole in each
+    # warpgroup (``choose_bwd_tiling``'s D = 192 entry): each warpgroup forms Sᵀ and dPᵀ for its
+    # tile_m / 2 queries, Pᵀ and dSᵀ go to smem, and the dV/dK GEMMs read them there (SS).
+    q_split: bool = False
+
+
+# Whether the D = 192 row splits the S/dP GEMMs by query rows (``BwdTiling.q_split``); the
+# tokens "qsplit" and "sdpdup" pick either form whatever this says.
+D192_Q_SPLIT = False
 
 
 def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -> BwdTiling:
@@ -85,6 +94,12 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       with swapped dK/dV GEMMs; a 96-key tile would straddle mask blocks. Q, dO, K and V get
       32-column swizzle atoms at 192 (``k_atom_cols``: each half starts on an atom); V and dO
       keep 64-column atoms at Dv = 128.
+      ``q_split`` ("qsplit") removes the duplicated GEMMs: each warpgroup forms Sᵀ and dPᵀ
+      for its 32 of the 64 query rows (m64n32 wgmmas), stores Pᵀ and dSᵀ (stmatrix.trans) into
+      smem, and after a named barrier reads both halves there for dV += Pᵀ dO and dK += dSᵀ Q
+      over its half of the head dims (SS); dQ = dS K as before. Per thread: dK + dV 96 (80),
+      Sᵀ, dPᵀ 16 each, P 8, dQ 48. Smem: Pᵀ takes a stage per Q stage beside dS (16 KB more:
+      225 KB at 192, 201 KB at (192, 128)).
     Registers: 2 MMA warpgroups at 240 + the producer warpgroup at 24 = 64512 (the launch's
     168 per thread × 384): setmaxnreg.inc can only take what .dec released, so 240/24 is the
     largest split (240/32 would leave the MMA warpgroups waiting forever).
@@ -94,7 +109,7 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
             f"cute_sm90_bwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
     if head_dim == 192:
         # Half a mask block per CTA, head dims split between the warpgroups (see above).
-        return BwdTiling(64, 64, 2, "cols", True, 240, 24)
+        return BwdTiling(64, 64, 2, "cols", True, 240, 24, q_split=D192_Q_SPLIT)
     return BwdTiling(64, 128, 2, "cols", overlap_dp or head_dim <= 96, 240, 24)
 
 
@@ -102,8 +117,11 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 # the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "psmem"
 # (``p_smem``), "lpt" / "lpt2" (``lpt_section`` 8 / 2), "shuffle" (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80"
 # (80-row tiles, dense launches only, with the dQ GEMM swapped), "m128" (128-row tiles, head
-# dims up to 64, dQ split by rows).
-BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80", "m128")
+# dims up to 64, dQ split by rows); for the dim split (D = 192) only: "qsplit" / "sdpdup" (the S/dP
+# GEMMs split by query rows, ``BwdTiling.q_split``, or computed whole in each warpgroup).
+BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80", "m128",
+                     "qsplit", "sdpdup")
+_DIM_SPLIT_TOKENS = ("qsplit", "sdpdup")
 
 
 def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: str = "") -> BwdTiling:
@@ -114,8 +132,14 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
     unknown = [t for t in tokens if t not in BWD_CONFIG_TOKENS]
     if unknown:
         raise ValueError(f"unknown backward variant(s) {unknown}; known: {BWD_CONFIG_TOKENS}")
-    if tokens and base.tile_n != MASK_BLOCK:
-        raise ValueError(f"head dims ({head_dim}, {head_dim_v}) have no backward variants")
+    split = [t for t in tokens if t in _DIM_SPLIT_TOKENS]
+    if base.tile_n != MASK_BLOCK:
+        if len(split) != len(tokens) or len(split) > 1:
+            raise ValueError(f"head dims ({head_dim}, {head_dim_v}) take one of "
+                             f"{_DIM_SPLIT_TOKENS} as their only backward variant")
+        return dataclasses.replace(base, q_split=split == ["qsplit"]) if split else base
+    if split:
+        raise ValueError(f"{split} serve the 64-key tile of head dim 192 only")
     fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens, p_smem="psmem" in tokens,
                   lpt_section=8 if "lpt" in tokens else 2 if "lpt2" in tokens else 0,
                   shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens)

@@ -67,12 +67,17 @@ def _softcap_alibi_document():
 
 
 def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False,
-             deterministic=False, parts=host.PARTS, overlap_dp=None, program=None, head_dim_v=None):
+             deterministic=False, parts=host.PARTS, overlap_dp=None, program=None, head_dim_v=None,
+             config=""):
+    """The PTX of each part in ``parts``; ``config``: ``BWD_CONFIG`` tokens (the tile table's
+    row with them, ``bwd_tiling``)."""
     program = program or _program(score_mod, mask_mod)
     mods = load_mods(program)
-    cfg = tpl.BwdConfig(head_dim, head_dim_v or head_dim, cutlass.BFloat16, mods.score_mod_and_grad,
+    head_dim_v = head_dim_v or head_dim
+    tiling = tiling_tpl.bwd_tiling(head_dim, head_dim_v, overlap_dp, config) if config else None
+    cfg = tpl.BwdConfig(head_dim, head_dim_v, cutlass.BFloat16, mods.score_mod_and_grad,
                         mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
-                        overlap_dp=overlap_dp)
+                        overlap_dp=overlap_dp, tiling=tiling)
     aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
     fn = host.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
                          parts=parts)
@@ -86,7 +91,8 @@ def _assert_clean_registers(tmp_path, ptx):
     assert_no_spills(tmp_path, ptx, no_serialised_wgmma=True)
 
 
-def _assert_main_machinery(ptx):
+def _assert_main_machinery(ptx, rs=True):
+    """``rs``: dV and dK read P and dS from registers (False: from smem, ``BwdTiling.q_split``)."""
     assert "wgmma.mma_async" in ptx, "no wgmma: off the Hopper tensor-core path"
     assert "mma.sync" not in ptx, "mma.sync found: Ampere-style MMA instead of wgmma"
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx, "no register reallocation"
@@ -98,7 +104,10 @@ def _assert_main_machinery(ptx):
     # dV and dK read P and dS from registers (RS: the A operand is a register vector), the
     # S/dP/dQ GEMMs read shared memory (SS: two descriptors).
     wgmma = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.b?f16\.b?f16\s+\{[^}]*\},\s*"
-    assert re.search(wgmma + r"\{", ptx), "no RS wgmma: P/dS do not feed dV/dK from registers"
+    if rs:
+        assert re.search(wgmma + r"\{", ptx), "no RS wgmma: P/dS do not feed dV/dK from registers"
+    else:
+        assert not re.search(wgmma + r"\{", ptx), "an RS wgmma where every GEMM reads smem"
     assert re.search(wgmma + r"%rd", ptx), "no SS wgmma"
 
 
@@ -111,45 +120,74 @@ def _assert_deterministic_machinery(ptx):
 # 64 and 128, then 32 and 96; (192, 192) and (192, 128) (the 64-key "dim split"
 # tile) in the tests below that take both head dims.
 HEAD_DIMS = [64, 128, 32, 96]
-# (head_dim, head_dim_v) of the 64-key tile: the kv tile is half a mask block, both MMA
-# warpgroups compute all of Sᵀ/dPᵀ and split dK/dV/dQ by columns.
+# (head_dim, head_dim_v) of the 64-key tile: the kv tile is half a mask block, the MMA
+# warpgroups split dK/dV/dQ by columns; each computes all of Sᵀ/dPᵀ ("sdpdup") or half of
+# their query rows ("qsplit", P and dS through smem). Both forms are named, whichever is the
+# table's.
 DIM_SPLIT = [(192, 192), (192, 128)]
+DIM_SPLIT_FORMS = ["sdpdup", "qsplit"]
 
 
+@pytest.mark.parametrize("form", DIM_SPLIT_FORMS)
 @pytest.mark.parametrize("dims", DIM_SPLIT)
-def test_dim_split_no_mods(tmp_path, dims):
+def test_dim_split_no_mods(tmp_path, dims, form):
     # All three kernels (pre/postprocess read rows of 192 / 128).
-    ptx = _compile(tmp_path, dims[0], head_dim_v=dims[1])
-    _assert_main_machinery(ptx["main"])
+    ptx = _compile(tmp_path, dims[0], head_dim_v=dims[1], config=form)
+    _assert_main_machinery(ptx["main"], rs=form == "sdpdup")
     for part in ("main", "pre", "post"):
         _assert_clean_registers(tmp_path, ptx[part])
     # dK/dV/dQ GEMMs are each warpgroup's half of the head dims: N = 96 (and 64 for dV at 128).
     assert "m64n96k16" in ptx["main"]
-    assert "m64n64k16" in ptx["main"]  # Sᵀ/dPᵀ: 64 keys × 64 queries per warpgroup
+    # Sᵀ/dPᵀ: 64 keys × 64 queries per warpgroup, or 64 × 32 split by query rows.
+    assert ("m64n32k16" in ptx["main"]) == (form == "qsplit")
+    if form == "sdpdup":
+        assert "m64n64k16" in ptx["main"]
+
+
+@pytest.mark.parametrize("form", DIM_SPLIT_FORMS)
+@pytest.mark.parametrize("dims", DIM_SPLIT)
+def test_dim_split_fits_shared_memory(dims, form):
+    # The qsplit form adds a Pᵀ stage per Q stage beside dS's (16 KB): 225 KB at (192, 192),
+    # the closest to the 227 KB an sm90 CTA may use. The size is the kernel's shared storage.
+    made = []
+
+    class Recorded(tpl.FlexAttentionBwdSm90):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            made.append(self)
+
+    cfg = tpl.BwdConfig(dims[0], dims[1], cutlass.BFloat16, None, None,
+                        tiling=tiling_tpl.bwd_tiling(dims[0], dims[1], None, form))
+    cute_host.compile_parts({"main": lambda: (Recorded(cfg), cute_host.placeholder_main_args(cfg, (), ()))},
+                            "", ("main",))
+    used = made[0].shared_storage.size_in_bytes()
+    assert used <= 227 * 1024, used
 
 
 @pytest.mark.parametrize("deterministic", [
     pytest.param(False, marks=pytest.mark.compile_all(
         reason="the same kernel as test_every_core_mod_fits[causal-192_*] (192 always overlaps dP)")),
     True])
+@pytest.mark.parametrize("form", DIM_SPLIT_FORMS)
 @pytest.mark.parametrize("dims", DIM_SPLIT)
-def test_dim_split_causal_block_lists(tmp_path, dims, deterministic):
+def test_dim_split_causal_block_lists(tmp_path, dims, deterministic, form):
     # Two kv tiles per mask block: the block lists are read at column n // 2, and in
     # deterministic mode the ranks are per kv tile (2·rank + which half).
     ptx = _compile(tmp_path, dims[0], mask_mod=fmods.causal(), sparse=True, parts=("main",),
-                   deterministic=deterministic, head_dim_v=dims[1])["main"]
-    _assert_main_machinery(ptx)
+                   deterministic=deterministic, head_dim_v=dims[1], config=form)["main"]
+    _assert_main_machinery(ptx, rs=form == "sdpdup")
     _assert_clean_registers(tmp_path, ptx)
     if deterministic:
         _assert_deterministic_machinery(ptx)
 
 
+@pytest.mark.parametrize("form", DIM_SPLIT_FORMS)
 @pytest.mark.parametrize("dims", DIM_SPLIT)
-def test_dim_split_score_and_mask_mods_with_aux(tmp_path, dims):
+def test_dim_split_score_and_mask_mods_with_aux(tmp_path, dims, form):
     score_mod, mask_mod = _softcap_alibi_document()
     ptx = _compile(tmp_path, dims[0], score_mod, mask_mod, sparse=True, parts=("main",),
-                   head_dim_v=dims[1])["main"]
-    _assert_main_machinery(ptx)
+                   head_dim_v=dims[1], config=form)["main"]
+    _assert_main_machinery(ptx, rs=form == "sdpdup")
     _assert_clean_registers(tmp_path, ptx)
     assert "tanh.approx" in ptx
 
@@ -253,7 +291,17 @@ def test_backward_tile_table():
     assert tpl.choose_bwd_tiling(96, 96, False) == T(64, 128, 2, "cols", True, 240, 24)
     assert [importlib.import_module("flexjit.templates.cute.sm90.dq").k_atom_cols(d, "cols") for d in (32, 64, 96, 128, 192)] == [32, 64, 48, 128, 96]
     for dv in (192, 128):
-        assert tpl.choose_bwd_tiling(192, dv, False) == T(64, 64, 2, "cols", True, 240, 24)
+        assert tpl.choose_bwd_tiling(192, dv, False) == T(64, 64, 2, "cols", True, 240, 24,
+                                                          q_split=tiling_tpl.D192_Q_SPLIT)
+        # Either form of the dim split by name, nothing else there; the forms nowhere else.
+        assert tiling_tpl.bwd_tiling(192, dv, None, "qsplit") == T(64, 64, 2, "cols", True, 240, 24,
+                                                                   q_split=True)
+        assert tiling_tpl.bwd_tiling(192, dv, None, "sdpdup") == T(64, 64, 2, "cols", True, 240, 24)
+        for bad in ("late", "qsplit+sdpdup", "qsplit+lpt"):
+            with pytest.raises(ValueError, match="only backward variant"):
+                tiling_tpl.bwd_tiling(192, dv, None, bad)
+    with pytest.raises(ValueError, match="head dim 192 only"):
+        tiling_tpl.bwd_tiling(128, 128, None, "qsplit")
     # Pre/postprocess: a row's lanes are a power of two within one warp, covering the row.
     assert [prepost_tpl._lanes_per_row(d) for d in (32, 64, 96, 128)] == [4, 8, 4, 16]
     for d in (32, 64, 96, 128):
@@ -278,7 +326,7 @@ def _clean_main_ptx(tmp_path, cfg, program) -> str:
     fn = host.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
                          parts=("main",))
     ptx = fn.parts["main"].compiled.__ptx__
-    _assert_main_machinery(ptx)
+    _assert_main_machinery(ptx, rs=not cfg.tiling.q_split)
     _assert_clean_registers(tmp_path, ptx)
     return ptx
 
@@ -288,24 +336,26 @@ def _clean_main_ptx(tmp_path, cfg, program) -> str:
 # (a per-head slope, a tanh, document ids, a mask); every core mod at 192 / (192, 128) passed on
 # the CPU and their GPU tests on the H200, and at 96 in every
 # CI run up to 2026-12-01. FLEXJIT_COMPILE_ALL=1 compiles every pair (about 7 more minutes on 2
-# cores).
+# cores). 192's two forms (DIM_SPLIT_FORMS) each compile the same mods.
 _WIDE = {"causal", "alibi", "softcap", "document"}
 
 
 def _every_core_mod_cases():
     for d in (128, 96, (192, 192), (192, 128)):
-        for n in CORE:
-            tag = f"{d[0]}_{d[1]}" if isinstance(d, tuple) else str(d)
-            marks = []
-            if d == 128 and n == "full":
-                marks = [pytest.mark.compile_all(reason="the same main kernel as test_no_mods[128]")]
-            elif d != 128 and n not in _WIDE:
-                marks = [pytest.mark.compile_all(reason="the _WIDE mods represent this head dim")]
-            yield pytest.param(n, d, id=f"{n}-{tag}", marks=marks)
+        for form in (DIM_SPLIT_FORMS if isinstance(d, tuple) else [""]):
+            for n in CORE:
+                tag = f"{d[0]}_{d[1]}" if isinstance(d, tuple) else str(d)
+                marks = []
+                if d == 128 and n == "full":
+                    marks = [pytest.mark.compile_all(reason="the same main kernel as test_no_mods[128]")]
+                elif d != 128 and n not in _WIDE:
+                    marks = [pytest.mark.compile_all(reason="the _WIDE mods represent this head dim")]
+                yield pytest.param(n, d, form, id=f"{n}-{tag}" + (f"-{form}" if form else ""),
+                                   marks=marks)
 
 
-@pytest.mark.parametrize("name,head_dim", list(_every_core_mod_cases()))
-def test_every_core_mod_fits(tmp_path, name, head_dim):
+@pytest.mark.parametrize("name,head_dim,form", list(_every_core_mod_cases()))
+def test_every_core_mod_fits(tmp_path, name, head_dim, form):
     # D = 128 is the register-tight case (dV + dK = 128 registers), D = 96 the next (96); 192
     # and (192, 128) hold dK + dV = 96 (80) per thread in the 64-key tile, beside a full
     # 64 × 64 Sᵀ and dPᵀ; with the overlap rule above every core mod must compile without
@@ -314,25 +364,28 @@ def test_every_core_mod_fits(tmp_path, name, head_dim):
     case = make_case(name, 2, 4, 300, 500)
     program = _program(case.score_mod, case.mask_mod)
     mods = load_mods(program)
+    overlap = True if light_mods(program) else None
     cfg = tpl.BwdConfig(head_dim, head_dim_v, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
-                        has_block_mask=case.mask_mod is not None,
-                        overlap_dp=True if light_mods(program) else None)
+                        has_block_mask=case.mask_mod is not None, overlap_dp=overlap,
+                        tiling=tiling_tpl.bwd_tiling(head_dim, head_dim_v, overlap, form) if form else None)
     _clean_main_ptx(tmp_path, cfg, program)
 
 
 def _captured_grads_cases():
-    # 32-128 share one 64 x 128 tile (test_backward_tile_table), 192 has the 64-key one: CI keeps
-    # both mods at 128 and 192 and the per-element table (the heavier) at 96.
+    # 32-128 share one 64 x 128 tile (test_backward_tile_table), 192 has the 64-key one (both
+    # forms): CI keeps both mods at 128 and 192 and the per-element table (the heavier) at 96.
     for name in ("learnable_bias", "learnable_alibi"):
         for head_dim in (128, 64, 96, 192):
             extra = head_dim == 64 or (head_dim == 96 and name == "learnable_alibi")
             marks = [pytest.mark.compile_all(reason="the 64 x 128 tile is covered at 128 and 96")
                      ] if extra else []
-            yield pytest.param(name, head_dim, id=f"{name}-{head_dim}", marks=marks)
+            for form in (DIM_SPLIT_FORMS if head_dim == 192 else [""]):
+                yield pytest.param(name, head_dim, form,
+                                   id=f"{name}-{head_dim}" + (f"-{form}" if form else ""), marks=marks)
 
 
-@pytest.mark.parametrize("name,head_dim", list(_captured_grads_cases()))
-def test_captured_tensor_grads(tmp_path, name, head_dim):
+@pytest.mark.parametrize("name,head_dim,form", list(_captured_grads_cases()))
+def test_captured_tensor_grads(tmp_path, name, head_dim, form):
     # A learnable captured tensor's gradient from the sm90 backward itself. The
     # relative-bias table's index varies per element (one predicated fp64 atomic per element),
     # the ALiBi slopes' index is uniform over the tile (warp butterfly, one atomic per warp).
@@ -343,10 +396,11 @@ def test_captured_tensor_grads(tmp_path, name, head_dim):
     mods = load_mods(program)
     assert mods.score_grads is not None and mods.grad_offsets is not None
     assert mods.grad_offsets.uniform == ((name == "learnable_alibi"),)
+    overlap = True if light_mods(program) else None
     cfg = tpl.BwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod_and_grad,
-                        mods.mask_mod, has_block_mask=True,
-                        overlap_dp=True if light_mods(program) else None,
-                        score_grads=mods.score_grads, grad_offsets=mods.grad_offsets)
+                        mods.mask_mod, has_block_mask=True, overlap_dp=overlap,
+                        score_grads=mods.score_grads, grad_offsets=mods.grad_offsets,
+                        tiling=tiling_tpl.bwd_tiling(head_dim, head_dim, overlap, form) if form else None)
     assert cute_host.num_grad_accs(cfg) == 1
     ptx = _clean_main_ptx(tmp_path, cfg, program)
     assert re.search(r"(red|atom)\.global(\.\w+)*\.add\.f64", ptx), "no fp64 atomic add"

@@ -13,8 +13,9 @@ template (``compile_bwd``) on the out/LSE of the sm90 forward; the last ones go 
   with loads or transcendentals issue dP after P (``BwdConfig.overlap_dp``).
 * Shapes: L = S = 1000 (ragged against the 64-row Q tile and the 128-key tile), GQA 16/4
   (each CTA loops over 4 query heads), head dims 128 and 64 (32, 96, 192 and (192, 128) in
-  ``test_more_head_dims``; 192's 64-key tile also in ``test_head_dim_192_*``); L != S once; 2k tokens for the
-  determinism checks (16 kv blocks add into every causal dQ tile's last rows).
+  ``test_more_head_dims``; 192's 64-key tile, in both its forms, also in ``test_head_dim_192_*``);
+  L != S once; 2k tokens for the determinism checks (16 kv blocks add into every causal dQ
+  tile's last rows).
 Compiles: ~2-6 s per new (mods, head dim, mode) on the H200 host.
 """
 import importlib
@@ -288,28 +289,43 @@ def test_api_deterministic_mode_is_bit_identical():
 # The head dims beyond 64 and 128 with a backward tile: causal (light: P under dP) and two heavier mods
 # (softcap's tanh, document's loads; at D <= 96 and 192 they overlap too). Ragged L = S = 1000,
 # GQA 8/2. 192 and (192, 128): the 64-key tile (two kv tiles per mask block; S = 1000 leaves
-# the last mask block's second tile with 104 - 64 = 40 keys, and the dense relative_bias runs
-# without block lists).
-@pytest.mark.parametrize("D,Dv,name", [(32, 32, "causal"), (32, 32, "softcap"), (96, 96, "causal"),
-                                       (96, 96, "softcap"), (96, 96, "document"),
-                                       (192, 192, "causal"), (192, 192, "softcap"),
-                                       (192, 128, "causal"), (192, 128, "document"),
-                                       (192, 128, "relative_bias")], ids=lambda x: str(x))
-def test_more_head_dims(name, D, Dv):
-    check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, Dv=Dv)
+# the last mask block's second tile with 104 - 64 = 40 keys, and the dense relative_bias and
+# full run without block lists), in both forms (D192_FORMS); alibi adds a per-head slope load.
+D192_FORMS = ("sdpdup", "qsplit")
 
 
+def _more_head_dims_cases():
+    for D, Dv, name in [(32, 32, "causal"), (32, 32, "softcap"), (96, 96, "causal"),
+                        (96, 96, "softcap"), (96, 96, "document")]:
+        yield pytest.param(D, Dv, name, "", id=f"{D}-{Dv}-{name}")
+    for form in D192_FORMS:
+        for D, Dv, name in [(192, 192, "causal"), (192, 192, "softcap"), (192, 192, "full"),
+                            (192, 128, "causal"), (192, 128, "document"),
+                            (192, 128, "relative_bias"), (192, 128, "alibi")]:
+            yield pytest.param(D, Dv, name, form, id=f"{D}-{Dv}-{name}-{form}")
+
+
+@pytest.mark.parametrize("D,Dv,name,config", list(_more_head_dims_cases()))
+def test_more_head_dims(name, D, Dv, config):
+    check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, Dv=Dv, config=config)
+
+
+@pytest.mark.parametrize("config", D192_FORMS)
 @pytest.mark.parametrize("D,Dv", [(192, 192), (192, 128)])
-def test_head_dim_192_ragged_last_mask_block(D, Dv):
+def test_head_dim_192_ragged_last_mask_block(D, Dv, config):
     # S = 960 = 7.5 mask blocks: block 7's first 64-key tile is the last in range, so the
     # grid's last CTA (block 7's second tile, keys 960..1023) has no key in range; it must add
     # zeros to dQ and write nothing (dk/dv are NaN-poisoned). L != S, causal block lists, no dLSE.
-    check("causal", B=1, Hq=4, Hkv=2, L=700, S=960, D=D, Dv=Dv, with_dlse=False, seed=4)
+    # L = 700 leaves the last 64-row Q tile with 60 rows: in the qsplit form warpgroup 1's
+    # 32 rows hold 28 in range.
+    check("causal", B=1, Hq=4, Hkv=2, L=700, S=960, D=D, Dv=Dv, with_dlse=False, seed=4,
+          config=config)
 
 
+@pytest.mark.parametrize("config", D192_FORMS)
 @pytest.mark.parametrize("D,Dv,name,sparse", [(192, 192, "causal", True), (192, 128, "document", True),
                                               (192, 128, "full", False)])
-def test_head_dim_192_deterministic_bit_identical(D, Dv, name, sparse):
+def test_head_dim_192_deterministic_bit_identical(D, Dv, name, sparse, config):
     # Two kv tiles per mask block: the dQ semaphore ranks count kv tiles (2·rank + which half).
     # S = 1984 = 15.5 mask blocks: the last block's second tile is empty and still adds.
     B, Hq, Hkv, L, S = 1, 4, 2, 2048, 1984
@@ -317,17 +333,18 @@ def test_head_dim_192_deterministic_bit_identical(D, Dv, name, sparse):
     case = make_case(name, B, Hq, L, S, device=DEV)
     q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 3, Dv=Dv)
     bm = _block_mask(case.mask_mod, B, Hq, L, S)
-    runs = [run_backward(case, q, k, v, dout, dlse, bm, sparse, deterministic=True)
+    runs = [run_backward(case, q, k, v, dout, dlse, bm, sparse, deterministic=True, config=config)
             for _ in range(4)]
-    assert_bit_identical(runs, f"{name} D={D}/{Dv}")
+    assert_bit_identical(runs, f"{name} D={D}/{Dv} {config}")
     want = _oracle_grads(case, q, k, v, dout, dlse, torch.float64)
     low = _oracle_grads(case, q, k, v, dout, dlse, torch.bfloat16)
     assert_grads_close(f"{name} D={D}/{Dv} det", runs[0], want, low)
 
 
+@pytest.mark.parametrize("config", D192_FORMS)
 @pytest.mark.parametrize("D,Dv,name", [(192, 192, "causal"), (192, 128, "causal"),
                                        (192, 128, "softcap")])
-def test_head_dim_192_through_the_api_on_cute(D, Dv, name, monkeypatch):
+def test_head_dim_192_through_the_api_on_cute(D, Dv, name, config, monkeypatch):
     # flex_attention + autograd at 192 and (192, 128): the sm90 forward and, since the 64-key
     # tile, the sm90 backward (no hand-off to Triton). dq, dk, dv against the float64 oracle.
     from flexjit.api.attention import prepare_call
@@ -343,9 +360,10 @@ def test_head_dim_192_through_the_api_on_cute(D, Dv, name, monkeypatch):
     call = prepare_call(*leaves, case.score_mod, bm, None, True, None)
     assert cute_sm90.supports(call)[0]
     assert cute_sm90.backward_supports(call)[0]
-    choice = explain(*leaves, case.score_mod, bm, enable_gqa=True)
+    options = {"BWD_CONFIG": config}  # kernel_options pins the form
+    choice = explain(*leaves, case.score_mod, bm, enable_gqa=True, kernel_options=options)
     assert (choice.name, choice.backward) == ("cute", "cute"), str(choice)
-    out = flex_attention(*leaves, case.score_mod, bm, enable_gqa=True)
+    out = flex_attention(*leaves, case.score_mod, bm, enable_gqa=True, kernel_options=options)
     got = torch.autograd.grad(out, leaves, dout)
     want = _oracle_grads(case, q, k, v, dout, None, torch.float64)
     low = _oracle_grads(case, q, k, v, dout, None, torch.bfloat16)
@@ -409,10 +427,11 @@ def test_captured_tensor_grads_through_the_api(name, monkeypatch, capsys):
     assert "backward on cute" in printed and "backward on triton" not in printed, printed
 
 
-@pytest.mark.parametrize("D", [128, 64, 192])
+@pytest.mark.parametrize("D,config", [(128, ""), (64, ""), (192, "sdpdup"), (192, "qsplit")])
 @pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
-def test_captured_tensor_grads_through_the_template(name, D):
-    # 192: both MMA warpgroups hold the same elements there; only warpgroup 0 adds them.
+def test_captured_tensor_grads_through_the_template(name, D, config):
+    # 192 "sdpdup": both MMA warpgroups hold the same elements; only warpgroup 0 adds them.
+    # "qsplit": each holds its own query rows and adds them.
     # The template directly: compile_bwd with score_grads/grad_offsets and fp64 accumulators.
     from flexjit.backends.cute.sm90 import grad_slots
 
@@ -424,7 +443,7 @@ def test_captured_tensor_grads_through_the_template(name, D):
         with torch.no_grad():
             out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=True,
                                       return_lse=True, backend="cute")
-        fn, aux, scalars = _compiled(case, D, q.dtype, True, False)
+        fn, aux, scalars = _compiled(case, D, q.dtype, True, False, config=config)
         acc = torch.zeros(aux[0].shape, dtype=torch.float64, device=DEV)
         dq, dk, dv = [torch.full_like(t, float("nan")) for t in (q, k, v)]
         fn(q, k, v, out, dout, lse, None, dq, dk, dv, 1.0 / math.sqrt(D), bwd_block_lists(bm),
