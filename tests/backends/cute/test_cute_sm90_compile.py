@@ -383,8 +383,8 @@ def test_dynamic_smem_budget():
 
 def test_dynamic_launch_args_carry_the_counter():
     """The TVM-FFI argument tuple ends with the (2,) int32 counter for the dynamic kernel (None
-    for the others), then the max_scores tensor (None: not asked for); on CPU tensors the counter
-    is a fresh zeroed CPU tensor."""
+    for the others), then the max_scores tensor (None: not asked for), then the FP8 descale table
+    (None for 16-bit inputs); on CPU tensors the counter is a fresh zeroed CPU tensor."""
     q = torch.randn(1, 2, 200, 128, dtype=torch.bfloat16)
     k = v = torch.randn(1, 2, 300, 128, dtype=torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(1, 2, 200)
@@ -393,13 +393,13 @@ def test_dynamic_launch_args_carry_the_counter():
                         tiling=_tpl.choose_tiling(128, 128, False, persistent=True,
                                                   dynamic_schedule=dyn))
         args = _tpl._ffi_launch_args(cfg, q, k, v, o, lse, 0.1, None, (), ())
-        assert args[-1] is None
+        assert args[-1] is None and args[-2] is None
         if dyn:
-            counter = args[-2]
+            counter = args[-3]
             assert counter.dtype == torch.int32 and counter.shape == (2,)
             assert (counter == 0).all()
         else:
-            assert args[-2] is None
+            assert args[-3] is None
 
 
 @pytest.mark.parametrize("persistent", [False, True])
