@@ -83,7 +83,7 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     ``persistent``.
     """
     if fp8:
-        return _fp8_tiling(head_dim, head_dim_v, block_sparse, persistent, tile_m)
+        return _fp8_tiling(head_dim, head_dim_v, persistent, tile_m)
     if dynamic_schedule is None:
         dynamic_schedule = dynamic_schedule_default()
     dyn = bool(persistent and dynamic_schedule)
@@ -117,26 +117,18 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     return Tiling(128, 64, 2, 2, False, 240, 24)  # 256
 
 
-def _fp8_tiling(head_dim: int, head_dim_v: int, block_sparse: bool, persistent: bool,
-                tile_m: Optional[int]) -> Tiling:
-    """The FP8 forward's rows, one tile per CTA. P takes half the 16-bit registers and every
-    GEMM half the time, so the per-tile work (row statistics, the O rescale, the pipeline's
-    waits) weighs twice as much: wider key tiles amortise it where registers allow (FA3 runs
-    128 × 224 at D = 128).
-    * D = 128: dense 128 × 192 (S 96 + O 64 + P 24 registers; 192 does not divide the mask
-      block, so a block mask keeps 128 × 128); smem Q 16 + 3×(24+24) + O 32 = 192 KB.
-    * D = 256: 128 × 128 (S 64 + O 128 + P 16 = 208; the 16-bit row's 64-key tile was for
-      P's 32), 2 stages: 32 + 2×(32+32) + O 64 = 224 KB.
-    * D = 64: 128 × 128, 3 stages (72 KB)."""
+def _fp8_tiling(head_dim: int, head_dim_v: int, persistent: bool, tile_m: Optional[int]) -> Tiling:
+    """The FP8 forward's rows: the 16-bit tiles' shapes (the registers hold the same fp32 S and O;
+    P takes half), one tile per CTA. Smem halves for Q, K and V, and O (16-bit) gets a buffer
+    of its own: D = 128: Q 16 + 3×(16+16) + O 32 = 144 KB; D = 64: 8 + 3×(8+8) + 16 = 72 KB;
+    D = 256: 32 + 2×(16+16) + 64 = 160 KB."""
     if (head_dim, head_dim_v) not in FP8_HEAD_DIMS:
         raise NotImplementedError(
             f"cute_sm90_fwd: FP8 head dims ({head_dim}, {head_dim_v}) not in {FP8_HEAD_DIMS}")
     if persistent or tile_m not in (None, 128):
         raise NotImplementedError("cute_sm90_fwd: the FP8 forward runs 128-row tiles, one per CTA")
     if head_dim == 256:
-        return Tiling(128, 128, 2, 2, False, 240, 24)
-    if head_dim == 128 and not block_sparse:
-        return Tiling(128, 192, 3, 2, True, 240, 24)
+        return Tiling(128, 64, 2, 2, False, 240, 24)
     return Tiling(128, 128, 3, 2, True, 240, 24)
 
 
