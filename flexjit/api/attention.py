@@ -17,7 +17,7 @@ import torch
 from flexjit import config
 from flexjit.runtime import call_cache, dispatch, options, selfcheck
 from flexjit.api import compiled, fp8 as fp8_inputs
-from flexjit.backends.fp8 import FP8_DTYPES, dequantize_inputs, is_fp8
+from flexjit.backends.fp8 import FP8_DTYPES, is_fp8
 from flexjit.planner.block_mask import BlockMask, from_torch_block_mask, noop_mask, with_int32_lists
 from flexjit.ir.passes import FLOAT_INDEX_LIMIT, lower
 from flexjit.ir.program import Program
@@ -128,15 +128,14 @@ def _prepared(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
 def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, backend,
               want_max: bool, fp8=(None,) * 4):
     """flex_attention inside a graph dynamo traces (``flexjit.api.compiled``): the same validation,
-    minus what needs the traced mods (the HOP's wrapper checks that at AOT time). FP8 inputs are
-    dequantised in the graph (correct, not faster), and refused where autograd tracks them: a
-    compiled graph's backward is built with its forward, so it cannot refuse later."""
+    minus what needs the traced mods (the HOP's wrapper checks that at AOT time). FP8 inputs
+    reach the op as they are (a backend without an FP8 kernel dequantises them there, as in
+    eager mode), and are refused where autograd tracks them: a compiled graph's backward is
+    built with its forward, so it cannot refuse later."""
     _check_tensors(query, key, value, enable_gqa, fp8=fp8)
     f = fp8_inputs.fp8_of(query, key, *fp8)
-    if f is not None:
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-            raise ValueError(dispatch.FP8_NO_GRAD)
-        query, key, value = dequantize_inputs(query, key, value, f, f.out_dtype)
+    if f is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise ValueError(dispatch.FP8_NO_GRAD)
     if block_mask is not None:
         _check_block_mask(block_mask, query, key)
     if scale is not None:  # the default 1/sqrt(E) is formed in the graph (E may be a symbol)
@@ -146,7 +145,7 @@ def _compiled(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     if block_mask is not None and not _is_noop(block_mask.mask_mod):
         mask_mod = block_mask.mask_mod
     return compiled.flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
-                                   backend, mask_mod, want_max)
+                                   backend, mask_mod, want_max, f)
 
 
 def _scale(scale, query) -> float:

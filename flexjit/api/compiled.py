@@ -28,6 +28,7 @@ from flexjit.ir.passes import FLOAT_INDEX_LIMIT, lower
 from flexjit.frontend.trace import MASK_MOD, SCORE_MOD, trace_bound
 from flexjit.ir.program import TracedMod
 from flexjit.runtime.call import Call
+from flexjit.backends.fp8 import Fp8, is_fp8
 
 try:  # torch >= 2.8; both supported stacks (2.11-2.13) have it
     from torch._higher_order_ops import dynamo_bypassing_wrapper
@@ -105,8 +106,21 @@ def _block_mask(lists, L: int, S: int, block, mean_kv_tokens: float) -> BlockMas
     return with_int32_lists(bm)  # a hand-built mask's int64 lists arrive as they were given
 
 
+def _fp8(q, descales, out_dtype: str) -> Fp8 | None:
+    """The call's FP8 part from the op's arguments: ``descales`` (q, k, v; None for 1.0) and the
+    output dtype's name; None for 16/32-bit inputs (no descales, "")."""
+    if not out_dtype:
+        return None
+    qd, kd, vd = descales
+    return Fp8(qd, kd, vd, getattr(torch, out_dtype), is_fp8(q))
+
+
+def _out_dtype(q, out_dtype: str) -> torch.dtype:
+    return getattr(torch, out_dtype) if out_dtype else q.dtype
+
+
 def _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_kv_tokens,
-          options, train, want_max=False):
+          options, train, want_max=False, descales=(), out_dtype=""):
 
     prog, _ = _program(program, buffers, iscalars, fscalars, (*q.shape[:3], k.shape[2]))
     bm = _block_mask(lists, q.shape[2], k.shape[2], block, mean_kv_tokens)
@@ -114,7 +128,8 @@ def _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, me
     for entry in filter(None, options.split("\n")):
         key, value = entry.split("=", 1)
         opts[key] = ast.literal_eval(value)
-    return Call(q, k, v, prog, bm, scale, opts, grad=train, max_scores=want_max)
+    return Call(q, k, v, prog, bm, scale, opts, grad=train, max_scores=want_max,
+                fp8=_fp8(q, descales, out_dtype))
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -124,12 +139,15 @@ def _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, me
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: list[torch.Tensor | None],
                  buffers: list[torch.Tensor], iscalars: list[int], fscalars: list[torch.Tensor], program: str,
                  scale: float, block: list[int], mean_kv_tokens: float, options: str, backend: str,
-                 train: bool, want_max: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 train: bool, want_max: bool, descales: list[torch.Tensor | None],
+                 out_dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, max_scores) of flex_attention; ``train``: whether the backward will run, so the
     forward is the one dispatch pairs with a backward, as in eager mode; max_scores is empty
-    unless ``want_max``."""
+    unless ``want_max``. FP8 inputs: ``descales`` (q, k, v; None for 1.0) and ``out_dtype`` (a
+    torch dtype's name), read by the backend itself where it can (``dispatch.forward``); else
+    both empty."""
     call = _call(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_kv_tokens,
-                 options, train, want_max)
+                 options, train, want_max, descales, out_dtype)
     choice = dispatch.select(backend, call)
     compile_pool.ahead(choice.backward, call)  # as dispatch.run: the backward compiles meanwhile
     out, lse, max_scores = dispatch.forward(choice.name, call)
@@ -141,11 +159,12 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: list[
 
 @attention_op.register_fake
 def _(q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean_kv_tokens, options,
-      backend, train, want_max):
+      backend, train, want_max, descales, out_dtype):
     B, Hq, L, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     # out in the query's dimension order, as dispatch.forward returns it
-    return (dispatch.empty_in_layout((B, Hq, L, v.shape[-1]), q), q.new_empty(B, Hq, L, dtype=lse_dtype),
+    out = dispatch.empty_in_layout((B, Hq, L, v.shape[-1]), q, _out_dtype(q, out_dtype))
+    return (out, q.new_empty(B, Hq, L, dtype=lse_dtype),
             q.new_empty(*((B, Hq, L) if want_max else (0,)), dtype=lse_dtype))
 
 
@@ -177,7 +196,7 @@ def _(q, k, v, out, lse, dout, dlse, lists, buffers, iscalars, fscalars, program
 
 def _setup_attention(ctx, inputs, output):
     (q, k, v, lists, buffers, iscalars, fscalars, program, scale, block, mean, options, backend,
-     _train, _want_max) = inputs
+     _train, _want_max, _descales, _out_dtype) = inputs
     present = [t is not None for t in lists]
     ctx.mark_non_differentiable(output[2])  # max_scores, as torch's: no gradient
     ctx.save_for_backward(q, k, v, *output[:2], *[t for t in lists if t is not None], *buffers)
@@ -325,7 +344,8 @@ class _Captured:
 
 def _bind_attention(static: tuple, gm: torch.fx.GraphModule):
     """The HOP's wrapper: at AOT-trace time, retrace the mods and call ``flexjit::attention``."""
-    (names, has, n_tensors, present, scale, block, mean, options, backend, want_max) = static
+    (names, has, n_tensors, present, scale, block, mean, options, backend, want_max,
+     (has_descale, out_dtype)) = static
 
     def run(*args):
         ops = _operands(args, n_tensors)
@@ -335,6 +355,7 @@ def _bind_attention(static: tuple, gm: torch.fx.GraphModule):
         float_index = bool(max(*q.shape[:3], k.shape[2]) < FLOAT_INDEX_LIMIT)  # guards on the bound only
         it = iter(args[i] for i in ops[3:])
         lists = [next(it) if p else None for p in present]
+        descales = [next(it) if p else None for p in has_descale]
         score = mask = None
         src_s = src_m = []
         out_index = 3  # after out, lse, max_scores
@@ -351,7 +372,8 @@ def _bind_attention(static: tuple, gm: torch.fx.GraphModule):
         lower(score, mask, float_index)  # errors in the mods surface here, at compile time
         train = torch.is_grad_enabled() and any(t.requires_grad for t in [q, k, v, *buffers])
         out, lse, max_scores = attention_op(q, k, v, lists, buffers, ints, floats, program, sm_scale,
-                                            list(block), mean, options, backend, train, want_max)
+                                            list(block), mean, options, backend, train, want_max,
+                                            descales, out_dtype)
         extra = [torch.empty(n.meta["example_value"].shape, dtype=n.meta["example_value"].dtype,
                              device=n.meta["example_value"].device)
                  for n in list(gm.graph.output_node().args[0])[3:]]
@@ -405,16 +427,23 @@ def _mod_name(fn) -> str:
 
 
 def flex_attention(q, k, v, score_mod, block_mask, scale: float | None, kernel_options, backend: str,
-                   mask_mod, want_max: bool = False):
+                   mask_mod, want_max: bool = False, fp8: Fp8 | None = None):
     """(out, lse, max_scores or None) of a validated call, inside a graph dynamo is tracing.
     ``scale`` None: 1/sqrt(E), formed where the head dim is known (a symbol under dynamic shapes
-    while dynamo traces)."""
+    while dynamo traces). ``fp8``: the FP8 inputs' descales and output dtype (``api.fp8``),
+    handed to the op as they are: the backend that runs decides whether it dequantises."""
     B, Hq, L, E = q.shape
     Ev = v.shape[-1]
     lists = [getattr(block_mask, a) for a in _LIST_ATTRS] if block_mask is not None else []
     present = tuple(t is not None for t in lists)
+    descales = [fp8.q_descale, fp8.k_descale, fp8.v_descale] if fp8 is not None else []
+    has_descale = tuple(t is not None for t in descales)
+    out_dtype = str(fp8.out_dtype).removeprefix("torch.") if fp8 is not None else ""
+    out_torch_dtype = fp8.out_dtype if fp8 is not None else q.dtype
     # Views make each a graph value of its own, so none is merged with another (q is k is v).
-    tensors = [t.view(t.shape) for t in [q, k, v] + [t for t in lists if t is not None]]
+    tensors = [t.view(t.shape) for t in [q, k, v] + [t for t in lists if t is not None] +
+               [t for t in descales if t is not None]]
+    n_lists = sum(present)
     block = _block_size(block_mask)
     mean = _known_mean(block_mask)
     # kernel_options as "key=repr(value)" lines (json is not traceable by dynamo)
@@ -425,25 +454,25 @@ def flex_attention(q, k, v, score_mod, block_mask, scale: float | None, kernel_o
         train = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         scale = scale if scale is not None else 1.0 / math.sqrt(E)
         out, lse, max_scores = attention_op(
-            tensors[0], tensors[1], tensors[2], _unflatten(tensors[3:], present), [], [], [], _NO_MODS,
-            scale, list(block), mean, options, backend, train, want_max)
+            tensors[0], tensors[1], tensors[2], _unflatten(tensors[3:3 + n_lists], present), [], [], [],
+            _NO_MODS, scale, list(block), mean, options, backend, train, want_max,
+            _unflatten(tensors[3 + n_lists:], has_descale), out_dtype)
         return out, lse, max_scores if want_max else None
     _require_hop()
     # The HOP's static arguments must be Python constants; what depends on the shapes (the
     # default scale, the float-index choice) is formed by the wrapper, where dynamic shapes are
     # symbols that guard on what the value depends on.
     static = (names, (score_mod is not None, mask_mod is not None), len(tensors), present, scale,
-              block, mean, options, backend, want_max)
+              block, mean, options, backend, want_max, (has_descale, out_dtype))
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
     def inner(*args):
         ts = args[:len(tensors)]
         score, b, h, q_idx, kv_idx = args[len(tensors):]
-        anchor = ts[0].sum()  # first use fixes the order in which dynamo lifts these inputs
-        for t in ts[1:]:
-            anchor = anchor + t.sum()
+        # First use fixes the order in which dynamo lifts these inputs (e4m3 has no sum).
+        anchor = sum((t.float() if is_fp8(t) else t).sum() for t in ts)
         zero = (anchor * 0).to(lse_dtype)
-        outs = [ts[0].new_empty((B, Hq, L, Ev)) + anchor * 0,
+        outs = [torch.empty((B, Hq, L, Ev), dtype=out_torch_dtype, device=q.device) + zero.to(out_torch_dtype),
                 torch.empty((B, Hq, L), dtype=lse_dtype, device=q.device) + zero,
                 torch.empty((B, Hq, L) if want_max else (0,), dtype=lse_dtype, device=q.device) + zero]
         if score_mod is not None:

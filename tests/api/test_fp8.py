@@ -10,7 +10,7 @@
 * Errors: each refused combination raises, saying what to pass instead.
 * Gradients: a backward that reaches FP8 inputs raises, naming bf16 inputs.
 * Dispatch: explain() names each backend's road for FP8; the call cache reads new descale
-  values; the output follows the query's layout; torch.compile dequantises in the graph.
+  values; the output follows the query's layout; under torch.compile the op reads FP8 as eager does.
 
 Sizes: B 2, 4 query heads on 2 kv heads, L 40, S 100, D 32: several blocks of 32 each way (partial,
 full and empty blocks), quick on the CPU.
@@ -298,24 +298,29 @@ def test_the_output_follows_the_querys_layout():
     assert torch.equal(out, ref)
 
 
-def test_inside_torch_compile():
-    """Dequantised in the graph, then the 16-bit custom op; equal to eager on the dequantised
-    inputs, and refused where autograd would track FP8 inputs."""
+@pytest.mark.parametrize("q8", [False, True])
+@pytest.mark.parametrize("name", ["causal", "alibi"])
+def test_inside_torch_compile(q8, name):
+    """The FP8 inputs and their descales reach the custom op as they are (the backend that runs
+    reads them, or dequantises, as in eager mode): the compiled call equals the eager one, with
+    a mask only (no HOP) and with a score_mod (the HOP's path); out_dtype is honoured; refused
+    where autograd would track FP8 inputs."""
     torch._dynamo.reset()
-    stored, (_, kd, vd) = _quantized(*_data(14), q8=False)
-    _, mask_mod = _mods("causal")
+    stored, (qd, kd, vd) = _quantized(*_data(14), q8=q8)
+    score_mod, mask_mod = _mods(name)
     bm = _block_mask(mask_mod)
+    kw = dict(out_dtype=torch.float16) if q8 else {}
 
-    def f(q, k, v, kd, vd):
-        return flex_attention(q, k, v, block_mask=bm, enable_gqa=True, k_descale=kd, v_descale=vd)
-    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*stored, kd, vd)
-    k = (stored[1].float() * kd[:, :, None, None]).to(torch.bfloat16)
-    v = (stored[2].float() * vd[:, :, None, None]).to(torch.bfloat16)
-    want = flex_attention(stored[0], k, v, block_mask=bm, enable_gqa=True)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    def f(q, k, v, qd, kd, vd):
+        return flex_attention(q, k, v, score_mod, block_mask=bm, enable_gqa=True, q_descale=qd,
+                              k_descale=kd, v_descale=vd, **kw)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*stored, qd, kd, vd)
+    want = f(*stored, qd, kd, vd)
+    assert got.dtype == want.dtype == (torch.float16 if q8 else torch.bfloat16)
+    assert torch.equal(got, want)
     k8 = stored[1].clone().requires_grad_(True)  # a compiled backward is built with its forward
     with pytest.raises(Exception, match="no gradients through FP8"):
-        torch.compile(f, fullgraph=True, backend="aot_eager")(stored[0], k8, stored[2], kd, vd)
+        torch.compile(f, fullgraph=True, backend="aot_eager")(stored[0], k8, stored[2], qd, kd, vd)
     torch._dynamo.reset()
 
 
