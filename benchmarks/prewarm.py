@@ -7,8 +7,8 @@
 one process, one after another, and compiles it there on one core. This walks the run's own grid
 (``run.make_parser``, ``run.parse_args``, ``run.grid``: the same flags, cases and order) and,
 for every (pass, case, variant) that the run sends to a CuTe impl (``flexjit-cute`` and its
-modes in ``impls.FLEXJIT_MODES``, each under its own switches; an FP8 impl's forward as the bf16
-call its dequantising road runs, the same kernel), compiles the kernels with
+modes in ``impls.FLEXJIT_MODES``, each under its own switches; an FP8 impl's forward on e4m3
+q, k and v, the kernel a backend that reads FP8 runs, else its dequantising road's), compiles the kernels with
 ``flexjit.aot.compile_kernels`` in N ``spawn``-ed worker processes, each kernel once.
 
 How it knows which kernels the run needs, without a GPU (``run_keys``): it builds the call the
@@ -155,16 +155,19 @@ def run_call(spec: Spec, memo: dict | None = None):
         memo[built] = variant, impl_mod.plan_mask(flexjit.create_block_mask, variant, c, CPU)
     variant, bm = memo[built]
     last = memo.get("call")  # only the latest call (its q/k/v are full-size, if unwritten)
-    options = impl_mod.make(spec.impl).kernel_options or None
+    impl = impl_mod.make(spec.impl)
+    options = impl.kernel_options or None
+    fp8 = bool(getattr(impl, "fp8", False))  # e4m3 q, k, v, the case's dtype out
     # The impl's switches are part of the call: two modes of one case differ only there.
-    mine = (spec.pass_, built, tuple(sorted((options or {}).items())))
+    mine = (spec.pass_, built, tuple(sorted((options or {}).items())), fp8)
     if last is None or last[0] != mine:
         grad = spec.pass_ == "fwdbwd"
-        q = torch.empty(c.B, c.Hq, c.S, c.D, dtype=c.dtype).requires_grad_(grad)
-        k = torch.empty(c.B, c.Hkv, c.S, c.D, dtype=c.dtype).requires_grad_(grad)
-        v = torch.empty(c.B, c.Hkv, c.S, c.dv, dtype=c.dtype).requires_grad_(grad)
+        dtype = torch.float8_e4m3fn if fp8 else c.dtype
+        q = torch.empty(c.B, c.Hq, c.S, c.D, dtype=dtype).requires_grad_(grad)
+        k = torch.empty(c.B, c.Hkv, c.S, c.D, dtype=dtype).requires_grad_(grad)
+        v = torch.empty(c.B, c.Hkv, c.S, c.dv, dtype=dtype).requires_grad_(grad)
         last = memo["call"] = (mine, prepare_call(q, k, v, variant.score_mod, bm, None, c.gqa,
-                                                  options))
+                                                  options, fp8=(None, None, None, c.dtype if fp8 else None)))
     return last[1], variant
 
 
@@ -203,6 +206,8 @@ def run_keys(spec: Spec, memo: dict | None = None) -> dict:
         return {}
     with impl_context(spec):
         call, _ = run_call(spec, memo)
+        if call.fp8 is not None and not backend.fp8_native(call)[0]:
+            call = call.dequantized()  # the dispatcher's road around a kernel that reads no FP8
         out = {}
         fwd: list = []
         with _recording(fwd), torch.no_grad(), contextlib.suppress(_Probed):
@@ -270,9 +275,13 @@ def compile_job(job: Job) -> dict:
     try:
         with impl_context(spec):
             call, variant = run_call(spec)
+            from flexjit.backends.cute import sm90 as cute_sm90
+            fp8 = call.fp8 is not None and cute_sm90.fp8_native(call)[0]  # else dequantised
             kernels = aot.compile_kernels(
                 variant.score_mod, variant.mask_mod, arch=ARCH, head_dim=c.D, head_dim_v=c.dv,
-                dtype=c.dtype, passes=(job.pass_,), seq_len=c.S, heads=c.Hq, kv_heads=c.Hkv,
+                dtype=torch.float8_e4m3fn if fp8 else c.dtype, out_dtype=c.dtype if fp8 else None,
+                passes=(job.pass_,),
+                seq_len=c.S, heads=c.Hq, kv_heads=c.Hkv,
                 deterministic=torch.are_deterministic_algorithms_enabled(), batch=c.B,
                 block_mask=call.block_mask, name=spec.variant,
                 kernel_options=call.kernel_options)

@@ -28,11 +28,15 @@ def _passes(text: str) -> tuple:
     return passes
 
 
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
 def _compile(parser, args) -> int:
     try:
         kernels = compile_variant(
             args.variant, arch=args.arch, head_dim=args.head_dim, head_dim_v=args.head_dim_v,
-            dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float16, passes=args.passes,
+            dtype=_DTYPES[args.dtype],
+            passes=args.passes,
             seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads,
             deterministic=args.deterministic, out=args.out, log=lambda line: print(line, flush=True),
             kernel_options={"AUTOTUNE": False} if args.no_autotune else None)
@@ -84,9 +88,10 @@ def main(argv=None) -> int:
     aot.add_argument("--variant", required=True, choices=VARIANTS)
     aot.add_argument("--head-dim", type=int, default=128)
     aot.add_argument("--head-dim-v", type=int, default=None, help="default: --head-dim")
-    aot.add_argument("--pass", dest="passes", type=_passes, default=("fwd", "bwd"),
-                     help="fwd, bwd or fwd,bwd (default)")
-    aot.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    aot.add_argument("--pass", dest="passes", type=_passes, default=None,
+                     help="fwd, bwd or fwd,bwd (default; fwd for --dtype fp8)")
+    aot.add_argument("--dtype", choices=("bf16", "fp16", "fp8"), default="bf16",
+                     help="fp8: float8_e4m3fn q, k, v (the sm90 forward, bf16 out)")
     aot.add_argument("--seq-len", type=int, default=8192,
                      help="the run's length: picks the forward's tiling as a run does (default 8192)")
     aot.add_argument("--heads", type=int, default=16)

@@ -120,11 +120,12 @@ def _files(folder: Path, arch: str) -> tuple[Path | None, Path | None]:
 
 def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None = None, *,
                     arch: str = "sm_90a", head_dim: int = 128, head_dim_v: int | None = None,
-                    dtype: torch.dtype = torch.bfloat16, passes=PASSES, seq_len: int = 8192,
+                    dtype: torch.dtype = torch.bfloat16, passes=None, seq_len: int = 8192,
                     heads: int = 16, kv_heads: int | None = None, deterministic: bool = False,
                     out: str | os.PathLike | None = None, name: str | None = None,
                     log: Callable[[str], None] | None = None, batch: int = 1,
-                    block_mask=None, kernel_options: dict | None = None) -> list[Kernel]:
+                    block_mask=None, kernel_options: dict | None = None,
+                    out_dtype: torch.dtype | None = None) -> list[Kernel]:
     """Compile the CuTe kernels a call with these mods would run, for ``arch``, on this machine.
 
     ``seq_len`` (query and key length) picks the forward's tiling as a run at that length does;
@@ -134,16 +135,33 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     broadcast over batch and heads (the mask's density picks the forward's tiling; the lengths
     can widen index math). ``kernel_options``: the run's (``TILE_M``/``PERSISTENT`` pin the
     forward's configuration; by default every candidate the tuner would measure is compiled,
-    only the heuristic's with ``AUTOTUNE=False``). ``out``: where each kernel's PTX
+    only the heuristic's with ``AUTOTUNE=False``). ``dtype`` torch.float8_e4m3fn: the sm90 FP8
+    forward (q, k and v in e4m3, ``out_dtype`` bf16 by default; no backward, so ``passes``
+    defaults to the forward). ``out``: where each kernel's PTX
     and cubin go (``out/<name>/<pass>-<part>/``); None keeps no files. ``log`` gets one line per
-    kernel as it is done. Returns the kernels, forward first."""
+    kernel as it is done. ``passes``: None for both (the forward alone for FP8). Returns the
+    kernels, forward first."""
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r}: flexjit's CuTe kernels target {', '.join(ARCHS)}")
+    fp8 = dtype == torch.float8_e4m3fn
+    if passes is None:
+        passes = ("fwd",) if fp8 else PASSES
     bad = [p for p in passes if p not in PASSES]
     if bad or not passes:
         raise ValueError(f"passes {tuple(passes)}: choose from {PASSES}")
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype {dtype}: the sm90 kernels take float16 or bfloat16")
+    if fp8:
+        if "bwd" in passes:
+            raise ValueError("dtype float8_e4m3fn: FP8 inputs have no backward; pass passes=('fwd',)")
+        if arch != "sm_90a":
+            raise ValueError(f"dtype float8_e4m3fn: the FP8 forward is an sm_90a kernel, not {arch}")
+        out_dtype = out_dtype or torch.bfloat16
+        if out_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"out_dtype {out_dtype}: the sm90 FP8 forward writes bfloat16 or float16")
+    elif dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype {dtype}: the sm90 kernels take float16 or bfloat16, or "
+                         "float8_e4m3fn (the forward)")
+    elif out_dtype not in (None, dtype):
+        raise ValueError(f"out_dtype {out_dtype} applies to FP8 inputs only")
     head_dim_v = head_dim_v or head_dim
     kv_heads = kv_heads or heads
     if heads % kv_heads:
@@ -164,11 +182,14 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
         return _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq_len,
                               heads, kv_heads, deterministic, what, root, log, batch, block_mask)
     with _arch(arch), torch.no_grad():
-        _check_dims("sm90", (head_dim, head_dim_v), passes, cute_sm90._HEAD_DIMS,
+        _check_dims("sm90", (head_dim, head_dim_v), passes,
+                    cute_sm90._FP8_HEAD_DIMS if fp8 else cute_sm90._HEAD_DIMS,
                     cute_sm90._BWD_HEAD_DIMS, " (others train on the Triton backward)")
         q, k, v, bm, call, aux = _example(score_mod, mask_mod, head_dim, head_dim_v, dtype,
                                           seq_len, heads, kv_heads, batch, block_mask,
-                                          kernel_options)
+                                          kernel_options, out_dtype if fp8 else None)
+        if fp8:  # the kernel's V operand: the permuted Vᵀ forward() passes (kinds only matter)
+            v = torch.empty(*v.shape[:2], head_dim_v, -(-seq_len // 128) * 128, dtype=dtype)
         program = call.program
         kernels = []
         if "fwd" in passes:
@@ -181,7 +202,7 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
                 leaf = "fwd-main" if n == 0 else "fwd-" + str(cfg).replace(", ", "-").replace("=", "")
                 kernels.append(_sm90_forward(program, q, k, v, bm, aux, cfg, arch,
                                              what + ("" if n == 0 else f" ({cfg})"),
-                                             _folder(root, leaf)))
+                                             _folder(root, leaf), call.out_dtype))
                 compile_pool.mark_done(jobs[cfg])
                 if log:
                     log(kernels[-1].line())
@@ -240,7 +261,8 @@ def _sm90_backward(program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
     return out
 
 
-def _sm90_forward(program, q, k, v, bm, aux, cfg, arch: str, what: str, folder) -> Kernel:
+def _sm90_forward(program, q, k, v, bm, aux, cfg, arch: str, what: str, folder,
+                  out_dtype: torch.dtype | None = None) -> Kernel:
     """Compile (with ``folder``: always, keeping its PTX and cubin there) and export the sm90
     forward on configuration ``cfg``. A compile that keeps files never loads from disk, and
     still exports its kernel (its options are part of the in-memory key: a run's own kernels
@@ -251,7 +273,7 @@ def _sm90_forward(program, q, k, v, bm, aux, cfg, arch: str, what: str, folder) 
     keys: dict = {}
     cute_sm90.compile_program(program, q, k, v, cute_sm90.forward_lists(bm, cfg["tile_m"]), aux,
                               options=options, persistent=cfg["persistent"], keys=keys,
-                              tile_m=cfg["tile_m"])
+                              tile_m=cfg["tile_m"], out_dtype=out_dtype)
     return Kernel(arch, "fwd", "main", what, *(_files(folder, arch) if folder else (None, None)),
                   keys.get("fwd"), time.perf_counter() - t0)
 
@@ -308,7 +330,7 @@ def _compile_sm100(score_mod, mask_mod, head_dim, head_dim_v, dtype, passes, seq
 
 
 def _example(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads, kv_heads,
-             batch=1, block_mask=None, kernel_options=None):
+             batch=1, block_mask=None, kernel_options=None, out_dtype=None):
     """(q, k, v, block mask or None, Call, aux tensors): the call a run at ``seq_len`` makes,
     on CPU tensors without data (only kinds and the mask's lists shape the kernels)."""
     q = torch.empty(batch, heads, seq_len, head_dim, dtype=dtype)
@@ -319,7 +341,8 @@ def _example(score_mod, mask_mod, head_dim, head_dim_v, dtype, seq_len, heads, k
     else:
         bm = create_block_mask(mask_mod, None, None, seq_len, seq_len, device="cpu") \
             if mask_mod is not None and mask_mod is not noop_mask else None
-    call = prepare_call(q, k, v, score_mod, bm, None, kv_heads != heads, kernel_options)
+    call = prepare_call(q, k, v, score_mod, bm, None, kv_heads != heads, kernel_options,
+                        fp8=(None, None, None, out_dtype))
     return q, k, v, bm, call, tuple(_aux_tensor(t, q.device) for t in call.program.buffers)
 
 

@@ -140,7 +140,8 @@ def test_every_candidate_the_tuner_measures_is_compiled_and_marked_done(tmp_path
     monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
     built = []
 
-    def compile_program(program, q, k, v, lists, aux, *, options, persistent, keys, tile_m):
+    def compile_program(program, q, k, v, lists, aux, *, options, persistent, keys, tile_m,
+                        out_dtype=None):
         built.append((tile_m, persistent, len(lists)))  # 192 rows read five merged lists
         keys["fwd"] = f"key{len(built)}"
     monkeypatch.setattr(cute_sm90, "compile_program", compile_program)
@@ -291,3 +292,34 @@ def test_every_builtin_variant_traces_with_its_captured_tensors():
             assert shapes == [(4, 32)], shapes
         elif name == "alibi":
             assert shapes == [(4,)], shapes
+
+
+def test_fp8_forward_is_compiled_and_found_by_the_run(tmp_path, monkeypatch):
+    """dtype float8_e4m3fn: the sm90 FP8 forward only (e4m3 wgmma in its PTX), exported; the
+    run's own compile of an FP8 call (Vᵀ as forward() builds it, another batch and length)
+    loads it from disk with cute.compile patched to raise. A backward is refused."""
+    import cutlass.cute as cute
+    from flexjit.backends.cute import sm90 as cute_sm90
+
+    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(tmp_path / "cache"))
+    score_mod, mask_mod = aot.builtin_variant("alibi", 1024, 16)
+    (k,) = aot.compile_kernels(score_mod, mask_mod, head_dim=D, dtype=torch.float8_e4m3fn,
+                               seq_len=1024, out=tmp_path / "out")
+    assert k.pass_ == "fwd" and "e4m3" in k.ptx.read_text() and k.cache_key
+    with pytest.raises(ValueError, match="no backward"):
+        aot.compile_kernels(score_mod, mask_mod, head_dim=D, dtype=torch.float8_e4m3fn,
+                            passes=("fwd", "bwd"))
+
+    cute_sm90._COMPILED.clear()
+    monkeypatch.setattr(cute, "compile", lambda *a, **kw: pytest.fail("compiled, not loaded"))
+    e4m3 = torch.float8_e4m3fn
+    q = torch.zeros(3, 16, 700, D).to(e4m3)
+    kv = torch.zeros(3, 16, 700, D).to(e4m3)
+    bm = aot.create_block_mask(mask_mod, None, None, 700, 700, device="cpu")
+    call = aot.prepare_call(q, kv, kv, score_mod, bm, None, False, None)
+    aux = tuple(cute_sm90._aux_tensor(t, q.device) for t in call.program.buffers)
+    keys: dict = {}
+    cute_sm90.compile_program(call.program, q, kv, cute_sm90.fp8_value_transposed(kv),
+                              cute_sm90.forward_lists(bm, 128), aux, persistent=False, keys=keys,
+                              out_dtype=call.out_dtype)
+    assert keys["fwd"] == k.cache_key
