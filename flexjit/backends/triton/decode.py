@@ -27,7 +27,8 @@ a (B, Hkv, 3) table of descales (``fp8.descale_table``); the output is ``call.ou
 ``kernel_options["DECODE_CONFIG"]``: the kernel's variants, "+"-joined ``CONFIG_TOKENS`` (the
 template's docstring says what each does): "prefetch" (two tiles of K/V in flight, any dtype),
 "kbits" / "vbits" (an FP8 cache's K / V tiles converted to float16 by integer ops; needs a
-float16 compute dtype, i.e. a 16-bit or e4m3 query). "" (default) is the plain kernel.
+float16 compute dtype, i.e. a 16-bit or e4m3 query). Unset: "vbits" for an FP8 cache of
+``VBITS_MIN_KEYS`` keys or more, else the plain kernel ("" pins the plain one).
 """
 from __future__ import annotations
 
@@ -223,9 +224,20 @@ def _make_plan(call, splits: int | None) -> DecodePlan:
                       _config(call))
 
 
+# From this many keys an FP8 cache's V tiles convert by integer ops ("vbits") unless
+# DECODE_CONFIG says otherwise: 168 registers instead of 249 (3 programs an SM, not 2) paid 9% at
+# batch 8 / 128k on an H100 and cost 3% at 32k (docs/performance.md, "Decode").
+VBITS_MIN_KEYS = 65536
+
+
 def _config(call) -> frozenset:
     """DECODE_CONFIG's tokens, checked against the call: the bit conversions need an FP8 cache
-    and float16 tiles."""
+    and float16 tiles. Without DECODE_CONFIG: "vbits" for an FP8 cache of VBITS_MIN_KEYS keys
+    or more (float16 tiles), else the plain kernel."""
+    if "DECODE_CONFIG" not in call.kernel_options:
+        long_fp8 = (call.fp8 is not None and is_fp8(call.k) and call.k.shape[2] >= VBITS_MIN_KEYS
+                    and compute_dtype(call.q) == torch.float16)
+        return frozenset({"vbits"}) if long_fp8 else frozenset()
     text = call.kernel_options.get("DECODE_CONFIG", "")
     tokens = frozenset(t for t in str(text).split("+") if t)
     unknown = sorted(tokens - set(CONFIG_TOKENS))

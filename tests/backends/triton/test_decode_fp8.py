@@ -367,3 +367,20 @@ def test_compiles_for_sm90(q_dtype):
     assert not main16.constexprs["KV_FP8"] and None in main16.args  # DESCALE: None, compiled out
     ptx16 = tb.compile_launch(tb.make_plan(bf16, arch=90, interpret=False), main16, 90).asm["ptx"]
     assert "e4m3" not in ptx16
+
+
+def test_long_fp8_caches_default_to_the_integer_v_conversion():
+    """Without DECODE_CONFIG an FP8 cache of VBITS_MIN_KEYS keys or more plans "vbits"; a shorter
+    one, a bf16 cache and an explicit "" plan the plain kernel (plans only: no kernel runs)."""
+    from flexjit.api.attention import prepare_call
+
+    def plan(S, fp8=True, options=None):
+        q = torch.empty(1, 8, 1, 64, dtype=torch.bfloat16)
+        kv = torch.empty(1, 2, S, 64, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        call = prepare_call(q, kv, kv, None, None, None, True, options,
+                            fp8=(None, None, None, None))
+        return td._config(call)
+    assert plan(td.VBITS_MIN_KEYS) == {"vbits"}
+    assert plan(td.VBITS_MIN_KEYS - 1) == frozenset()
+    assert plan(td.VBITS_MIN_KEYS, fp8=False) == frozenset()
+    assert plan(td.VBITS_MIN_KEYS, options={"DECODE_CONFIG": ""}) == frozenset()
