@@ -26,7 +26,6 @@ from cutlass import Int32, Uint32
 # is accumulator register (c, g) of thread t; the A fragment's register of the same index holds
 # slot 16·(g // 2) + 4t + 2·(g % 2) + c.
 KEY_SLOT = tuple(16 * (j // 16) + 4 * ((j % 8) // 2) + 2 * ((j // 8) % 2) + j % 2 for j in range(32))
-KEY_BLOCK = 32
 
 
 def acc_as_fp8_operand_a(acc: cute.Tensor, frag: cute.Tensor):
