@@ -798,12 +798,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # dV += Pᵀ dO needs only Pᵀ: issued before the dPᵀ wait, it runs under dS's forming.
         wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ops.tVsP, ops.tVrdO, zero_init=False)
         warpgroup.wait_group(1)  # dPᵀ done
-        sums = None
-        if const_expr(self.score_grads is not None):
-            sums = self._captured_grads(ctx, acc_S, acc_dP, rDelta, head, m)
-        else:
-            for i in cutlass.range_constexpr(cute.size(acc_dP)):
-                acc_dP[i] = acc_S[i] * (acc_dP[i] - rDelta[i])
+        sums = self._form_ds(ctx, acc_S, acc_dP, rDelta, head, m)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
@@ -898,12 +893,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             warpgroup.wait_group(0)
         if const_expr(self.kv_batch_broadcast and not self.shuffle_stats):
             rDelta = ctx.tSsDelta[None, None, None, idx]
-        sums = None
-        if const_expr(self.score_grads is not None):
-            sums = self._captured_grads(ctx, acc_S, acc_dP, rDelta, head, m)
-        else:
-            for i in cutlass.range_constexpr(cute.size(acc_dP)):
-                acc_dP[i] = acc_S[i] * (acc_dP[i] - rDelta[i])
+        sums = self._form_ds(ctx, acc_S, acc_dP, rDelta, head, m)
         if const_expr(self.p_late):
             rP.store(acc_S.load().to(self.dtype))
             wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
@@ -1047,6 +1037,19 @@ class FlexAttentionBwdSm90(config.TiledKernel):
                 acc_S[i] = p
         if const_expr(self.score_mod is None and rP is not None):
             rP.store(acc_S.load().to(self.dtype))  # vectorised conversion
+
+    @cute.jit
+    def _form_ds(self, ctx, acc_S: cute.Tensor, acc_dP: cute.Tensor, rDelta, head: Int32, m: Int32):
+        """dS into ``acc_dP``: P∘dscore (in ``acc_S``) ∘ (dP − delta), or, with learnable
+        captured tensors, ``_captured_grads``' form; returns their uniform loads' sums (None
+        without)."""
+        sums = None
+        if const_expr(self.score_grads is not None):
+            sums = self._captured_grads(ctx, acc_S, acc_dP, rDelta, head, m)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - rDelta[i])
+        return sums
 
     @cute.jit
     def _captured_grads(self, ctx, acc_P: cute.Tensor, acc_dP: cute.Tensor, tDelta: cute.Tensor,
