@@ -196,16 +196,24 @@ class FA4Impl:
     name = "fa4"
     layout = "bshd"
 
-    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+    @staticmethod
+    def _function(variant: Variant, device: torch.device, extra=(), why: str = "") -> Callable:
+        """FA4's flash_attn_func where it has the variant's keywords and ``extra`` ones, else
+        Skip (``why`` says what their absence means). The bundle pins one FA4 version; check
+        the keywords rather than trust this file."""
         _need_cuda(device)
         if variant.fa4_kwargs is None:
             raise Skip(f"FA4 has no built-in {variant.name}")
         flash_attn_func = _import("flash_attn.cute").flash_attn_func
-        # The bundle pins one FA4 version; check the keywords rather than trust this file.
         params = inspect.signature(flash_attn_func).parameters
-        missing = [k for k in variant.fa4_kwargs if k not in params]
+        missing = [k for k in (*variant.fa4_kwargs, *extra) if k not in params]
         if missing:
-            raise Skip(f"flash_attn_func takes no {missing}; its signature: {inspect.signature(flash_attn_func)}")
+            raise Skip(f"flash_attn_func takes no {missing}{why}; its signature: "
+                       f"{inspect.signature(flash_attn_func)}")
+        return flash_attn_func
+
+    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+        flash_attn_func = self._function(variant, device)
         kwargs = dict(variant.fa4_kwargs)
 
         def fn(q, k, v):
@@ -373,15 +381,8 @@ class FA4Fp8Impl(Fp8Inputs, FA4Impl):
         return (*(f[n].transpose(1, 2).contiguous() for n in ("q8", "k8", "v8")), {})
 
     def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
-        _need_cuda(device)
-        if variant.fa4_kwargs is None:
-            raise Skip(f"FA4 has no built-in {variant.name}")
-        flash_attn_func = _import("flash_attn.cute").flash_attn_func
-        params = inspect.signature(flash_attn_func).parameters
-        missing = [k for k in (*variant.fa4_kwargs, *self.DESCALES) if k not in params]
-        if missing:
-            raise Skip(f"flash_attn_func takes no {missing}: no FP8 forward with descales in this "
-                       f"FA4; its signature: {inspect.signature(flash_attn_func)}")
+        flash_attn_func = self._function(variant, device, self.DESCALES,
+                                         ": no FP8 forward with descales in this FA4")
         kwargs, lookup = dict(variant.fa4_kwargs), self.lookup
 
         def fn(q, k, v):
