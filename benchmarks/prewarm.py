@@ -140,12 +140,14 @@ def impl_context(spec: Spec):
 
 
 def run_call(spec: Spec, memo: dict | None = None):
-    """(call, variant): the flexjit call the run makes for ``spec``, on CPU tensors without data.
+    """(call, variant): the flexjit call the run makes for ``spec``, on CPU tensors without data;
+    for an FP8 impl the call the sm90 backend is handed (dequantised where it reads no FP8).
     ``memo``: kept across calls, so that the specs of one (case, variant, draw) share the
     variant and block mask (as the run's passes do) and consecutive specs (the impls of one
     grid entry) their call."""
     import flexjit
     from flexjit.api.attention import prepare_call
+    from flexjit.backends.cute import sm90 as cute_sm90
 
     memo = {} if memo is None else memo
     c = spec.case
@@ -166,8 +168,11 @@ def run_call(spec: Spec, memo: dict | None = None):
         q = torch.empty(c.B, c.Hq, c.S, c.D, dtype=dtype).requires_grad_(grad)
         k = torch.empty(c.B, c.Hkv, c.S, c.D, dtype=dtype).requires_grad_(grad)
         v = torch.empty(c.B, c.Hkv, c.S, c.dv, dtype=dtype).requires_grad_(grad)
-        last = memo["call"] = (mine, prepare_call(q, k, v, variant.score_mod, bm, None, c.gqa,
-                                                  options, fp8=(None, None, None, c.dtype if fp8 else None)))
+        call = prepare_call(q, k, v, variant.score_mod, bm, None, c.gqa, options,
+                            fp8=(None, None, None, c.dtype if fp8 else None))
+        if fp8 and not cute_sm90.fp8_native(call)[0]:
+            call = call.dequantized()  # the dispatcher's road around a kernel that reads no FP8
+        last = memo["call"] = (mine, call)
     return last[1], variant
 
 
@@ -206,8 +211,6 @@ def run_keys(spec: Spec, memo: dict | None = None) -> dict:
         return {}
     with impl_context(spec):
         call, _ = run_call(spec, memo)
-        if call.fp8 is not None and not backend.fp8_native(call)[0]:
-            call = call.dequantized()  # the dispatcher's road around a kernel that reads no FP8
         out = {}
         fwd: list = []
         with _recording(fwd), torch.no_grad(), contextlib.suppress(_Probed):
@@ -275,11 +278,10 @@ def compile_job(job: Job) -> dict:
     try:
         with impl_context(spec):
             call, variant = run_call(spec)
-            from flexjit.backends.cute import sm90 as cute_sm90
-            fp8 = call.fp8 is not None and cute_sm90.fp8_native(call)[0]  # else dequantised
+            fp8 = call.fp8 is not None  # run_call: an FP8 call only where the kernel reads FP8
             kernels = aot.compile_kernels(
                 variant.score_mod, variant.mask_mod, arch=ARCH, head_dim=c.D, head_dim_v=c.dv,
-                dtype=torch.float8_e4m3fn if fp8 else c.dtype, out_dtype=c.dtype if fp8 else None,
+                dtype=call.q.dtype, out_dtype=call.out_dtype if fp8 else None,
                 passes=(job.pass_,),
                 seq_len=c.S, heads=c.Hq, kv_heads=c.Hkv,
                 deterministic=torch.are_deterministic_algorithms_enabled(), batch=c.B,
