@@ -4,17 +4,19 @@ Against the float64 attention of the dequantised inputs: err(out) ≤ 2·err(the
 torch) + floor, where the same math is the plain FP8 reference with P rounded to e4m3 before P·V
 (``fp8_reference(p_dtype=e4m3)``), as the kernel's PV GEMM does. lse (P's rounding does not
 reach it) against float32 math, plus what the e4m3 tensor cores' accumulation may add to a score
-(``_accumulation_slack``: lse moves by at most the largest score error). Every head dim the kernel serves, ragged lengths (L 300, S 500:
-the permuted Vᵀ's tail block is partial), GQA 4:2, per-(batch, kv head) and scalar descales, a
-negative descale product (the kernel negates its Q tile), block masks with partial, full and
-empty blocks, captured tensors (ALiBi slopes, document ids), softcap. explain() must name the
-FP8 kernel, so a silent fall back to the dequantising road fails.
+(``_accumulation_slack``: lse moves by at most the largest score error). Every head dim the
+kernel serves, ragged lengths (L 300, S 500: the permuted Vᵀ's tail block is partial), GQA 4:2,
+per-(batch, kv head) and scalar descales, a negative descale product (the kernel negates its Q
+tile), ``mods_catalog``'s core mods: block masks with partial, full and empty blocks, captured
+tensors (ALiBi slopes, document ids, a bias table), softcap, a score_mod without a mask (dense
+tiles). explain() must name the FP8 kernel, so a silent fall back to the dequantising road fails.
 """
 import pytest
 import torch
 
 import flexjit
-from flexjit import create_block_mask, mods
+from flexjit import create_block_mask
+from mods_catalog import make_case
 from oracle import FLOOR, dense_attention, dequantize_e4m3, fp8_reference, max_err, quantize_e4m3
 
 pytestmark = pytest.mark.gpu
@@ -28,36 +30,12 @@ B, HQ, HKV, L, S = 2, 4, 2, 300, 500
 G = HQ // HKV
 
 
-def _mods(name):
-    """(score_mod, mask_mod) on DEV; the queries are the last L of the S positions."""
-    off = S - L
-
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx + off >= kv_idx
-
-    if name == "full":
-        return None, None
-    if name == "causal":
-        return None, causal
-    if name == "sliding_window":
-        def window(b, h, q_idx, kv_idx):
-            return (q_idx + off >= kv_idx) & (q_idx + off - kv_idx < 96)
-        return None, window
-    if name == "alibi":
-        slopes = mods.alibi_slopes(HQ).to(DEV)
-
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score + slopes[h] * (kv_idx - q_idx - off)
-        return alibi, causal
-    if name == "softcap":
-        return mods.softcap(4.0), None
-    if name == "document":
-        doc = (torch.arange(S, device=DEV) * 7 // S).to(torch.int32)
-
-        def same_doc(b, h, q_idx, kv_idx):
-            return doc[q_idx + off] == doc[kv_idx]
-        return None, same_doc
-    raise ValueError(name)
+def _mods(name, seed=0):
+    """(score_mod, mask_mod) of ``mods_catalog``'s case ``name`` on DEV, its captured tensors
+    drawn from ``seed``."""
+    torch.manual_seed(seed)
+    case = make_case(name, B, HQ, L, S, device=DEV)
+    return case.score_mod, case.mask_mod
 
 
 def _inputs(D, seed, per_head=True, negative=False):
@@ -86,14 +64,13 @@ def _accumulation_slack(real_q, real_k) -> float:
 
 def _check(D, name, seed=0, per_head=True, negative=False):
     (q8, k8, v8), (qd, kd, vd) = _inputs(D, seed, per_head, negative)
-    score_mod, mask_mod = _mods(name)
+    score_mod, mask_mod = _mods(name, seed)
     bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, L, S, device=DEV)
     args = [t.to(DEV) for t in (q8, k8, v8)]
     kw = dict(q_descale=qd.to(DEV), k_descale=kd.to(DEV), v_descale=vd.to(DEV))
     choice = flexjit.explain(*args, score_mod, bm, enable_gqa=True, **kw)
+    # the FP8 kernel, not the dequantising road before a 16-bit one
     assert choice.name == "cute" and "FP8 forward" in choice.reason, choice
-    for t in (q8, k8, v8):  # the dequantising road must not be what runs
-        assert t.dtype == E4M3
     out, lse = flexjit.flex_attention(*args, score_mod, bm, enable_gqa=True, return_lse=True, **kw)
     assert out.dtype == torch.bfloat16
     real = [dequantize_e4m3(t.to(DEV), d.to(DEV), torch.float64, gr)
@@ -105,13 +82,14 @@ def _check(D, name, seed=0, per_head=True, negative=False):
     assert not torch.isnan(out).any()
     err, bound = max_err(out, ref), 2 * max_err(same, ref) + FLOOR[torch.bfloat16]
     assert err <= bound, f"{name} D={D}: out error {err:.3g} > {bound:.3g}"
-    slack = _accumulation_slack(real[0], real[1])  # ALiBi adds, softcap is 1-Lipschitz
+    slack = _accumulation_slack(real[0], real[1])  # the biases add, softcap is 1-Lipschitz
     err, bound = max_err(lse, ref_lse), 2 * max_err(lse32, ref_lse) + FLOOR[torch.float32] + slack
     assert err <= bound, f"{name} D={D}: lse error {err:.3g} > {bound:.3g}"
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("name", ["full", "causal", "alibi", "softcap", "document", "sliding_window"])
+@pytest.mark.parametrize("name", ["full", "causal", "alibi", "softcap", "document", "sliding_window",
+                                  "relative_bias"])
 def test_core_mods(D, name):
     _check(D, name)
 
