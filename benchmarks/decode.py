@@ -73,7 +73,8 @@ def parse_args(argv=None):
                    help="extra flexjit rows, ';'-separated, each comma-separated key=value: "
                         "splits=N (kernel_options DECODE_SPLITS), cfg=TOKENS (DECODE_CONFIG) or "
                         "another kernel_options key (BLOCK_N, num_warps, num_stages), e.g. "
-                        "'splits=8;BLOCK_N=128,num_stages=4;cfg=prefetch+vbits'")
+                        "'splits=8;BLOCK_N=128,num_stages=4;cfg=prefetch+vbits'; cfg=plain pins the "
+                        "plain kernel")
     p.add_argument("--fp8-modes", default="",
                    help="extra flexjit-fp8 rows, as --flexjit-modes (the FP8 cache's tiles)")
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -281,10 +282,14 @@ MODE_OPTIONS = {"splits": "DECODE_SPLITS", "cfg": "DECODE_CONFIG"}
 
 
 def parse_mode(mode: str) -> dict:
-    """The kernel_options of a --flexjit-modes entry."""
+    """The kernel_options of a --flexjit-modes entry; ``cfg=plain`` pins the plain kernel
+    (DECODE_CONFIG "")."""
     opts = {}
     for item in mode.split(","):
         key, _, value = item.partition("=")
+        if key == "cfg" and value == "plain":
+            opts["DECODE_CONFIG"] = ""
+            continue
         if not value:
             raise SystemExit(f"--flexjit-modes entry {item!r} is not key=value")
         key = MODE_OPTIONS.get(key, key)
