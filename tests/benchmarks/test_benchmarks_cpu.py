@@ -248,3 +248,14 @@ def test_plain_preset_is_the_plain_cases_grid():
     b = run_mod.parse_args(["--out", "x", "--plain", "--S", "8k", "--impls", "fa4", "--device", "cpu"])
     assert b.S == [8192] and b.impls == ["fa4"] and b.hkv == [16, 4]
     assert run_mod.parse_args(["--out", "x", "--device", "cpu"]).variants == list(run_mod.VARIANTS)
+
+
+def test_decode_modes_parse_to_kernel_options():
+    """A --flexjit-modes / --fp8-modes row: short names map to kernel_options keys, cfg=plain
+    pins the plain kernel (the empty DECODE_CONFIG, not the length rule), a bare key is refused."""
+    from benchmarks.decode import parse_mode
+    assert parse_mode("cfg=plain") == {"DECODE_CONFIG": ""}
+    assert parse_mode("cfg=prefetch+vbits,BLOCK_N=64,splits=4") == {
+        "DECODE_CONFIG": "prefetch+vbits", "BLOCK_N": 64, "DECODE_SPLITS": 4}
+    with pytest.raises(SystemExit, match="not key=value"):
+        parse_mode("BLOCK_N")
