@@ -474,6 +474,13 @@ class Runner:
         self.gen = torch.Generator().manual_seed(args.seed)
         self.built: dict = {}  # (case, variant name) -> (variant, density): one instance for both passes
         self.kept = previous_rows(args.resume)
+        outside = [k for k in self.kept if k not in grid_keys(args, self.order)]
+        if outside and Path(args.resume).resolve() == (out / "results.json").resolve():
+            # results.json is rewritten with this run's grid: rows outside it would be lost.
+            raise SystemExit(f"--resume {args.resume}: {len(outside)} of its rows lie outside this "
+                             f"run's grid (e.g. {dict(zip(ROW_KEY, outside[0]))}) and would be lost "
+                             "from the same --out; resume with the grid flags of the run it "
+                             "continues, or write to another --out")
         self.rows: list[dict] = []
         self.fatal = None
         self.failing: dict[str, list[str]] = {n: [] for n in self.order}  # errors since the last result
@@ -541,6 +548,12 @@ class Runner:
         (self.out / "results.json").write_text(json.dumps(self.rows, indent=1))
 
 
+def grid_keys(args, impls) -> set:
+    """The ROW_KEY of every row this run's grid measures (``Runner.run_case``'s keys)."""
+    return {(n, v, c.S, c.B, c.Hq, c.Hkv, c.D, c.dv, args.dtype, p)
+            for p, c, v in grid(args) for n in impls}
+
+
 def cases(args) -> list[Case]:
     """Every shape of the run, in its order."""
     return [Case(max(1, args.tokens // S), S, args.hq, hkv, d, DTYPES[args.dtype], None if dv == d else dv)
@@ -572,9 +585,9 @@ def main(argv=None) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
     impl_mod.raise_dynamo_limits()
     env = environment(args)
+    runner = Runner(args, env, out)  # refuses a --resume that would lose rows: before any write
     (out / "meta.json").write_text(json.dumps(env, indent=1))
     print("benchmarks.run:", json.dumps(env))
-    runner = Runner(args, env, out)
     for pass_, case, vname in grid(args):
         runner.run_case(pass_, case, vname)
     rows = runner.rows

@@ -259,3 +259,23 @@ def test_decode_modes_parse_to_kernel_options():
         "DECODE_CONFIG": "prefetch+vbits", "BLOCK_N": 64, "DECODE_SPLITS": 4}
     with pytest.raises(SystemExit, match="not key=value"):
         parse_mode("BLOCK_N")
+
+
+def test_resume_keeps_the_rows_or_refuses(tmp_path):
+    """--resume into the same --out: a run with the same grid keeps the measured rows (measures
+    nothing again); one whose grid leaves some of them out is refused before it overwrites them."""
+    from benchmarks import run
+    out = tmp_path / "bench"
+    flags = ["--out", str(out), "--device", "cpu", "--impls", "flexjit-reference", "--variants",
+             "causal", "--S", "256", "--tokens", "256", "--passes", "fwd", "--no-png",
+             "--rep-ms", "2", "--warmup-ms", "1", "--seed", "0"]
+    run.main(flags + ["--d", "32"])
+    first = json.loads((out / "results.json").read_text())
+    assert len(first) == 1 and first[0]["status"] == "ok", first
+    run.main(flags + ["--d", "32", "--resume", str(out / "results.json")])
+    assert json.loads((out / "results.json").read_text()) == first
+    meta = (out / "meta.json").read_text()
+    with pytest.raises(SystemExit, match="1 of its rows lie outside this run's grid"):
+        run.main(flags + ["--d", "64", "--resume", str(out / "results.json")])
+    assert json.loads((out / "results.json").read_text()) == first
+    assert (out / "meta.json").read_text() == meta
