@@ -1,7 +1,7 @@
 """Our sm90 kernel's steady-state loop against FA4's, instruction by instruction, on the CPU.
 
     python -m benchmarks.sass_compare [--pass fwd|bwd] [--causal] [--head-dim 128|64]
-                                      [--fa4-site DIR]
+                                      [--fp8] [--fa4-site DIR]
 
 No GPU: both kernels are compiled for sm_90a (CUTE_DSL_ARCH) and their cubins disassembled with
 the cuobjdump in Triton's wheel. Ours comes through the templates (dense, or causal with a block
@@ -10,9 +10,11 @@ torch's FakeTensorMode with FLASH_ATTENTION_ARCH=sm_90 (FA4's own switch for CPU
 `--fa4-site` is a folder holding `flash_attn` (and `einops`), e.g. `pip install --target /tmp/fa4
 --no-deps flash-attn-4 einops`. Without it, only ours is shown.
 
-For each kernel: registers, total instructions, and the loop that issues the HGMMAs with the
+``--fp8``: our e4m3 forward (its wgmmas disassemble as QGMMA).
+
+For each kernel: registers, total instructions, and the loop that issues the wgmmas with the
 fewest instructions per query row (a loop body may hold two alternative paths, e.g. bounded and
-unbounded tiles: the path with the most HGMMAs between two branches is counted), as a histogram
+unbounded tiles: the path with the most wgmmas between two branches is counted), as a histogram
 per 64 query rows per thread (docs/performance.md has what it found).
 """
 from __future__ import annotations
@@ -56,6 +58,11 @@ def _opcode(text: str) -> str:
     return text.split()[1] if text.startswith("@") else text.split()[0]
 
 
+def _is_gmma(text: str) -> bool:
+    """A wgmma: HGMMA for 16-bit operands, QGMMA for FP8."""
+    return _opcode(text).startswith(("HGMMA", "QGMMA"))
+
+
 def hot_path(ins: list[tuple[int, str]]) -> tuple[list[str], int]:
     """One iteration of the steady-state loop: the smallest loop body holding at least half as
     many HGMMAs as the loop with the most (outer loops hold more, tail loops fewer). Where the
@@ -70,11 +77,11 @@ def hot_path(ins: list[tuple[int, str]]) -> tuple[list[str], int]:
         # out-of-line mbarrier retry stub placed after the code (not a loop).
         if m and int(m.group(1), 16) < addr and text.startswith("@"):
             body = [(a, t) for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if sum(_opcode(t).startswith("HGMMA") for _, t in body) >= 8:
+            if sum(_is_gmma(t) for _, t in body) >= 8:
                 loops.append(body)
     if not loops:
         return [], 0
-    count = lambda b: sum(_opcode(t).startswith("HGMMA") for _, t in b)  # noqa: E731
+    count = lambda b: sum(_is_gmma(t) for _, t in b)  # noqa: E731
     most = max(map(count, loops))
     body = min((b for b in loops if 2 * count(b) >= most), key=len)
     hi = body[-1][0]
@@ -88,7 +95,8 @@ def hot_path(ins: list[tuple[int, str]]) -> tuple[list[str], int]:
     return [t for _, t in body], 0
 
 
-def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128, head_dim_v: int = None) -> str:
+def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128, head_dim_v: int = None,
+          fp8: bool = False) -> str:
     import cutlass
     import torch
 
@@ -106,10 +114,12 @@ def _ours(pass_: str, causal: bool, out: str, head_dim: int = 128, head_dim_v: i
     if pass_ == "fwd":
         tpl = importlib.import_module("flexjit.templates.cute.sm90.fwd")
         cfg = tpl.FwdConfig(head_dim, head_dim_v, cutlass.BFloat16, mods.score_mod, mods.mask_mod,
-                            has_block_mask=causal)
-        q = torch.randn(2, 4, 300, head_dim, dtype=torch.bfloat16)
-        k = torch.randn(2, 4, 500, head_dim, dtype=torch.bfloat16)
-        v = torch.randn(2, 4, 500, head_dim_v, dtype=torch.bfloat16)
+                            has_block_mask=causal, fp8=fp8)
+        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        q = torch.randn(2, 4, 300, head_dim).to(dtype)
+        k = torch.randn(2, 4, 500, head_dim).to(dtype)
+        # the FP8 kernel reads V transposed (B, H, Dv, keys)
+        v = torch.randn(2, 4, head_dim_v, 512).to(dtype) if fp8 else torch.randn(2, 4, 500, head_dim_v).to(dtype)
         lists = None
         if causal:
             ones, idx = torch.ones(1, 1, 3, dtype=torch.int32), torch.zeros(1, 1, 3, 4, dtype=torch.int32)
@@ -194,12 +204,15 @@ def main(argv=None) -> None:
     p.add_argument("--head-dim", type=int, choices=(64, 128, 192), default=128)
     p.add_argument("--head-dim-v", type=int, choices=(128, 192), default=None,
                    help="v's head dim (flexjit only; default --head-dim)")
+    p.add_argument("--fp8", action="store_true", help="our e4m3 forward (flexjit only)")
     p.add_argument("--fa4-site", default=None)
     p.add_argument("--top", type=int, default=24)
     a = p.parse_args(argv)
     kernels = {}
     with tempfile.TemporaryDirectory() as d:
-        kernels["flexjit"] = _ours(a.pass_, a.causal, f"{d}/ours", a.head_dim, a.head_dim_v)
+        if a.fp8 and a.pass_ != "fwd":
+            p.error("--fp8 serves the forward")
+        kernels["flexjit"] = _ours(a.pass_, a.causal, f"{d}/ours", a.head_dim, a.head_dim_v, a.fp8)
         if a.fa4_site:
             kernels["fa4"] = _fa4(a.pass_, a.causal, f"{d}/fa4", a.fa4_site, a.head_dim)
         hist = {}

@@ -185,6 +185,29 @@ def test_fp8(tmp_path, head_dim, mods):
         assert_no_spills(tmp_path, ptx, no_serialised_wgmma=True)
 
 
+def test_fp8_loop_is_the_16_bit_loop_with_e4m3_gemms(tmp_path):
+    """On the SASS of the steady-state loop (sass_compare's path, dense D = 128): the FP8
+    forward runs the bf16 forward's softmax instruction for instruction (exp2, max, sums,
+    scaling, the row reductions' shuffles) and differs only in its GEMMs (QGMMA, k = 32) and P's
+    conversion: 32 two-value e4m3 converts and at most 16 byte permutes to pair them, no
+    shuffles (KEY_SLOT's permuted Vᵀ makes the accumulator layout P's operand layout)."""
+    import collections
+
+    from benchmarks import sass_compare as sc
+
+    ops = {}
+    for fp8 in (False, True):
+        cubin = sc._ours("fwd", False, str(tmp_path / str(fp8)), 128, None, fp8)
+        path, _ = sc.hot_path(sc.disassemble(cubin))
+        ops[fp8] = collections.Counter(map(sc._opcode, path))
+    bf16, e4m3 = ops[False], ops[True]
+    for op in ("MUFU.EX2", "FMNMX", "FFMA", "FADD", "FMUL", "SHFL.BFLY"):
+        assert e4m3[op] == bf16[op] > 0, (op, e4m3[op], bf16[op])
+    assert e4m3["QGMMA.64x128x32.F32.E4M3.E4M3"] == 8 and not any(o.startswith("HGMMA") for o in e4m3)
+    assert sum(n for o, n in e4m3.items() if o.startswith("F2FP") and "E4M3" in o) == 32
+    assert e4m3["PRMT"] <= 16
+
+
 def test_fp8_tiling_refuses():
     with pytest.raises(NotImplementedError, match="FP8 head dims"):
         _tpl.choose_tiling(96, 96, fp8=True)
