@@ -15,13 +15,31 @@ import math
 import torch
 
 
+# Score elements one oracle step holds at most where no gradient is taken (rows are independent):
+# 2^26 float64 scores are 512 MiB, so large cases stay within a GPU shared by parallel workers.
+CHUNK_SCORES = 1 << 26
+
+
 def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=torch.float64):
     """out (B,Hq,L,Ev) and lse (B,Hq,L), computed in ``dtype`` with eager mods.
 
     GQA: query head h reads kv head h // (Hq // Hkv). A fully masked row gives 0 and -inf.
-    Differentiable (autograd) in q, k, v and any captured tensor the mods use.
+    Differentiable (autograd) in q, k, v and any captured tensor the mods use. Without a
+    gradient to take, query rows go CHUNK_SCORES scores at a time (the same values: each row's
+    softmax is its own).
     """
-    s = dense_scores(q, k, score_mod, mask_mod, scale, dtype)
+    B, Hq, L = q.shape[:3]
+    rows = max(1, CHUNK_SCORES // (B * Hq * k.shape[2]))
+    grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if L > rows and not grads:
+        parts = [_dense_rows(q[:, :, r:r + rows], k, v, score_mod, mask_mod, scale, dtype, r)
+                 for r in range(0, L, rows)]
+        return torch.cat([o for o, _ in parts], dim=2), torch.cat([m for _, m in parts], dim=2)
+    return _dense_rows(q, k, v, score_mod, mask_mod, scale, dtype, 0)
+
+
+def _dense_rows(q, k, v, score_mod, mask_mod, scale, dtype, q_offset: int):
+    s = dense_scores(q, k, score_mod, mask_mod, scale, dtype, q_offset)
     vv = v.to(dtype).repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -35,9 +53,10 @@ def dense_attention(q, k, v, score_mod=None, mask_mod=None, scale=None, dtype=to
     return out, lse
 
 
-def dense_scores(q, k, score_mod=None, mask_mod=None, scale=None, dtype=torch.float64):
+def dense_scores(q, k, score_mod=None, mask_mod=None, scale=None, dtype=torch.float64,
+                 q_offset: int = 0):
     """The modded scores (B,Hq,L,S) in ``dtype``, -inf where the mask_mod is false: their row max
-    is torch's ``max_scores``."""
+    is torch's ``max_scores``. ``q`` holds the query rows from ``q_offset`` on."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(E) if scale is None else scale
@@ -46,7 +65,7 @@ def dense_scores(q, k, score_mod=None, mask_mod=None, scale=None, dtype=torch.fl
     dev = q.device
     b = torch.arange(B, device=dev).view(-1, 1, 1, 1)
     h = torch.arange(Hq, device=dev).view(1, -1, 1, 1)
-    qi = torch.arange(L, device=dev).view(1, 1, -1, 1)
+    qi = torch.arange(q_offset, q_offset + L, device=dev).view(1, 1, -1, 1)
     ki = torch.arange(S, device=dev).view(1, 1, 1, -1)
     if score_mod is not None:
         s = score_mod(s, b, h, qi, ki).to(dtype).expand(B, Hq, L, S)
