@@ -10,7 +10,8 @@ query's is per kv head too, each query head using the factor of the kv head it r
   dtype, ``runtime.dispatch``'s road around it).
 * ``compute_dtype``: the dtype a kernel that reads FP8 itself converts its tiles to.
 * ``descale_table``: the three factors of every (batch, kv head) as one small tensor, the form the
-  Triton decode kernel reads.
+  sm90 FP8 forward reads (a copy per call, negligible beside a prefill; the decode kernel reads
+  the descales in place instead).
 """
 from __future__ import annotations
 

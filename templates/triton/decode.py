@@ -22,7 +22,10 @@ What this module holds
   a power of two that brings its largest value into [2^14, 2^15) before it rounds to float16
   (exact for every value within 2^-28 of that largest), undone in the score scale.
   A program serves one (batch, kv head), so its descales are scalars: q's and k's fold into the
-  score scale, v's into the output. Off (and DESCALE None) the kernel is the 16-bit one.
+  score scale, v's into the output. Each is read where the caller keeps it (``QD``/``KD``/``VD``:
+  kind 0 absent, 1.0; 1 one factor; 2 one per (batch, kv head), contiguous), so a call builds no
+  table: a table cost two small kernels a call, a fifth of a batch-1 4k-key step. Off the
+  kernel is the 16-bit one.
 * Variants (constexprs, all off in the default build; ``DECODE_CONFIG`` in the host module):
   ``PREFETCH`` tests ``kv_idx < S`` in every tile's scores (true there: no result changes).
   Triton's pipeliner gives a block-index load whose only use is the K/V addresses a stage of its
@@ -147,12 +150,23 @@ def _attend(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd,
     return acc, l_i, m_i
 
 
+@triton.jit
+def _descale(ptr, KIND: tl.constexpr, pair):
+    """A descale of (batch, kv head) ``pair``: 1.0 (KIND 0), the one factor (1), its entry (2)."""
+    if KIND == 0:
+        return 1.0
+    elif KIND == 1:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr + pair)
+
+
 @_jit
 def flex_decode(
     Q, K, V, O, LSE, MAXS,  # q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, EV), o (B, Hq, L, EV),
                             # lse / max (B, Hq, L) fp32: written only with one split
     OP, LP, MP,  # partials: OP (B·Hq·L, n_splits, EV) fp32, LP / MP (B·Hq·L, n_splits) fp32 (log2)
-    DESCALE,  # KV_FP8: (B, Hkv, 3) fp32, the (q, k, v) descales of each (batch, kv head); else None
+    QD, KD, VD,  # KV_FP8: the q, k, v descales (fp32, QD_KIND/KD_KIND/VD_KIND); else None
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -170,7 +184,7 @@ def flex_decode(
     DOT_PRECISION: tl.constexpr, FAST_MATH: tl.constexpr, NUM_STAGES: tl.constexpr,
     OUTPUT_MAX: tl.constexpr, SPLIT: tl.constexpr, Q_FP8: tl.constexpr, KV_FP8: tl.constexpr,
     Q_TO_F16: tl.constexpr, PREFETCH: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    ASM: tl.constexpr,
+    QD_KIND: tl.constexpr, KD_KIND: tl.constexpr, VD_KIND: tl.constexpr, ASM: tl.constexpr,
 ):
     split = tl.program_id(0) % n_splits
     q_blk = (tl.program_id(0) // n_splits) // MT
@@ -195,11 +209,11 @@ def flex_decode(
     if Q_FP8:
         q = q.to(tl.float16)  # exact (backends/fp8.py, compute_dtype)
     if KV_FP8:
-        ds = DESCALE + (off_b * (Hq // G) + off_hkv) * 3
-        qk_descale = tl.load(ds) * tl.load(ds + 1)
+        pair = off_b * (Hq // G) + off_hkv
+        qk_descale = _descale(QD, QD_KIND, pair) * _descale(KD, KD_KIND, pair)
         sm_scale = sm_scale * qk_descale
         qk_scale_log2 = qk_scale_log2 * qk_descale
-        v_descale = tl.load(ds + 2)
+        v_descale = _descale(VD, VD_KIND, pair)
         if K_BITS:  # the tiles hold 2^-8 × k
             sm_scale = sm_scale * 256.0
             qk_scale_log2 = qk_scale_log2 * 256.0

@@ -22,7 +22,7 @@ What this module holds
   buildable without a GPU by ``triton.compile_launch``) and ``forward``.
 
 FP8 (``call.fp8``): the same kernel specialised (``KV_FP8``, ``Q_FP8``) reads the e4m3 tiles and
-a (B, Hkv, 3) table of descales (``fp8.descale_table``); the output is ``call.out_dtype``.
+the descales where the caller keeps them (``descale_args``); the output is ``call.out_dtype``.
 
 ``kernel_options["DECODE_CONFIG"]``: the kernel's variants, "+"-joined ``CONFIG_TOKENS`` (the
 template's docstring says what each does): "prefetch" (two tiles of K/V in flight, any dtype),
@@ -38,7 +38,7 @@ import torch
 
 from flexjit import config
 from flexjit.backends.base import device_buffers
-from flexjit.backends.fp8 import compute_dtype, descale_table, is_fp8
+from flexjit.backends.fp8 import compute_dtype, is_fp8
 from flexjit.backends.triton import prefill as tb
 from flexjit.backends.triton.config import _next_pow2, head_pad
 
@@ -250,16 +250,32 @@ def _config(call) -> frozenset:
     return tokens
 
 
+def descale_args(call) -> tuple:
+    """The (q, k, v) descales as the kernel reads them (None each without FP8 or where absent):
+    a () tensor, or a contiguous (B, Hkv) one (``.contiguous()`` copies only a strided one)."""
+    f = call.fp8
+    if f is None:
+        return (None, None, None)
+    return tuple(None if d is None else d if d.dim() == 0 else d.contiguous()
+                 for d in (f.q_descale, f.k_descale, f.v_descale))
+
+
+def _descale_kind(d) -> int:
+    """The template's QD_KIND/KD_KIND/VD_KIND: 0 absent (1.0), 1 one factor, 2 per (b, kv head)."""
+    return 0 if d is None else 1 if d.dim() == 0 else 2
+
+
 def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, bufs,
-                  descale=None) -> tb.Launch:
+                  descales=(None, None, None), fp8: bool = False) -> tb.Launch:
     """The main kernel's launch; ``parts`` = (OP, LP, MP) partial buffers (any tensors when
-    ``dp.splits`` is 1: unread); ``descale``: FP8 K/V's (B, Hkv, 3) table, else None."""
+    ``dp.splits`` is 1: unread); ``descales``: ``descale_args``'s (q, k, v); ``fp8``: an FP8
+    K/V cache (``call.fp8`` set)."""
     B, Hq, L, E = q.shape
     Hkv, S, EV = k.shape[1], k.shape[2], v.shape[3]
     lists = tp.kv_lists
     la = lists.args(lse)
     # _Lists.args: the 4 list tensors, num's 3 strides (b, h, q block), idx's 4 (b, h, q block, kv)
-    args = [q, k, v, out, lse, maxs, *parts, descale, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+    args = [q, k, v, out, lse, maxs, *parts, *descales, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *la, Hq, L, S, Hq // Hkv, dp.GP, dp.QB, dp.m_tiles, tb.triton_cdiv(S, dp.BLOCK_N),
             dp.splits,
             tp.scale, tp.scale * tb.LOG2E, *tb._capture_args(tp.program, bufs)]
@@ -271,10 +287,12 @@ def decode_launch(tp: tb.Plan, dp: DecodePlan, q, k, v, out, lse, maxs, parts, b
                   HAS_SCORE_MOD=p.score is not None, EVEN_N=tb._even(S, dp.BLOCK_N, tp.sparse, 1),
                   DOT_PRECISION=tp.dot, FAST_MATH=tp.fast_math, NUM_STAGES=dp.num_stages,
                   OUTPUT_MAX=maxs is not None and maxs is not lse, SPLIT=dp.splits > 1,
-                  Q_FP8=descale is not None and is_fp8(q), KV_FP8=descale is not None,
-                  Q_TO_F16=descale is not None and q.dtype == torch.bfloat16,
+                  Q_FP8=fp8 and is_fp8(q), KV_FP8=fp8,
+                  Q_TO_F16=fp8 and q.dtype == torch.bfloat16,
                   PREFETCH="prefetch" in dp.config, K_BITS="kbits" in dp.config,
-                  V_BITS="vbits" in dp.config, ASM=not tp.interpret)
+                  V_BITS="vbits" in dp.config, QD_KIND=_descale_kind(descales[0]),
+                  KD_KIND=_descale_kind(descales[1]), VD_KIND=_descale_kind(descales[2]),
+                  ASM=not tp.interpret)
     grid = (dp.q_blocks * dp.m_tiles * dp.splits, dp.head_programs, B)
     return tb.Launch("decode", "flex_decode", grid, args, consts,
                      tb._options(dp.num_warps, dp.num_stages))
@@ -310,11 +328,11 @@ class _Runner:
         self.dp = make_plan(call, splits)
         self.want_max = call.max_scores
         self.launches = None  # [(Ready, argument template, [(position, role)])] after a run
-        self.bufs = self.alias = None  # the captured tensors and q/k/v aliasing it ran with
+        self.bufs = self.alias = None  # the captured tensors and the aliasing (_aliasing) it ran with
 
     def _tensors(self, call):
         """The per-call tensors by role: q, k, v, out, lse, maxs, the three partial buffers and
-        the FP8 descale table (None without FP8)."""
+        the q, k, v descales (``descale_args``)."""
         q, dp = call.q, self.dp
         B, Hq, L, _ = q.shape
         EV = call.v.shape[3]
@@ -329,14 +347,14 @@ class _Runner:
             rows = B * Hq * L
             parts = (new((rows, dp.splits, EV), dtype=f32, device=dev), new((rows, dp.splits), dtype=f32, device=dev),
                      new((rows, dp.splits), dtype=f32, device=dev) if maxs is not None else lse)
-        descale = descale_table(call) if call.fp8 is not None else None
-        return (q, call.k, call.v, out, lse, maxs if maxs is not None else lse, *parts, descale), maxs
+        return (q, call.k, call.v, out, lse, maxs if maxs is not None else lse, *parts,
+                *descale_args(call)), maxs
 
     def __call__(self, call):
         roles, maxs = self._tensors(call)
         out, lse = roles[3], roles[4]
         bufs = device_buffers(call)
-        alias = (call.k is call.q, call.v is call.q, call.v is call.k)
+        alias = _aliasing(roles, bufs)
         if self.launches is not None and alias == self.alias and \
                 all(a is b for a, b in zip(bufs, self.bufs)):
             for ready, template, slots in self.launches:
@@ -347,7 +365,8 @@ class _Runner:
             return out, lse, maxs
         tp, dp = self.tp, self.dp
         q, k, v = call.q, call.k, call.v
-        launches = [decode_launch(tp, dp, q, k, v, out, lse, roles[5], roles[6:9], bufs, roles[9])]
+        launches = [decode_launch(tp, dp, q, k, v, out, lse, roles[5], roles[6:9], bufs, roles[9:12],
+                                  call.fp8 is not None)]
         if dp.splits > 1:
             launches.append(merge_launch(dp, roles[6:9], out, lse, maxs, v.shape[3]))
         ran = []
@@ -361,6 +380,17 @@ class _Runner:
             ran.append((ready, template, slots))
         self.launches, self.bufs, self.alias = ran, bufs, alias
         return out, lse, maxs
+
+
+def _aliasing(roles, bufs) -> tuple:
+    """Which per-call tensors are one object: q, k, v; the descales among themselves and with a
+    captured tensor. A launch's slots are found by identity (``_role``), so a reused launch is
+    valid only for calls that alias alike."""
+    q, k, v = roles[:3]
+    ds = roles[9:12]
+    same = lambda a, b: a is not None and a is b  # noqa: E731
+    return (k is q, v is q, v is k, same(ds[1], ds[0]), same(ds[2], ds[0]), same(ds[2], ds[1]),
+            tuple(same(d, b) for d in ds for b in bufs))
 
 
 def _role(t, roles) -> int | None:
@@ -385,7 +415,7 @@ def launches_for(call, arch: int, splits: int | None = None) -> list[tb.Launch]:
     rows = B * Hq * L
     parts = (torch.empty(rows, dp.splits, EV, device="meta"), torch.empty(rows, dp.splits, device="meta"),
              torch.empty(rows, dp.splits, device="meta"))
-    descale = torch.empty(B, k.shape[1], 3, device="meta") if call.fp8 is not None else None
+    descales = tuple(None if d is None else d.to("meta") for d in descale_args(call))
     main = decode_launch(tp, dp, q, k, v, out, lse, maxs if maxs is not None else lse, parts, bufs,
-                         descale)
+                         descales, call.fp8 is not None)
     return [main] + ([merge_launch(dp, parts, out, lse, maxs, EV)] if dp.splits > 1 else [])

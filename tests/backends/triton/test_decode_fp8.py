@@ -9,10 +9,11 @@ TRITON_INTERPRET=1, and the Triton prefill kernel's road around FP8 (dequantised
 * Accuracy: against the float64 attention of the unquantised data, error ≤ 1.1 × the plain FP8
   reference's, on random data and on data with a few large channels (decode and prefill).
 * A paged e4m3 cache (flexjit.PagedAttention) with per-sequence descales; a repeated call (the
-  decode runner's relaunch path) reading new descale values.
+  decode runner's relaunch path) reading new descale values, also where one descale tensor was
+  passed twice before; the descales read in place (no table, a strided one made contiguous).
 * Routing: explain() says the decode kernel reads the FP8 tiles, and the prefill road dequantises.
 * Compile-only for sm_90 (no GPU): the FP8 kernel converts e4m3 pairs in registers and feeds
-  tensor-core MMAs; the 16-bit launch passes no descale table and has no FP8 instruction.
+  tensor-core MMAs; the 16-bit launch passes no descales and has no FP8 instruction.
 * DECODE_CONFIG variants (prefetch, kbits, vbits): the same numerics checks (the bit
   conversions' 2^-8 undone exactly); the tokens are checked; "kbits+vbits" builds for sm_90 with
   no e4m3 conversion instruction.
@@ -82,8 +83,8 @@ def _quantize(q, k, v, q_fp8: bool, per_head: bool = True):
 def _real(stored, descales):
     """The dequantised (real) q, k, v in float64."""
     g = stored[0].shape[1] // stored[1].shape[1]
-    return [t.double() if t.dtype != E4M3 else dequantize_e4m3(t, d, groups=gr)
-            for t, d, gr in zip(stored, descales, (g, 1, 1))]
+    return [t.double() if t.dtype != E4M3 else dequantize_e4m3(t, d, groups=gr) if d is not None
+            else t.double() for t, d, gr in zip(stored, descales, (g, 1, 1))]
 
 
 def check(stored, descales, score_mod, mask_mod, bm, splits, out_dtype=None, oracle_kv=None,
@@ -211,7 +212,7 @@ def test_paged_fp8_cache(interp):
 
 def test_a_repeated_call_reads_new_descales(interp):
     """The second call of a signature relaunches the ready kernels with the new tensors (the
-    descale table among them): doubling v's factors doubles out exactly; lse is unchanged."""
+    descales among them): doubling v's factors doubles out exactly; lse is unchanged."""
     call_cache.clear()
     s = SHAPE
     (qb, k8, v8), (_, kd, vd) = _quantize(*_data(*s.values(), seed=6), q_fp8=False)
@@ -224,6 +225,33 @@ def test_a_repeated_call_reads_new_descales(interp):
     ref, _ = fp8_reference(qb, k8, v8, (None, 2 * kd, vd))
     real = _real((qb, k8, v8), (None, 2 * kd, vd))
     assert_close_to_oracle("out", out3, dense_attention(*real)[0], ref, FLOOR[torch.bfloat16])
+
+
+def test_descales_are_read_in_place(interp):
+    """The kernel reads each descale where the caller keeps it (kinds: absent, 1.0; one factor;
+    one per (batch, kv head), a strided one made contiguous). A signature first called with one
+    tensor as both k's and v's descale, then with two, reads both (the runner's slots follow
+    identity)."""
+    call_cache.clear()
+    s = SHAPE
+    (qb, k8, v8), (_, kd, vd) = _quantize(*_data(*s.values(), seed=7), q_fp8=False)
+    kw = dict(enable_gqa=True, backend="triton", return_lse=True)
+    both = kd.clone()
+    flex_attention(qb, k8, v8, k_descale=both, v_descale=both, **kw)
+    out, _ = flex_attention(qb, k8, v8, k_descale=kd, v_descale=vd, **kw)
+    ref, _ = fp8_reference(qb, k8, v8, (None, kd, vd))
+    real = _real((qb, k8, v8), (None, kd, vd))
+    assert_close_to_oracle("out", out, dense_attention(*real)[0], ref, FLOOR[torch.bfloat16])
+    wide = torch.stack([vd, 7 * vd], dim=-1)[..., 0]  # (B, Hkv) with strides (2·Hkv, 2)
+    assert not wide.is_contiguous()
+    for descales in ((None, kd[0, 0], None), (None, kd, wide)):
+        out, _ = flex_attention(qb, k8, v8, k_descale=descales[1], v_descale=descales[2], **kw)
+        ref, _ = fp8_reference(qb, k8, v8, descales)
+        real = _real((qb, k8, v8), descales)
+        assert_close_to_oracle("out", out, dense_attention(*real)[0], ref, FLOOR[torch.bfloat16])
+    call = prepare_call(qb, k8, v8, None, None, None, True, None, fp8=(None, kd[0, 0], wide, None))
+    main = td.launches_for(call, 90)[0]
+    assert [main.constexprs[k] for k in ("QD_KIND", "KD_KIND", "VD_KIND")] == [0, 1, 2]
 
 
 # --------------------------------------------------------------------------- DECODE_CONFIG
@@ -364,7 +392,7 @@ def test_compiles_for_sm90(q_dtype):
     bf16 = prepare_call(q.to(torch.bfloat16), k8.to(torch.bfloat16), k8.to(torch.bfloat16), score_mod, bm,
                         None, True, None, max_scores=True)
     main16 = td.launches_for(bf16, 90)[0]
-    assert not main16.constexprs["KV_FP8"] and None in main16.args  # DESCALE: None, compiled out
+    assert not main16.constexprs["KV_FP8"] and None in main16.args  # descales: None, compiled out
     ptx16 = tb.compile_launch(tb.make_plan(bf16, arch=90, interpret=False), main16, 90).asm["ptx"]
     assert "e4m3" not in ptx16
 
