@@ -13,7 +13,9 @@ Conditions compare integers and table values only: a comparison of computed floa
 one rounding, which would be a difference of inputs, not a bug.
 
 * CPU (default CI): the reference and the Triton kernels under the interpreter, a few examples
-  with a fixed seed (``derandomize``), so a run is repeatable and short.
+  with a fixed seed (``derandomize``), so a run is repeatable and short; and the Triton decode
+  kernel on an e4m3 KV cache (bf16 or e4m3 queries, per-(batch, kv head) descales) against the
+  oracle on the dequantised values, the plain FP8 reference as its baseline.
 * GPU (``-m gpu``): more examples, random each run, against the CuTe and Triton kernels.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hypothesis.errors import NoSuchExample
 from hypothesis.control import currently_in_test_context
 
 from flexjit import create_block_mask, flex_attention
+from flexjit import explain as flexjit_explain
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, random_qkv
 
 INDICES = ("b", "h", "q_idx", "kv_idx")
@@ -203,12 +206,18 @@ class Case:
 
 
 @st.composite
-def cases(draw, dims, dtypes, max_len):
+def cases(draw, dims, dtypes, max_len, decode: bool = False):
+    """``decode``: 1-4 queries against a longer cache (up to 96 keys), one head dim for q, k
+    and v."""
     B, Hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
     Hq = Hkv * group
-    L, S = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    if decode:
+        L = draw(st.integers(1, 4))
+        S = draw(st.integers(L + 1, 96))
+    else:
+        L, S = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
     E = draw(st.sampled_from(dims))
-    Ev = draw(st.sampled_from(dims))
+    Ev = E if decode else draw(st.sampled_from(dims))
     cap = Captures(dims={"b": B, "h": Hq, "q_idx": L, "kv_idx": S})
     score_src = mask_src = None
     if draw(st.integers(0, 4)) > 0:
@@ -356,6 +365,61 @@ def test_triton_matches_the_oracle(_interpreter):
     @given(CPU_CASES)
     def check(case):
         run_case(case, "triton")
+    check()
+
+
+@st.composite
+def fp8_decode_cases(draw):
+    """A decode step over an FP8 (e4m3) KV cache (``cases(decode=True)``: drawn mods and
+    tables, no learnable ones, since FP8 has no backward), and whether the query is e4m3 too."""
+    case = draw(cases(dims=[16, 32], dtypes=[torch.bfloat16], max_len=96, decode=True))
+    return dataclasses.replace(case, learnable=False), draw(st.booleans())
+
+
+def run_fp8_decode_case(case: Case, q_fp8: bool, block: int = 32):
+    """The Triton decode kernel on e4m3 K/V (per (batch, kv head) descales) against the float64
+    oracle on the dequantised values, with the plain FP8 reference (P rounded to the kernel's
+    compute dtype) as the baseline, as tests/backends/triton/test_decode_fp8.py checks."""
+    from flexjit.backends.fp8 import compute_dtype
+    from oracle import dequantize_e4m3, fp8_reference, quantize_e4m3
+
+    _note(f"fp8 decode B={case.B} Hq={case.Hq} Hkv={case.Hkv} L={case.L} S={case.S} E={case.E} "
+          f"q_fp8={q_fp8}\nscore_mod: {case.score_src}\nmask_mod: {case.mask_src}\n"
+          f"tables: {case.cap.tables}\nnumbers: {case.cap.numbers}")
+    tables = _tables(case, "cpu", torch.float32)
+    wide = {n: t.double() if t.is_floating_point() else t for n, t in tables.items()}
+    low = {n: t.float() if t.is_floating_point() else t for n, t in tables.items()}
+    score_mod, mask_mod = _mods(case, tables)
+    score64, mask64 = _mods(case, wide)
+    score32, mask32 = _mods(case, low)
+    g = torch.Generator().manual_seed(case.seed)
+    G = case.Hq // case.Hkv
+    q, k, v = (torch.randn(case.B, h, n, case.E, generator=g, dtype=torch.float64)
+               for h, n in ((case.Hq, case.L), (case.Hkv, case.S), (case.Hkv, case.S)))
+    (k8, kd), (v8, vd) = quantize_e4m3(k, 1), quantize_e4m3(v, 1)
+    q_in, qd = quantize_e4m3(q, G) if q_fp8 else (q.to(torch.bfloat16), None)
+    bm = create_block_mask(mask_mod, case.B, case.Hq, case.L, case.S, device="cpu",
+                           BLOCK_SIZE=block) if mask_mod else None
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    choice = flexjit_explain(q_in, k8, v8, score_mod, bm, enable_gqa=G > 1, backend="triton", **kw)
+    assert "decode kernel reads the FP8 tiles" in choice.reason, choice
+    out, lse = flex_attention(q_in, k8, v8, score_mod=score_mod, block_mask=bm, enable_gqa=G > 1,
+                              return_lse=True, backend="triton", **kw)
+    real = [q_in.double() if qd is None else dequantize_e4m3(q_in, qd, torch.float64, G),
+            dequantize_e4m3(k8, kd), dequantize_e4m3(v8, vd)]
+    ref, ref_lse = dense_attention(*real, score64, mask64)
+    plain, plain_lse = fp8_reference(q_in, k8, v8, (qd, kd, vd), score32, mask32, out.dtype,
+                                     p_dtype=compute_dtype(q_in))
+    assert_close_to_oracle("out", out, ref, plain, FLOOR[out.dtype])
+    assert_close_to_oracle("lse", lse, ref_lse, plain_lse, FLOOR[torch.float32])
+
+
+@pytest.mark.skipif(not _triton_ok(), reason="the interpreter tests need triton >= 3.9")
+def test_fp8_decode_matches_the_oracle(_interpreter):
+    @_CPU
+    @given(fp8_decode_cases())
+    def check(drawn):
+        run_fp8_decode_case(*drawn)
     check()
 
 
