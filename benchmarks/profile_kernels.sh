@@ -7,7 +7,8 @@
 #
 # A case is backend:variant:S:pass[:D] (e.g. cute:causal:8192:fwd, or cute:full:8192:fwdbwd:192 at
 # head dim 192; D defaults to 128; backend fa4-bhsd profiles FA4's own
-# kernels on the same memory layout: its forward, or its backward's three kernels). Per kernel: Speed Of Light,
+# kernels on the same memory layout: its forward, or its backward's three kernels; an FP8 impl,
+# e.g. flexjit-cute-fp8:full:8192:fwd, the e4m3 forward). Per kernel: Speed Of Light,
 # warp stall reasons, and every pipe's utilisation (tensor = wgmma/mma, xu = MUFU: exp2, tanh,
 # int<->float conversions; fma/alu = FP32/integer), issue-slot use, and every stall reason per
 # issued instruction.

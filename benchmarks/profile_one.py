@@ -4,6 +4,8 @@
         python3 -m benchmarks.profile_one --backend triton --variant sliding_window --S 8192
     ncu --clock-control none --section SpeedOfLight -k regex:Bwd -s 3 -c 3 \
         python3 -m benchmarks.profile_one --backend cute --variant causal --pass fwdbwd
+    ncu --clock-control none --section SpeedOfLight -k regex:FlexAttentionFwd -s 2 -c 1 \
+        python3 -m benchmarks.profile_one --backend flexjit-cute-fp8 --variant full
     python3 -m benchmarks.profile_one --backend cute --variant full --pass fwdbwd --timeline
 
 ``--timeline``: after the warm-up calls, time 20 calls with CUDA events (median), then list the
@@ -19,7 +21,7 @@ import argparse
 import torch
 
 import flexjit
-from .impls import FlexjitImpl, make, plan_mask
+from .impls import FLEXJIT_FP8_MODES, FlexjitImpl, make, plan_mask
 from .run import for_pass, in_layout, make_inputs, make_step
 from .variants import Case, build
 
@@ -27,8 +29,9 @@ from .variants import Case, build
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile_one")
     p.add_argument("--backend", default="auto",
-                   help="a flexjit backend, or fa4 / fa4-bhsd (FA4's built-in variant, the baseline "
-                        "beside which a profile is read)")
+                   help="a flexjit backend, fa4 / fa4-bhsd (FA4's built-in variant, the baseline "
+                        "beside which a profile is read), or an FP8 impl (flexjit-cute-fp8: e4m3 "
+                        "q, k, v quantised outside the profiled calls; forward only)")
     p.add_argument("--variant", default="causal")
     p.add_argument("--S", type=int, default=8192)
     p.add_argument("--D", type=int, default=128)
@@ -43,8 +46,13 @@ def main(argv=None) -> None:
     var = build(a.variant, case, dev, torch.Generator().manual_seed(0))
     # The benchmark's own adapters, inputs and timed closure (run.py), so a profile is of
     # exactly what benchmarks.run times.
-    impl = make(a.backend) if a.backend.startswith("fa4") else FlexjitImpl(a.backend)
+    fp8 = a.backend in FLEXJIT_FP8_MODES
+    if fp8 and a.pass_ != "fwd":
+        p.error(f"{a.backend} has no backward: --pass fwd")
+    impl = make(a.backend) if a.backend.startswith("fa4") or fp8 else FlexjitImpl(a.backend)
     sets = for_pass(in_layout(make_inputs(case, dev, 1), impl.layout), a.pass_)
+    if fp8:
+        impl.prepare(sets)  # quantised once, as benchmarks.run does outside its timing
     step = make_step(impl.setup(var, case, dev), sets, a.pass_)
 
     for _ in range(a.iters):
@@ -53,7 +61,7 @@ def main(argv=None) -> None:
     if a.timeline:
         timeline(step)
     ran = a.backend
-    if isinstance(impl, FlexjitImpl):
+    if isinstance(impl, FlexjitImpl) and not fp8:
         bm = plan_mask(flexjit.create_block_mask, var, case, dev)
         q, k, v = (sets[0][n] for n in "qkv")
         ran = flexjit.explain(q, k, v, var.score_mod, bm, backend=a.backend).name

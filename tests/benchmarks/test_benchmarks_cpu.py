@@ -187,6 +187,13 @@ def test_profiling_tools_run_what_the_benchmark_runs(capsys):
     profile_one.main(["--device", "cpu", "--backend", "reference", "--variant", "alibi", "--S", "128",
                       "--D", "64", "--iters", "1", "--pass", "fwdbwd"])
     assert capsys.readouterr().out.strip().endswith("ran alibi S=128 on reference")
+    # An FP8 impl: inputs quantised once, then the forward (its backward is refused).
+    profile_one.main(["--device", "cpu", "--backend", "flexjit-reference-fp8", "--variant", "causal",
+                      "--S", "128", "--D", "64", "--iters", "1"])
+    assert capsys.readouterr().out.strip().endswith("ran causal S=128 on flexjit-reference-fp8")
+    with pytest.raises(SystemExit):
+        profile_one.main(["--device", "cpu", "--backend", "flexjit-reference-fp8", "--pass", "fwdbwd"])
+    capsys.readouterr()
     host_profile.main(["--device", "cpu", "--backend", "reference", "--variant", "causal",
                        "--pass", "fwdbwd", "--calls", "3", "--top", "40"])
     out = capsys.readouterr().out
