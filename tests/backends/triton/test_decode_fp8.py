@@ -275,12 +275,17 @@ def test_decode_config_variants(interp, config, name):
 def test_decode_config_accuracy(interp, q_fp8):
     """The bit conversions keep the unquantised attention's error within 1.1 x the plain FP8
     reference's (they are exact), e4m3 queries included; large channels as the worst case."""
-    s = SHAPE
-    q, k, v = _data(*s.values(), seed=11, outliers=True)
+    check_config_accuracy(_data(*SHAPE.values(), seed=11, outliers=True), q_fp8, splits=2)
+
+
+def check_config_accuracy(qkv, q_fp8: bool, splits: int):
+    """Every DECODE_CONFIG token at once on unquantised ``qkv``: error within 1.1 x the plain FP8
+    reference's against their float64 attention (``assert_fp8_accuracy``)."""
+    q, k, v = qkv
     stored, descales = _quantize(q, k, v, q_fp8)
     call = prepare_call(*stored, None, None, None, True, {"DECODE_CONFIG": "prefetch+kbits+vbits"},
                         fp8=(*descales, None))
-    out, lse, _ = td.forward(call, splits=2)
+    out, lse, _ = td.forward(call, splits=splits)
     true, true_lse = dense_attention(q, k, v)
     plain, plain_lse = fp8_reference(*stored, descales)
     assert_fp8_accuracy("out", out, true, plain)

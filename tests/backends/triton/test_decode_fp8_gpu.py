@@ -16,7 +16,7 @@ from flexjit.api.attention import prepare_call
 from flexjit.backends.triton import decode as td
 from oracle import assert_fp8_accuracy, dense_attention, fp8_reference
 from test_decode import _decode_mods
-from test_decode_fp8 import _data, _quantize, check
+from test_decode_fp8 import _data, _quantize, check, check_config_accuracy
 
 pytestmark = pytest.mark.gpu
 
@@ -108,13 +108,5 @@ def test_decode_config_variants(config, name):
 
 @pytest.mark.parametrize("q_fp8", [False, True])
 def test_decode_config_accuracy(q_fp8):
-    s = SHAPE
-    q, k, v = (t.to(DEV) for t in _data(*s.values(), seed=6, outliers=True))
-    stored, descales = _quantize(q, k, v, q_fp8)
-    call = prepare_call(*stored, None, None, None, True, {"DECODE_CONFIG": "prefetch+kbits+vbits"},
-                        fp8=(*descales, None))
-    out, lse, _ = td.forward(call, splits=3)
-    true, true_lse = dense_attention(q, k, v)
-    plain, plain_lse = fp8_reference(*stored, descales)
-    assert_fp8_accuracy("out", out, true, plain)
-    assert_fp8_accuracy("lse", lse, true_lse, plain_lse)
+    check_config_accuracy([t.to(DEV) for t in _data(*SHAPE.values(), seed=6, outliers=True)], q_fp8,
+                          splits=3)
