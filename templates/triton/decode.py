@@ -24,8 +24,7 @@ What this module holds
   A program serves one (batch, kv head), so its descales are scalars: q's and k's fold into the
   score scale, v's into the output. Each is read where the caller keeps it (``QD``/``KD``/``VD``:
   kind 0 absent, 1.0; 1 one factor; 2 one per (batch, kv head), contiguous), so a call builds no
-  table: a table cost two small kernels a call, a fifth of a batch-1 4k-key step. Off the
-  kernel is the 16-bit one.
+  table (a table took two small kernels a call). Off the kernel is the 16-bit one.
 * Variants (constexprs, all off in the default build; ``DECODE_CONFIG`` in the host module):
   ``PREFETCH`` tests ``kv_idx < S`` in every tile's scores (true there: no result changes).
   Triton's pipeliner gives a block-index load whose only use is the K/V addresses a stage of its
@@ -275,7 +274,7 @@ def flex_decode(
             # {{CAPTURE_ARGS}}
             E, EV, E_PAD, EV_PAD, BLOCK_N, BLOCK_N, False, False, EVEN_N,
             HAS_SCORE_MOD, DOT_PRECISION, FAST_MATH, NUM_STAGES, KV_FP8, PREFETCH, K_BITS, V_BITS,
-                ASM)
+            ASM)
 
     empty = l_i == 0.0  # nothing kept (in this split): out = 0, lse = -inf
     l_safe = tl.where(empty, 1.0, l_i)
