@@ -810,10 +810,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         warpgroup.wait_group(2)  # dV done: dO is free
         pipe_do.consumer_release(state)
         warpgroup.wait_group(1)  # dQ done
-        cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
-        store_dq_acc(acc_dQ, ctx.tQsdQ)
-        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
-        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
+        self._publish_dq(ctx, acc_dQ)
         warpgroup.wait_group(0)  # dK done: Q is free
         pipe_q.consumer_release(state)
         if const_expr(self.score_grads is not None):
@@ -936,10 +933,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             pipe_do.consumer_release(state)
             wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ctx.tKrdS, ops.tKrQ, zero_init=False)
             warpgroup.wait_group(1)  # dQ done
-        cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
-        store_dq_acc(acc_dQ, ctx.tQsdQ)
-        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
-        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
+        self._publish_dq(ctx, acc_dQ)
         if const_expr(not self.dk_smem):
             warpgroup.wait_group(0)  # dK done: Q is free
             pipe_q.consumer_release(state)
@@ -957,6 +951,15 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         for i in cutlass.range_constexpr(cute.size(r)):
             r[i] = tRow[i]
         return r
+
+    @cute.jit
+    def _publish_dq(self, ctx, acc_dQ: cute.Tensor):
+        """This warpgroup's dQ piece into its smem box for the dQ writer: wait until the writer
+        has emptied the box, store, fence, signal it full."""
+        cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
+        store_dq_acc(acc_dQ, ctx.tQsdQ)
+        cute.arch.fence_view_async_shared()  # generic-proxy smem writes -> TMA (async proxy)
+        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + ctx.wg, number_of_threads=_DQ_BAR_THREADS)
 
     def _p_stage(self, idx: Int32):
         """The smem stage of the dS buffer that holds Pᵀ (``p_smem``, ``q_split``)."""
