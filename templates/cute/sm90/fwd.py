@@ -799,8 +799,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         of its (batch, kv head). A negative product negates the Q tile in smem first
         (``fp8.negate_fp8``; waits for Q), so that raw products keep their order. (The v
         descale is read by the epilogue: no register carries it through the mainloop.)"""
-        head_kv = sched.head // (mQ.shape[2] // descale.shape[1])
-        qk = descale[sched.batch, head_kv, 0] * descale[sched.batch, head_kv, 1]
+        qk = self._descale(sched, mQ, descale, 0) * self._descale(sched, mQ, descale, 1)
         if qk < Float32(0.0):
             pipe_q.consumer_wait(q_state)  # waited for again (at once) by _mainloop
             fp8.negate_fp8(sQ, tidx, self.num_mma_threads)
@@ -809,6 +808,13 @@ class FlexAttentionFwdSm90(config.TiledKernel):
             qk = -qk
         scale = softmax_scale * qk
         return scale, softmax.exp2_multiplier(self.score_mod, scale)
+
+    @cute.jit
+    def _descale(self, sched, mQ: cute.Tensor, descale: cute.Tensor, i: int) -> Float32:
+        """Descale ``i`` (0 q, 1 k, 2 v) of this tile's (batch, kv head) from the (B, Hkv, 3)
+        table: the query head's kv head under GQA."""
+        head_kv = sched.head // (mQ.shape[2] // descale.shape[1])
+        return descale[sched.batch, head_kv, i]
 
     @cute.jit
     def _pingpong_wait(self, wg: Int32):
@@ -910,8 +916,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         lse = cute.make_rmem_tensor(n_rows, Float32)
         v_descale = None
         if const_expr(self.fp8):
-            head_kv = ctx.sched.head // (mQ.shape[2] // ctx.descale.shape[1])
-            v_descale = ctx.descale[ctx.sched.batch, head_kv, 2]
+            v_descale = self._descale(ctx.sched, mQ, ctx.descale, 2)
         for r in cutlass.range_constexpr(n_rows):
             total = quad_allreduce(ctx.row_sum[r], fadd)
             inv, lse[r] = softmax.finalize(total, ctx.row_max[r], ctx.c)
