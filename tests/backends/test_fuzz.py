@@ -275,6 +275,18 @@ def _note(text: str) -> None:
     note(text) if currently_in_test_context() else print(text)
 
 
+def _oracle_tables(tables: dict) -> tuple[dict, dict]:
+    """The captured tables as the two oracles read them: float64 (the truth; autograd would sum
+    a float32 table's gradient in float32, an error as large as the kernel's) and float32 (the
+    same math in the test dtype's baseline). Low-precision tables widen on load (docs/DESIGN.md),
+    so both read them widened: eager torch would round an op between such a value and a Python
+    number (c0 + htab[i]) to the table's dtype."""
+    wide = {n: (t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t)
+            for n, t in tables.items()}
+    low = {n: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for n, t in tables.items()}
+    return wide, low
+
+
 def run_case(case: Case, backend: str, device: str = "cpu", block: int = 32):
     _note(f"shape B={case.B} Hq={case.Hq} Hkv={case.Hkv} L={case.L} S={case.S} E={case.E} "
          f"Ev={case.Ev} {case.dtype}; learnable={case.learnable}")
@@ -284,14 +296,7 @@ def run_case(case: Case, backend: str, device: str = "cpu", block: int = 32):
     learn = [n for n, kind, _ in case.cap.tables if kind == "float"] if case.learnable else []
     for n in learn:
         tables[n].requires_grad_(True)
-    # The oracle's twin reads the same values in float64: autograd would sum a float32 table's
-    # gradient in float32, an error as large as the kernel's. Low-precision tables widen on load
-    # (docs/DESIGN.md), so both oracles read them widened: eager torch would round an op between
-    # such a value and a Python number (c0 + htab[i]) to the table's dtype.
-    tables64 = {n: (t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t)
-                for n, t in tables.items()}
-    tables_low = {n: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-                  for n, t in tables.items()}
+    tables64, tables_low = _oracle_tables(tables)
     score_mod, mask_mod = _mods(case, tables)
     score64, mask64 = _mods(case, tables64)
     score_low, mask_low = _mods(case, tables_low)
@@ -387,8 +392,7 @@ def run_fp8_decode_case(case: Case, q_fp8: bool, block: int = 32):
           f"q_fp8={q_fp8}\nscore_mod: {case.score_src}\nmask_mod: {case.mask_src}\n"
           f"tables: {case.cap.tables}\nnumbers: {case.cap.numbers}")
     tables = _tables(case, "cpu", torch.float32)
-    wide = {n: t.double() if t.is_floating_point() else t for n, t in tables.items()}
-    low = {n: t.float() if t.is_floating_point() else t for n, t in tables.items()}
+    wide, low = _oracle_tables(tables)
     score_mod, mask_mod = _mods(case, tables)
     score64, mask64 = _mods(case, wide)
     score32, mask32 = _mods(case, low)
