@@ -142,7 +142,8 @@ def supports(call) -> tuple[bool, str]:
         _template()
     except ImportError as e:
         return False, f"nvidia-cutlass-dsl is not importable ({e})"
-    tile_m = 128 if fp8 else forward_tile_m(q.shape[-1], call.block_mask, call.kernel_options.get("TILE_M"))
+    tile_m = heuristic(call)["tile_m"] if fp8 else \
+        forward_tile_m(q.shape[-1], call.block_mask, call.kernel_options.get("TILE_M"))
     what = (f"Hopper GPU: the CuTeDSL sm90 kernel (TMA, {'e4m3 ' if fp8 else ''}wgmma, "
             f"warp-specialised; {tile_m}-row query tiles, {tile_m // 64} consumer warpgroups")
     if tile_m != 128 and call.block_mask is not None:
@@ -164,11 +165,20 @@ def fp8_native(call) -> tuple[bool, str]:
     if (q.shape[-1], v.shape[-1]) not in _FP8_HEAD_DIMS:
         return False, (f"head dims ({q.shape[-1]}, {v.shape[-1]}); the sm90 FP8 forward takes "
                        f"{_FP8_HEAD_DIMS}")
-    pins = [k for k in ("TILE_M", "PERSISTENT") if k in call.kernel_options]
-    if pins:
-        return False, f"kernel_options {pins} pin a tiling the sm90 FP8 forward does not have"
+    opts = call.kernel_options
+    if "PERSISTENT" in opts:
+        return False, "kernel_options PERSISTENT pins a schedule the sm90 FP8 forward does not have"
+    if opts.get("TILE_M") not in (None, 128, *((192,) if _fp8_tile_192(call) else ())):
+        return False, (f"kernel_options TILE_M={opts['TILE_M']!r} pins a tile the sm90 FP8 forward "
+                       "does not have (128 rows; 192 at head dim 64 without a block mask)")
     return True, ("the sm90 FP8 forward: e4m3 wgmma for QKᵀ and PV (P rounded to e4m3), V "
                   "transposed on the device first, descales folded into the scale and output")
+
+
+def _fp8_tile_192(call) -> bool:
+    """Whether the FP8 forward may run 192-row tiles here: head dim 64 without a block mask
+    (``fwd_tiling._fp8_tiling``)."""
+    return call.q.shape[-1] == 64 and call.block_mask is None
 
 
 def fp8_value_transposed(v: torch.Tensor) -> torch.Tensor:
@@ -501,8 +511,10 @@ def heuristic(call) -> Config:
     """The forward's configuration by rule (``forward_tile_m``, ``_persistent_fwd``), pins in
     ``kernel_options`` honoured: what runs until the tuner has measured, and without it."""
     D, opts = call.q.shape[-1], call.kernel_options
-    if call.fp8 is not None:
-        return _configs((128,), (False,))[0]  # the FP8 forward's only tiling
+    if call.fp8 is not None:  # one tile per CTA; 192 rows where _fp8_tile_192 allows them
+        pinned = opts.get("TILE_M")
+        tile_m = pinned if pinned is not None else 192 if _fp8_tile_192(call) else 128
+        return _configs((int(tile_m),), (False,))[0]
     return Config.of(tile_m=forward_tile_m(D, call.block_mask, opts.get("TILE_M")),
                      persistent=_persistent_fwd(D, None, call.k.shape[2], owner=call.block_mask,
                                                 pinned=opts.get("PERSISTENT")))
@@ -535,8 +547,10 @@ def tuning(call) -> Tuning:
     kv_tiles = _mean_kv_tiles(None, S, bm)
     share = None
     tile_ms = (default["tile_m"],)
-    fp8 = call.fp8 is not None  # one tiling: nothing to measure
-    if D == 64 and "TILE_M" not in opts and not fp8:
+    fp8 = call.fp8 is not None  # one schedule; both tiles only where _fp8_tile_192 allows 192
+    if fp8 and "TILE_M" not in opts and _fp8_tile_192(call):
+        tile_ms = (128, 192)
+    elif D == 64 and "TILE_M" not in opts and not fp8:
         mergeable = bm is None or bm.kv_num_blocks.numel() * bm.kv_indices.shape[-1] <= _MERGE_MAX_BLOCKS
         if bm is not None and mergeable:
             share = _merged_partial_share(bm)

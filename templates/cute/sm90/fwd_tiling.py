@@ -83,7 +83,7 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     ``persistent``.
     """
     if fp8:
-        return _fp8_tiling(head_dim, head_dim_v, persistent, tile_m)
+        return _fp8_tiling(head_dim, head_dim_v, block_sparse, persistent, tile_m)
     if dynamic_schedule is None:
         dynamic_schedule = dynamic_schedule_default()
     dyn = bool(persistent and dynamic_schedule)
@@ -117,18 +117,28 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     return Tiling(128, 64, 2, 2, False, 240, 24)  # 256
 
 
-def _fp8_tiling(head_dim: int, head_dim_v: int, persistent: bool, tile_m: Optional[int]) -> Tiling:
+def _fp8_tiling(head_dim: int, head_dim_v: int, block_sparse: bool, persistent: bool,
+                tile_m: Optional[int]) -> Tiling:
     """The FP8 forward's rows: the 16-bit tiles' shapes (the registers hold the same fp32 S and O;
     P takes half), one tile per CTA. Smem halves for Q, K and V, and O (16-bit) gets a buffer
     of its own: D = 128: Q 16 + 3×(16+16) + O 32 = 144 KB; D = 64: 8 + 3×(8+8) + 16 = 72 KB;
-    D = 256: 32 + 2×(16+16) + 64 = 160 KB."""
+    D = 256: 32 + 2×(16+16) + 64 = 160 KB.
+    D = 64 without a block mask takes the 16-bit row's 192 × 128 tile with three consumer
+    warpgroups (160 registers: O 32 + S 64 + P 16), spill-free; with a block mask a partial
+    tile's mask_mod spills there (28 bytes for causal), so 128 rows, as ``tile_m=128`` pins."""
     if (head_dim, head_dim_v) not in FP8_HEAD_DIMS:
         raise NotImplementedError(
             f"cute_sm90_fwd: FP8 head dims ({head_dim}, {head_dim_v}) not in {FP8_HEAD_DIMS}")
-    if persistent or tile_m not in (None, 128):
-        raise NotImplementedError("cute_sm90_fwd: the FP8 forward runs 128-row tiles, one per CTA")
+    if persistent:
+        raise NotImplementedError("cute_sm90_fwd: the FP8 forward runs one tile per CTA")
+    dense_64 = head_dim == 64 and not block_sparse
+    if tile_m not in (None, 128) and not (tile_m == 192 and dense_64):
+        raise NotImplementedError("cute_sm90_fwd: the FP8 forward runs 128-row tiles (192 at head "
+                                  "dim 64 without a block mask)")
     if head_dim == 256:
         return Tiling(128, 64, 2, 2, False, 240, 24)
+    if dense_64 and tile_m != 128:
+        return Tiling(192, 128, 3, 3, True, 160, 32)
     return Tiling(128, 128, 3, 2, True, 240, 24)
 
 

@@ -211,8 +211,23 @@ def test_fp8_loop_is_the_16_bit_loop_with_e4m3_gemms(tmp_path):
 def test_fp8_tiling_refuses():
     with pytest.raises(NotImplementedError, match="FP8 head dims"):
         _tpl.choose_tiling(96, 96, fp8=True)
-    with pytest.raises(NotImplementedError, match="one per CTA"):
+    with pytest.raises(NotImplementedError, match="one tile per CTA"):
         _tpl.choose_tiling(128, 128, persistent=True, fp8=True)
+    for D, sparse in ((64, True), (128, False), (256, False)):
+        with pytest.raises(NotImplementedError, match="192 at head dim 64 without a block mask"):
+            _tpl.choose_tiling(D, D, sparse, tile_m=192, fp8=True)
+
+
+def test_fp8_tiling_rows():
+    """D = 64 without a block mask: the 16-bit row's 192 × 128 tile (three consumer warpgroups);
+    128 rows with a block mask or pinned; D = 128 and 256 as before."""
+    T = _tpl.Tiling
+    assert _tpl.choose_tiling(64, 64, False, fp8=True) == T(192, 128, 3, 3, True, 160, 32)
+    assert _tpl.choose_tiling(64, 64, False, tile_m=192, fp8=True) == T(192, 128, 3, 3, True, 160, 32)
+    assert _tpl.choose_tiling(64, 64, False, tile_m=128, fp8=True) == T(128, 128, 3, 2, True, 240, 24)
+    assert _tpl.choose_tiling(64, 64, True, fp8=True) == T(128, 128, 3, 2, True, 240, 24)
+    assert _tpl.choose_tiling(128, 128, False, fp8=True) == T(128, 128, 3, 2, True, 240, 24)
+    assert _tpl.choose_tiling(256, 256, True, fp8=True) == T(128, 64, 2, 2, False, 240, 24)
 
 
 def test_tile_192_only_at_head_dim_64():

@@ -9,7 +9,8 @@ kernel serves, ragged lengths (L 300, S 500: the permuted Vᵀ's tail block is p
 per-(batch, kv head) and scalar descales, a negative descale product (the kernel negates its Q
 tile), ``mods_catalog``'s core mods: block masks with partial, full and empty blocks, captured
 tensors (ALiBi slopes, document ids, a bias table), softcap, a score_mod without a mask (dense
-tiles). explain() must name the FP8 kernel, so a silent fall back to the dequantising road fails.
+tiles), head dim 64's dense tiles (192 rows over three consumer warpgroups, and 128). explain()
+must name the FP8 kernel, so a silent fall back to the dequantising road fails.
 """
 import pytest
 import torch
@@ -62,16 +63,17 @@ def _accumulation_slack(real_q, real_k) -> float:
     return (D / 32) * 2.0 ** -14 * magnitude / D ** 0.5
 
 
-def _check(D, name, seed=0, per_head=True, negative=False):
+def _check(D, name, seed=0, per_head=True, negative=False, options=None):
     (q8, k8, v8), (qd, kd, vd) = _inputs(D, seed, per_head, negative)
     score_mod, mask_mod = _mods(name, seed)
     bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, L, S, device=DEV)
     args = [t.to(DEV) for t in (q8, k8, v8)]
     kw = dict(q_descale=qd.to(DEV), k_descale=kd.to(DEV), v_descale=vd.to(DEV))
-    choice = flexjit.explain(*args, score_mod, bm, enable_gqa=True, **kw)
+    choice = flexjit.explain(*args, score_mod, bm, enable_gqa=True, kernel_options=options, **kw)
     # the FP8 kernel, not the dequantising road before a 16-bit one
     assert choice.name == "cute" and "FP8 forward" in choice.reason, choice
-    out, lse = flexjit.flex_attention(*args, score_mod, bm, enable_gqa=True, return_lse=True, **kw)
+    out, lse = flexjit.flex_attention(*args, score_mod, bm, enable_gqa=True, return_lse=True,
+                                      kernel_options=options, **kw)
     assert out.dtype == torch.bfloat16
     real = [dequantize_e4m3(t.to(DEV), d.to(DEV), torch.float64, gr)
             for t, d, gr in ((q8, qd, G), (k8, kd, 1), (v8, vd, 1))]
@@ -92,6 +94,15 @@ def _check(D, name, seed=0, per_head=True, negative=False):
                                   "relative_bias"])
 def test_core_mods(D, name):
     _check(D, name)
+
+
+@pytest.mark.parametrize("tile_m", [128, 192])
+@pytest.mark.parametrize("name", ["full", "relative_bias"])
+def test_head_dim_64_dense_tiles(tile_m, name):
+    """Both tiles the tuner measures at head dim 64 without a block mask: 192 rows over three
+    consumer warpgroups, and 128."""
+    _check(64, name, seed=3, options={"TILE_M": tile_m})
+    _check(64, name, seed=4, negative=True, options={"TILE_M": tile_m})
 
 
 @pytest.mark.parametrize("name", ["full", "alibi"])

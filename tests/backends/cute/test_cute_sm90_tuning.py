@@ -149,3 +149,28 @@ def test_a_backward_pin_leaves_one_candidate_and_jobs_carry_it():
         n: n for n in ("", "lpt", "lpt2")}
     assert all(j.kind == "bwd" for j in jobs.values())
     assert jobs[tuning.default] == compile_pool.backward_job(call)  # the default's job is ahead()'s
+
+
+def _fp8_call(D, bm=None, options=None):
+    e4m3 = torch.float8_e4m3fn
+    q = torch.empty(2, 16, N, D, dtype=e4m3)
+    one = torch.ones(())
+    return prepare_call(q, q, q, None, bm, None, False, options, fp8=(one, one, one, None))
+
+
+def test_fp8_measures_both_tiles_only_at_head_dim_64_without_a_mask():
+    """The FP8 forward runs one tile per CTA: 192 rows by rule at head dim 64 without a block
+    mask, both tiles measured there; elsewhere one 128-row candidate. A TILE_M pin keeps its
+    value alone; one the FP8 kernel has no tile for sends the call to the dequantising road."""
+    t = sm90.tuning(_fp8_call(64))
+    assert _names(t) == ["tile_m=128", "tile_m=192"] and str(t.default) == "tile_m=192"
+    assert _names(sm90.tuning(_fp8_call(64, CAUSAL))) == ["tile_m=128"]
+    assert _names(sm90.tuning(_fp8_call(128))) == ["tile_m=128"]
+    pinned = sm90.tuning(_fp8_call(64, options={"TILE_M": 128}))
+    assert _names(pinned) == ["tile_m=128"] and pinned.pins == "kernel_options TILE_M=128"
+    assert sm90.fp8_native(_fp8_call(64, options={"TILE_M": 192}))[0]
+    for D, bm in ((64, CAUSAL), (128, None)):
+        native, why = sm90.fp8_native(_fp8_call(D, bm, options={"TILE_M": 192}))
+        assert not native and "192 at head dim 64 without a block mask" in why
+    native, why = sm90.fp8_native(_fp8_call(64, options={"PERSISTENT": True}))
+    assert not native and "PERSISTENT" in why
