@@ -67,8 +67,7 @@ def reduce_epilogue(ctx, smem, mdKacc: cute.Tensor, mdVacc: cute.Tensor, tma_dk:
     # A fresh thread index (0..255 over the MMA warpgroups), as the loop's epilogue takes: the
     # loop's index arithmetic is then not kept live across the Q-tile loop.
     tidx = opaque_thread_idx() - 128
-    for i in cutlass.range_constexpr(cute.size(ctx.acc_dK)):
-        ctx.acc_dK[i] = ctx.acc_dK[i] * ctx.softmax_scale
+    ctx.acc_dK.store(ctx.acc_dK.load() * ctx.softmax_scale)
     # Both warpgroups must be done reading K, V, Q and dO: their boxes overwrite them.
     cute.arch.barrier(barrier_id=bar_mma, number_of_threads=256)
     wg = ctx.wg
