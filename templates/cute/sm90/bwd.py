@@ -78,7 +78,8 @@ GQA: query head h reads kv head h // g. A CTA loops over the g query heads of it
 keeps accumulating dK/dV in registers (FlashAttention-2's choice). Why: dK/dV need no fp32
 accumulator, no reduction kernel and no atomics, and are deterministic for free; K and V are
 loaded once for g heads. The price is g× fewer CTAs (B·Hkv·⌈S/128⌉ of them), which only hurts when
-that number is below the SM count, i.e. on problems whose whole backward is short.
+that number is below the SM count, i.e. on problems whose whole backward is short. ``BwdTiling.q_head``
+instead launches one CTA per query head and sums dK/dV over the group in fp32 (``bwd_qhead``).
 
 Deterministic mode (``BwdConfig.deterministic``): each dQ box (b, h, q tile, half) receives one
 reduce-add from every kv block that lists its q block, in DEcreasing kv-block order. A semaphore
