@@ -386,8 +386,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
 
         self.shared_storage = SharedStorage
 
-        # Grid (kv tile, kv head or, q_head, query head, batch): kv tile fastest, last kv tile first in deterministic
-        # mode, so that every CTA a CTA waits for has a smaller linear index (dispatched earlier).
+        # Grid (kv tile, kv head (q_head: query head), batch): kv tile fastest, last kv tile first
+        # in deterministic mode, so that every CTA a CTA waits for has a smaller linear index
+        # (dispatched earlier).
         # With two kv tiles per mask block: both tiles of the last block, even past S (that CTA
         # finds every key out of bounds: P = dS = 0, it adds zeros to dQ and its dK/dV stores are
         # clipped), so that every listed mask block adds into dQ exactly kv_per_block times
@@ -506,6 +507,10 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         return lpt_coords(x + nx * (y + ny * z), nx, ny, nz, self.lpt_section,
                           lambda a, b: cutlass.min(Int32(a), b))
 
+    def _head(self, sched, gi):
+        """The query head of step ``gi`` of the head loop (``q_head``: the CTA's one head)."""
+        return sched.q_head if const_expr(self.q_head) else sched.head_kv * sched.group + gi
+
     def _make_pipelines(self, storage):
         """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each; consumers
         arrive once per MMA warp."""
@@ -548,7 +553,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         g = sched.group
         for gi in cutlass.range(g, unroll=1):
-            head = sched.q_head if const_expr(self.q_head) else sched.head_kv * g + gi
+            head = self._head(sched, gi)
             b, tm = sched.batch, self.tile_m
             gQ = cute.local_tile(mQ[None, None, head, b], (tm, self.head_dim), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, b], (tm, self.head_dim_v), (None, 0))
@@ -603,7 +608,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         g = sched.group
         per = self.tiles_per_mask_block
         for gi in cutlass.range(g, unroll=1):
-            head = sched.q_head if const_expr(self.q_head) else sched.head_kv * g + gi
+            head = self._head(sched, gi)
             gdQ = cute.local_tile(mdQacc[None, None, head, sched.batch], self.dq_box, (None, None))
             tSs, tSg = tma_tiles(tma_dq, sdQ, gdQ)
             sem_row = mSem[sched.batch, head, None] if const_expr(self.deterministic) else None
@@ -737,7 +742,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         g = sched.group
         kv_ragged = (sched.n_block + 1) * tn > sched.seqlen_k
         for gi in cutlass.range(g, unroll=1):
-            head = sched.q_head if const_expr(self.q_head) else sched.head_kv * g + gi
+            head = self._head(sched, gi)
             if const_expr(self.sparse and self.deterministic):
                 # One merged list; full entries flagged (see Deterministic mode).
                 n_part, _, part_row, _ = self._q_lists(qblocks, sched, head)
