@@ -56,11 +56,14 @@ FLEXJIT_MODES = {
     "flexjit-cute-persistent": ("cute", {"PERSISTENT": True}, False),
     "flexjit-cute-m128": ("cute", {"TILE_M": 128}, False),
     "flexjit-cute-m192": ("cute", {"TILE_M": 192}, False),
-    # the sm90 backward's schedule variants (kernel_options BWD_CONFIG)
+    # the sm90 backward's schedule variants (kernel_options BWD_CONFIG); "table": the tile
+    # table's row pinned (the tuner measures none of the others: a fixed baseline for an A/B)
+    "flexjit-cute-bwd-table": ("cute", {"BWD_CONFIG": ""}, False),
     **{f"flexjit-cute-bwd-{name}": ("cute", {"BWD_CONFIG": name}, False) for name in (
         "late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle", "swapdq",
         "late+dksmem+swapdq", "psmem+dksmem", "psmem+dksmem+shuffle", "m80+late+dksmem+shuffle",
-        "m128+psmem+dksmem+shuffle", "lpt", "lpt2", "qsplit", "sdpdup")},
+        "m128+psmem+dksmem+shuffle", "lpt", "lpt2", "qsplit", "sdpdup", "qhead", "qhead+lpt",
+        "qhead+lpt2")},
 }
 # FP8 inputs: name -> (backend, pre). ``pre(fp8_set) -> (q8, k8, v8, kwargs)`` runs outside the
 # timed region on each input set (None: the plain user call, flexjit's per-call preparation

@@ -29,7 +29,9 @@ Keys with a meaning for flexjit:
 * ``BWD_CONFIG`` (flexjit): the sm90 backward's schedule variants, "+"-joined: "late" (P
   converted after dS, dV issued after it), "dksmem" (dK reads dSᵀ from shared memory),
   "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "m80" /
-  "m128" (80- or 128-row query tiles); "" is the tile table's. For measuring schedules.
+  "m128" (80- or 128-row query tiles), "qhead" (one CTA per query head under GQA, dK/dV summed
+  in fp32 workspaces; Hq = Hkv and deterministic mode run the head loop, which ``flexjit.explain``
+  says); "" is the tile table's. For measuring schedules.
 * ``AUTOTUNE`` (flexjit; ``fwd_``/``bwd_`` per pass): True (default) lets ``runtime.autotune``
   choose among a backend's candidate configurations (the sm90 forward's tile and schedule) by
   measurement, once per shape class, remembered on disk; False (and deterministic

@@ -308,6 +308,14 @@ class CompiledBwd:
         """Whether the main kernel accumulates dQ transposed, (B, Hq, D, Lpad)."""
         return False
 
+    def kv_outputs(self, dk, dv) -> tuple:
+        """What the main kernel writes dK and dV into: dk and dv themselves, or workspaces that
+        ``finish_kv`` converts into them."""
+        return dk, dv
+
+    def finish_kv(self, kv_out: tuple, dk, dv) -> None:
+        """dk, dv from ``kv_outputs``' workspaces (nothing to do when the main kernel wrote them)."""
+
     def __call__(self, q, k, v, out, dout, lse, dlse, dq, dk, dv, softmax_scale: float,
                  block_lists=None, aux_tensors=(), aux_scalars=(), stream=None, q_order=None,
                  grad_accs=()):
@@ -374,10 +382,12 @@ class CompiledBwd:
             if a.dtype != torch.float64 or not a.is_contiguous():
                 raise ValueError("captured-gradient accumulators must be contiguous float64")
         accs = tuple(a.view(-1) for a in grad_accs) or None
+        kv_out = self.kv_outputs(dk, dv)
         self.parts["pre"].ffi_fn(out, dout, lse, dlse, int(has_dlse), lse2, delta, dqacc_rows, sem)
-        self.parts["main"].ffi_fn(q, k, v, dout, lse2, delta, dqacc, dk, dv, float(softmax_scale),
+        self.parts["main"].ffi_fn(q, k, v, dout, lse2, delta, dqacc, *kv_out, float(softmax_scale),
                                   Hq // Hkv, qblocks, qorder, sem, tensors, scalars, accs)
         self.parts["post"].ffi_fn(dqacc, dq, float(softmax_scale))
+        self.finish_kv(kv_out, dk, dv)
         return dq, dk, dv
 
 

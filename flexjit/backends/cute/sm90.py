@@ -582,7 +582,7 @@ _BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 12
 # The backward's schedule variants (``bwd_tiling.BWD_CONFIG_TOKENS``, repeated here so that
 # checking kernel_options needs no cutlass import).
 BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80",
-                     "m128", "qsplit", "sdpdup")
+                     "m128", "qsplit", "sdpdup", "qhead")
 
 
 def _bwd_template():
@@ -761,8 +761,27 @@ BWD_FAMILY = "sm90-bwd"
 
 def backward_heuristic(call) -> Config:
     """The backward's configuration by rule: the tile table's schedule, or the variants
-    ``kernel_options["BWD_CONFIG"]`` pins."""
-    return Config.of(bwd_config=call.kernel_options.get("BWD_CONFIG", ""))
+    ``kernel_options["BWD_CONFIG"]`` pins (``bwd_config_for``: less "qhead" where the head loop
+    serves)."""
+    config, _ = bwd_config_for(call, call.kernel_options.get("BWD_CONFIG", ""),
+                               torch.are_deterministic_algorithms_enabled())
+    return Config.of(bwd_config=config)
+
+
+def bwd_config_for(call, config: str, deterministic: bool) -> tuple[str, str]:
+    """(``config`` as this call runs it, why it differs or ""): "qhead" (one CTA per query head,
+    dK/dV summed over the group in fp32 workspaces) is dropped where the kernel's head loop
+    serves instead: without GQA (nothing to sum), in deterministic mode (the group's fp32 adds
+    land in no fixed order) and at head dim 192 (its 64-key tile has no such form)."""
+    tokens = config.split("+")
+    if "qhead" not in tokens:
+        return config, ""
+    why = ("Hq = Hkv" if call.q.shape[1] == call.k.shape[1]
+           else "deterministic algorithms: the group's fp32 dK/dV adds are unordered" if deterministic
+           else "head dim 192" if call.q.shape[-1] > 128 else "")
+    if not why:
+        return config, ""
+    return "+".join(t for t in tokens if t != "qhead"), f"'qhead' runs as the head loop ({why})"
 
 
 def backward_tuning(call) -> Tuning:
@@ -770,7 +789,9 @@ def backward_tuning(call) -> Tuning:
     table's schedule and, under a block mask outside deterministic mode, kv tiles launched
     longest first in sections of 8 or 2 (kv head, batch) pairs ("lpt", "lpt2": causal masks'
     work falls with the kv tile; which section pays depends on the Q/dO bytes, docs/
-    performance.md). The dim split (D = 192) has none. The shape class: the Program, dtype,
+    performance.md); under GQA outside deterministic mode, one CTA per query head ("qhead",
+    alone and with either lpt section where those are candidates). The dim split (D = 192) has
+    none. The shape class: the Program, dtype,
     head dims, mask presence, K/V broadcast, deterministic mode, the GQA group, and log2 buckets
     of L, S and the grid (B·Hkv·⌈S/128⌉)."""
     q, prog, bm, opts = call.q, call.program, call.block_mask, call.kernel_options
@@ -779,13 +800,18 @@ def backward_tuning(call) -> Tuning:
     default = backward_heuristic(call)
     deterministic = torch.are_deterministic_algorithms_enabled()
     names = [default["bwd_config"]]
-    if "BWD_CONFIG" not in opts and D <= 128 and bm is not None and not deterministic:
+    lpt = "BWD_CONFIG" not in opts and D <= 128 and bm is not None and not deterministic
+    if lpt:
         names += ["lpt", "lpt2"]
+    if "BWD_CONFIG" not in opts and D <= 128 and H > Hkv and not deterministic:
+        names += ["qhead", "qhead+lpt", "qhead+lpt2"] if lpt else ["qhead"]
     key = (f"program={prog.key}", f"dtype={str(q.dtype).removeprefix('torch.')}",
            f"dims={D}x{Dv}", f"mask={bm is not None}", f"kv_broadcast={kv_broadcast(call)}",
            f"deterministic={deterministic}", f"group={H // Hkv}", f"L=2^{_log2(L)}",
            f"S=2^{_log2(S)}", f"grid=2^{_log2(B * Hkv * -(-S // 128))}")
     pins = f"kernel_options BWD_CONFIG={opts['BWD_CONFIG']!r}" if "BWD_CONFIG" in opts else ""
+    routed = bwd_config_for(call, opts.get("BWD_CONFIG", ""), deterministic)[1]
+    pins += f"; {routed}" if routed else ""
     return Tuning(BWD_FAMILY, key, tuple(Config.of(bwd_config=n) for n in names), default, pins)
 
 
@@ -804,7 +830,8 @@ def backward(call, q, k, v, out, lse, dout, dlse, config: Config | None = None) 
     broadcast = kv_broadcast(call)
     if config is None:
         config = backward_heuristic(call)
-    tiling = tiling_for(prog, q.shape[-1], v.shape[-1], config["bwd_config"])
+    tiling = tiling_for(prog, q.shape[-1], v.shape[-1],
+                        bwd_config_for(call, config["bwd_config"], deterministic)[0])
     fn = compile_backward(prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic,
                           aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast, tiling=tiling)
     return run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic, broadcast)

@@ -78,7 +78,8 @@ GQA: query head h reads kv head h // g. A CTA loops over the g query heads of it
 keeps accumulating dK/dV in registers (FlashAttention-2's choice). Why: dK/dV need no fp32
 accumulator, no reduction kernel and no atomics, and are deterministic for free; K and V are
 loaded once for g heads. The price is g× fewer CTAs (B·Hkv·⌈S/128⌉ of them), which only hurts when
-that number is below the SM count, i.e. on problems whose whole backward is short.
+that number is below the SM count, i.e. on problems whose whole backward is short. ``BwdTiling.q_head``
+instead launches one CTA per query head and sums dK/dV over the group in fp32 (``bwd_qhead``).
 
 Deterministic mode (``BwdConfig.deterministic``): each dQ box (b, h, q tile, half) receives one
 reduce-add from every kv block that lists its q block, in DEcreasing kv-block order. A semaphore
@@ -137,6 +138,7 @@ from flexjit.templates.cute.block_sparse import QBlockLists, QOrder, listed_tile
 from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, bind, index_add, kernel_aux, launch, permute, plain_i32, register_offsets, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.opaque import opaque_i32, opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.pipeline import tma_pipelines
+from flexjit.templates.cute.sm90 import bwd_qhead
 from flexjit.templates.cute.sm90.bwd_rows import shuffled_row
 from flexjit.templates.cute.sm90.bwd_tiling import BwdTiling, choose_bwd_tiling, lpt_coords
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols, store_dq_acc
@@ -213,7 +215,11 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         assert self.score_grads is None or self.score_mod is not None
         self.dq_swapped, self.p_late, self.shuffle_stats = t.dq_swapped, t.p_late, t.shuffle_stats
         self.dk_smem, self.p_smem, self.lpt_section = t.dk_smem, t.p_smem, t.lpt_section
-        self.q_split = t.q_split
+        self.q_split, self.q_head = t.q_split, t.q_head
+        # q_head: g CTAs add into each dK/dV box, in no fixed order; its fp32 boxes reuse the
+        # operand tiles (``bwd_qhead``), which needs two Q stages of 64 rows or more.
+        assert not self.q_head or not (self.deterministic or self.dq_swapped)
+        assert not self.q_head or (t.tile_n == MASK_BLOCK and t.tile_m * t.num_stages >= 128)
         assert not (self.p_smem and self.p_late)
         assert not self.p_smem or t.tile_n == MASK_BLOCK  # not with the dim split
         assert not self.dk_smem or t.tile_n == MASK_BLOCK  # not with the dim split
@@ -258,8 +264,8 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         mLSE2: cute.Tensor,  # (B, Hq, Lpad) fp32, log2 units
         mDelta: cute.Tensor,  # (B, Hq, Lpad) fp32
         mdQacc: cute.Tensor,  # (B, Hq, Lpad, D) fp32, zeroed; (B, Hq, D, Lpad) if dq_swapped
-        mdK: cute.Tensor,  # (B, Hkv, S, D)
-        mdV: cute.Tensor,  # (B, Hkv, S, Dv)
+        mdK: cute.Tensor,  # (B, Hkv, S, D); q_head: (B, Hkv, Spad, D) fp32, zeroed
+        mdV: cute.Tensor,  # (B, Hkv, S, Dv); q_head: (B, Hkv, Spad, Dv) fp32, zeroed
         softmax_scale: Float32,
         q_per_kv: Int32,  # Hq // Hkv (a kernel parameter: read from the constant bank, no register)
         qblocks: Optional[QBlockLists],
@@ -306,8 +312,11 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         tma_v, tV = cpasync.make_tiled_tma_atom(g2s, v, sV_layout, (tn, Dv))
         tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, lse2, cute.make_layout(tm), (tm,))
         tma_delta, tDelta = cpasync.make_tiled_tma_atom(g2s, delta, cute.make_layout(tm), (tm,))
-        tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, dk, sK_layout, (tn, D))
-        tma_dv, tdV = cpasync.make_tiled_tma_atom(s2g, dv, sV_layout, (tn, Dv))
+        if const_expr(self.q_head):
+            (tma_dk, tdK), (tma_dv, tdV) = bwd_qhead.reduce_atom(dk, D), bwd_qhead.reduce_atom(dv, Dv)
+        else:
+            tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, dk, sK_layout, (tn, D))
+            tma_dv, tdV = cpasync.make_tiled_tma_atom(s2g, dv, sV_layout, (tn, Dv))
         tma_dq, tdQ = cpasync.make_tiled_tma_atom(
             cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), dqacc,
             cute.select(sdQ_layout, mode=[0, 1]), self.dq_box)
@@ -377,8 +386,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
 
         self.shared_storage = SharedStorage
 
-        # Grid (kv tile, kv head, batch): kv tile fastest, last kv tile first in deterministic
-        # mode, so that every CTA a CTA waits for has a smaller linear index (dispatched earlier).
+        # Grid (kv tile, kv head (q_head: query head), batch): kv tile fastest, last kv tile first
+        # in deterministic mode, so that every CTA a CTA waits for has a smaller linear index
+        # (dispatched earlier).
         # With two kv tiles per mask block: both tiles of the last block, even past S (that CTA
         # finds every key out of bounds: P = dS = 0, it adds zeros to dQ and its dK/dV stores are
         # clipped), so that every listed mask block adds into dQ exactly kv_per_block times
@@ -392,7 +402,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             mma_sdp, mma_dkv, mma_dv, mma_dq, softmax_scale, q_per_kv, qblocks, qorder, mSem,
             aux_tensors, aux_scalars, grad_accs,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
-        ), [num_n, k.shape[2], num_b], self.num_threads, stream)
+        ), [num_n, q.shape[2] if const_expr(self.q_head) else k.shape[2], num_b], self.num_threads, stream)
 
     # -----------------------------------------------------------------------------------------
     @cute.kernel
@@ -477,6 +487,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         mask_block = n_block
         if const_expr(self.dim_split):
             mask_block = n_block // self.kv_per_block
+        if const_expr(self.q_head):  # y is the query head; the head loop runs once
+            return _BwdSchedule(n_block, head_kv // q_per_kv, batch, 1, mQ.shape[0], mK.shape[0],
+                                cute.ceil_div(mQ.shape[0], self.tile_m), n_kv_tiles, mask_block, head_kv)
         return _BwdSchedule(n_block, head_kv, batch, q_per_kv, mQ.shape[0], mK.shape[0],
                             cute.ceil_div(mQ.shape[0], self.tile_m), n_kv_tiles, mask_block)
 
@@ -493,6 +506,10 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         nx, ny, nz = cute.arch.grid_dim()
         return lpt_coords(x + nx * (y + ny * z), nx, ny, nz, self.lpt_section,
                           lambda a, b: cutlass.min(Int32(a), b))
+
+    def _head(self, sched, gi):
+        """The query head of step ``gi`` of the head loop (``q_head``: the CTA's one head)."""
+        return sched.q_head if const_expr(self.q_head) else sched.head_kv * sched.group + gi
 
     def _make_pipelines(self, storage):
         """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each; consumers
@@ -536,7 +553,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         g = sched.group
         for gi in cutlass.range(g, unroll=1):
-            head = sched.head_kv * g + gi
+            head = self._head(sched, gi)
             b, tm = sched.batch, self.tile_m
             gQ = cute.local_tile(mQ[None, None, head, b], (tm, self.head_dim), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, b], (tm, self.head_dim_v), (None, 0))
@@ -591,7 +608,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         g = sched.group
         per = self.tiles_per_mask_block
         for gi in cutlass.range(g, unroll=1):
-            head = sched.head_kv * g + gi
+            head = self._head(sched, gi)
             gdQ = cute.local_tile(mdQacc[None, None, head, sched.batch], self.dq_box, (None, None))
             tSs, tSg = tma_tiles(tma_dq, sdQ, gdQ)
             sem_row = mSem[sched.batch, head, None] if const_expr(self.deterministic) else None
@@ -725,7 +742,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         g = sched.group
         kv_ragged = (sched.n_block + 1) * tn > sched.seqlen_k
         for gi in cutlass.range(g, unroll=1):
-            head = sched.head_kv * g + gi
+            head = self._head(sched, gi)
             if const_expr(self.sparse and self.deterministic):
                 # One merged list; full entries flagged (see Deterministic mode).
                 n_part, _, part_row, _ = self._q_lists(qblocks, sched, head)
@@ -751,7 +768,11 @@ class FlexAttentionBwdSm90(config.TiledKernel):
                         state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "partial")
                     else:
                         state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head, m, kv_ragged)
-        self.epilogue(ctx, mdK, mdV, smem.sK, smem.sV, tma_dk, tma_dv, tidx)
+        if const_expr(self.q_head):
+            bwd_qhead.reduce_epilogue(ctx, smem, mdK, mdV, tma_dk, tma_dv, self.head_dim,
+                                      self.head_dim_v, _BAR_MMA, _BAR_WG)
+        else:
+            self.epilogue(ctx, mdK, mdV, smem.sK, smem.sV, tma_dk, tma_dv, tidx)
 
     @cute.jit
     def _full_q_tile(self, ctx, pipe_q, pipe_do, state, head: Int32, m: Int32, kv_ragged):
@@ -1155,6 +1176,7 @@ class _BwdSchedule(NamedTuple):
     n_q_tiles: object  # ceil(L / tile_m): dense launches
     n_kv_tiles: object  # the grid's x extent (``_num_kv_tiles``)
     mask_block: object  # the kv mask block (= n_block unless kv_per_block > 1): block-list column
+    q_head: object = None  # the CTA's one query head (``BwdTiling.q_head``)
 
 
 # The GEMM operands' smem (trace-time): Q, dO, dS (tile, D or kv, stage), K and V (kv tile, D),

@@ -50,7 +50,13 @@ class BwdTiling:
     # warpgroup (``choose_bwd_tiling``'s D = 192 entry): each warpgroup forms Sᵀ and dPᵀ for its
     # tile_m / 2 queries, Pᵀ and dSᵀ go to smem, and the dV/dK GEMMs read them there (SS).
     q_split: bool = False
-
+    # One CTA per (kv tile, QUERY head, batch) instead of per kv head looping over the group
+    # (FlashAttention-4's GQA backward): g times the CTAs, so a causal launch's long CTAs no
+    # longer start last behind a g-long loop. dK/dV are then sums over g CTAs: each adds its
+    # fp32 accumulators into per-kv-head fp32 workspaces (TMA reduce-add, ``bwd_qhead``), which
+    # a postprocess converts. The host keeps the head loop where it serves better or is needed:
+    # Hq = Hkv, and deterministic mode (g unordered fp32 adds).
+    q_head: bool = False
 
 # Whether the D = 192 row splits the S/dP GEMMs by query rows (``BwdTiling.q_split``); the
 # tokens "qsplit" and "sdpdup" pick either form whatever this says.
@@ -117,10 +123,11 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 # the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "psmem"
 # (``p_smem``), "lpt" / "lpt2" (``lpt_section`` 8 / 2), "shuffle" (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80"
 # (80-row tiles, dense launches only, with the dQ GEMM swapped), "m128" (128-row tiles, head
-# dims up to 64, dQ split by rows); for the dim split (D = 192) only: "qsplit" / "sdpdup" (the S/dP
+# dims up to 64, dQ split by rows), "qhead" (``q_head``: one CTA per query head, head dims up to
+# 128); for the dim split (D = 192) only: "qsplit" / "sdpdup" (the S/dP
 # GEMMs split by query rows, ``BwdTiling.q_split``, or computed whole in each warpgroup).
 BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80", "m128",
-                     "qsplit", "sdpdup")
+                     "qsplit", "sdpdup", "qhead")
 _DIM_SPLIT_TOKENS = ("qsplit", "sdpdup")
 
 
@@ -142,7 +149,8 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
         raise ValueError(f"{split} serve the 64-key tile of head dim 192 only")
     fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens, p_smem="psmem" in tokens,
                   lpt_section=8 if "lpt" in tokens else 2 if "lpt2" in tokens else 0,
-                  shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens)
+                  shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens,
+                  q_head="qhead" in tokens)
     if "m80" in tokens:
         fields.update(tile_m=80, dq_swapped=True)
     if "m128" in tokens:
@@ -151,6 +159,9 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
         fields.update(tile_m=128, dq_split="rows")
     if fields["dq_swapped"] and head_dim != 128:
         raise ValueError("the swapped dQ GEMM serves head dim 128 (64 head dims per warpgroup)")
+    if fields["q_head"] and fields["dq_swapped"]:
+        # The dK/dV workspaces share the plain dQ postprocess, which the swapped one replaces.
+        raise ValueError("'qhead' does not combine with the swapped dQ GEMM ('swapdq', 'm80')")
     return dataclasses.replace(base, **fields)
 
 

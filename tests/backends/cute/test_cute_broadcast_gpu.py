@@ -81,26 +81,27 @@ def _inputs(B, Hq, Hkv, L, S, D, Dv, seed):
     return q, k, v, dout, dlse
 
 
-def _flex(case, q, k, v, dout, dlse, bm):
+def _flex(case, q, k, v, dout, dlse, bm, options=None):
     """(out, lse, dq, dk, dv, *captured grads) through the API and autograd on the cute backend."""
     out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=q.shape[1] != k.shape[1],
-                              return_lse=True, backend="cute")
+                              return_lse=True, backend="cute", kernel_options=options)
     grads = torch.autograd.grad(_losses(out, lse, dout, dlse), (q, k, v, *case.learnable))
     return (out.detach(), lse.detach(), *grads)
 
 
 def check(name, D=128, Dv=None, B=3, Hq=8, Hkv=2, L=1000, S=1000, seed=0, runs=1,
-          deterministic=False):
+          deterministic=False, options=None):
     """Values against the oracle; ``runs`` > 1 repeats the kernels (for the determinism check)
     and returns every run. ``deterministic``: the flex calls (only: the oracle's cuBLAS matmuls
-    would refuse it) under ``torch.use_deterministic_algorithms(True)``."""
+    would refuse it) under ``torch.use_deterministic_algorithms(True)``. ``options``: the
+    calls' kernel_options."""
     Dv = Dv or D
     case, case64 = case_and_oracle(name, B, Hq, L, S, device=DEV, seed=seed)
     q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, Dv, seed)
     bm = _block_mask(case.mask_mod, B, Hq, L, S)
     torch.use_deterministic_algorithms(deterministic)
     try:
-        got = [_flex(case, q, k, v, dout, dlse, bm) for _ in range(runs)]
+        got = [_flex(case, q, k, v, dout, dlse, bm, options) for _ in range(runs)]
     finally:
         torch.use_deterministic_algorithms(False)
     want = _oracle(case64, q, k, v, dout, dlse, torch.float64)
@@ -173,3 +174,11 @@ def test_broadcast_equals_the_materialised_batch(passes_run):
                               enable_gqa=True, return_lse=True, backend="cute")
     assert torch.equal(a, b) and torch.equal(lse_a, lse_b)
     assert _ran(passes_run) == [("fwd", "cute", True), ("fwd", "cute", False)], _ran(passes_run)
+
+
+@pytest.mark.parametrize("name,D", [("causal", 128), ("document", 64)])
+def test_broadcast_qhead(passes_run, name, D):
+    # One CTA per query head ("qhead"): every query batch's CTAs add into their own batch's
+    # dK/dV workspaces (per query batch, as the loop's dK/dV are), autograd sums them.
+    check(name, D=D, options={"BWD_CONFIG": "qhead"})
+    assert_sm90_broadcast_ran(passes_run)

@@ -20,6 +20,7 @@ order table) against a brute-force count, and the launch path's marshalling with
 stand-ins for the kernels.
 """
 
+import dataclasses
 import importlib
 import os
 import re
@@ -652,3 +653,113 @@ def test_schedule_variants_compile_clean(tmp_path, config, D, causal):
                          parts=("main", "post"))
     _assert_clean_registers(tmp_path, fn.parts["main"].compiled.__ptx__)
     assert "wgmma.mma_async" in fn.parts["main"].compiled.__ptx__
+
+
+# One CTA per query head ("qhead"): the four head dims of the 128-key tile with no mods, the
+# two masks the GPU suite runs (causal, documents: a captured tensor) and ALiBi (a per-head
+# slope load, the heaviest of the three beside dK + dV at D = 128).
+@pytest.mark.parametrize("name", ["full", "causal", "document", "alibi"])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_qhead_compiles_clean(tmp_path, name, head_dim):
+    case = make_case(name, 2, 4, 300, 500)
+    program = _program(case.score_mod, case.mask_mod)
+    mods = load_mods(program)
+    overlap = True if light_mods(program) else None
+    cfg = tpl.BwdConfig(head_dim, head_dim, cutlass.BFloat16, mods.score_mod_and_grad,
+                        mods.mask_mod, has_block_mask=case.mask_mod is not None, overlap_dp=overlap,
+                        tiling=tiling_tpl.bwd_tiling(head_dim, head_dim, overlap, "qhead"))
+    ptx = _clean_main_ptx(tmp_path, cfg, program)
+    _assert_qhead_epilogue(ptx)
+
+
+def _assert_qhead_epilogue(ptx):
+    # dK and dV leave by TMA reduce-add (fp32 boxes through smem): no plain TMA store remains,
+    # no thread-issued atomics; the boxes are written 16 bytes at a time (dq_box_view).
+    assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx), "a plain dK/dV store"
+    assert len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.4d\.global\.shared::cta\.add", ptx)) >= 4
+    assert "red.global" not in ptx and "atom.global.add.f32" not in ptx
+    assert "st.shared.v4.f32" in ptx or "st.shared.v4.b32" in ptx
+
+
+@pytest.mark.parametrize("config,D,name,broadcast", [
+    ("qhead+lpt", 64, "causal", False), ("qhead+lpt2", 128, "causal", False),
+    ("qhead+dksmem+shuffle", 128, "causal", False), ("qhead", 128, "causal", True),
+    ("qhead", 128, "learnable_alibi", False)])
+def test_qhead_combinations_compile_clean(tmp_path, config, D, name, broadcast):
+    # With the longest-first launches (the tuner's candidates: its order then walks query
+    # heads), dS from smem for dK, K/V broadcast over the batch, learnable captured tensors.
+    case = make_case(name, 2, 4, 300, 500)
+    program = _program(case.score_mod, case.mask_mod)
+    mods = load_mods(program)
+    overlap = True if light_mods(program) else None
+    cfg = tpl.BwdConfig(D, D, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
+                        has_block_mask=case.mask_mod is not None, overlap_dp=overlap,
+                        score_grads=getattr(mods, "score_grads", None),
+                        grad_offsets=getattr(mods, "grad_offsets", None), kv_batch_broadcast=broadcast,
+                        tiling=tiling_tpl.bwd_tiling(D, D, overlap, config))
+    _assert_qhead_epilogue(_clean_main_ptx(tmp_path, cfg, program))
+
+
+def test_qhead_tiling_and_tokens():
+    # "qhead" sets q_head on the table's row, with any other 128-key variant but the swapped dQ
+    # (whose transposed postprocess the dK/dV workspaces cannot share); not at head dim 192.
+    row = tpl.choose_bwd_tiling(128, 128, True)
+    assert tiling_tpl.bwd_tiling(128, 128, True, "qhead") == dataclasses.replace(row, q_head=True)
+    assert tiling_tpl.bwd_tiling(64, 64, None, "qhead+lpt2") == dataclasses.replace(
+        tpl.choose_bwd_tiling(64, 64), q_head=True, lpt_section=2)
+    assert not tiling_tpl.bwd_tiling(128, 128, True, "lpt").q_head
+    for bad in ("qhead+swapdq", "qhead+m80"):
+        with pytest.raises(ValueError, match="swapped dQ"):
+            tiling_tpl.bwd_tiling(128, 128, True, bad)
+    with pytest.raises(ValueError, match="only backward variant"):
+        tiling_tpl.bwd_tiling(192, 192, None, "qhead")
+    # The kernel refuses what the host routes to the head loop.
+    with pytest.raises(AssertionError):
+        tpl.FlexAttentionBwdSm90(tpl.BwdConfig(128, 128, cutlass.BFloat16, None, None,
+                                               deterministic=True,
+                                               tiling=dataclasses.replace(row, q_head=True)))
+
+
+def test_host_launch_qhead_workspaces():
+    # q_head: the main kernel gets zeroed fp32 (B, Hkv, Spad, D) workspaces for dK and dV (one
+    # allocation), and the postprocess's kernel runs three times: dQ (scaled), then dK and dV
+    # from their workspaces at scale 1 (the main kernel scales dK). K/V broadcast over the
+    # batch: the workspaces have the query's batch, as dK/dV do.
+    for broadcast in (False, True):
+        calls = []
+
+        def recorder(name):
+            return lambda *args: calls.append((name, args))
+
+        cfg = tpl.BwdConfig(64, 64, cutlass.BFloat16, None, None, kv_batch_broadcast=broadcast,
+                            tiling=tiling_tpl.bwd_tiling(64, 64, None, "qhead"))
+        fn = host.load_bwd(cfg, {name: recorder(name) for name in host.PARTS})
+        B, Hq, Hkv, L, S, D = 3, 8, 2, 200, 300, 64
+        q, out = torch.randn(B, Hq, L, D).bfloat16(), torch.randn(B, Hq, L, D).bfloat16()
+        Bk = 1 if broadcast else B
+        k, v = torch.randn(Bk, Hkv, S, D).bfloat16(), torch.randn(Bk, Hkv, S, D).bfloat16()
+        dq = torch.empty_like(q)
+        dk, dv = torch.empty(B, Hkv, S, D).bfloat16(), torch.empty(B, Hkv, S, D).bfloat16()
+        fn(q, k, v, out, torch.randn_like(out), torch.randn(B, Hq, L), None, dq, dk, dv, 0.125,
+           None, (), ())
+        assert [name for name, _ in calls] == ["pre", "main", "post", "post", "post"]
+        main = calls[1][1]
+        dkacc, dvacc = main[7], main[8]
+        for acc in (dkacc, dvacc):
+            assert acc.shape == (B, Hkv, 384, D) and acc.dtype == torch.float32
+            assert acc.is_contiguous() and not acc.any()
+        assert dvacc.data_ptr() == dkacc.data_ptr() + dkacc.numel() * 4  # one memset
+        assert main[10] == Hq // Hkv
+        assert calls[2][1][1] is dq and calls[2][1][2] == 0.125
+        assert calls[3][1][0] is dkacc and calls[3][1][1] is dk and calls[3][1][2] == 1.0
+        assert calls[4][1][0] is dvacc and calls[4][1][1] is dv and calls[4][1][2] == 1.0
+
+
+def test_qhead_main_kernel_takes_fp32_dk_dv():
+    # The compile's placeholders: dK/dV fp32 under q_head (the workspaces), the input dtype else.
+    for config, want in (("qhead", cutlass.Float32), ("", cutlass.BFloat16)):
+        cfg = tpl.BwdConfig(64, 64, cutlass.BFloat16, None, None,
+                            tiling=tiling_tpl.bwd_tiling(64, 64, None, config) if config else None)
+        args = host._main_args(cfg, (), ())
+        assert args[7].element_type == want and args[8].element_type == want
+        assert args[0].element_type == cutlass.BFloat16

@@ -476,3 +476,75 @@ def test_captured_tensor_grads_deterministic_mode_runs_on_cute(monkeypatch):
     assert_bit_identical(runs, "captured")
     for r in runs[1:]:
         torch.testing.assert_close(r[3], runs[0][3], rtol=1e-6, atol=1e-6)
+
+
+# One CTA per query head ("qhead", ``BwdTiling.q_head``): each CTA adds its fp32 dK/dV into the
+# per-kv-head workspaces by TMA reduce-add and the postprocess converts them. Groups of 4 (16/4)
+# and 8 (8/1: every query head adds into the one kv head); ragged L = S = 1000 (the last kv
+# tile's rows past S land in the workspace's padding and are never converted); causal and
+# documents (partial and full tiles), ALiBi (a score_mod with a per-query-head load: the head
+# index each CTA passes), no mask (a dense launch).
+_QHEAD_GROUPS = [(16, 4), (8, 1)]
+
+
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("Hq,Hkv", _QHEAD_GROUPS)
+@pytest.mark.parametrize("name", ["causal", "document", "alibi", "full"])
+def test_qhead(name, Hq, Hkv, D):
+    check(name, B=2, Hq=Hq, Hkv=Hkv, L=1000, S=1000, D=D, config="qhead")
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi"])
+def test_qhead_without_block_lists(name):
+    # Every q tile visited (a mask_mod: partial ones), the launch without lists.
+    check(name, B=2, Hq=8, Hkv=1, L=1000, S=1000, D=128, sparse=False, config="qhead")
+
+
+@pytest.mark.parametrize("L,S", [(700, 1500), (1500, 700)])
+@pytest.mark.parametrize("name", ["causal", "prefix_lm"])
+def test_qhead_q_len_differs_from_kv_len(name, L, S):
+    # S > L: kv tiles no query reaches (causal) still add zeros, so their dK/dV are zeros from
+    # the zeroed workspace; S < L: the query rows past S.
+    check(name, B=2, Hq=16, Hkv=4, L=L, S=S, D=128, with_dlse=False, config="qhead")
+
+
+@pytest.mark.parametrize("config,D", [("qhead+lpt", 64), ("qhead+lpt2", 128), ("qhead+lpt", 128),
+                                      ("qhead+psmem+dksmem+shuffle", 64), ("qhead", 32),
+                                      ("qhead", 96)])
+def test_qhead_combined_and_more_head_dims(config, D):
+    # The tuner's combined candidates (the longest-first order then walks query heads), P and
+    # dS from smem, and the narrow and 96-wide boxes (96: 12 column groups per box).
+    check("causal", B=2, Hq=16, Hkv=4, L=1000, S=1000, D=D, config=config)
+
+
+def test_qhead_empty_kv_blocks_get_zero_gradients():
+    # Causal with S > L: kv blocks past the last query are listed for no q block; their dK/dV
+    # come out of the zeroed workspaces as zeros, not as the NaN poison.
+    B, Hq, Hkv, L, S, D = 1, 8, 2, 256, 1024, 128
+    case = make_case("causal", B, Hq, L, S, device=DEV)
+    q, k, v, dout, dlse = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 5)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    dq, dk, dv = run_backward(case, q, k, v, dout, dlse, bm, config="qhead")
+    assert torch.count_nonzero(dk[:, :, L:]) == 0 and torch.count_nonzero(dv[:, :, L:]) == 0
+    assert not torch.isnan(dq).any() and not torch.isnan(dk).any() and not torch.isnan(dv).any()
+
+
+@pytest.mark.parametrize("Hkv", [4, 16])
+def test_qhead_through_the_api(Hkv):
+    # kernel_options pins "qhead"; at Hq = Hkv the backward keeps its head loop, and explain
+    # says so. Values against the oracle either way.
+    B, Hq, L, S, D = 2, 16, 1000, 1000, 64
+    case = make_case("causal", B, Hq, L, S, device=DEV)
+    q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 11)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    opts = {"BWD_CONFIG": "qhead"}
+    qq, kk, vv = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = flex_attention(qq, kk, vv, case.score_mod, bm, enable_gqa=Hq != Hkv, backend="cute",
+                         kernel_options=opts)
+    got = torch.autograd.grad(out, (qq, kk, vv), dout)
+    want = _oracle_grads(case, q, k, v, dout, None, torch.float64)
+    low = _oracle_grads(case, q, k, v, dout, None, torch.bfloat16)
+    assert_grads_close(f"api qhead Hkv={Hkv}", got, want, low)
+    said = explain(qq, kk, vv, case.score_mod, bm, enable_gqa=Hq != Hkv, backend="cute",
+                   kernel_options=opts).backward_config
+    assert ("runs as the head loop (Hq = Hkv)" in said) == (Hkv == Hq), said

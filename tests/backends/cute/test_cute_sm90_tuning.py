@@ -116,25 +116,35 @@ def _bwd_tuning(D, bm=None, score_mod=None, L=N, B=2, H=16, Hkv=16, options=None
 
 
 def test_backward_candidates_follow_the_mask_and_the_mods():
-    # Causal, GQA 16/4: the table's schedule, FA3's late P, the longest-first launch and both.
+    # Causal, GQA 16/4: the table's schedule, the longest-first launches, one CTA per query
+    # head, and that with either launch.
     t = _bwd_tuning(128, CAUSAL, Hkv=4)
-    assert [c["bwd_config"] for c in t.candidates] == ["", "lpt", "lpt2"]
+    assert [c["bwd_config"] for c in t.candidates] == ["", "lpt", "lpt2", "qhead", "qhead+lpt",
+                                                       "qhead+lpt2"]
     assert t.family == "sm90-bwd" and t.default["bwd_config"] == "" and t.pins == ""
     key = _key(t)
     assert {k: key[k] for k in ("group", "L", "grid", "mask", "deterministic")} == {
         "group": "4", "L": "2^13", "grid": "2^9", "mask": "True", "deterministic": "False"}
-    # No mask: every kv tile does the same work, so no launch order to choose.
+    # No mask: every kv tile does the same work, so no launch order to choose; under GQA the
+    # query-head CTAs still are a candidate (g times the CTAs), and not without GQA.
     assert [c["bwd_config"] for c in _bwd_tuning(64).candidates] == [""]
+    assert [c["bwd_config"] for c in _bwd_tuning(64, Hkv=4).candidates] == ["", "qhead"]
+    assert [c["bwd_config"] for c in _bwd_tuning(128, CAUSAL, Hkv=16).candidates] == [
+        "", "lpt", "lpt2"]
     alibi = mods.alibi(16)
     assert [c["bwd_config"] for c in _bwd_tuning(128, CAUSAL, alibi).candidates] == ["", "lpt", "lpt2"]
-    # The dim split (D = 192) has no variants; deterministic mode keeps its own launch order.
+    # The dim split (D = 192) has no variants; deterministic mode keeps its own launch order
+    # and the head loop (the query-head CTAs' fp32 dK/dV adds are unordered).
     assert [c["bwd_config"] for c in _bwd_tuning(192, CAUSAL).candidates] == [""]
+    assert [c["bwd_config"] for c in _bwd_tuning(192, CAUSAL, Hkv=4).candidates] == [""]
     torch.use_deterministic_algorithms(True)
     try:
         t_det = _bwd_tuning(128, CAUSAL)
+        t_det_gqa = _bwd_tuning(128, CAUSAL, Hkv=4)
     finally:
         torch.use_deterministic_algorithms(False)
     assert [c["bwd_config"] for c in t_det.candidates] == [""]
+    assert [c["bwd_config"] for c in t_det_gqa.candidates] == [""]
     assert _key(t_det)["deterministic"] == "True"
 
 
@@ -174,3 +184,32 @@ def test_fp8_measures_both_tiles_only_at_head_dim_64_without_a_mask():
         assert not native and "192 at head dim 64 without a block mask" in why
     native, why = sm90.fp8_native(_fp8_call(64, options={"PERSISTENT": True}))
     assert not native and "PERSISTENT" in why
+
+
+@pytest.mark.parametrize("Hkv,deterministic,D,runs,why", [
+    (4, False, 128, "qhead+lpt", ""),
+    (16, False, 128, "lpt", "Hq = Hkv"),
+    (4, True, 128, "lpt", "deterministic algorithms"),
+    (4, False, 192, "lpt", "head dim 192"),
+])
+def test_a_qhead_pin_runs_the_head_loop_where_it_must_and_says_so(Hkv, deterministic, D, runs, why):
+    # A pinned "qhead" runs as pinned under GQA; without GQA, in deterministic mode and at head
+    # dim 192 the backward keeps the head loop, and explain's text (the pins) gives the reason.
+    # Every backward job (what the warmup compiles) carries what runs.
+    q = torch.empty(2, 16, N, D, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.empty(2, Hkv, N, D, dtype=torch.bfloat16, requires_grad=True)
+    call = prepare_call(q, k, k, None, CAUSAL, None, Hkv != 16, {"BWD_CONFIG": "qhead+lpt"})
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        t = sm90.backward_tuning(call)
+        job = compile_pool.backward_job(call)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [c["bwd_config"] for c in t.candidates] == [runs] and t.default["bwd_config"] == runs
+    assert job.bwd_config == runs
+    assert "BWD_CONFIG='qhead+lpt'" in t.pins
+    if why:
+        assert f"'qhead' runs as the head loop ({why}" in t.pins
+    else:
+        assert "head loop" not in t.pins
+    assert sm90.bwd_config_for(call, "", deterministic) == ("", "")
