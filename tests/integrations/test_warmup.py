@@ -226,12 +226,12 @@ def test_the_warmup_command_fills_the_cache_a_model_run_loads(cache, tmp_path):
     first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
     # The forward on both schedules the tuner measures at 384 tokens, the backward's three, and
-    # the main kernels of its two longest-first launches and (the model has GQA) of one CTA per
-    # query head, alone and with either launch: each finds the pre/postprocess cached.
-    assert "flexjit warmup: 10 kernels compiled, 10 cached" in first.stdout, first.stdout
-    assert len(list((cache / "cute").glob("*.o"))) == 10
+    # the main kernels of its two longest-first launches (each finds the pre/postprocess cached).
+    # Its head dim is 64: no query-head CTAs among the candidates.
+    assert "flexjit warmup: 7 kernels compiled, 4 cached" in first.stdout, first.stdout
+    assert len(list((cache / "cute").glob("*.o"))) == 7
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert "flexjit warmup: 0 kernels compiled, 20 cached" in again.stdout, again.stdout
+    assert "flexjit warmup: 0 kernels compiled, 11 cached" in again.stdout, again.stdout
     bad = subprocess.run(command[:5] + [str(tmp_path / "nowhere"), "--seq-len", "384"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "cannot read a transformers config" in bad.stderr
