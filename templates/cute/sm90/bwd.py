@@ -220,7 +220,8 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # p_late converts P from the fp32 it leaves in the Sᵀ accumulator: that is P itself
         # only without a score_mod or with captured gradients (else P∘dscore).
         assert not self.p_late or self.score_mod is None or self.score_grads is not None
-        assert self.tile_n in (MASK_BLOCK, MASK_BLOCK // 2) and self.tile_m % 16 == 0
+        # 96 keys: ``bwd_keys.FlexAttentionBwdKeysSm90`` (its own q lists per kv tile).
+        assert self.tile_n in (MASK_BLOCK, MASK_BLOCK // 2, 96) and self.tile_m % 16 == 0
         # Block lists name 128-row q blocks: a tile must be a whole fraction of one. A tile
         # that is not (80 rows) serves dense launches only.
         assert MASK_BLOCK % self.tile_m == 0 or not self.sparse
@@ -721,6 +722,13 @@ class FlexAttentionBwdSm90(config.TiledKernel):
 
         # K and V must have landed even when no q tile is listed: the epilogue overwrites them.
         pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        self._walk_q_tiles(ctx, pipe_q, pipe_do, qblocks, qorder)
+        self.epilogue(ctx, mdK, mdV, smem.sK, smem.sV, tma_dk, tma_dv, tidx)
+
+    @cute.jit
+    def _walk_q_tiles(self, ctx, pipe_q, pipe_do, qblocks, qorder):
+        """Every q tile of the group's heads, in the order the producer loads them."""
+        sched, tn = ctx.sched, self.tile_n
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         g = sched.group
         kv_ragged = (sched.n_block + 1) * tn > sched.seqlen_k
@@ -751,7 +759,6 @@ class FlexAttentionBwdSm90(config.TiledKernel):
                         state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "partial")
                     else:
                         state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head, m, kv_ragged)
-        self.epilogue(ctx, mdK, mdV, smem.sK, smem.sV, tma_dk, tma_dv, tidx)
 
     @cute.jit
     def _full_q_tile(self, ctx, pipe_q, pipe_do, state, head: Int32, m: Int32, kv_ragged):
@@ -1127,9 +1134,13 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         cute.copy(st_atom, thr_st.retile(rdV), thr_st.partition_D(sV))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+        self._store_dkv(ctx.sched, mdK, mdV, sK, sV, tma_dk, tma_dv)
+
+    @cute.jit
+    def _store_dkv(self, sched, mdK, mdV, sK, sV, tma_dk, tma_dv):
+        """dK and dV (in smem over K and V) -> gmem by one warp's TMA stores."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 4:
-            sched = ctx.sched
             for which in cutlass.range_constexpr(2):
                 mX = mdK if const_expr(which == 0) else mdV
                 sX = sK if const_expr(which == 0) else sV

@@ -118,10 +118,21 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 # (``p_smem``), "lpt" / "lpt2" (``lpt_section`` 8 / 2), "shuffle" (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80"
 # (80-row tiles, dense launches only, with the dQ GEMM swapped), "m128" (128-row tiles, head
 # dims up to 64, dQ split by rows); for the dim split (D = 192) only: "qsplit" / "sdpdup" (the S/dP
-# GEMMs split by query rows, ``BwdTiling.q_split``, or computed whole in each warpgroup).
+# GEMMs split by query rows, ``BwdTiling.q_split``, or computed whole in each warpgroup), and
+# "keys96": 64 × 96 tiles instead (``KEYS96``, the kernel ``bwd_keys.FlexAttentionBwdKeysSm90``).
 BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80", "m128",
-                     "qsplit", "sdpdup")
-_DIM_SPLIT_TOKENS = ("qsplit", "sdpdup")
+                     "qsplit", "sdpdup", "keys96")
+_DIM_SPLIT_TOKENS = ("qsplit", "sdpdup", "keys96")
+
+# D = 192's 96-key tile (FlashAttention-3's): S and dP not swapped, the warpgroups split the keys
+# 48 each; dKᵀ, dVᵀ swapped (head dims as M); Q (+ lse2) two stages, dO one (``bwd_keys``).
+# The tile_n of 96 is what selects that kernel.
+KEYS96 = BwdTiling(64, 96, 2, "cols", True, 240, 24)
+
+
+def keys96(tiling) -> bool:
+    """Whether ``tiling`` is the 96-key tile's (the ``bwd_keys`` kernel, q lists per 96 keys)."""
+    return tiling is not None and tiling.tile_n == KEYS96.tile_n
 
 
 def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: str = "") -> BwdTiling:
@@ -137,9 +148,11 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
         if len(split) != len(tokens) or len(split) > 1:
             raise ValueError(f"head dims ({head_dim}, {head_dim_v}) take one of "
                              f"{_DIM_SPLIT_TOKENS} as their only backward variant")
+        if split == ["keys96"]:
+            return KEYS96
         return dataclasses.replace(base, q_split=split == ["qsplit"]) if split else base
     if split:
-        raise ValueError(f"{split} serve the 64-key tile of head dim 192 only")
+        raise ValueError(f"{split} serve head dim 192 only")
     fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens, p_smem="psmem" in tokens,
                   lpt_section=8 if "lpt" in tokens else 2 if "lpt2" in tokens else 0,
                   shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens)
