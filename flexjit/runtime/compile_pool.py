@@ -226,7 +226,8 @@ def run_job(job: Job) -> dict:
             cute_sm90.compile_backward(
                 program, dtype, job.head_dim, job.sparse, job.deterministic, aux,
                 head_dim_v=job.head_dim_v, kv_batch_broadcast=job.kv_batch_broadcast,
-                tiling=cute_sm90.tiling_for(program, job.head_dim, job.head_dim_v, job.bwd_config))
+                tiling=cute_sm90.tiling_for(program, job.head_dim, job.head_dim_v, job.bwd_config,
+                                             job.deterministic))
         else:
             q = torch.empty(1, 1, 128, job.head_dim, dtype=dtype)
             v = torch.empty(1, 1, 128, job.head_dim_v, dtype=dtype)

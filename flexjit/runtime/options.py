@@ -29,7 +29,9 @@ Keys with a meaning for flexjit:
 * ``BWD_CONFIG`` (flexjit): the sm90 backward's schedule variants, "+"-joined: "late" (P
   converted after dS, dV issued after it), "dksmem" (dK reads dSᵀ from shared memory),
   "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "m80" /
-  "m128" (80- or 128-row query tiles); "" is the tile table's. For measuring schedules.
+  "m128" (80- or 128-row query tiles), "keys96" (head dim 192: 64 × 96 tiles, FlashAttention-3's
+  schedule; deterministic mode and captured-tensor gradients keep the 64-key tile, which
+  ``flexjit.explain`` says); "" is the tile table's. For measuring schedules.
 * ``AUTOTUNE`` (flexjit; ``fwd_``/``bwd_`` per pass): True (default) lets ``runtime.autotune``
   choose among a backend's candidate configurations (the sm90 forward's tile and schedule) by
   measurement, once per shape class, remembered on disk; False (and deterministic

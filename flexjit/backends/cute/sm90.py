@@ -35,7 +35,7 @@ from flexjit.backends import kernel_cache as cache
 from flexjit.ir import nodes as ir
 from flexjit.ir.nodes import Op
 from flexjit.ir.program import Program
-from flexjit.planner.block_mask import _dense_to_ordered, _transpose_ordered, block_classes, dq_order
+from flexjit.planner.block_mask import _dense_to_ordered, _transpose_ordered, block_classes, dq_order, tile_q_lists
 from flexjit.backends.base import Config, Tuning, capability
 from flexjit.backends.fp8 import descale_table
 from flexjit.backends.cute import objects as cute_cache, templates
@@ -568,7 +568,9 @@ _BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 12
 # The backward's schedule variants (``bwd_tiling.BWD_CONFIG_TOKENS``, repeated here so that
 # checking kernel_options needs no cutlass import).
 BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80",
-                     "m128", "qsplit", "sdpdup")
+                     "m128", "qsplit", "sdpdup", "keys96")
+# The kv tile of "keys96" (``bwd_tiling.KEYS96``): its q lists are per 96 keys.
+_KEY_TILE = 96
 
 
 def _bwd_template():
@@ -579,9 +581,30 @@ def _bwd_host():
     return templates("sm90").bwd_host
 
 
-def tiling_for(prog: Program, head_dim: int, head_dim_v: int, config: str):
+def keys96_refusal(prog: Program, deterministic: bool) -> str:
+    """Why the 96-key tile ("keys96", ``bwd_keys``) cannot take this backward, "" if it can: it
+    has no deterministic dQ order and no captured-tensor gradients; the tile table's 64-key
+    kernel serves those."""
+    if deterministic:
+        return "deterministic algorithms"
+    if prog.grad_loads:
+        return "captured-tensor gradients"
+    return ""
+
+
+def routed_config(prog: Program, config: str, deterministic: bool) -> str:
+    """``config`` (a ``BWD_CONFIG`` string) as the backward runs it: "keys96" dropped where
+    ``keys96_refusal`` says (the tile table's row runs instead, ``backward_tuning`` says so)."""
+    if "keys96" in config.split("+") and keys96_refusal(prog, deterministic):
+        return "+".join(t for t in config.split("+") if t != "keys96")
+    return config
+
+
+def tiling_for(prog: Program, head_dim: int, head_dim_v: int, config: str,
+               deterministic: bool = False):
     """The backward's ``BwdTiling``: the tile table's row with the schedule variants ``config``
-    names (a ``BWD_CONFIG`` string); None for the row itself."""
+    names (a ``BWD_CONFIG`` string, ``routed_config``); None for the row itself."""
+    config = routed_config(prog, config, deterministic)
     if not config:
         return None
     if "late" in config.split("+") and prog.score is not None and not prog.grad_loads:
@@ -616,12 +639,18 @@ def light_mods(program: Program) -> bool:
     return not any(n.op is Op.LOAD or n.op in ir.TRANSCENDENTAL for n in ir.toposort(roots))
 
 
-def bwd_block_lists(bm):
+def bwd_block_lists(bm, tiling=None):
     """The 8 int32 tensors the backward takes: the kv lists, then the q lists (zeros for absent
-    full lists; transposed lists derived when the BlockMask lacks them). Kept on the BlockMask."""
+    full lists; transposed lists derived when the BlockMask lacks them). Kept on the BlockMask.
+    ``tiling``: the backward's ``BwdTiling``; the 96-key tile's q lists are per kv tile
+    (``tile_q_lists``), the others' per mask block."""
     if bm is None:
         return None
-    return bm.derived("cute_bwd_lists", lambda: _bwd_block_lists(bm))
+    lists = bm.derived("cute_bwd_lists", lambda: _bwd_block_lists(bm))
+    if tiling is not None and tiling.tile_n == _KEY_TILE:
+        return bm.derived("cute_bwd_lists96", lambda: (
+            *lists[:4], *(t.contiguous() for t in tile_q_lists(*lists[4:], _KEY_TILE))))
+    return lists
 
 
 def _bwd_block_lists(bm):
@@ -747,8 +776,10 @@ BWD_FAMILY = "sm90-bwd"
 
 def backward_heuristic(call) -> Config:
     """The backward's configuration by rule: the tile table's schedule, or the variants
-    ``kernel_options["BWD_CONFIG"]`` pins."""
-    return Config.of(bwd_config=call.kernel_options.get("BWD_CONFIG", ""))
+    ``kernel_options["BWD_CONFIG"]`` pins (``routed_config``: "keys96" not where it cannot
+    serve)."""
+    return Config.of(bwd_config=routed_config(call.program, call.kernel_options.get("BWD_CONFIG", ""),
+                                              torch.are_deterministic_algorithms_enabled()))
 
 
 def backward_tuning(call) -> Tuning:
@@ -767,11 +798,17 @@ def backward_tuning(call) -> Tuning:
     names = [default["bwd_config"]]
     if "BWD_CONFIG" not in opts and D <= 128 and bm is not None and not deterministic:
         names += ["lpt", "lpt2"]
+    # D = 192: the 96-key tile beside the table's 64-key one.
+    if "BWD_CONFIG" not in opts and D == 192 and not keys96_refusal(prog, deterministic):
+        names += ["keys96"]
     key = (f"program={prog.key}", f"dtype={str(q.dtype).removeprefix('torch.')}",
            f"dims={D}x{Dv}", f"mask={bm is not None}", f"kv_broadcast={kv_broadcast(call)}",
            f"deterministic={deterministic}", f"group={H // Hkv}", f"L=2^{_log2(L)}",
            f"S=2^{_log2(S)}", f"grid=2^{_log2(B * Hkv * -(-S // 128))}")
     pins = f"kernel_options BWD_CONFIG={opts['BWD_CONFIG']!r}" if "BWD_CONFIG" in opts else ""
+    if "keys96" in opts.get("BWD_CONFIG", "").split("+") and keys96_refusal(prog, deterministic):
+        pins += (f" (without keys96: the 64-key tile serves "
+                 f"{keys96_refusal(prog, deterministic)})")
     return Tuning(BWD_FAMILY, key, tuple(Config.of(bwd_config=n) for n in names), default, pins)
 
 
@@ -790,7 +827,7 @@ def backward(call, q, k, v, out, lse, dout, dlse, config: Config | None = None) 
     broadcast = kv_broadcast(call)
     if config is None:
         config = backward_heuristic(call)
-    tiling = tiling_for(prog, q.shape[-1], v.shape[-1], config["bwd_config"])
+    tiling = tiling_for(prog, q.shape[-1], v.shape[-1], config["bwd_config"], deterministic)
     fn = compile_backward(prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic,
                           aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast, tiling=tiling)
     return run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic, broadcast)
@@ -805,7 +842,7 @@ def run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic: bo
     kernels only): dk/dv come back per query batch, for autograd's expand backward to sum."""
     prog = call.program
     bm = call.block_mask
-    lists = bwd_block_lists(bm)
+    lists = bwd_block_lists(bm, getattr(fn.cfg, "tiling", None))
     order = _dq_order(bm, lists) if deterministic and bm is not None else None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if broadcast:

@@ -54,6 +54,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 
 from flexjit.templates.cute import softmax
+from flexjit.templates.cute.block_sparse import listed_tile
 from flexjit.templates.cute.common import launch, permute, smem_buffer, smem_layout, wgmma_gemm
 from flexjit.templates.cute.opaque import opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.pipeline import tma_pipelines
@@ -230,6 +231,29 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         self._walk_q_tiles(ctx, pipe_q, pipe_do, qblocks, qorder)
         self.epilogue(ctx, mdK, mdV, smem.sK, smem.sV, tma_dk, tma_dv, tidx)
 
+    @cute.jit
+    def _walk_q_tiles(self, ctx, pipe_q, pipe_do, qblocks, qorder):
+        """The base class's walk; with block lists, each head's full-tile count is read after
+        its partial tiles: read before them, it was live across their loop and was the one
+        value ptxas spilled (softcap at D = 192)."""
+        if const_expr(not self.sparse):
+            FlexAttentionBwdSm90._walk_q_tiles(self, ctx, pipe_q, pipe_do, qblocks, qorder)
+        else:
+            sched, per = ctx.sched, self.tiles_per_mask_block
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            g = sched.group
+            kv_ragged = (sched.n_block + 1) * self.tile_n > sched.seqlen_k
+            for gi in cutlass.range(g, unroll=1):
+                head = sched.head_kv * g + gi
+                n_part, _, part_row, _ = self._q_lists(qblocks, sched, head)
+                for j in cutlass.range(n_part, unroll=1):
+                    state = self._q_tile(ctx, pipe_q, pipe_do, state, head,
+                                         listed_tile(part_row, j, per), "partial")
+                _, n_full, _, full_row = self._q_lists(qblocks, sched, head)
+                for j in cutlass.range(cute.arch.make_warp_uniform(n_full), unroll=1):
+                    state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head,
+                                              listed_tile(full_row, j, per), kv_ragged)
+
     def _keys_operands(self, ctx, idx: Int32) -> "_KeysOperands":
         """This tile's smem GEMM operands (each tile rebased on an opaque address, as
         ``_smem_operands``): Q at stage ``idx``, dO, dS and P at their one stage."""
@@ -266,20 +290,29 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         pipe_q.consumer_wait(state)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
         wgmma_gemm(ctx.mma_sdp, acc_S, ops.tSrQ, ops.tSrK, zero_init=True)
-        pipe_do.consumer_wait(do_state)
         acc_dP = cute.make_rmem_tensor(ctx.s_shape, Float32)
-        wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrdO, ops.tPrV, zero_init=True)
+        if const_expr(self.overlap_dp):
+            pipe_do.consumer_wait(do_state)
+            wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrdO, ops.tPrV, zero_init=True)
         # lse2 and delta (2 distinct values a thread: its 2 query rows) read under the GEMMs.
         rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
-        rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, 0])
-        warpgroup.wait_group(1)  # S done; dP runs under P
+        if const_expr(self.overlap_dp):
+            warpgroup.wait_group(1)  # S done; dP runs under P
+        else:
+            warpgroup.wait_group(0)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         self._probabilities(ctx, acc_S, rP, rLSE, head, m, kind)
         cute.copy(ctx.st, ctx.thr_st.retile(rP), ctx.tSsPdS[None, None, None, _P])
         cute.arch.fence_view_async_shared()
         # The dV GEMM reads the warpgroup's own 48 keys of P: its own stores.
         cute.arch.barrier(barrier_id=_BAR_WG + ctx.wg, number_of_threads=128)
+        if const_expr(not self.overlap_dp):
+            # Heavy mods (loads, transcendentals): dP's accumulator is not live while they run.
+            # Issued before dV, so that waiting for it does not wait for dV.
+            pipe_do.consumer_wait(do_state)
+            wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrdO, ops.tPrV, zero_init=True)
         wgmma_gemm(ctx.mma_dkv, ctx.acc_dV, ops.tVrdO, ops.tVsP, zero_init=False)
+        rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, 0])
         warpgroup.wait_group(1)  # dP done (dV may still run)
         self._form_ds(ctx, acc_S, acc_dP, rDelta, head, m)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
@@ -288,14 +321,15 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         cute.arch.fence_view_async_shared()
         # The dQ GEMM reads all 96 keys of dS: both warpgroups' stores.
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
-        wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ops.tKrQ, ops.tKsdS, zero_init=False)
+        # dQ first: its box is written while dK runs.
         acc_dQ = cute.make_rmem_tensor(ctx.dq_shape, Float32)
         wgmma_gemm(ctx.mma_dq, acc_dQ, ops.tQrA, ops.tQrB, zero_init=True)
-        warpgroup.wait_group(1)  # dV and dK done: Q is free
-        pipe_q.consumer_release(state)
-        warpgroup.wait_group(0)  # dQ done: dO is free (its release also frees dS: see above)
+        wgmma_gemm(ctx.mma_dkv, ctx.acc_dK, ops.tKrQ, ops.tKsdS, zero_init=False)
+        warpgroup.wait_group(1)  # dV and dQ done: dO is free (its release also frees dS: see above)
         pipe_do.consumer_release(do_state)
         self._publish_dq(ctx, acc_dQ)
+        warpgroup.wait_group(0)  # dK done: Q is free
+        pipe_q.consumer_release(state)
         state.advance()
         return state
 
