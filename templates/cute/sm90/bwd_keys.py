@@ -234,8 +234,8 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
     @cute.jit
     def _walk_q_tiles(self, ctx, pipe_q, pipe_do, qblocks, qorder):
         """The base class's walk; with block lists, each head's full-tile count is read after
-        its partial tiles: read before them, it was live across their loop and was the one
-        value ptxas spilled (softcap at D = 192)."""
+        its partial tiles: read before them, it is live across their loop, and it was the one
+        value ptxas spilled (4 bytes, the document mask at (192, 192))."""
         if const_expr(not self.sparse):
             FlexAttentionBwdSm90._walk_q_tiles(self, ctx, pipe_q, pipe_do, qblocks, qorder)
         else:
@@ -283,34 +283,28 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
     @cute.jit
     def _q_tile_keys(self, ctx, pipe_q: pipeline.PipelineAsync, pipe_do: pipeline.PipelineAsync,
                      state, head: Int32, m: Int32, kind: cutlass.Constexpr):
-        """One Q tile (the module docstring's order). Branch-free between the waits."""
+        """One Q tile (the module docstring's order). Branch-free between the waits. P is
+        always formed under the dP GEMM: with 48 keys a warpgroup, S and dP are 24 registers
+        each, and every core mod compiles spill-free so (the 128-key tile's heavy mods issue dP
+        after P instead, ``BwdTiling.overlap_dp``)."""
         idx = state.index
         do_state = _single_stage(state, 0)
         ops = self._keys_operands(ctx, idx)
         pipe_q.consumer_wait(state)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
         wgmma_gemm(ctx.mma_sdp, acc_S, ops.tSrQ, ops.tSrK, zero_init=True)
+        pipe_do.consumer_wait(do_state)
         acc_dP = cute.make_rmem_tensor(ctx.s_shape, Float32)
-        if const_expr(self.overlap_dp):
-            pipe_do.consumer_wait(do_state)
-            wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrdO, ops.tPrV, zero_init=True)
-        # lse2 and delta (2 distinct values a thread: its 2 query rows) read under the GEMMs.
+        wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrdO, ops.tPrV, zero_init=True)
+        # lse2 (2 distinct values a thread: its 2 query rows) read under the GEMMs.
         rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
-        if const_expr(self.overlap_dp):
-            warpgroup.wait_group(1)  # S done; dP runs under P
-        else:
-            warpgroup.wait_group(0)
+        warpgroup.wait_group(1)  # S done; dP runs under P
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         self._probabilities(ctx, acc_S, rP, rLSE, head, m, kind)
         cute.copy(ctx.st, ctx.thr_st.retile(rP), ctx.tSsPdS[None, None, None, _P])
         cute.arch.fence_view_async_shared()
         # The dV GEMM reads the warpgroup's own 48 keys of P: its own stores.
         cute.arch.barrier(barrier_id=_BAR_WG + ctx.wg, number_of_threads=128)
-        if const_expr(not self.overlap_dp):
-            # Heavy mods (loads, transcendentals): dP's accumulator is not live while they run.
-            # Issued before dV, so that waiting for it does not wait for dV.
-            pipe_do.consumer_wait(do_state)
-            wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrdO, ops.tPrV, zero_init=True)
         wgmma_gemm(ctx.mma_dkv, ctx.acc_dV, ops.tVrdO, ops.tVsP, zero_init=False)
         rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, 0])
         warpgroup.wait_group(1)  # dP done (dV may still run)

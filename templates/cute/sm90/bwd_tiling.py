@@ -149,8 +149,7 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
             raise ValueError(f"head dims ({head_dim}, {head_dim_v}) take one of "
                              f"{_DIM_SPLIT_TOKENS} as their only backward variant")
         if split == ["keys96"]:
-            # P under the dP GEMM for light mods only (True; None: heavy ones), as at D = 128.
-            return dataclasses.replace(KEYS96, overlap_dp=bool(overlap_dp))
+            return KEYS96  # P always under dP (``bwd_keys``), whatever overlap_dp says
         return dataclasses.replace(base, q_split=split == ["qsplit"]) if split else base
     if split:
         raise ValueError(f"{split} serve head dim 192 only")

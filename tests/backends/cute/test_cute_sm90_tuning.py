@@ -127,8 +127,9 @@ def test_backward_candidates_follow_the_mask_and_the_mods():
     assert [c["bwd_config"] for c in _bwd_tuning(64).candidates] == [""]
     alibi = mods.alibi(16)
     assert [c["bwd_config"] for c in _bwd_tuning(128, CAUSAL, alibi).candidates] == ["", "lpt", "lpt2"]
-    # The dim split (D = 192) has no variants; deterministic mode keeps its own launch order.
-    assert [c["bwd_config"] for c in _bwd_tuning(192, CAUSAL).candidates] == [""]
+    # D = 192: the table's 64-key tile and the 96-key one; deterministic mode keeps its own
+    # launch order (and the 64-key tile: test_keys96_pin_routes_deterministic_mode).
+    assert [c["bwd_config"] for c in _bwd_tuning(192, CAUSAL).candidates] == ["", "keys96"]
     torch.use_deterministic_algorithms(True)
     try:
         t_det = _bwd_tuning(128, CAUSAL)
@@ -149,3 +150,18 @@ def test_a_backward_pin_leaves_one_candidate_and_jobs_carry_it():
         n: n for n in ("", "lpt", "lpt2")}
     assert all(j.kind == "bwd" for j in jobs.values())
     assert jobs[tuning.default] == compile_pool.backward_job(call)  # the default's job is ahead()'s
+
+
+def test_keys96_pin_routes_deterministic_mode():
+    # The 96-key tile has no deterministic dQ order: pinned in deterministic mode, the 64-key
+    # tile runs, and the pins (explain's text) say why.
+    t = _bwd_tuning(192, CAUSAL, options={"BWD_CONFIG": "keys96"})
+    assert [c["bwd_config"] for c in t.candidates] == ["keys96"]
+    torch.use_deterministic_algorithms(True)
+    try:
+        t_det = _bwd_tuning(192, CAUSAL, options={"BWD_CONFIG": "keys96"})
+        assert _bwd_tuning(192, CAUSAL).candidates == t_det.candidates
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [c["bwd_config"] for c in t_det.candidates] == [""]
+    assert "64-key tile serves deterministic algorithms" in t_det.pins
