@@ -563,7 +563,8 @@ def tuning(call) -> Tuning:
 # (head_dim, head_dim_v) pairs the sm90 backward has a tile for (``cute_sm90_bwd.HEAD_DIMS``).
 # 192 and (192, 128) take a 64-key kv tile with the head dims split between the MMA
 # warpgroups (``cute_sm90_bwd.choose_bwd_tiling``); compiled spill-free on the CPU, their
-# GPU tests (tests/test_cute_sm90_bwd_gpu.py) not yet run.
+# GPU tests (tests/test_cute_sm90_bwd_gpu.py) not yet run. "keys96" runs them on 64 × 96 tiles
+# instead (``bwd_keys``; GPU tests not yet run either).
 _BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
 # The backward's schedule variants (``bwd_tiling.BWD_CONFIG_TOKENS``, repeated here so that
 # checking kernel_options needs no cutlass import).
@@ -787,7 +788,8 @@ def backward_tuning(call) -> Tuning:
     table's schedule and, under a block mask outside deterministic mode, kv tiles launched
     longest first in sections of 8 or 2 (kv head, batch) pairs ("lpt", "lpt2": causal masks'
     work falls with the kv tile; which section pays depends on the Q/dO bytes, docs/
-    performance.md). The dim split (D = 192) has none. The shape class: the Program, dtype,
+    performance.md). D = 192: the 96-key tile ("keys96", ``bwd_keys``) beside the table's 64-key
+    one, outside deterministic mode and without captured-tensor gradients. The shape class: the Program, dtype,
     head dims, mask presence, K/V broadcast, deterministic mode, the GQA group, and log2 buckets
     of L, S and the grid (B·Hkv·⌈S/128⌉)."""
     q, prog, bm, opts = call.q, call.program, call.block_mask, call.kernel_options

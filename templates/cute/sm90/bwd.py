@@ -65,6 +65,7 @@ owns half of dK's, dV's and dQ's columns; warpgroup 0 alone stores dSᵀ. Smem 2
 185 KB (192, 128). With ``BwdTiling.q_split`` no GEMM runs twice: each warpgroup forms Sᵀ and
 dPᵀ for its 32 query rows (m64n32), stores Pᵀ and dSᵀ into smem stages, and reads all 64 rows
 of both there for its half of dV and dK (SS; ``_q_tile_split``). Smem 225 KB / 201 KB.
+The 96-key tile of D = 192 ("keys96") is ``bwd_keys.FlexAttentionBwdKeysSm90``, a subclass.
 
 dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
 swizzle: see ``dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per

@@ -91,7 +91,8 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       P, dS 16 each, dQ 48: ~176 at the elementwise step with P under dP, so overlap always.
       The price: each warpgroup computes the whole Sᵀ and dPᵀ (7 GEMM units of work for 5)
       and Q/dO are streamed once per 64 keys instead of 128. FA3 instead uses 64 × 96 tiles
-      with swapped dK/dV GEMMs; a 96-key tile would straddle mask blocks. Q, dO, K and V get
+      with swapped dK/dV GEMMs: the "keys96" variant (``KEYS96``, ``bwd_keys``), whose tiles
+      straddle mask blocks (the host derives q lists per 96-key tile). Q, dO, K and V get
       32-column swizzle atoms at 192 (``k_atom_cols``: each half starts on an atom); V and dO
       keep 64-column atoms at Dv = 128.
       ``q_split`` ("qsplit") removes the duplicated GEMMs: each warpgroup forms Sᵀ and dPᵀ
