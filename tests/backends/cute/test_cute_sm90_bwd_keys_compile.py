@@ -168,3 +168,38 @@ def test_tile_q_lists_against_brute_force(seed):
                     assert listed == sorted(listed)  # increasing q order
                     got[b, h, t, listed] = True
         assert torch.equal(got, (want == k).transpose(-2, -1)), k
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "sliding_window"])
+def test_keys96_lists_from_a_block_mask_are_sound(name):
+    # The backend's lists for the 96-key tile (``bwd_block_lists`` with the keys96 tiling)
+    # against the dense mask itself: a (q block, tile) pair left out holds no kept element, one
+    # listed full holds only kept ones (within L and S), and every pair with a kept element
+    # is listed. L = 1000, S = 1100: ragged against both the 128-row blocks and the 96-key tiles.
+    from flexjit import create_block_mask
+    from flexjit.backends.cute.sm90 import bwd_block_lists
+    from flexjit.planner.block_mask import create_mask
+
+    B, H, L, S = 1, 2, 1000, 1100
+    torch.manual_seed(0)
+    mask_mod = make_case(name, B, H, L, S).mask_mod
+    bm = create_block_mask(mask_mod, B, H, L, S, device="cpu")
+    dense = create_mask(mask_mod, B, H, L, S, device="cpu").bool()  # (B, H, L, S)
+    tiling = tiling_tpl.bwd_tiling(192, 192, None, "keys96")
+    lists = bwd_block_lists(bm, tiling)
+    assert bwd_block_lists(bm, tiling) is lists  # kept on the BlockMask
+    assert bwd_block_lists(bm)[4].shape[-1] == -(-S // 128)  # the 128-key lists untouched
+    qn, qi, fqn, fqi = lists[4:]
+    n_tiles = -(-S // 96)
+    for h in range(H):
+        hm = h % qn.shape[1]
+        for t in range(n_tiles):
+            part = set(qi[0, hm, t, :qn[0, hm, t]].tolist())
+            full = set(fqi[0, hm, t, :fqn[0, hm, t]].tolist())
+            assert not part & full
+            for mq in range(-(-L // 128)):
+                block = dense[0, h, mq * 128:(mq + 1) * 128, t * 96:(t + 1) * 96]
+                if mq in full:
+                    assert block.all(), (h, t, mq)
+                elif mq not in part:
+                    assert not block.any(), (h, t, mq)
