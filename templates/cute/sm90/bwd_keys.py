@@ -26,12 +26,15 @@ Per Q tile of 64 rows, in MMA warpgroup w (keys 48w .. 48w + 47 of the tile)::
     dQ = dS K       (M = 64 rows, N = the warpgroup's D/2 head dims, K = all 96 keys; SS)
     -> the warpgroup's dQ box (the base class's writer warps reduce-add it)
 
-Stages: Q (+ lse2) ``BwdTiling.num_stages`` (2), dO (+ delta) one, P and dS one each:
-Q 48 KB, dO 24 (16), K 36, V 36 (24), P 12, dS 12, dQ boxes 48: 216 KB (192 KB at Dv = 128).
-Why one dS stage suffices: a warpgroup writes tile m+1's dS only after waiting for tile m+1's
-dO, which the producer loads only once both warpgroups released tile m's dO, which each does
-after its dQ GEMM (the other warpgroup's reader of dS) completed. P is read by its own
-warpgroup only, which waits for all of its GEMMs before the next tile.
+Stages: Q (+ lse2) ``BwdTiling.num_stages`` (2), dO (+ delta) one at Dv = 192 and two at 128
+(``do_stages``), P and dS one each: Q 48 KB, dO 24 (2 × 16), K 36, V 36 (24), P 12, dS 12, dQ
+boxes 48, the barriers and row statistics: 218 KB (214 KB at Dv = 128).
+Why one dS stage suffices: a warpgroup writes tile m+1's dS only after the other one has
+finished tile m (whose dQ GEMM read all of dS). With one dO stage, waiting for tile m+1's dO
+says so: the producer loads it only once both warpgroups released tile m's dO, which each does
+after its dQ GEMM completed. With two, the barrier before the dV GEMM spans both warpgroups
+instead of one. P is read by its own warpgroup only, which waits for all of its GEMMs before
+the next tile.
 
 Smem atoms: K's are 32 columns (the dQ GEMM reads it MN-major split at D/2 = 96); sP and sdS
 (64 × 96) take 16-column atoms (dK/dV read them MN-major split at 48 keys); Q, dO and V keep
@@ -85,6 +88,9 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         # Routed to the 64-key kernel by the backend (``BwdTiling`` docstring of "keys96").
         assert not self.deterministic and self.score_grads is None
         assert not (self.p_late or self.p_smem or self.dk_smem or self.shuffle_stats or self.lpt_section)
+        # dO (+ delta) stages: two where they fit beside Q's two (Dv = 128: 217 KB), else one.
+        self.do_stages = 2 if self.head_dim_v <= 128 else 1
+        assert self.do_stages in (1, self.num_stages)
 
     # -----------------------------------------------------------------------------------------
     @cute.jit
@@ -100,7 +106,7 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         lse2, delta = [permute(t, [2, 1, 0]) for t in (mLSE2, mDelta)]
         D, Dv, tm, tn, st = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n, self.num_stages
         sQ_layout = smem_layout(self.dtype, tm, D, st)
-        sdO_layout = smem_layout(self.dtype, tm, Dv, 1)
+        sdO_layout = smem_layout(self.dtype, tm, Dv, self.do_stages)
         sK_layout = smem_layout(self.dtype, tn, D, atom_cols=k_atom_cols(D, "cols"))
         sV_layout = smem_layout(self.dtype, tn, Dv)
         # dS and P (``_DS``, ``_P``), 16-column atoms: the dK/dV GEMMs split their keys at 48.
@@ -144,7 +150,7 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * st]
-            mbar_do: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * self.do_stages]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, self.row_pitch * st], 128]
             sDelta: cute.struct.Align[cute.struct.MemRange[Float32, self.row_pitch * st], 128]
             sQ: smem_buffer(self.dtype, sQ_layout)
@@ -165,10 +171,17 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         ), [self._num_kv_tiles(k.shape[0]), k.shape[2], num_b], self.num_threads, stream)
 
     def _make_pipelines(self, storage):
-        """K+V: one stage, used once; Q(+lse2): ``num_stages``; dO(+delta): one."""
+        """K+V: one stage, used once; Q(+lse2): ``num_stages``; dO(+delta): ``do_stages``."""
         return tma_pipelines(self.num_mma_threads // 32, (storage.mbar_kv, 1, self.tx_kv),
                              (storage.mbar_q, self.num_stages, self.tx_q),
-                             (storage.mbar_do, 1, self.tx_do))
+                             (storage.mbar_do, self.do_stages, self.tx_do))
+
+    def _do_state(self, state, first_phase: int):
+        """The dO pipeline's state for the Q pipeline's ``state``: the same with as many
+        stages, else the one stage's (``_single_stage``)."""
+        if const_expr(self.do_stages == self.num_stages):
+            return state
+        return _single_stage(state, first_phase)
 
     @cute.jit
     def _load_q_tile(self, tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q, pipe_do, state,
@@ -178,11 +191,11 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         bar = pipe_q.producer_get_barrier(state)
         cute.copy(tma_q, tQgQ[None, m], tQsQ[None, state.index], tma_bar_ptr=bar)
         cute.copy(tma_lse, tLgL[None, m], tLsL[None, state.index], tma_bar_ptr=bar)
-        do_state = _single_stage(state, 1)
+        do_state = self._do_state(state, 1)
         pipe_do.producer_acquire(do_state)
         bar = pipe_do.producer_get_barrier(do_state)
-        cute.copy(tma_do, tOgO[None, m], tOsO[None, 0], tma_bar_ptr=bar)
-        cute.copy(tma_delta, tDgD[None, m], tDsD[None, 0], tma_bar_ptr=bar)
+        cute.copy(tma_do, tOgO[None, m], tOsO[None, do_state.index], tma_bar_ptr=bar)
+        cute.copy(tma_delta, tDgD[None, m], tDsD[None, do_state.index], tma_bar_ptr=bar)
         state.advance()
         return state
 
@@ -254,12 +267,13 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
                     state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head,
                                               listed_tile(full_row, j, per), kv_ragged)
 
-    def _keys_operands(self, ctx, idx: Int32) -> "_KeysOperands":
+    def _keys_operands(self, ctx, idx: Int32, do_idx: Int32) -> "_KeysOperands":
         """This tile's smem GEMM operands (each tile rebased on an opaque address, as
-        ``_smem_operands``): Q at stage ``idx``, dO, dS and P at their one stage."""
+        ``_smem_operands``): Q at stage ``idx``, dO at ``do_idx``, dS and P at their one
+        stage."""
         sm = ctx.smem
         sQ = opaque_smem(sm.sQ[None, None, idx], sm.swQ)
-        sdO = opaque_smem(sm.sdO[None, None, 0], sm.swdO)
+        sdO = opaque_smem(sm.sdO[None, None, do_idx], sm.swdO)
         sdS = opaque_smem(sm.sdS[None, None, _DS], sm.swdS)
         sP = opaque_smem(sm.sdS[None, None, _P], sm.swdS)
         sK, sV = opaque_smem(sm.sK, sm.swK), opaque_smem(sm.sV, sm.swV)
@@ -288,8 +302,8 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         each, and every core mod compiles spill-free so (the 128-key tile's heavy mods issue dP
         after P instead, ``BwdTiling.overlap_dp``)."""
         idx = state.index
-        do_state = _single_stage(state, 0)
-        ops = self._keys_operands(ctx, idx)
+        do_state = self._do_state(state, 0)
+        ops = self._keys_operands(ctx, idx, do_state.index)
         pipe_q.consumer_wait(state)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
         wgmma_gemm(ctx.mma_sdp, acc_S, ops.tSrQ, ops.tSrK, zero_init=True)
@@ -303,10 +317,16 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         self._probabilities(ctx, acc_S, rP, rLSE, head, m, kind)
         cute.copy(ctx.st, ctx.thr_st.retile(rP), ctx.tSsPdS[None, None, None, _P])
         cute.arch.fence_view_async_shared()
-        # The dV GEMM reads the warpgroup's own 48 keys of P: its own stores.
-        cute.arch.barrier(barrier_id=_BAR_WG + ctx.wg, number_of_threads=128)
+        if const_expr(self.do_stages == 1):
+            # The dV GEMM reads the warpgroup's own 48 keys of P: its own stores.
+            cute.arch.barrier(barrier_id=_BAR_WG + ctx.wg, number_of_threads=128)
+        else:
+            # Both warpgroups: past it, the other one has finished its last tile, whose dQ GEMM
+            # read the dS tile this one writes next (with two dO stages, waiting for dO no
+            # longer says so).
+            cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
         wgmma_gemm(ctx.mma_dkv, ctx.acc_dV, ops.tVrdO, ops.tVsP, zero_init=False)
-        rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, 0])
+        rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, do_state.index])
         warpgroup.wait_group(1)  # dP done (dV may still run)
         self._form_ds(ctx, acc_S, acc_dP, rDelta, head, m)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)

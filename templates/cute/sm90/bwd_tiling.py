@@ -126,7 +126,8 @@ BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapd
 _DIM_SPLIT_TOKENS = ("qsplit", "sdpdup", "keys96")
 
 # D = 192's 96-key tile (FlashAttention-3's): S and dP not swapped, the warpgroups split the keys
-# 48 each; dKᵀ, dVᵀ swapped (head dims as M); Q (+ lse2) two stages, dO one (``bwd_keys``).
+# 48 each; dKᵀ, dVᵀ swapped (head dims as M); Q (+ lse2) two stages, dO one at Dv = 192 and two
+# at 128 (``bwd_keys``).
 # The tile_n of 96 is what selects that kernel.
 KEYS96 = BwdTiling(64, 96, 2, "cols", True, 240, 24)
 
