@@ -73,7 +73,7 @@ _DS, _P = 0, 1
 
 def _single_stage(state, first_phase: int):
     """The one-stage dO pipeline's state after as many tiles as ``state`` (the Q pipeline's)
-    has counted: stage 0, the phase flipped once a tile (``first_phase``: 1 for the producer,
+    has counted: the only stage, the phase flipped once a tile (``first_phase``: 1 for the producer,
     0 for the consumers, as ``make_pipeline_state`` starts them)."""
     return pipeline.PipelineState(1, state.count, Int32(0), Int32(first_phase) ^ (state.count % 2))
 
