@@ -19,12 +19,12 @@ is formed once S and dP are dead.
 Per Q tile of 64 rows, in MMA warpgroup w (keys 48w .. 48w + 47 of the tile)::
 
     S = Q Kᵀ        (m64n48, SS; not swapped: queries are M)      [dP = dO Vᵀ likewise]
-    wait S: mods, P = exp2(..) -> P (bf16) -> sP[:, own keys] (stmatrix), warpgroup barrier
+    wait S: mods, P = exp2(..) -> P (bf16) -> sP[:, own keys] (stmatrix), named barrier
     dVᵀ += dOᵀ P    (M = Dv, N = own 48 keys, K = 64 rows; A = dO read MN-major, B = sP)
     wait dP: dS = P∘dscore∘(dP − delta) -> sdS[:, own keys], barrier of both warpgroups
-    dKᵀ += Qᵀ dS    (as dV; A = Q read MN-major, B = sdS)
     dQ = dS K       (M = 64 rows, N = the warpgroup's D/2 head dims, K = all 96 keys; SS)
-    -> the warpgroup's dQ box (the base class's writer warps reduce-add it)
+    dKᵀ += Qᵀ dS    (as dV; A = Q read MN-major, B = sdS)
+    wait dQ: -> the warpgroup's dQ box (the base class's writer warps reduce-add it) under dK
 
 Stages: Q (+ lse2) ``BwdTiling.num_stages`` (2), dO (+ delta) one at Dv = 192 and two at 128
 (``do_stages``), P and dS one each: Q 48 KB, dO 24 (2 × 16), K 36, V 36 (24), P 12, dS 12, dQ
@@ -73,8 +73,8 @@ _DS, _P = 0, 1
 
 def _single_stage(state, first_phase: int):
     """The one-stage dO pipeline's state after as many tiles as ``state`` (the Q pipeline's)
-    has counted: the only stage, the phase flipped once a tile (``first_phase``: 1 for the producer,
-    0 for the consumers, as ``make_pipeline_state`` starts them)."""
+    has counted: the only stage, the phase flipped once a tile (``first_phase``: 1 for the
+    producer, 0 for the consumers, as ``make_pipeline_state`` starts them)."""
     return pipeline.PipelineState(1, state.count, Int32(0), Int32(first_phase) ^ (state.count % 2))
 
 
@@ -85,10 +85,10 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         super().__init__(cfg)
         assert self.tile_n == KEY_TILE and self.tile_m == 64 and self.head_dim == 192
         assert self.dq_split == "cols" and not self.dq_swapped and self.head_dim_v in (128, 192)
-        # Routed to the 64-key kernel by the backend (``BwdTiling`` docstring of "keys96").
+        # The backend routes these to the 64-key kernel (``backends.cute.sm90.keys96_refusal``).
         assert not self.deterministic and self.score_grads is None
         assert not (self.p_late or self.p_smem or self.dk_smem or self.shuffle_stats or self.lpt_section)
-        # dO (+ delta) stages: two where they fit beside Q's two (Dv = 128: 217 KB), else one.
+        # dO (+ delta) stages: two where they fit beside Q's two (Dv = 128: 214 KB), else one.
         self.do_stages = 2 if self.head_dim_v <= 128 else 1
         assert self.do_stages in (1, self.num_stages)
 
