@@ -81,16 +81,17 @@ def _inputs(B, Hq, Hkv, L, S, D, Dv, seed):
     return q, k, v, dout, dlse
 
 
-def _flex(case, q, k, v, dout, dlse, bm):
-    """(out, lse, dq, dk, dv, *captured grads) through the API and autograd on the cute backend."""
+def _flex(case, q, k, v, dout, dlse, bm, options=None):
+    """(out, lse, dq, dk, dv, *captured grads) through the API and autograd on the cute backend
+    (``options``: kernel_options)."""
     out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=q.shape[1] != k.shape[1],
-                              return_lse=True, backend="cute")
+                              return_lse=True, backend="cute", kernel_options=options)
     grads = torch.autograd.grad(_losses(out, lse, dout, dlse), (q, k, v, *case.learnable))
     return (out.detach(), lse.detach(), *grads)
 
 
 def check(name, D=128, Dv=None, B=3, Hq=8, Hkv=2, L=1000, S=1000, seed=0, runs=1,
-          deterministic=False):
+          deterministic=False, options=None):
     """Values against the oracle; ``runs`` > 1 repeats the kernels (for the determinism check)
     and returns every run. ``deterministic``: the flex calls (only: the oracle's cuBLAS matmuls
     would refuse it) under ``torch.use_deterministic_algorithms(True)``."""
@@ -100,7 +101,7 @@ def check(name, D=128, Dv=None, B=3, Hq=8, Hkv=2, L=1000, S=1000, seed=0, runs=1
     bm = _block_mask(case.mask_mod, B, Hq, L, S)
     torch.use_deterministic_algorithms(deterministic)
     try:
-        got = [_flex(case, q, k, v, dout, dlse, bm) for _ in range(runs)]
+        got = [_flex(case, q, k, v, dout, dlse, bm, options) for _ in range(runs)]
     finally:
         torch.use_deterministic_algorithms(False)
     want = _oracle(case64, q, k, v, dout, dlse, torch.float64)
@@ -131,6 +132,13 @@ def test_broadcast_mods(passes_run, name):
                                        (192, 128, "batch_dependent")])
 def test_broadcast_head_dims(passes_run, D, Dv, name):
     check(name, D=D, Dv=Dv)
+    assert_sm90_broadcast_ran(passes_run)
+
+
+@pytest.mark.parametrize("D,Dv,name", [(192, 192, "causal"), (192, 128, "batch_dependent")])
+def test_broadcast_keys96(passes_run, D, Dv, name):
+    # The 96-key backward tile (BWD_CONFIG "keys96") loads K/V at batch 0 as the 64-key one does.
+    check(name, D=D, Dv=Dv, options={"BWD_CONFIG": "keys96"})
     assert_sm90_broadcast_ran(passes_run)
 
 
