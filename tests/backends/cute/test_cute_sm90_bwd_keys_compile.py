@@ -43,16 +43,16 @@ DIMS = [(192, 192), (192, 128)]
 MODS = ["full", "causal", "sliding_window", "alibi", "softcap", "document"]
 
 
-def _cfg(dims, program, sparse):
+def _cfg(dims, program, sparse, broadcast=False):
     mods = load_mods(program)
     overlap = True if light_mods(program) else None
     return tpl.BwdConfig(dims[0], dims[1], cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
-                         has_block_mask=sparse, overlap_dp=overlap,
+                         has_block_mask=sparse, overlap_dp=overlap, kv_batch_broadcast=broadcast,
                          tiling=tiling_tpl.bwd_tiling(dims[0], dims[1], overlap, "keys96"))
 
 
-def _main_ptx(tmp_path, dims, program, sparse):
-    cfg = _cfg(dims, program, sparse)
+def _main_ptx(tmp_path, dims, program, sparse, broadcast=False):
+    cfg = _cfg(dims, program, sparse, broadcast)
     aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
     fn = host.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
                           parts=("main",))
@@ -91,6 +91,15 @@ def test_keys96_causal_without_block_lists(tmp_path, dims):
     # mask_mod with no block mask: every (q tile, kv tile) visited as partial.
     case = make_case("causal", 2, 4, 300, 500)
     ptx = _main_ptx(tmp_path, dims, lowered(None, case.mask_mod), sparse=False)
+    _assert_keys_machinery(ptx, dims)
+    assert_no_spills(tmp_path, ptx, no_serialised_wgmma=True)
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"{d[0]}_{d[1]}")
+def test_keys96_kv_batch_broadcast(tmp_path, dims):
+    # K/V of batch 1 for every query batch: the producer loads them at batch 0, the rest as above.
+    case = make_case("causal", 2, 4, 300, 500)
+    ptx = _main_ptx(tmp_path, dims, lowered(None, case.mask_mod), sparse=True, broadcast=True)
     _assert_keys_machinery(ptx, dims)
     assert_no_spills(tmp_path, ptx, no_serialised_wgmma=True)
 
