@@ -161,7 +161,9 @@ def backward_job(call, deterministic: bool | None = None) -> Job:
         deterministic = torch.are_deterministic_algorithms_enabled()
     return Job("bwd", call.program.key, wire(call.program), str(q.dtype).removeprefix("torch."), q.shape[-1],
                v.shape[-1], call.block_mask is not None, deterministic,
-               cute_sm90.kv_broadcast(call), bwd_config=call.kernel_options.get("BWD_CONFIG", ""),
+               cute_sm90.kv_broadcast(call),
+               bwd_config=cute_sm90.routed_config(call.program, call.kernel_options.get("BWD_CONFIG", ""),
+                                                  deterministic),
                cache_dir=str(config.settings.cache_dir))
 
 
