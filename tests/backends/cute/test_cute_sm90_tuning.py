@@ -161,6 +161,9 @@ def test_keys96_pin_routes_deterministic_mode():
     try:
         t_det = _bwd_tuning(192, CAUSAL, options={"BWD_CONFIG": "keys96"})
         assert _bwd_tuning(192, CAUSAL).candidates == t_det.candidates
+        q = torch.empty(2, 16, N, 192, dtype=torch.bfloat16, requires_grad=True)
+        call = prepare_call(q, q, q, None, CAUSAL, None, False, {"BWD_CONFIG": "keys96"})
+        assert compile_pool.backward_job(call).bwd_config == ""  # the kernel the backward runs
     finally:
         torch.use_deterministic_algorithms(False)
     assert [c["bwd_config"] for c in t_det.candidates] == [""]
