@@ -263,7 +263,7 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
                     state = self._q_tile(ctx, pipe_q, pipe_do, state, head,
                                          listed_tile(part_row, j, per), "partial")
                 _, n_full, _, full_row = self._q_lists(qblocks, sched, head)
-                for j in cutlass.range(cute.arch.make_warp_uniform(n_full), unroll=1):
+                for j in cutlass.range(n_full, unroll=1):
                     state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head,
                                               listed_tile(full_row, j, per), kv_ragged)
 
