@@ -35,7 +35,8 @@ from flexjit.backends import kernel_cache as cache
 from flexjit.ir import nodes as ir
 from flexjit.ir.nodes import Op
 from flexjit.ir.program import Program
-from flexjit.planner.block_mask import _dense_to_ordered, _transpose_ordered, block_classes, dq_order, tile_q_lists
+from flexjit.planner.block_mask import (_dense_to_ordered, _transpose_ordered, block_classes, dq_order,
+                                        tile_q_lists)
 from flexjit.backends.base import Config, Tuning, capability
 from flexjit.backends.fp8 import descale_table
 from flexjit.backends.cute import objects as cute_cache, templates
@@ -789,8 +790,8 @@ def backward_tuning(call) -> Tuning:
     longest first in sections of 8 or 2 (kv head, batch) pairs ("lpt", "lpt2": causal masks'
     work falls with the kv tile; which section pays depends on the Q/dO bytes, docs/
     performance.md). D = 192: the 96-key tile ("keys96", ``bwd_keys``) beside the table's 64-key
-    one, outside deterministic mode and without captured-tensor gradients. The shape class: the Program, dtype,
-    head dims, mask presence, K/V broadcast, deterministic mode, the GQA group, and log2 buckets
+    one, outside deterministic mode and without captured-tensor gradients. The shape class:
+    the Program, dtype, head dims, mask presence, K/V broadcast, deterministic mode, the GQA group, and log2 buckets
     of L, S and the grid (B·Hkv·⌈S/128⌉)."""
     q, prog, bm, opts = call.q, call.program, call.block_mask, call.kernel_options
     B, H, L, D = q.shape
