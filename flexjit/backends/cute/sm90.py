@@ -791,8 +791,8 @@ def backward_tuning(call) -> Tuning:
     work falls with the kv tile; which section pays depends on the Q/dO bytes, docs/
     performance.md). D = 192: the 96-key tile ("keys96", ``bwd_keys``) beside the table's 64-key
     one, outside deterministic mode and without captured-tensor gradients. The shape class:
-    the Program, dtype, head dims, mask presence, K/V broadcast, deterministic mode, the GQA group, and log2 buckets
-    of L, S and the grid (B·Hkv·⌈S/128⌉)."""
+    the Program, dtype, head dims, mask presence, K/V broadcast, deterministic mode, the GQA
+    group, and log2 buckets of L, S and the grid (B·Hkv·⌈S/128⌉)."""
     q, prog, bm, opts = call.q, call.program, call.block_mask, call.kernel_options
     B, H, L, D = q.shape
     S, Hkv, Dv = call.k.shape[2], call.k.shape[1], call.v.shape[-1]
