@@ -168,3 +168,15 @@ def test_keys96_pin_routes_deterministic_mode():
         torch.use_deterministic_algorithms(False)
     assert [c["bwd_config"] for c in t_det.candidates] == [""]
     assert "64-key tile serves deterministic algorithms" in t_det.pins
+
+
+def test_keys96_pin_routes_captured_tensor_gradients():
+    # Nor has the 96-key tile the captured tensors' gradients: a learnable bias keeps the
+    # 64-key tile, pinned or tuned.
+    from mods_catalog import make_case
+
+    case = make_case("learnable_bias", 2, 16, N, N)
+    pinned = _bwd_tuning(192, score_mod=case.score_mod, options={"BWD_CONFIG": "keys96"})
+    assert [c["bwd_config"] for c in pinned.candidates] == [""]
+    assert "64-key tile serves captured-tensor gradients" in pinned.pins
+    assert [c["bwd_config"] for c in _bwd_tuning(192, score_mod=case.score_mod).candidates] == [""]
