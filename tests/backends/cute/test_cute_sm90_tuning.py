@@ -15,6 +15,7 @@ from flexjit.api.attention import prepare_call
 from flexjit.backends.base import Config
 from flexjit.backends.cute import sm90
 from flexjit.runtime import compile_pool
+from mods_catalog import make_case
 
 N = 8192
 
@@ -173,8 +174,6 @@ def test_keys96_pin_routes_deterministic_mode():
 def test_keys96_pin_routes_captured_tensor_gradients():
     # Nor has the 96-key tile the captured tensors' gradients: a learnable bias keeps the
     # 64-key tile, pinned or tuned.
-    from mods_catalog import make_case
-
     case = make_case("learnable_bias", 2, 16, N, N)
     pinned = _bwd_tuning(192, score_mod=case.score_mod, options={"BWD_CONFIG": "keys96"})
     assert [c["bwd_config"] for c in pinned.candidates] == [""]
