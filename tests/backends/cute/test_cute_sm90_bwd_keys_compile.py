@@ -25,8 +25,9 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 torch = pytest.importorskip("torch")
 cutlass = pytest.importorskip("cutlass")
 
-from flexjit.backends.cute.sm90 import _aux_tensor, light_mods, load_mods  # noqa: E402
-from flexjit.planner.block_mask import tile_q_lists  # noqa: E402
+from flexjit import create_block_mask  # noqa: E402
+from flexjit.backends.cute.sm90 import _aux_tensor, bwd_block_lists, light_mods, load_mods  # noqa: E402
+from flexjit.planner.block_mask import create_mask, tile_q_lists  # noqa: E402
 from mods_catalog import lowered, make_case  # noqa: E402
 from ptx_checks import assert_no_spills  # noqa: E402
 
@@ -185,10 +186,6 @@ def test_keys96_lists_from_a_block_mask_are_sound(name):
     # against the dense mask itself: a (q block, tile) pair left out holds no kept element, one
     # listed full holds only kept ones (within L and S), and every pair with a kept element
     # is listed. L = 1000, S = 1100: ragged against both the 128-row blocks and the 96-key tiles.
-    from flexjit import create_block_mask
-    from flexjit.backends.cute.sm90 import bwd_block_lists
-    from flexjit.planner.block_mask import create_mask
-
     B, H, L, S = 1, 2, 1000, 1100
     torch.manual_seed(0)
     mask_mod = make_case(name, B, H, L, S).mask_mod
