@@ -63,7 +63,7 @@ FLEXJIT_MODES = {
         "late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle", "swapdq",
         "late+dksmem+swapdq", "psmem+dksmem", "psmem+dksmem+shuffle", "m80+late+dksmem+shuffle",
         "m128+psmem+dksmem+shuffle", "lpt", "lpt2", "qsplit", "sdpdup", "qhead", "qhead+lpt",
-        "qhead+lpt2")},
+        "qhead+lpt2", "keys96")},
 }
 # FP8 inputs: name -> (backend, pre). ``pre(fp8_set) -> (q8, k8, v8, kwargs)`` runs outside the
 # timed region on each input set (None: the plain user call, flexjit's per-call preparation

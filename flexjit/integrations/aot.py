@@ -247,7 +247,7 @@ def _sm90_backward(program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
     keys = cute_sm90.export_backward(program, dtype, head_dim, sparse, deterministic, aux,
                                      head_dim_v=head_dim_v, dump_dirs=folders,
                                      tiling=cute_sm90.tiling_for(program, head_dim, head_dim_v,
-                                                                 bwd_config))
+                                                                 bwd_config, deterministic))
     spent = time.perf_counter() - t0  # the parts together
     out = []
     for part in host.PARTS:

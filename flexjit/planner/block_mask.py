@@ -137,6 +137,28 @@ def _transpose_ordered(num, idx):
     return _dense_to_ordered(dense.transpose(-2, -1))
 
 
+def tile_q_lists(q_num, q_idx, full_num, full_idx, tile_n: int, block: int = 128) -> tuple:
+    """The transposed (q) lists per kv tile of ``tile_n`` keys (at most ``block``), from those
+    per mask block of ``block`` keys: (num, idx, full_num, full_idx), counts (Bm, Hm, nT),
+    indices (Bm, Hm, nT, nQ) listed first in increasing q order, nT = ⌈nKV·block / tile_n⌉.
+
+    A tile covers one or two mask blocks (96-key tiles: 4 tiles = 3 blocks). It lists a q block
+    as full (mask_mod skipped) only if every covered mask block is full, skips it only if every
+    one is empty, and lists it partial otherwise; a block listed both partial and full counts as
+    partial (``block_classes``). Torch ops on the lists' device, no host sync."""
+    assert tile_n <= block
+    n_kv, n_q = q_idx.shape[-2], q_idx.shape[-1]
+    part = _ordered_to_dense(q_num, q_idx, n_q).bool()  # (Bm, Hm, nKV, nQ)
+    full = _ordered_to_dense(full_num, full_idx, n_q).bool() & ~part
+    tiles = torch.arange(-(-n_kv * block // tile_n), device=q_idx.device)
+    first = tiles * tile_n // block
+    last = torch.clamp((tiles * tile_n + tile_n - 1) // block, max=n_kv - 1)
+    listed = part | full
+    all_full = full[..., first, :] & full[..., last, :]
+    some = listed[..., first, :] | listed[..., last, :]
+    return (*_dense_to_ordered(some & ~all_full), *_dense_to_ordered(all_full))
+
+
 def dq_order(block_lists) -> tuple:
     """The deterministic sm90 backward's walk of the q blocks and its dQ accumulation order,
     from the 8 block lists (kv lists, then q lists; zeros for absent full lists), as

@@ -162,8 +162,7 @@ def backward_job(call, deterministic: bool | None = None) -> Job:
     return Job("bwd", call.program.key, wire(call.program), str(q.dtype).removeprefix("torch."), q.shape[-1],
                v.shape[-1], call.block_mask is not None, deterministic,
                cute_sm90.kv_broadcast(call),
-               bwd_config=cute_sm90.bwd_config_for(call, call.kernel_options.get("BWD_CONFIG", ""),
-                                                   deterministic)[0],
+               bwd_config=cute_sm90.heuristic_bwd_config(call, deterministic),
                cache_dir=str(config.settings.cache_dir))
 
 
@@ -228,7 +227,8 @@ def run_job(job: Job) -> dict:
             cute_sm90.compile_backward(
                 program, dtype, job.head_dim, job.sparse, job.deterministic, aux,
                 head_dim_v=job.head_dim_v, kv_batch_broadcast=job.kv_batch_broadcast,
-                tiling=cute_sm90.tiling_for(program, job.head_dim, job.head_dim_v, job.bwd_config))
+                tiling=cute_sm90.tiling_for(program, job.head_dim, job.head_dim_v, job.bwd_config,
+                                             job.deterministic))
         else:
             q = torch.empty(1, 1, 128, job.head_dim, dtype=dtype)
             v = torch.empty(1, 1, 128, job.head_dim_v, dtype=dtype)

@@ -30,8 +30,10 @@ Keys with a meaning for flexjit:
   converted after dS, dV issued after it), "dksmem" (dK reads dSᵀ from shared memory),
   "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "m80" /
   "m128" (80- or 128-row query tiles), "qhead" (one CTA per query head under GQA, dK/dV summed
-  in fp32 workspaces; Hq = Hkv and deterministic mode run the head loop, which ``flexjit.explain``
-  says); "" is the tile table's. For measuring schedules.
+  in fp32 workspaces), "keys96" (head dim 192: 64 × 96 tiles, FlashAttention-3's schedule);
+  where a variant cannot serve (Hq = Hkv or deterministic mode for "qhead"; deterministic mode
+  and captured-tensor gradients for "keys96") the table's runs, which ``flexjit.explain`` says;
+  "" is the tile table's. For measuring schedules.
 * ``AUTOTUNE`` (flexjit; ``fwd_``/``bwd_`` per pass): True (default) lets ``runtime.autotune``
   choose among a backend's candidate configurations (the sm90 forward's tile and schedule) by
   measurement, once per shape class, remembered on disk; False (and deterministic

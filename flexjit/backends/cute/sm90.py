@@ -35,7 +35,8 @@ from flexjit.backends import kernel_cache as cache
 from flexjit.ir import nodes as ir
 from flexjit.ir.nodes import Op
 from flexjit.ir.program import Program
-from flexjit.planner.block_mask import _dense_to_ordered, _transpose_ordered, block_classes, dq_order
+from flexjit.planner.block_mask import (_dense_to_ordered, _transpose_ordered, block_classes, dq_order,
+                                        tile_q_lists)
 from flexjit.backends.base import Config, Tuning, capability
 from flexjit.backends.fp8 import descale_table
 from flexjit.backends.cute import objects as cute_cache, templates
@@ -577,12 +578,15 @@ def tuning(call) -> Tuning:
 # (head_dim, head_dim_v) pairs the sm90 backward has a tile for (``cute_sm90_bwd.HEAD_DIMS``).
 # 192 and (192, 128) take a 64-key kv tile with the head dims split between the MMA
 # warpgroups (``cute_sm90_bwd.choose_bwd_tiling``); compiled spill-free on the CPU, their
-# GPU tests (tests/test_cute_sm90_bwd_gpu.py) not yet run.
+# GPU tests (tests/test_cute_sm90_bwd_gpu.py) not yet run. "keys96" runs them on 64 × 96 tiles
+# instead (``bwd_keys``; GPU tests not yet run either).
 _BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
 # The backward's schedule variants (``bwd_tiling.BWD_CONFIG_TOKENS``, repeated here so that
 # checking kernel_options needs no cutlass import).
 BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80",
-                     "m128", "qsplit", "sdpdup", "qhead")
+                     "m128", "qsplit", "sdpdup", "qhead", "keys96")
+# The kv tile of "keys96" (``bwd_tiling.KEYS96``): its q lists are per 96 keys.
+_KEY_TILE = 96
 
 
 def _bwd_template():
@@ -593,9 +597,30 @@ def _bwd_host():
     return templates("sm90").bwd_host
 
 
-def tiling_for(prog: Program, head_dim: int, head_dim_v: int, config: str):
+def keys96_refusal(prog: Program, deterministic: bool) -> str:
+    """Why the 96-key tile ("keys96", ``bwd_keys``) cannot take this backward, "" if it can: it
+    has no deterministic dQ order and no captured-tensor gradients; the tile table's 64-key
+    kernel serves those."""
+    if deterministic:
+        return "deterministic algorithms"
+    if prog.grad_loads:
+        return "captured-tensor gradients"
+    return ""
+
+
+def routed_config(prog: Program, config: str, deterministic: bool) -> str:
+    """``config`` (a ``BWD_CONFIG`` string) as the backward runs it: "keys96" dropped where
+    ``keys96_refusal`` says (the tile table's row runs instead, ``backward_tuning`` says so)."""
+    if "keys96" in config.split("+") and keys96_refusal(prog, deterministic):
+        return "+".join(t for t in config.split("+") if t != "keys96")
+    return config
+
+
+def tiling_for(prog: Program, head_dim: int, head_dim_v: int, config: str,
+               deterministic: bool = False):
     """The backward's ``BwdTiling``: the tile table's row with the schedule variants ``config``
-    names (a ``BWD_CONFIG`` string); None for the row itself."""
+    names (a ``BWD_CONFIG`` string, ``routed_config``); None for the row itself."""
+    config = routed_config(prog, config, deterministic)
     if not config:
         return None
     if "late" in config.split("+") and prog.score is not None and not prog.grad_loads:
@@ -630,12 +655,18 @@ def light_mods(program: Program) -> bool:
     return not any(n.op is Op.LOAD or n.op in ir.TRANSCENDENTAL for n in ir.toposort(roots))
 
 
-def bwd_block_lists(bm):
+def bwd_block_lists(bm, tiling=None):
     """The 8 int32 tensors the backward takes: the kv lists, then the q lists (zeros for absent
-    full lists; transposed lists derived when the BlockMask lacks them). Kept on the BlockMask."""
+    full lists; transposed lists derived when the BlockMask lacks them). Kept on the BlockMask.
+    ``tiling``: the backward's ``BwdTiling``; the 96-key tile's q lists are per kv tile
+    (``tile_q_lists``), the others' per mask block."""
     if bm is None:
         return None
-    return bm.derived("cute_bwd_lists", lambda: _bwd_block_lists(bm))
+    lists = bm.derived("cute_bwd_lists", lambda: _bwd_block_lists(bm))
+    if tiling is not None and tiling.tile_n == _KEY_TILE:
+        return bm.derived("cute_bwd_lists96", lambda: (
+            *lists[:4], *(t.contiguous() for t in tile_q_lists(*lists[4:], _KEY_TILE))))
+    return lists
 
 
 def _bwd_block_lists(bm):
@@ -760,28 +791,39 @@ BWD_FAMILY = "sm90-bwd"
 
 
 def backward_heuristic(call) -> Config:
-    """The backward's configuration by rule: the tile table's schedule, or the variants
-    ``kernel_options["BWD_CONFIG"]`` pins (``bwd_config_for``: less "qhead" where the head loop
-    serves)."""
-    config, _ = bwd_config_for(call, call.kernel_options.get("BWD_CONFIG", ""),
-                               torch.are_deterministic_algorithms_enabled())
-    return Config.of(bwd_config=config)
+    """The backward's configuration by rule: the tile table's schedule (at head dim 192 the
+    96-key tile, "keys96", wherever it serves: 1.4x the 64-key tile's fwd+bwd on the H100), or
+    the variants ``kernel_options["BWD_CONFIG"]`` pins (``bwd_config_for``: less the variants
+    that cannot serve this call)."""
+    return Config.of(bwd_config=heuristic_bwd_config(call, torch.are_deterministic_algorithms_enabled()))
+
+
+def heuristic_bwd_config(call, deterministic: bool) -> str:
+    """``backward_heuristic``'s ``BWD_CONFIG`` string under ``deterministic``."""
+    default = "keys96" if call.q.shape[-1] == 192 else ""
+    return bwd_config_for(call, call.kernel_options.get("BWD_CONFIG", default), deterministic)[0]
 
 
 def bwd_config_for(call, config: str, deterministic: bool) -> tuple[str, str]:
-    """(``config`` as this call runs it, why it differs or ""): "qhead" (one CTA per query head,
-    dK/dV summed over the group in fp32 workspaces) is dropped where the kernel's head loop
-    serves instead: without GQA (nothing to sum), in deterministic mode (the group's fp32 adds
-    land in no fixed order) and at head dim 192 (its 64-key tile has no such form)."""
+    """(``config`` as this call runs it, why it differs or ""). "keys96" is dropped where
+    ``keys96_refusal`` says (the 64-key tile serves). "qhead" (one CTA per query head, dK/dV
+    summed over the group in fp32 workspaces) is dropped where the kernel's head loop serves
+    instead: without GQA (nothing to sum), in deterministic mode (the group's fp32 adds land in
+    no fixed order) and at head dim 192 (no such form there)."""
+    whys = []
+    refusal = keys96_refusal(call.program, deterministic)
+    if "keys96" in config.split("+") and refusal:
+        config = routed_config(call.program, config, deterministic)
+        whys.append(f"without keys96: the 64-key tile serves {refusal}")
     tokens = config.split("+")
-    if "qhead" not in tokens:
-        return config, ""
-    why = ("Hq = Hkv" if call.q.shape[1] == call.k.shape[1]
-           else "deterministic algorithms: the group's fp32 dK/dV adds are unordered" if deterministic
-           else "head dim 192" if call.q.shape[-1] > 128 else "")
-    if not why:
-        return config, ""
-    return "+".join(t for t in tokens if t != "qhead"), f"'qhead' runs as the head loop ({why})"
+    why = "" if "qhead" not in tokens else (
+        "Hq = Hkv" if call.q.shape[1] == call.k.shape[1]
+        else "deterministic algorithms: the group's fp32 dK/dV adds are unordered" if deterministic
+        else "head dim 192" if call.q.shape[-1] > 128 else "")
+    if why:
+        config = "+".join(t for t in tokens if t != "qhead")
+        whys.append(f"'qhead' runs as the head loop ({why})")
+    return config, "; ".join(whys)
 
 
 def backward_tuning(call) -> Tuning:
@@ -791,9 +833,10 @@ def backward_tuning(call) -> Tuning:
     work falls with the kv tile; which section pays depends on the Q/dO bytes, docs/
     performance.md); under GQA at head dim 128 outside deterministic mode, one CTA per query
     head ("qhead": +5% on causal 8k, -6% on full 8k, even elsewhere; it lost at head dim 64 and
-    with the lpt sections, so those stay unmeasured). The dim split (D = 192) has none. The shape class: the Program, dtype,
-    head dims, mask presence, K/V broadcast, deterministic mode, the GQA group, and log2 buckets
-    of L, S and the grid (B·Hkv·⌈S/128⌉)."""
+    with the lpt sections, so those stay unmeasured). D = 192: the 96-key tile ("keys96",
+    ``bwd_keys``) alone (the heuristic's, where it serves). The shape class: the Program, dtype, head dims, mask presence,
+    K/V broadcast, deterministic mode, the GQA group, and log2 buckets of L, S and the grid
+    (B·Hkv·⌈S/128⌉)."""
     q, prog, bm, opts = call.q, call.program, call.block_mask, call.kernel_options
     B, H, L, D = q.shape
     S, Hkv, Dv = call.k.shape[2], call.k.shape[1], call.v.shape[-1]
@@ -831,7 +874,7 @@ def backward(call, q, k, v, out, lse, dout, dlse, config: Config | None = None) 
     if config is None:
         config = backward_heuristic(call)
     tiling = tiling_for(prog, q.shape[-1], v.shape[-1],
-                        bwd_config_for(call, config["bwd_config"], deterministic)[0])
+                        bwd_config_for(call, config["bwd_config"], deterministic)[0], deterministic)
     fn = compile_backward(prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic,
                           aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast, tiling=tiling)
     return run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic, broadcast)
@@ -846,7 +889,7 @@ def run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic: bo
     kernels only): dk/dv come back per query batch, for autograd's expand backward to sum."""
     prog = call.program
     bm = call.block_mask
-    lists = bwd_block_lists(bm)
+    lists = bwd_block_lists(bm, getattr(fn.cfg, "tiling", None))
     order = _dq_order(bm, lists) if deterministic and bm is not None else None
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if broadcast:

@@ -20,8 +20,7 @@ What this module holds
 
 Gradients of captured tensors that require grad: ``captured_grads``, supported when those
 derivatives and the indices do not depend on the score (else the Triton backward serves).
-Out of scope here: head dims other than 32, 64, 96, 128, 192 and (192, 128) (``HEAD_DIMS``), and
-sm100.
+Out of scope: head dims other than 32, 64, 96, 128, 192, (192, 128) (``HEAD_DIMS``); sm100.
 
 Algorithm (FlashAttention-2 §3.2 backward; FlashAttention-3 §3 Hopper pipelining)
 --------------------------------------------------------------------------------
@@ -31,16 +30,16 @@ Math, with s = score_mod(q·k·scale) (natural units), P = softmax(s) recomputed
     dP = dO Vᵀ      dS = P ∘ (dP − delta) ∘ dscore      dscore = d score_mod / d score
     dV = Σ Pᵀ dO    dK = scale · Σ dSᵀ Q                 dQ = scale · Σ dS K
 
-Masked and out-of-range elements get P = 0 and dS = 0, never NaN (dscore may be anything there);
-a row with nothing kept has lse2 = 0 and all scores −inf, so its gradients are 0.
+Masked and out-of-range elements get P = dS = 0, never NaN (whatever dscore is there); a row with
+nothing kept has lse2 = 0 and all scores −inf: zero gradients.
 
 Roles (384 threads, ``min_blocks_per_mp=1`` so that ``setmaxnreg`` takes effect):
 * warpgroup 0 (``setmaxnreg.dec`` to 24): warp 0 = TMA producer (K and V once, then Q + lse2 and
   dO + delta through two ``num_stages``-deep mbarrier pipelines); warps 1 and 2 = dQ writers,
   one per MMA warpgroup (TMA reduce-add of its dQ box into the fp32 accumulator; the
   semaphores of deterministic mode); warp 3 idles.
-* warpgroups 1, 2 (``setmaxnreg.inc`` to 240): MMA. Each owns 64 of the tile's 128 keys
-  (D = 192: both own the tile's 64 keys and split the head dims instead; see Tiles).
+* warpgroups 1, 2 (``setmaxnreg.inc`` to 240): MMA. Each owns 64 of the tile's 128 keys (the
+  dim split: both own its 64 keys and split the head dims; see Tiles).
 
 Per Q tile, in each MMA warpgroup (the S/dP GEMMs are "swapped": keys are M, so that Pᵀ and dSᵀ
 come out already in the A-operand layout of the dV/dK GEMMs, which read them from registers)::
@@ -58,46 +57,36 @@ registers only without mods or with light ones, so by default heavier mods issue
 Tiles (``choose_bwd_tiling``): Q tile × kv tile = 64 × 128 for head dims 32, 64, 96, 128.
 The kv tile is one mask block, so a CTA reads exactly one column of the transposed block lists; a
 listed q mask block is two Q tiles. Smem 194 KB (D = 128) / 153 KB (96) / 114 KB (64) / 73 KB (32).
-D = 192 and (192, 128): 64 × 64, "dim split" (``kv_per_block`` = 2): two CTAs per mask block
-(both read its column of the lists; the grid always covers whole mask blocks), each MMA
-warpgroup computes the whole 64 × 64 Sᵀ and dPᵀ (redundantly: 2 of the 5 GEMMs run twice) and
-owns half of dK's, dV's and dQ's columns; warpgroup 0 alone stores dSᵀ. Smem 209 KB (192) /
-185 KB (192, 128). With ``BwdTiling.q_split`` no GEMM runs twice: each warpgroup forms Sᵀ and
-dPᵀ for its 32 query rows (m64n32), stores Pᵀ and dSᵀ into smem stages, and reads all 64 rows
-of both there for its half of dV and dK (SS; ``_q_tile_split``). Smem 225 KB / 201 KB.
+D = 192 and (192, 128): the 96-key tile ("keys96", ``bwd_keys.FlexAttentionBwdKeysSm90``, a
+subclass) where it serves; else 64 × 64, the "dim split" (``kv_per_block`` = 2: two CTAs per
+mask block, the warpgroups split dK's, dV's and dQ's columns; ``bwd_tiling`` has the details,
+``_q_tile_split`` the ``q_split`` form). Smem 209 KB (192) / 185 KB (192, 128).
 
 dQ path: each MMA warpgroup writes its 64 × D/2 fp32 piece of dQ into its own smem box (no
-swizzle: see ``dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty" per
-warpgroup, 160 threads); the writer issues ``cp.reduce.async.bulk.tensor...add.f32`` of the box
-into the accumulator (B, Hq, Lpad, D) and frees the box once the bulk copy has read it. The
-accumulator holds dQ permuted within each 16-row × 8-column block (``dq_box_view``) so that
-a thread's accumulator values form 16-byte runs in the box (one STS.128 per 4 values instead of
-an STS.64 per 2); the postprocess undoes the permutation.
+swizzle: ``dq_smem_layout``) and signals its dQ writer (named barriers "full"/"empty", 160
+threads), which reduce-adds the box into the accumulator (B, Hq, Lpad, D) by TMA and frees it
+once read. The accumulator holds dQ permuted within each 16 × 8 block (``dq_box_view``) so that
+a thread's values form 16-byte runs (STS.128); the postprocess undoes the permutation.
 
-GQA: query head h reads kv head h // g. A CTA loops over the g query heads of its kv head and
-keeps accumulating dK/dV in registers (FlashAttention-2's choice). Why: dK/dV need no fp32
-accumulator, no reduction kernel and no atomics, and are deterministic for free; K and V are
-loaded once for g heads. The price is g× fewer CTAs (B·Hkv·⌈S/128⌉ of them), which only hurts when
-that number is below the SM count, i.e. on problems whose whole backward is short. ``BwdTiling.q_head``
-instead launches one CTA per query head and sums dK/dV over the group in fp32 (``bwd_qhead``).
+GQA: query head h reads kv head h // g. A CTA loops over the g query heads of its kv head,
+accumulating dK/dV in registers (FlashAttention-2's choice): no fp32 accumulator, reduction or
+atomics, deterministic for free, K and V loaded once for g heads; the price is g× fewer CTAs.
+``BwdTiling.q_head`` launches one CTA per query head and sums dK/dV in fp32 (``bwd_qhead``).
 
 Deterministic mode (``BwdConfig.deterministic``): each dQ box (b, h, q tile, half) receives one
 reduce-add from every kv block that lists its q block, in DEcreasing kv-block order. A semaphore
-per box counts the reduce-adds done; kv block n's dQ writer waits until it equals n's rank (how
-many listed kv blocks n' > n add into that q block; ``flexjit.block_mask.dq_order``, a host-side
-table computed once per BlockMask; nKV - 1 - n without a block mask), adds, waits for the add to complete, and
-increments it (acquire/release at gpu scope, async-proxy fences on both sides). The MMA
-warpgroups keep working meanwhile (one tile ahead at most). dK/dV are deterministic by
-construction (see GQA).
+per box counts the adds done; kv block n's dQ writer waits until it equals n's rank (the listed
+kv blocks n' > n of that q block: ``flexjit.block_mask.dq_order``, once per BlockMask; nKV - 1 - n
+without one), adds, waits for the add, and increments it (acquire/release at gpu scope,
+async-proxy fences). The MMA warpgroups run on, one tile ahead at most. dK/dV: see GQA.
 Order, chosen so that the waits do not chain: a kv block walks its partial and full q blocks as
 ONE list in increasing q order (``dq_order`` merges them and flags the full entries, so the host
 passes empty full lists), and the grid runs kv blocks last-first. On banded masks (causal,
 sliding window, documents) kv block n's k-th q block is then kv block n+1's (k-1)-th, whose add
 it waits for: every CTA of a head advances in lockstep, one tile behind its neighbour. (Increasing
-kv order with the partial list walked before the full one made each CTA wait for the previous
-CTA's last tile: one chain through the whole sequence, 5x slower on an 8k sliding window.)
-No deadlock: a CTA waits only for CTAs of the same (kv head, batch) with a larger kv block, i.e.
-a smaller linear block index, dispatched earlier.
+kv order, partial list first, chained every CTA to its neighbour's last tile: 5x slower on an
+8k sliding window.) No deadlock: a CTA waits only for CTAs of its (kv head, batch) with a larger
+kv block, i.e. a smaller linear block index, dispatched earlier.
 
 The holes
 ---------
@@ -226,7 +215,8 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         # p_late converts P from the fp32 it leaves in the Sᵀ accumulator: that is P itself
         # only without a score_mod or with captured gradients (else P∘dscore).
         assert not self.p_late or self.score_mod is None or self.score_grads is not None
-        assert self.tile_n in (MASK_BLOCK, MASK_BLOCK // 2) and self.tile_m % 16 == 0
+        # 96 keys: ``bwd_keys.FlexAttentionBwdKeysSm90`` (its own q lists per kv tile).
+        assert self.tile_n in (MASK_BLOCK, MASK_BLOCK // 2, 96) and self.tile_m % 16 == 0
         # Block lists name 128-row q blocks: a tile must be a whole fraction of one. A tile
         # that is not (80 rows) serves dense launches only.
         assert MASK_BLOCK % self.tile_m == 0 or not self.sparse
@@ -738,6 +728,17 @@ class FlexAttentionBwdSm90(config.TiledKernel):
 
         # K and V must have landed even when no q tile is listed: the epilogue overwrites them.
         pipe_kv.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        self._walk_q_tiles(ctx, pipe_q, pipe_do, qblocks, qorder)
+        if const_expr(self.q_head):
+            bwd_qhead.reduce_epilogue(ctx, smem, mdK, mdV, tma_dk, tma_dv, self.head_dim,
+                                      self.head_dim_v, _BAR_MMA, _BAR_WG)
+        else:
+            self.epilogue(ctx, mdK, mdV, smem.sK, smem.sV, tma_dk, tma_dv, tidx)
+
+    @cute.jit
+    def _walk_q_tiles(self, ctx, pipe_q, pipe_do, qblocks, qorder):
+        """Every q tile of the group's heads, in the order the producer loads them."""
+        sched, tn = ctx.sched, self.tile_n
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         g = sched.group
         kv_ragged = (sched.n_block + 1) * tn > sched.seqlen_k
@@ -768,11 +769,6 @@ class FlexAttentionBwdSm90(config.TiledKernel):
                         state = self._q_tile(ctx, pipe_q, pipe_do, state, head, m, "partial")
                     else:
                         state = self._full_q_tile(ctx, pipe_q, pipe_do, state, head, m, kv_ragged)
-        if const_expr(self.q_head):
-            bwd_qhead.reduce_epilogue(ctx, smem, mdK, mdV, tma_dk, tma_dv, self.head_dim,
-                                      self.head_dim_v, _BAR_MMA, _BAR_WG)
-        else:
-            self.epilogue(ctx, mdK, mdV, smem.sK, smem.sV, tma_dk, tma_dv, tidx)
 
     @cute.jit
     def _full_q_tile(self, ctx, pipe_q, pipe_do, state, head: Int32, m: Int32, kv_ragged):
@@ -1148,9 +1144,13 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         cute.copy(st_atom, thr_st.retile(rdV), thr_st.partition_D(sV))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
+        self._store_dkv(ctx.sched, mdK, mdV, sK, sV, tma_dk, tma_dv)
+
+    @cute.jit
+    def _store_dkv(self, sched, mdK, mdV, sK, sV, tma_dk, tma_dv):
+        """dK and dV (in smem over K and V) -> gmem by one warp's TMA stores."""
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 4:
-            sched = ctx.sched
             for which in cutlass.range_constexpr(2):
                 mX = mdK if const_expr(which == 0) else mdV
                 sX = sK if const_expr(which == 0) else sV

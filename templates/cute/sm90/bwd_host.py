@@ -8,8 +8,10 @@ from cutlass import Float32
 from flexjit.templates.cute import host
 from flexjit.templates.cute.host import PARTS
 from flexjit.templates.cute.sm90.bwd import BwdConfig, FlexAttentionBwdSm90
+from flexjit.templates.cute.sm90.bwd_keys import FlexAttentionBwdKeysSm90
 from flexjit.templates.cute.sm90.bwd_prepost import (FlexAttentionBwdPostSm90, FlexAttentionBwdPostTransposedSm90,
                                                      FlexAttentionBwdPreSm90)
+from flexjit.templates.cute.sm90.bwd_tiling import keys96
 
 __all__ = ["PARTS", "CompiledBwd", "compile_bwd", "load_bwd"]
 
@@ -65,7 +67,8 @@ def compile_bwd(cfg: BwdConfig, aux_tensors=(), aux_scalars=(), options: str = "
     host.require_tvm_ffi("cute_sm90_bwd")
     kernels = {
         "pre": lambda: (FlexAttentionBwdPreSm90(cfg), host.placeholder_pre_args(cfg)),
-        "main": lambda: (FlexAttentionBwdSm90(cfg), _main_args(cfg, aux_tensors, aux_scalars)),
+        "main": lambda: ((FlexAttentionBwdKeysSm90 if keys96(cfg.tiling) else FlexAttentionBwdSm90)(cfg),
+                         _main_args(cfg, aux_tensors, aux_scalars)),
         "post": lambda: ((FlexAttentionBwdPostTransposedSm90 if cfg.tiling.dq_swapped
                           else FlexAttentionBwdPostSm90)(cfg), host.placeholder_post_args(cfg)),
     }

@@ -97,7 +97,8 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       P, dS 16 each, dQ 48: ~176 at the elementwise step with P under dP, so overlap always.
       The price: each warpgroup computes the whole Sᵀ and dPᵀ (7 GEMM units of work for 5)
       and Q/dO are streamed once per 64 keys instead of 128. FA3 instead uses 64 × 96 tiles
-      with swapped dK/dV GEMMs; a 96-key tile would straddle mask blocks. Q, dO, K and V get
+      with swapped dK/dV GEMMs: the "keys96" variant (``KEYS96``, ``bwd_keys``), whose tiles
+      straddle mask blocks (the host derives q lists per 96-key tile). Q, dO, K and V get
       32-column swizzle atoms at 192 (``k_atom_cols``: each half starts on an atom); V and dO
       keep 64-column atoms at Dv = 128.
       ``q_split`` ("qsplit") removes the duplicated GEMMs: each warpgroup forms Sᵀ and dPᵀ
@@ -125,10 +126,22 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 # (80-row tiles, dense launches only, with the dQ GEMM swapped), "m128" (128-row tiles, head
 # dims up to 64, dQ split by rows), "qhead" (``q_head``: one CTA per query head, head dims up to
 # 128); for the dim split (D = 192) only: "qsplit" / "sdpdup" (the S/dP
-# GEMMs split by query rows, ``BwdTiling.q_split``, or computed whole in each warpgroup).
+# GEMMs split by query rows, ``BwdTiling.q_split``, or computed whole in each warpgroup), and
+# "keys96": 64 × 96 tiles instead (``KEYS96``, the kernel ``bwd_keys.FlexAttentionBwdKeysSm90``).
 BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80", "m128",
-                     "qsplit", "sdpdup", "qhead")
-_DIM_SPLIT_TOKENS = ("qsplit", "sdpdup")
+                     "qsplit", "sdpdup", "qhead", "keys96")
+_DIM_SPLIT_TOKENS = ("qsplit", "sdpdup", "keys96")
+
+# D = 192's 96-key tile (FlashAttention-3's): S and dP not swapped, the warpgroups split the keys
+# 48 each; dKᵀ, dVᵀ swapped (head dims as M); Q (+ lse2) two stages, dO one at Dv = 192 and two
+# at 128 (``bwd_keys``).
+# The tile_n of 96 is what selects that kernel.
+KEYS96 = BwdTiling(64, 96, 2, "cols", True, 240, 24)
+
+
+def keys96(tiling) -> bool:
+    """Whether ``tiling`` is the 96-key tile's (the ``bwd_keys`` kernel, q lists per 96 keys)."""
+    return tiling is not None and tiling.tile_n == KEYS96.tile_n
 
 
 def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: str = "") -> BwdTiling:
@@ -144,9 +157,11 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
         if len(split) != len(tokens) or len(split) > 1:
             raise ValueError(f"head dims ({head_dim}, {head_dim_v}) take one of "
                              f"{_DIM_SPLIT_TOKENS} as their only backward variant")
+        if split == ["keys96"]:
+            return KEYS96  # P always under dP (``bwd_keys``), whatever overlap_dp says
         return dataclasses.replace(base, q_split=split == ["qsplit"]) if split else base
     if split:
-        raise ValueError(f"{split} serve the 64-key tile of head dim 192 only")
+        raise ValueError(f"{split} serve head dim 192 only")
     fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens, p_smem="psmem" in tokens,
                   lpt_section=8 if "lpt" in tokens else 2 if "lpt2" in tokens else 0,
                   shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens,

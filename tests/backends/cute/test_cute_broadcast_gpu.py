@@ -82,7 +82,8 @@ def _inputs(B, Hq, Hkv, L, S, D, Dv, seed):
 
 
 def _flex(case, q, k, v, dout, dlse, bm, options=None):
-    """(out, lse, dq, dk, dv, *captured grads) through the API and autograd on the cute backend."""
+    """(out, lse, dq, dk, dv, *captured grads) through the API and autograd on the cute backend
+    (``options``: kernel_options)."""
     out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=q.shape[1] != k.shape[1],
                               return_lse=True, backend="cute", kernel_options=options)
     grads = torch.autograd.grad(_losses(out, lse, dout, dlse), (q, k, v, *case.learnable))
@@ -132,6 +133,13 @@ def test_broadcast_mods(passes_run, name):
                                        (192, 128, "batch_dependent")])
 def test_broadcast_head_dims(passes_run, D, Dv, name):
     check(name, D=D, Dv=Dv)
+    assert_sm90_broadcast_ran(passes_run)
+
+
+@pytest.mark.parametrize("D,Dv,name", [(192, 192, "causal"), (192, 128, "batch_dependent")])
+def test_broadcast_keys96(passes_run, D, Dv, name):
+    # The 96-key backward tile (BWD_CONFIG "keys96") loads K/V at batch 0 as the 64-key one does.
+    check(name, D=D, Dv=Dv, options={"BWD_CONFIG": "keys96"})
     assert_sm90_broadcast_ran(passes_run)
 
 

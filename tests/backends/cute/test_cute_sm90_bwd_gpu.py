@@ -94,7 +94,7 @@ def run_backward(case, q, k, v, dout, dlse, bm, sparse=True, deterministic=False
     fn, aux, scalars = _compiled(case, D, q.dtype, sparse and bm is not None, deterministic,
                                  Dv=v.shape[-1], config=config)
     dq, dk, dv = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    lists = bwd_block_lists(bm) if (sparse and bm is not None) else None
+    lists = bwd_block_lists(bm, fn.cfg.tiling) if (sparse and bm is not None) else None
     order = dq_order(lists) if deterministic and lists is not None else None
     fn(q, k, v, out, dout, lse, dlse, dq, dk, dv, 1.0 / math.sqrt(D), lists, aux, scalars, q_order=order)
     torch.cuda.synchronize()
@@ -548,3 +548,82 @@ def test_qhead_through_the_api(Hkv):
     said = explain(qq, kk, vv, case.score_mod, bm, enable_gqa=Hq != Hkv, backend="cute",
                    kernel_options=opts).backward_config
     assert ("runs as the head loop (Hq = Hkv)" in said) == (Hkv == Hq), said
+
+
+# The 96-key tile (BWD_CONFIG "keys96", templates/cute/sm90/bwd_keys.py) at 192 and (192, 128).
+# L = S = 1000 is ragged against the 64-row Q tile and the 96-key tile (10 tiles and 40 keys),
+# and its tiles straddle mask blocks (tile 1 holds keys 96..191: blocks 0 and 1), so the q
+# lists per tile (``tile_q_lists``) decide which tiles run partial, full or not at all.
+KEYS96_DIMS = [(192, 192), (192, 128)]
+
+
+@pytest.mark.parametrize("D,Dv", KEYS96_DIMS)
+@pytest.mark.parametrize("name", ["full", "causal", "alibi", "softcap", "document", "sliding_window"])
+def test_keys96_mods_ragged_gqa(name, D, Dv):
+    # GQA 16/4: each CTA loops over its 4 query heads, accumulating dKᵀ/dVᵀ.
+    check(name, B=2, Hq=16, Hkv=4, L=1000, S=1000, D=D, Dv=Dv, config="keys96")
+
+
+@pytest.mark.parametrize("D,Dv", KEYS96_DIMS)
+@pytest.mark.parametrize("name,L,S", [("causal", 700, 960), ("document", 1300, 500),
+                                      ("full", 300, 1100)])
+def test_keys96_q_len_differs_from_kv_len(name, L, S, D, Dv):
+    # L != S both ways, no dLSE. S = 960 = 10 whole tiles (7.5 mask blocks); S = 500 leaves the
+    # last tile 20 keys; L = 700 leaves the last Q tile 60 rows.
+    check(name, B=1, Hq=4, Hkv=2, L=L, S=S, D=D, Dv=Dv, with_dlse=False, seed=4, config="keys96")
+
+
+@pytest.mark.parametrize("D,Dv", KEYS96_DIMS)
+def test_keys96_mask_mod_without_block_lists(D, Dv):
+    # mask_mod with no block lists: every (q tile, kv tile) pair runs as partial.
+    check("causal", B=1, Hq=4, Hkv=4, L=1000, S=1000, D=D, Dv=Dv, sparse=False, config="keys96")
+
+
+@pytest.mark.parametrize("D,Dv,name", [(192, 192, "causal"), (192, 128, "softcap")])
+def test_keys96_through_the_api(D, Dv, name, monkeypatch):
+    # flex_attention + autograd with BWD_CONFIG pinned: the backend derives the per-tile lists
+    # from the BlockMask itself (``bwd_block_lists``).
+    _no_triton_backward(monkeypatch)
+    B, Hq, Hkv, L, S = 2, 8, 2, 1000, 1000
+    torch.manual_seed(6)
+    case = make_case(name, B, Hq, L, S, device=DEV)
+    q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 6, Dv=Dv)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    options = {"BWD_CONFIG": "keys96"}
+    choice = explain(*leaves, case.score_mod, bm, enable_gqa=True, kernel_options=options)
+    assert (choice.name, choice.backward) == ("cute", "cute"), str(choice)
+    assert "keys96" in choice.backward_config, choice.backward_config
+    out = flex_attention(*leaves, case.score_mod, bm, enable_gqa=True, kernel_options=options)
+    got = torch.autograd.grad(out, leaves, dout)
+    want = _oracle_grads(case, q, k, v, dout, None, torch.float64)
+    low = _oracle_grads(case, q, k, v, dout, None, torch.bfloat16)
+    assert_grads_close(f"{name} D={D}/{Dv} keys96", got, want, low)
+
+
+def test_keys96_deterministic_mode_runs_the_64_key_tile(monkeypatch):
+    # Pinned keys96 under deterministic algorithms: the 64-key tile (which has a dQ order) runs,
+    # explain says so, and the gradients are bit-identical run to run.
+    _no_triton_backward(monkeypatch)
+    B, Hq, Hkv, L, S, D = 1, 4, 2, 1000, 1000, 192
+    torch.manual_seed(7)
+    case = make_case("causal", B, Hq, L, S, device=DEV)
+    q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 7)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    options = {"BWD_CONFIG": "keys96"}
+    torch.use_deterministic_algorithms(True)
+    try:
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        choice = explain(*leaves, case.score_mod, bm, enable_gqa=True, kernel_options=options)
+        assert "64-key tile serves deterministic algorithms" in choice.backward_config
+        runs = []
+        for _ in range(3):
+            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+            out = flex_attention(*leaves, case.score_mod, bm, enable_gqa=True, kernel_options=options)
+            runs.append(torch.autograd.grad(out, leaves, dout))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert_bit_identical(runs, "keys96 pinned, deterministic")
+    want = _oracle_grads(case, q, k, v, dout, None, torch.float64)
+    low = _oracle_grads(case, q, k, v, dout, None, torch.bfloat16)
+    assert_grads_close("keys96 pinned, deterministic", runs[0], want, low)

@@ -15,6 +15,7 @@ from flexjit.api.attention import prepare_call
 from flexjit.backends.base import Config
 from flexjit.backends.cute import sm90
 from flexjit.runtime import compile_pool
+from mods_catalog import make_case
 
 N = 8192
 
@@ -134,10 +135,10 @@ def test_backward_candidates_follow_the_mask_and_the_mods():
         "", "lpt", "lpt2"]
     alibi = mods.alibi(16)
     assert [c["bwd_config"] for c in _bwd_tuning(128, CAUSAL, alibi).candidates] == ["", "lpt", "lpt2"]
-    # The dim split (D = 192) has no variants; deterministic mode keeps its own launch order
-    # and the head loop (the query-head CTAs' fp32 dK/dV adds are unordered).
-    assert [c["bwd_config"] for c in _bwd_tuning(192, CAUSAL).candidates] == [""]
-    assert [c["bwd_config"] for c in _bwd_tuning(192, CAUSAL, Hkv=4).candidates] == [""]
+    # D = 192: the 96-key tile alone (no query-head CTAs there, GQA or not); deterministic mode
+    # keeps its own launch order (and the 64-key tile: test_keys96_pin_routes_deterministic_mode).
+    assert [c["bwd_config"] for c in _bwd_tuning(192, CAUSAL).candidates] == ["keys96"]
+    assert [c["bwd_config"] for c in _bwd_tuning(192, CAUSAL, Hkv=4).candidates] == ["keys96"]
     torch.use_deterministic_algorithms(True)
     try:
         t_det = _bwd_tuning(128, CAUSAL)
@@ -214,3 +215,31 @@ def test_a_qhead_pin_runs_the_head_loop_where_it_must_and_says_so(Hkv, determini
     else:
         assert "head loop" not in t.pins
     assert sm90.bwd_config_for(call, "", deterministic) == ("", "")
+
+
+def test_keys96_pin_routes_deterministic_mode():
+    # The 96-key tile has no deterministic dQ order: pinned in deterministic mode, the 64-key
+    # tile runs, and the pins (explain's text) say why.
+    t = _bwd_tuning(192, CAUSAL, options={"BWD_CONFIG": "keys96"})
+    assert [c["bwd_config"] for c in t.candidates] == ["keys96"]
+    torch.use_deterministic_algorithms(True)
+    try:
+        t_det = _bwd_tuning(192, CAUSAL, options={"BWD_CONFIG": "keys96"})
+        assert _bwd_tuning(192, CAUSAL).candidates == t_det.candidates
+        q = torch.empty(2, 16, N, 192, dtype=torch.bfloat16, requires_grad=True)
+        call = prepare_call(q, q, q, None, CAUSAL, None, False, {"BWD_CONFIG": "keys96"})
+        assert compile_pool.backward_job(call).bwd_config == ""  # the kernel the backward runs
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [c["bwd_config"] for c in t_det.candidates] == [""]
+    assert "64-key tile serves deterministic algorithms" in t_det.pins
+
+
+def test_keys96_pin_routes_captured_tensor_gradients():
+    # Nor has the 96-key tile the captured tensors' gradients: a learnable bias keeps the
+    # 64-key tile, pinned or tuned.
+    case = make_case("learnable_bias", 2, 16, N, N)
+    pinned = _bwd_tuning(192, score_mod=case.score_mod, options={"BWD_CONFIG": "keys96"})
+    assert [c["bwd_config"] for c in pinned.candidates] == [""]
+    assert "64-key tile serves captured-tensor gradients" in pinned.pins
+    assert [c["bwd_config"] for c in _bwd_tuning(192, score_mod=case.score_mod).candidates] == [""]
