@@ -652,7 +652,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
         if const_expr(self.p_smem):
-            tOrP = p_smem.operands(mma_qk, wg_pv, sP, self.dtype, tidx)
+            tOrP = p_smem.operands(wg_pv, sP)
         else:
             tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
@@ -805,7 +805,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
             src, dst = fp8.acc_as_fp8_operand_a(acc_S, ctx.tOrP)
             dst.store(src.load().to(self.in_dtype))
         elif const_expr(self.p_smem):
-            p_smem.store(ctx.tOrP, acc_S, self.dtype)
+            p_smem.store(ctx.tOrP, ctx.mma_qk, acc_S, self.dtype)
         else:
             ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
 

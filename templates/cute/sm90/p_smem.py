@@ -16,21 +16,23 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 
 
-def operands(mma_qk: cute.TiledMma, wg_pv, sP: cute.Tensor, dtype, tidx):
-    """(PV's A fragment of smem descriptors, this thread's stmatrix partition of sP).
-    ``sP``: (tile_m, tile_n); ``wg_pv``: the PV MMA's slice for this thread's warpgroup; the
-    stmatrix copy follows the QK GEMM's accumulator layout, which is where P is computed."""
-    frag = wg_pv.make_fragment_A(wg_pv.partition_A(sP))
-    st_atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
-    thr_st = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(tidx)
-    return frag, thr_st.partition_D(sP), (st_atom, thr_st)
+def operands(wg_pv, sP: cute.Tensor) -> tuple:
+    """(PV's A fragment of smem descriptors, sP). ``sP``: (tile_m, tile_n); ``wg_pv``: the PV
+    MMA's slice for this thread's warpgroup."""
+    return wg_pv.make_fragment_A(wg_pv.partition_A(sP)), sP
 
 
 @cute.jit
-def store(tOrP: tuple, acc_S: cute.Tensor, dtype):
+def store(tOrP: tuple, mma_qk: cute.TiledMma, acc_S: cute.Tensor, dtype):
     """acc_S (the QK accumulator holding P in fp32) -> ``dtype`` -> sP, visible to the next
-    wgmma (``operands``' tuple as ``tOrP``)."""
-    _, tPsP, (st_atom, thr_st) = tOrP
+    wgmma (``operands``' tuple as ``tOrP``). The stmatrix copy follows the QK GEMM's accumulator
+    layout, where P is computed; its addresses are formed here, at each store, rather than kept
+    live through the kv loop (swizzled, they take registers the softmax needs)."""
+    sP = tOrP[1]
+    tidx = cute.arch.thread_idx()[0] - 128  # consumer threads follow the producer warpgroup
+    st_atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    thr_st = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(tidx)
+    tPsP = thr_st.partition_D(sP)
     rP = cute.make_rmem_tensor_like(acc_S, dtype)
     rP.store(acc_S.load().to(dtype))
     cute.copy(st_atom, thr_st.retile(rP), tPsP)
