@@ -643,17 +643,15 @@ class FlexAttentionFwdSm90(config.TiledKernel):
                         sK: cute.Tensor, sVt: cute.Tensor, softmax_scale: Float32, tidx: Int32,
                         wg: Int32, sP: Optional[cute.Tensor] = None):
         """Operand fragments (smem descriptors) and the register state of one consumer thread:
-        O accumulator (zeroed), row max (-inf) and row sum (0). With ``p_smem``, tOrP is
-        ``p_smem.operands``' tuple."""
+        O accumulator (zeroed), row max (-inf) and row sum (0). With ``p_smem``, tOrP is sP."""
         wg_qk = mma_qk.get_slice(wg * 128)
         wg_pv = mma_pv.get_slice(wg * 128)
         thr_qk = mma_qk.get_slice(tidx)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        if const_expr(self.p_smem):
-            tOrP = p_smem.operands(wg_pv, sP)
-        else:
+        tOrP = sP  # p_smem: the descriptors are formed at each PV GEMM (``_p_operand``)
+        if const_expr(not self.p_smem):
             tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
         acc_O.fill(0.0)
@@ -810,8 +808,11 @@ class FlexAttentionFwdSm90(config.TiledKernel):
             ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
 
     def _p_operand(self, ctx) -> cute.Tensor:
-        """The PV GEMM's A operand: P's registers, or its smem descriptors with ``p_smem``."""
-        return ctx.tOrP[0] if const_expr(self.p_smem) else ctx.tOrP
+        """The PV GEMM's A operand: P's registers, or with ``p_smem`` sP's descriptors, formed
+        here rather than kept live through the softmax."""
+        if const_expr(self.p_smem):
+            return p_smem.operand(ctx.mma_pv.get_slice(ctx.wg * 128), ctx.tOrP)
+        return ctx.tOrP
 
     @cute.jit
     def _fp8_scales(self, sched, mQ: cute.Tensor, descale: cute.Tensor, softmax_scale: Float32,

@@ -4,7 +4,7 @@ With three consumer warpgroups a thread has 160 registers. At head dim 96 on a 1
 O (48), S (64) and an in-flight P (32 bf16 pairs) leave too little for the rest and ptxas spills;
 with P in smem no register holds P while PV(j-1) runs under the softmax of tile j.
 
-* ``operands``: the PV GEMM's A descriptors over sP, and a thread's stmatrix view of sP.
+* ``operand``: the PV GEMM's A descriptors over sP.
 * ``store``: P (the softmax's output in the fp32 S accumulator) converted into sP.
 
 Ordering: the forward writes P(j) only after ``wait_group(0)`` has retired PV(j-1), the last
@@ -16,19 +16,18 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 
 
-def operands(wg_pv, sP: cute.Tensor) -> tuple:
-    """(PV's A fragment of smem descriptors, sP). ``sP``: (tile_m, tile_n); ``wg_pv``: the PV
+def operand(wg_pv, sP: cute.Tensor) -> cute.Tensor:
+    """PV's A fragment of smem descriptors over ``sP`` (tile_m, tile_n); ``wg_pv``: the PV
     MMA's slice for this thread's warpgroup."""
-    return wg_pv.make_fragment_A(wg_pv.partition_A(sP)), sP
+    return wg_pv.make_fragment_A(wg_pv.partition_A(sP))
 
 
 @cute.jit
-def store(tOrP: tuple, mma_qk: cute.TiledMma, acc_S: cute.Tensor, dtype):
+def store(sP: cute.Tensor, mma_qk: cute.TiledMma, acc_S: cute.Tensor, dtype):
     """acc_S (the QK accumulator holding P in fp32) -> ``dtype`` -> sP, visible to the next
-    wgmma (``operands``' tuple as ``tOrP``). The stmatrix copy follows the QK GEMM's accumulator
+    wgmma. The stmatrix copy follows the QK GEMM's accumulator
     layout, where P is computed; its addresses are formed here, at each store, rather than kept
     live through the kv loop (swizzled, they take registers the softmax needs)."""
-    sP = tOrP[1]
     tidx = cute.arch.thread_idx()[0] - 128  # consumer threads follow the producer warpgroup
     st_atom = cute.make_copy_atom(StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
     thr_st = cute.make_tiled_copy_C(st_atom, mma_qk).get_slice(tidx)
