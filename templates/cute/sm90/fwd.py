@@ -792,8 +792,14 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         row_scale = self._online_softmax(ctx, acc_S, False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
-        self._store_p(ctx, acc_S)
-        softmax.rescale_rows(ctx.acc_O, row_scale)
+        if const_expr(self.p_smem):
+            # O rescaled first: row_scale then dies before P's conversion and stmatrix, whose
+            # registers beside O's 48 took causal and softcap past 160 (ptxas spilled 4-8 bytes).
+            softmax.rescale_rows(ctx.acc_O, row_scale)
+            self._store_p(ctx, acc_S)
+        else:
+            self._store_p(ctx, acc_S)
+            softmax.rescale_rows(ctx.acc_O, row_scale)
         return kv
 
     @cute.jit

@@ -273,8 +273,8 @@ _DOCS = torch.zeros(500, dtype=torch.int32)
 _D96_TILE_192 = {
     "no_mods": ({}, None),
     "alibi": ({"score_mod": alibi_score, "aux": (torch.rand(4),)}, None),
-    "softcap": ({"score_mod": softcap_score, "scalars": (30.0,)}, "4/4"),
-    "causal": ({"mask_mod": causal_mask, "sparse": True}, "8/32"),
+    "softcap": ({"score_mod": softcap_score, "scalars": (30.0,)}, None),
+    "causal": ({"mask_mod": causal_mask, "sparse": True}, None),
     "sliding_window": ({"mask_mod": sliding_window_mask, "sparse": True}, "8/32"),
     "document": ({"mask_mod": document_mask, "sparse": True, "aux": (torch.rand(4), _DOCS)},
                  "24/56"),
