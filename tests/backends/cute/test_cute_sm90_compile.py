@@ -268,8 +268,10 @@ def sliding_window_mask(b, h, q_idx, kv_idx, aux):
 _DOCS = torch.zeros(500, dtype=torch.int32)
 # name: (_compile's keyword arguments, spills ptxas reports now (None: none)). The 192-row tile
 # at head dim 96 runs three consumer warpgroups at 160 registers: O 48 + S 64 per thread while
-# PV(j-1) is in flight; P goes through smem so no register holds it then. A mask's index math
-# still spills a few bytes (spill stores/loads measured with cutlass-dsl 4.8.1's ptxas).
+# PV(j-1) is in flight; P goes through smem so no register holds it then. Sliding window and
+# document still spill (stores/loads in bytes, cutlass-dsl 4.8.1's ptxas): a 64-bit pointer to
+# the tile's block-list row, stored once and reloaded where the full-tile loop prefetches the
+# next index; the document mask's buffer reads add more.
 _D96_TILE_192 = {
     "no_mods": ({}, None),
     "alibi": ({"score_mod": alibi_score, "aux": (torch.rand(4),)}, None),
