@@ -13,14 +13,16 @@ What this module holds
 
 Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pipelining)
 -------------------------------------------------------------------------------------
-* One CTA computes a tile_m-row query tile (128; 192 at D=64) of one (batch, query head).
+* One CTA computes a tile_m-row query tile (128; 192 at D=64, and at D=96 where asked for) of
+  one (batch, query head).
   Warpgroup 0 is the producer:
   it drops to ``load_regs`` registers (``setmaxnreg.dec``) and one warp issues TMA loads of Q
   (once), then K and V tiles through two ``PipelineTmaAsync`` rings (``num_stages`` deep each).
   Warpgroups 1..n are consumers, raised to ``mma_regs`` (``setmaxnreg.inc``); each owns 64
   query rows (the wgmma M). The kernel is launched with ``min_blocks_per_mp=1`` so the register
   caps take effect.
-* S = Q Kᵀ and O += P V are wgmma; P stays in registers (RS form) as the A operand of PV.
+* S = Q Kᵀ and O += P V are wgmma; P stays in registers (RS form) as the A operand of PV,
+  except on D=96's 192-row tile, where it goes through smem (SS form, ``sm90.p_smem``).
 * Overlap, both kinds: (1) inside a warpgroup, iteration j issues QKᵀ(j) then PV(j-1) and waits
   only for the first, so the softmax of block j runs while PV(j-1) is in flight; (2) between the
   consumer warpgroups, a named-barrier ping-pong orders the GEMM issue so one warpgroup's
