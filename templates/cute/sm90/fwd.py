@@ -13,14 +13,16 @@ What this module holds
 
 Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pipelining)
 -------------------------------------------------------------------------------------
-* One CTA computes a tile_m-row query tile (128; 192 at D=64) of one (batch, query head).
+* One CTA computes a tile_m-row query tile (128; 192 at D=64, and at D=96 where asked for) of
+  one (batch, query head).
   Warpgroup 0 is the producer:
   it drops to ``load_regs`` registers (``setmaxnreg.dec``) and one warp issues TMA loads of Q
   (once), then K and V tiles through two ``PipelineTmaAsync`` rings (``num_stages`` deep each).
   Warpgroups 1..n are consumers, raised to ``mma_regs`` (``setmaxnreg.inc``); each owns 64
   query rows (the wgmma M). The kernel is launched with ``min_blocks_per_mp=1`` so the register
   caps take effect.
-* S = Q Kᵀ and O += P V are wgmma; P stays in registers (RS form) as the A operand of PV.
+* S = Q Kᵀ and O += P V are wgmma; P stays in registers (RS form) as the A operand of PV,
+  except on D=96's 192-row tile, where it goes through smem (SS form, ``sm90.p_smem``).
 * Overlap, both kinds: (1) inside a warpgroup, iteration j issues QKᵀ(j) then PV(j-1) and waits
   only for the first, so the softmax of block j runs while PV(j-1) is in flight; (2) between the
   consumer warpgroups, a named-barrier ping-pong orders the GEMM issue so one warpgroup's
@@ -136,7 +138,7 @@ from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, BlockSp
 from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, bind, fadd, index_add, kernel_aux, launch, permute, plain_i32, quad_allreduce, register_offsets, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.pipeline import tma_pipelines
-from flexjit.templates.cute.sm90 import fp8
+from flexjit.templates.cute.sm90 import fp8, p_smem
 from flexjit.templates.cute.sm90.fwd_tiling import (FP8_HEAD_DIMS, HEAD_DIMS, SMEM_CAPACITY, Tiling,  # noqa: F401  (the template's API)
                                                     choose_tiling, dynamic_schedule_default, smem_bytes)
 
@@ -184,6 +186,8 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         self.in_dtype = cutlass.Float8E4M3FN if self.fp8 else self.dtype
         self.rescale_threshold = float(cfg.rescale_threshold)
         self.write_max = bool(cfg.write_max)
+        # P reaches the PV GEMM through shared memory (``p_smem``) rather than registers.
+        self.p_smem = bool(getattr(t, "p_smem", False))
         # A query tile taller than a mask block reads merged list rows (``BlockSparseRows``).
         self.merged_rows = self.sparse and self.tile_m != MASK_BLOCK
         if self.sparse:
@@ -248,7 +252,8 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         # FP8 wgmma takes both operands K-major: Vᵀ is stored so.
         mma_pv = sm90_helpers.make_trivial_tiled_mma(
             dt, dt, K_MAJOR, K_MAJOR if const_expr(self.fp8) else MN_MAJOR, Float32,
-            (self.num_mma_wgs, 1, 1), (64, Dv), warpgroup.OperandSource.RMEM,
+            (self.num_mma_wgs, 1, 1), (64, Dv),
+            warpgroup.OperandSource.SMEM if const_expr(self.p_smem) else warpgroup.OperandSource.RMEM,
         )
 
         # O reuses Q's buffer with one tile per CTA; persistent, the producer may load the next
@@ -272,6 +277,9 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         fields["sV"] = smem_buffer(dt, sV_layout)
         if const_expr(self.persistent or self.fp8):
             fields["sO"] = smem_buffer(self.dtype, sO_layout)
+        if const_expr(self.p_smem):
+            name += "P"
+            fields["sP"] = smem_buffer(dt, smem_layout(dt, tm, tn))
         self.shared_storage = shared_storage(name, fields)
 
         num_m_blocks = cute.ceil_div(q.shape[0], tm)
@@ -321,6 +329,10 @@ class FlexAttentionFwdSm90(config.TiledKernel):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         else:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sP = None  # (tile_m, tile_n): P, the PV GEMM's A operand, with ``p_smem`` only
+        if const_expr(self.p_smem):
+            sP_layout = smem_layout(self.dtype, self.tile_m, self.tile_n)
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
         sTile = None
         if const_expr(self.dynamic):
             sTile = storage.tile_idx.get_tensor(cute.make_layout(2))
@@ -336,7 +348,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
             sVt = sV if const_expr(self.fp8) else transposed(sV)
             self.mma(mma_qk, mma_pv, mQ, mK, mO, mLSE, sQ, sK, sVt, sO, tma_o, pipe_q,
                      pipe_k, pipe_v, softmax_scale, hb_per_section, blocks, aux, sched, sTile, mMax,
-                     descale)
+                     descale, sP)
 
     def _make_pipelines(self, storage):
         """Q: one stage; K and V: ``num_stages`` each; consumers arrive once per warp
@@ -553,6 +565,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         sTile: Optional[cute.Tensor],  # dynamic: (2,) int32 smem, [0] the published tile index
         mMax: Optional[cute.Tensor],  # (L, Hq, B) or None
         descale: Optional[cute.Tensor],  # FP8: (B, Hkv, 3) float32; else None
+        sP: Optional[cute.Tensor] = None,  # (tile_m, tile_n) with ``p_smem``; else None
     ):
         """A consumer warpgroup, in the producer's schedule (``load``). Persistent: Q and K/V
         consumer states carried across tiles; the ping-pong token is handed out once per CTA
@@ -563,7 +576,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         tidx = tidx - 128
         wg = cute.arch.make_warp_uniform(tidx // 128)
         (thr_qk, tSrQ, tSrK, tOrVt, tOrP, acc_O, s_shape, row_max, row_sum,
-         c) = self._consumer_setup(mma_qk, mma_pv, sQ, sK, sVt, softmax_scale, tidx, wg)
+         c) = self._consumer_setup(mma_qk, mma_pv, sQ, sK, sVt, softmax_scale, tidx, wg, sP)
         row_peak = None  # the true row max (row_max may lag it by rescale_threshold)
         if const_expr(self.write_max):
             row_peak = cute.make_rmem_tensor(cute.size(row_max), Float32)
@@ -630,16 +643,18 @@ class FlexAttentionFwdSm90(config.TiledKernel):
     @cute.jit
     def _consumer_setup(self, mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, sQ: cute.Tensor,
                         sK: cute.Tensor, sVt: cute.Tensor, softmax_scale: Float32, tidx: Int32,
-                        wg: Int32):
+                        wg: Int32, sP: Optional[cute.Tensor] = None):
         """Operand fragments (smem descriptors) and the register state of one consumer thread:
-        O accumulator (zeroed), row max (-inf) and row sum (0)."""
+        O accumulator (zeroed), row max (-inf) and row sum (0). With ``p_smem``, tOrP is sP."""
         wg_qk = mma_qk.get_slice(wg * 128)
         wg_pv = mma_pv.get_slice(wg * 128)
         thr_qk = mma_qk.get_slice(tidx)
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
-        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        tOrP = sP  # p_smem: the descriptors are formed at each PV GEMM (``_p_operand``)
+        if const_expr(not self.p_smem):
+            tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
         acc_O = cute.make_rmem_tensor(wg_pv.partition_shape_C((self.tile_m, self.head_dim_v)), Float32)
         acc_O.fill(0.0)
         s_shape = wg_qk.partition_shape_C((self.tile_m, self.tile_n))
@@ -723,7 +738,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
                 pipe_q.consumer_release(q_state)
             # Last PV GEMM.
             pipe_v.consumer_wait(kv)
-            wgmma_gemm(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, kv.index],
+            wgmma_gemm(ctx.mma_pv, ctx.acc_O, self._p_operand(ctx), ctx.tOrVt[None, None, None, kv.index],
                        zero_init=False)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(kv)
@@ -770,7 +785,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
         wgmma_gemm(ctx.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv.index], zero_init=True)
         pipe_v.consumer_wait(kv_v)
-        wgmma_gemm(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt[None, None, None, kv_v.index],
+        wgmma_gemm(ctx.mma_pv, ctx.acc_O, self._p_operand(ctx), ctx.tOrVt[None, None, None, kv_v.index],
                    zero_init=False)
         self._pingpong_signal(ctx.wg)
         warpgroup.wait_group(1)
@@ -779,8 +794,14 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         row_scale = self._online_softmax(ctx, acc_S, False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
-        self._store_p(ctx, acc_S)
-        softmax.rescale_rows(ctx.acc_O, row_scale)
+        if const_expr(self.p_smem):
+            # O rescaled first: row_scale then dies before P's conversion and stmatrix, whose
+            # registers beside O's 48 took causal and softcap past 160 (ptxas spilled 4-8 bytes).
+            softmax.rescale_rows(ctx.acc_O, row_scale)
+            self._store_p(ctx, acc_S)
+        else:
+            self._store_p(ctx, acc_S)
+            softmax.rescale_rows(ctx.acc_O, row_scale)
         return kv
 
     @cute.jit
@@ -789,8 +810,17 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         if const_expr(self.fp8):
             src, dst = fp8.acc_as_fp8_operand_a(acc_S, ctx.tOrP)
             dst.store(src.load().to(self.in_dtype))
+        elif const_expr(self.p_smem):
+            p_smem.store(ctx.tOrP, ctx.mma_qk, acc_S, self.dtype)
         else:
             ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+
+    def _p_operand(self, ctx) -> cute.Tensor:
+        """The PV GEMM's A operand: P's registers, or with ``p_smem`` sP's descriptors, formed
+        here rather than kept live through the softmax."""
+        if const_expr(self.p_smem):
+            return p_smem.operand(ctx.mma_pv.get_slice(ctx.wg * 128), ctx.tOrP)
+        return ctx.tOrP
 
     @cute.jit
     def _fp8_scales(self, sched, mQ: cute.Tensor, descale: cute.Tensor, softmax_scale: Float32,

@@ -23,6 +23,8 @@ class Tiling:
     # the same order from a global atomic counter instead of striding by the grid size (see
     # "Dynamic tile scheduler").
     dynamic_schedule: bool = False
+    # The PV GEMM reads P from shared memory (SS) instead of registers (RS): ``p_smem``.
+    p_smem: bool = False
 
 
 SMEM_CAPACITY = 227 * 1024  # sm90 opt-in maximum per CTA
@@ -61,8 +63,10 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     * D = 32: D = 64's block-sparse row, dense too (57 KB): the 192-row 3-warpgroup tile at 160
       registers spills 48 bytes with a gathered bias (relative_bias), 240 leaves room.
     * D = 96: D = 128's row (smem 24 + 2×(24+24) = 120 KB). FA3 runs 192×144 with 3 consumer
-      warpgroups; here 192×128 at 160 registers spills 144 bytes (O 48 + S 64 + P 32 per thread
-      leaves too little for the rest), and 144 would not divide the mask block.
+      warpgroups; here 192×128 at 160 registers with P in registers spills 144 bytes (O 48 +
+      S 64 + P 32 per thread leaves too little for the rest), and 144 would not divide the mask
+      block. ``tile_m=192`` takes 192×128 with three consumer warpgroups and P through shared
+      memory (``p_smem``: Q 36 + 2×(24+24) + P 48 = 180 KB; persistent + O 36 = 216 KB).
     * D = 192, Dv = 192: 128×64, 2 stages (48 + 2×(24+24) = 144 KB). tile_n = 128 would need
       48 + 2×96 = 240 KB > 227 KB; FA3's 112 does not divide the mask block. Registers as
       D = 256's minus 32 (O 96 + S 32 + P 16); the GEMMs of a kv tile are of equal length
@@ -90,10 +94,10 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     if (head_dim, head_dim_v) not in HEAD_DIMS:
         raise NotImplementedError(
             f"cute_sm90_fwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
-    if tile_m not in (None, 128) and not (tile_m == 192 and head_dim == 64):
+    if tile_m not in (None, 128) and not (tile_m == 192 and head_dim in (64, 96)):
         raise NotImplementedError(
             f"cute_sm90_fwd: a {tile_m}-row query tile at head dim {head_dim} (192 rows are "
-            "served at head dim 64, else 128)")
+            "served at head dims 64 and 96, else 128)")
     if persistent and head_dim == 256:
         raise NotImplementedError(
             "cute_sm90_fwd: the persistent variant does not support head_dim 256 (Q 64 KB + "
@@ -108,6 +112,8 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
         return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
     if head_dim == 32:
         return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
+    if head_dim == 96 and tile_m == 192:
+        return Tiling(192, 128, 2, 3, True, 160, 32, persistent, dyn, p_smem=True)
     if head_dim in (96, 128):
         return Tiling(128, 128, 2, 2, True, 240, 24, persistent, dyn)
     if head_dim == 192 and head_dim_v == 128:
@@ -154,4 +160,5 @@ def smem_bytes(cfg: "FwdConfig") -> int:
     if t.dynamic_schedule:
         bars += 8  # the published tile index
     q_region = q + o if t.persistent or fp8 else max(q, o)
-    return 1024 + q_region + kv + bars  # 1024: worst-case padding to the first aligned buffer
+    p = t.tile_m * t.tile_n * elem if t.p_smem else 0
+    return 1024 + q_region + kv + p + bars  # 1024: worst-case padding to the first aligned buffer

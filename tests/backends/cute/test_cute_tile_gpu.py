@@ -8,7 +8,8 @@ math on every core mask, on ragged and unequal lengths, GQA, both schedules, and
 whose lists disagree with their mask_mod (torch's semantics: a full block keeps every score, an
 unlisted one none, whatever mask_mod says), where only the per-warpgroup kinds give the right
 answer. The same calls pinned to the 128-row tile (``kernel_options={"TILE_M": 128}``) must
-agree too.
+agree too. Head dim 96 has the 192-row tile as well, with P through shared memory for the PV
+GEMM (``sm90.p_smem``); it is checked the same way.
 """
 import pytest
 import torch
@@ -56,6 +57,31 @@ def test_core_masks_match_the_oracle(name, L, S, tile_m, persistent):
     assert_close_to_oracle(f"{name} lse", lse, ref_lse, low_lse, FLOOR[q.dtype])
 
 
+# Head dim 96, 192-row tile (P through smem): every core mask on ragged, unequal and 4k
+# lengths (one full 192-row tile, a ragged last one, a ragged last kv tile), GQA 8/2, both
+# schedules.
+@pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "persistent"])
+@pytest.mark.parametrize("L,S", [(1000, 1000), (777, 1300), (4096, 4096)])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "alibi", "softcap",
+                                  "full"])
+def test_head_dim_96_tile_192_matches_the_oracle(name, L, S, persistent):
+    B, Hq, Hkv = 2, 8, 2
+    torch.manual_seed(0)
+    case = make_case(name, B, Hq, L, S, device="cuda")
+    q, k, v = _qkv(B, Hq, Hkv, L, S, D=96)
+    bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cuda") if case.mask_mod else None
+    opts = {"TILE_M": 192, "PERSISTENT": persistent}
+    choice = explain(q, k, v, case.score_mod, bm, enable_gqa=True, kernel_options=opts)
+    assert choice.name == "cute" and "192-row query tiles" in choice.reason, str(choice)
+    with torch.no_grad():
+        out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=True, return_lse=True,
+                                  kernel_options=opts)
+        ref, ref_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=torch.float64)
+        low, low_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=q.dtype)
+    assert_close_to_oracle(f"{name} out", out, ref, low, FLOOR[q.dtype])
+    assert_close_to_oracle(f"{name} lse", lse, ref_lse, low_lse, FLOOR[q.dtype])
+
+
 def _stripes(b, h, q_idx, kv_idx):
     return (q_idx + 2 * kv_idx) % 5 != 0
 
@@ -63,7 +89,8 @@ def _stripes(b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "persistent"])
 @pytest.mark.parametrize("tile_m", [192, 128])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_lists_that_disagree_with_mask_mod(seed, tile_m, persistent):
+@pytest.mark.parametrize("D", [64, 96])
+def test_lists_that_disagree_with_mask_mod(D, seed, tile_m, persistent):
     """Random kinds per 128×128 block (a third each skipped, partial, full) under a mask_mod
     that is true and false inside every block: the result is the reference backend's, which
     applies torch's rule block by block. Rows whose blocks are all skipped give O = 0."""
@@ -76,7 +103,7 @@ def test_lists_that_disagree_with_mask_mod(seed, tile_m, persistent):
     f_num, f_idx = _dense_to_ordered(kinds == 2)
     bm = BlockMask.from_kv_blocks(p_num, p_idx, f_num, f_idx, BLOCK_SIZE=128, mask_mod=_stripes,
                                   seq_lengths=(L, S))
-    q, k, v = _qkv(B, Hq, Hkv, L, S, seed=seed)
+    q, k, v = _qkv(B, Hq, Hkv, L, S, D=D, seed=seed)
     opts = {"TILE_M": tile_m, "PERSISTENT": persistent}
     assert explain(q, k, v, None, bm, enable_gqa=True, kernel_options=opts).name == "cute"
     with torch.no_grad():
@@ -101,6 +128,8 @@ def test_default_tile_follows_the_partial_share():
     window = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & (qi - ki < 256), None, None,
                                8192, 8192, device="cuda")
     assert "128-row query tiles" in explain(q, k, v, None, window).reason
+    q, k, v = _qkv(1, 4, 4, 8192, 8192, D=96)  # 192 rows at head dim 96 only where pinned
+    assert "128-row query tiles" in explain(q, k, v, None, bm).reason
     q, k, v = _qkv(1, 4, 4, 512, 512, D=128)
     bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 512, 512, device="cuda")
     assert "128-row query tiles" in explain(q, k, v, None, bm).reason
