@@ -415,8 +415,9 @@ def forward_tile_m(head_dim: int, bm, pinned: int | None = None) -> int:
     """The forward's query tile rows: 192 at head dim 64 (three consumer warpgroups; with a
     block mask over merged list rows where at most MERGED_MAX_PARTIAL of the merged tiles are
     partial), else 128; ``pinned`` is ``kernel_options["TILE_M"]``. Head dim 96 has a 192-row
-    tile too (P through shared memory, ``fwd_tiling.choose_tiling``), run where pinned or
-    measured faster (``tuning``); unmeasured on the GPU, it is not the rule."""
+    tile too (P through shared memory, ``fwd_tiling.choose_tiling``), run only where pinned:
+    causal +8%, ALiBi +4%, full ±0 on the H200, but its GPU tests have not all run, so the
+    tuner does not pick it yet."""
     if head_dim == 96 and pinned in (128, 192):
         return int(pinned)
     if head_dim != 64:
@@ -539,12 +540,12 @@ def _log2(x: float) -> int:
 def tuning(call) -> Tuning:
     """The forward's candidates for this call (``runtime.autotune`` measures them).
 
-    Only close calls are measured: both tiles at head dims 64 and 96 (192 with a block mask
+    Only close calls are measured: both tiles at head dim 64 (192 with a block mask
     only where at most 2·MERGED_MAX_PARTIAL of the merged tiles are partial), both schedules where a query
     tile visits at most 2·PERSISTENT_MAX_KV_TILES kv tiles on average; a kernel_options pin
     keeps its value alone. The shape class holds what moves the answer: the Program, dtype,
     head dims, mask presence, K/V broadcast, max_scores, and log2 buckets of L, S, the grid
-    (B·Hq·⌈L/128⌉) and the mean kv tiles per q tile; at head dims 64 and 96 with a mask the
+    (B·Hq·⌈L/128⌉) and the mean kv tiles per q tile; at head dim 64 with a mask the
     merged tiles' partial share in tenths (known there already; elsewhere it would cost a
     sync)."""
     q, bm, opts = call.q, call.block_mask, call.kernel_options
@@ -557,7 +558,7 @@ def tuning(call) -> Tuning:
     fp8 = call.fp8 is not None  # one schedule; both tiles only where _fp8_tile_192 allows 192
     if fp8 and "TILE_M" not in opts and _fp8_tile_192(call):
         tile_ms = (128, 192)
-    elif D in (64, 96) and "TILE_M" not in opts and not fp8:
+    elif D == 64 and "TILE_M" not in opts and not fp8:
         mergeable = bm is None or bm.kv_num_blocks.numel() * bm.kv_indices.shape[-1] <= _MERGE_MAX_BLOCKS
         if bm is not None and mergeable:
             share = _merged_partial_share(bm)

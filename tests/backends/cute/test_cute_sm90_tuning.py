@@ -50,18 +50,15 @@ def test_head_dim_64_causal_8k_measures_both_tiles_on_one_schedule():
     assert t.family == "sm90-fwd" and t.pins == ""
 
 
-def test_head_dim_96_measures_its_192_row_tile_where_head_dim_64_would():
-    """The 192-row tile at D = 96 (P through smem) is a candidate under D = 64's rule and never
-    the default (unmeasured); a TILE_M pin keeps either tile alone."""
+def test_head_dim_96_runs_its_192_row_tile_only_where_pinned():
+    """The 192-row tile at D = 96 (P through smem) is no tuner candidate yet: a TILE_M pin runs
+    either tile alone."""
     t = _tuning(96, CAUSAL)
-    assert _names(t) == ["tile_m=128", "tile_m=192"] and str(t.default) == "tile_m=128"
-    assert _key(t)["partial"] == "0.1" and _key(t)["dims"] == "96x96"
-    assert _names(_tuning(96, None)) == ["tile_m=128", "tile_m=192"]
+    assert _names(t) == ["tile_m=128"] and str(t.default) == "tile_m=128"
+    assert _names(_tuning(96, None)) == ["tile_m=128"]
     t = _tuning(96, CAUSAL, options={"TILE_M": 192})
     assert _names(t) == ["tile_m=192"] and t.pins == "kernel_options TILE_M=192"
     assert _names(_tuning(96, CAUSAL, options={"TILE_M": 128})) == ["tile_m=128"]
-    # A 1k window (its merged tiles 40% partial) keeps the 128-row tile alone.
-    assert "tile_m=192" not in _names(_tuning(96, WINDOW))
 
 
 def test_head_dim_128_causal_8k_has_nothing_to_measure():
