@@ -128,6 +128,7 @@ from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, bind, i
 from flexjit.templates.cute.opaque import opaque_i32, opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.pipeline import tma_pipelines
 from flexjit.templates.cute.sm90 import bwd_qhead
+from flexjit.templates.cute.sm90.bwd_atoms import dq_atom, load_atoms
 from flexjit.templates.cute.sm90.bwd_rows import shuffled_row
 from flexjit.templates.cute.sm90.bwd_tiling import BwdTiling, choose_bwd_tiling, lpt_coords
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols, store_dq_acc
@@ -294,26 +295,15 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         self.row_pitch = -(-tm // 32) * 32
         sRow_layout = cute.make_layout((tm, st), stride=(1, self.row_pitch))
 
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        (tma_q, tQ), (tma_do, tdO), (tma_k, tK), (tma_v, tV), (tma_lse, tLSE), (tma_delta, tDelta) = \
+            load_atoms(self, q, k, v, do, lse2, delta, sQ_layout, sdO_layout, sK_layout, sV_layout)
         s2g = cpasync.CopyBulkTensorTileS2GOp()
-        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, q, cute.select(sQ_layout, mode=[0, 1]), (tm, D))
-        tma_do, tdO = cpasync.make_tiled_tma_atom(g2s, do, cute.select(sdO_layout, mode=[0, 1]), (tm, Dv))
-        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, k, sK_layout, (tn, D))
-        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, v, sV_layout, (tn, Dv))
-        tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, lse2, cute.make_layout(tm), (tm,))
-        tma_delta, tDelta = cpasync.make_tiled_tma_atom(g2s, delta, cute.make_layout(tm), (tm,))
         if const_expr(self.q_head):
             (tma_dk, tdK), (tma_dv, tdV) = bwd_qhead.reduce_atom(dk, D), bwd_qhead.reduce_atom(dv, Dv)
         else:
             tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, dk, sK_layout, (tn, D))
             tma_dv, tdV = cpasync.make_tiled_tma_atom(s2g, dv, sV_layout, (tn, Dv))
-        tma_dq, tdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), dqacc,
-            cute.select(sdQ_layout, mode=[0, 1]), self.dq_box)
-        row_bytes = tm * 4
-        self.tx_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + row_bytes
-        self.tx_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + row_bytes
-        self.tx_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+        tma_dq, tdQ = dq_atom(dqacc, sdQ_layout, self.dq_box)
 
         K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
         RMEM = warpgroup.OperandSource.RMEM

@@ -63,6 +63,7 @@ from flexjit.templates.cute.opaque import opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.pipeline import tma_pipelines
 from flexjit.templates.cute.sm90.bwd import (_BAR_MMA, _BAR_WG, BwdConfig, FlexAttentionBwdSm90,
                                              _transposed_2d)
+from flexjit.templates.cute.sm90.bwd_atoms import dq_atom, load_atoms
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols
 
 # Keys per CTA (``BwdTiling.tile_n`` of the "keys96" variant).
@@ -115,23 +116,12 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         self.row_pitch = -(-tm // 32) * 32
         sRow_layout = cute.make_layout((tm, st), stride=(1, self.row_pitch))
 
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        (tma_q, tQ), (tma_do, tdO), (tma_k, tK), (tma_v, tV), (tma_lse, tLSE), (tma_delta, tDelta) = \
+            load_atoms(self, q, k, v, do, lse2, delta, sQ_layout, sdO_layout, sK_layout, sV_layout)
         s2g = cpasync.CopyBulkTensorTileS2GOp()
-        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, q, cute.select(sQ_layout, mode=[0, 1]), (tm, D))
-        tma_do, tdO = cpasync.make_tiled_tma_atom(g2s, do, cute.select(sdO_layout, mode=[0, 1]), (tm, Dv))
-        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, k, sK_layout, (tn, D))
-        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, v, sV_layout, (tn, Dv))
-        tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, lse2, cute.make_layout(tm), (tm,))
-        tma_delta, tDelta = cpasync.make_tiled_tma_atom(g2s, delta, cute.make_layout(tm), (tm,))
         tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, dk, sK_layout, (tn, D))
         tma_dv, tdV = cpasync.make_tiled_tma_atom(s2g, dv, sV_layout, (tn, Dv))
-        tma_dq, tdQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(cute.ReductionKind.ADD), dqacc,
-            cute.select(sdQ_layout, mode=[0, 1]), self.dq_box)
-        row_bytes = tm * 4
-        self.tx_q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1])) + row_bytes
-        self.tx_do = cute.size_in_bytes(self.dtype, cute.select(sdO_layout, mode=[0, 1])) + row_bytes
-        self.tx_kv = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+        tma_dq, tdQ = dq_atom(dqacc, sdQ_layout, self.dq_box)
 
         K_MAJOR, MN_MAJOR = OperandMajorMode.K, OperandMajorMode.MN
         wg_tile = (64, tn // 2)  # one warpgroup's 48 keys
