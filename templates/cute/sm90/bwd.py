@@ -206,6 +206,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         self.dq_swapped, self.p_late, self.shuffle_stats = t.dq_swapped, t.p_late, t.shuffle_stats
         self.dk_smem, self.p_smem, self.lpt_section = t.dk_smem, t.p_smem, t.lpt_section
         self.q_split, self.q_head = t.q_split, t.q_head
+        self.do_stages = self.num_stages  # dO(+delta) stages (``bwd_keys`` may take one)
         # q_head: g CTAs add into each dK/dV box, in no fixed order; its fp32 boxes reuse the
         # operand tiles (``bwd_qhead``), which needs two Q stages of 64 rows or more.
         assert not self.q_head or not (self.deterministic or self.dq_swapped)
@@ -492,11 +493,11 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         return sched.q_head if const_expr(self.q_head) else sched.head_kv * sched.group + gi
 
     def _make_pipelines(self, storage):
-        """K+V: one stage, used once. Q(+lse2) and dO(+delta): ``num_stages`` each; consumers
-        arrive once per MMA warp."""
+        """K+V: one stage, used once. Q(+lse2): ``num_stages``; dO(+delta): ``do_stages``;
+        consumers arrive once per MMA warp."""
         return tma_pipelines(self.num_mma_threads // 32, (storage.mbar_kv, 1, self.tx_kv),
                              (storage.mbar_q, self.num_stages, self.tx_q),
-                             (storage.mbar_do, self.num_stages, self.tx_do))
+                             (storage.mbar_do, self.do_stages, self.tx_do))
 
     # -----------------------------------------------------------------------------------------
     # Scheduling: which q tiles, in which order. Every role walks the same sequence:
@@ -566,11 +567,17 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         bar = pipe_q.producer_get_barrier(state)
         cute.copy(tma_q, tQgQ[None, m], tQsQ[None, state.index], tma_bar_ptr=bar)
         cute.copy(tma_lse, tLgL[None, m], tLsL[None, state.index], tma_bar_ptr=bar)
-        pipe_do.producer_acquire(state)
-        bar = pipe_do.producer_get_barrier(state)
-        cute.copy(tma_do, tOgO[None, m], tOsO[None, state.index], tma_bar_ptr=bar)
-        cute.copy(tma_delta, tDgD[None, m], tDsD[None, state.index], tma_bar_ptr=bar)
+        do_state = self._do_state(state, 1)
+        pipe_do.producer_acquire(do_state)
+        bar = pipe_do.producer_get_barrier(do_state)
+        cute.copy(tma_do, tOgO[None, m], tOsO[None, do_state.index], tma_bar_ptr=bar)
+        cute.copy(tma_delta, tDgD[None, m], tDsD[None, do_state.index], tma_bar_ptr=bar)
         state.advance()
+        return state
+
+    def _do_state(self, state, first_phase: int):
+        """The dO pipeline's state for the Q pipeline's ``state`` (the same: as many stages;
+        ``bwd_keys`` overrides it for one)."""
         return state
 
     # -----------------------------------------------------------------------------------------

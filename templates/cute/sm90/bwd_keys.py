@@ -60,7 +60,6 @@ from flexjit.templates.cute import softmax
 from flexjit.templates.cute.block_sparse import listed_tile
 from flexjit.templates.cute.common import launch, permute, smem_buffer, smem_layout, wgmma_gemm
 from flexjit.templates.cute.opaque import opaque_smem, opaque_thread_idx
-from flexjit.templates.cute.pipeline import tma_pipelines
 from flexjit.templates.cute.sm90.bwd import (_BAR_MMA, _BAR_WG, BwdConfig, FlexAttentionBwdSm90,
                                              _transposed_2d)
 from flexjit.templates.cute.sm90.bwd_atoms import dq_atom, load_atoms
@@ -160,34 +159,12 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout, sdQ_layout, sRow_layout,
         ), [self._num_kv_tiles(k.shape[0]), k.shape[2], num_b], self.num_threads, stream)
 
-    def _make_pipelines(self, storage):
-        """K+V: one stage, used once; Q(+lse2): ``num_stages``; dO(+delta): ``do_stages``."""
-        return tma_pipelines(self.num_mma_threads // 32, (storage.mbar_kv, 1, self.tx_kv),
-                             (storage.mbar_q, self.num_stages, self.tx_q),
-                             (storage.mbar_do, self.do_stages, self.tx_do))
-
     def _do_state(self, state, first_phase: int):
         """The dO pipeline's state for the Q pipeline's ``state``: the same with as many
         stages, else the one stage's (``_single_stage``)."""
         if const_expr(self.do_stages == self.num_stages):
             return state
         return _single_stage(state, first_phase)
-
-    @cute.jit
-    def _load_q_tile(self, tiles, tma_q, tma_do, tma_lse, tma_delta, pipe_q, pipe_do, state,
-                     m: Int32):
-        tQsQ, tQgQ, tOsO, tOgO, tLsL, tLgL, tDsD, tDgD = tiles
-        pipe_q.producer_acquire(state)
-        bar = pipe_q.producer_get_barrier(state)
-        cute.copy(tma_q, tQgQ[None, m], tQsQ[None, state.index], tma_bar_ptr=bar)
-        cute.copy(tma_lse, tLgL[None, m], tLsL[None, state.index], tma_bar_ptr=bar)
-        do_state = self._do_state(state, 1)
-        pipe_do.producer_acquire(do_state)
-        bar = pipe_do.producer_get_barrier(do_state)
-        cute.copy(tma_do, tOgO[None, m], tOsO[None, do_state.index], tma_bar_ptr=bar)
-        cute.copy(tma_delta, tDgD[None, m], tDsD[None, do_state.index], tma_bar_ptr=bar)
-        state.advance()
-        return state
 
     # -----------------------------------------------------------------------------------------
     # MMA warpgroups
