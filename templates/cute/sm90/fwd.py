@@ -134,7 +134,7 @@ from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute import config, host, softmax, tile_scheduler
-from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, BlockSparse, BlockSparseRows, count_of, listed_tile, row_of
+from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, BlockSparse, BlockSparseRows, bcast, count_of, listed_tile, row_of
 from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, bind, fadd, index_add, kernel_aux, launch, permute, plain_i32, quad_allreduce, register_offsets, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.pipeline import tma_pipelines
@@ -393,8 +393,8 @@ class FlexAttentionFwdSm90(config.TiledKernel):
                 n_partial = n_dense
             else:
                 n_full = n_dense
-        return _Schedule(m_block, head, batch, n_partial, n_full, n_dense, mK.shape[0],
-                         part_row, full_row, first, kind_row)
+        return _Schedule(m_block, head, batch, n_partial, n_full, n_dense, mK.shape[0], part_row,
+                         full_row, first, kind_row, blocks.full_kv_indices if const_expr(self.sparse) else None)
 
     @cute.jit
     def _kv_tile(self, sched, j: Int32, which: cutlass.Constexpr) -> Int32:
@@ -718,9 +718,15 @@ class FlexAttentionFwdSm90(config.TiledKernel):
                     # GEMMs are issued: a branch between wait_group(1) and wait_group(0) makes
                     # ptxas wait for the PV GEMM at the join, which kills the overlap. The
                     # index of tile j+1 is prefetched one iteration ahead.
-                    tile = self._kv_tile(sched, start, "full")
+                    fsched, t = sched, sched.full_list
+                    if const_expr(self.p_smem):  # the row's address formed anew: kept from the
+                        # setup, ptxas spilled it in the partial loop (192 rows). Selects for
+                        # row_of's modulos (equal for Bm, Hm ∈ {1, full}): no folding back into it.
+                        fsched = sched._replace(full_row=t[bcast(sched.batch, t.shape[0]),
+                                                           bcast(sched.head, t.shape[1]), sched.m_block, None])
+                    tile = self._kv_tile(fsched, start, "full")
                     for j in cutlass.range(start, total, unroll=1):
-                        nxt = self._kv_tile(sched, cutlass.min(j + 1, total - 1), "full")
+                        nxt = self._kv_tile(fsched, cutlass.min(j + 1, total - 1), "full")
                         if (tile + 1) * self.tile_n > sched.seqlen_k:
                             kv = self._steady_tile(ctx, j, kv, tile, pipe_k, pipe_v, "bounded")
                         else:
@@ -890,6 +896,13 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         first_row = ctx.sched.m_block * self.tile_m
         q0 = plain_i32(first_row + tScS[0][0])
         kv0 = plain_i32(tile * self.tile_n + tScS[0][1])
+        if const_expr(self.p_smem):
+            # The same (row, col) from the (uniform) warp and the lane: a wgmma accumulator's warp
+            # holds rows 16·warp + l/4, columns from 2·(l%4). From tidx, their terms were kept from
+            # the setup through the loops and spilled on this tile; the lane ptxas re-reads.
+            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - 4
+            q0 = plain_i32(first_row + warp * 16 + cute.arch.lane_idx() // 4)
+            kv0 = plain_i32(tile * self.tile_n + cute.arch.lane_idx() % 4 * 2)
         neg_inf = -Float32.inf
         indices = FloatIndices(q0, kv0)
         sub_full = None
@@ -940,6 +953,9 @@ class FlexAttentionFwdSm90(config.TiledKernel):
                  mLSE: cute.Tensor, sO: cute.Tensor, tma_o: cute.CopyAtom, tidx: Int32):
         """Normalise O, LSE in natural log, O -> smem (stmatrix; over Q, or into O's own buffer
         when persistent) -> gmem (TMA store)."""
+        if const_expr(self.p_smem):
+            # From the warp and the lane, as in ``_apply_mods`` (from tidx: a term kept, spilled).
+            tidx = (cute.arch.make_warp_uniform(cute.arch.warp_idx()) - 4) * 32 + cute.arch.lane_idx()
         acc_O = ctx.acc_O
         o_rc = rows_cols(acc_O)
         n_rows = cute.size(o_rc, mode=[0])
@@ -1018,6 +1034,7 @@ class _Schedule(NamedTuple):
     first_tile: object  # the kv tile visited first
     # Merged rows only: 1-D view of the partial entries' kinds (k0 | k1 << 2, ``BlockSparseRows``)
     kind_row: object = None
+    full_list: object = None  # the full_kv_indices tensor (block mask only)
 
 
 # What the producer warp loads from and into: global tensors (TMA views), their smem buffers, the
