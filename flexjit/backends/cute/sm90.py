@@ -418,13 +418,13 @@ def forward_tile_m(head_dim: int, bm, pinned: int | None = None) -> int:
     tile too (P through shared memory, ``fwd_tiling.choose_tiling``), run only where pinned:
     causal +8%, ALiBi +4%, full ±0 on the H200, but its GPU tests have not all run, so the
     tuner does not pick it yet."""
-    if head_dim == 96 and pinned in (128, 192):
+    if head_dim in (32, 96) and pinned in (128, 192):
         return int(pinned)
     if head_dim != 64:
         if pinned not in (None, 128):
             raise ValueError(f"kernel_options TILE_M={pinned}: the sm90 forward runs 128-row "
-                             f"query tiles at head dim {head_dim} (192 only at head dims 64 "
-                             "and 96)")
+                             f"query tiles at head dim {head_dim} (192 only at head dims 32, "
+                             "64 and 96)")
         return 128
     if pinned is not None:
         return int(pinned)

@@ -94,10 +94,10 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
     if (head_dim, head_dim_v) not in HEAD_DIMS:
         raise NotImplementedError(
             f"cute_sm90_fwd: head dims ({head_dim}, {head_dim_v}) not in {HEAD_DIMS}")
-    if tile_m not in (None, 128) and not (tile_m == 192 and head_dim in (64, 96)):
+    if tile_m not in (None, 128) and not (tile_m == 192 and head_dim in (32, 64, 96)):
         raise NotImplementedError(
             f"cute_sm90_fwd: a {tile_m}-row query tile at head dim {head_dim} (192 rows are "
-            "served at head dims 64 and 96, else 128)")
+            "served at head dims 32, 64 and 96, else 128)")
     if persistent and head_dim == 256:
         raise NotImplementedError(
             "cute_sm90_fwd: the persistent variant does not support head_dim 256 (Q 64 KB + "
@@ -111,6 +111,8 @@ def choose_tiling(head_dim: int, head_dim_v: int, block_sparse: bool = True,
             return Tiling(192, 128, 3, 3, True, 160, 32, persistent, dyn)
         return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
     if head_dim == 32:
+        if tile_m == 192:
+            return Tiling(192, 128, 3, 3, True, 160, 32, persistent, dyn)
         return Tiling(128, 128, 3, 2, True, 240, 24, persistent, dyn)
     if head_dim == 96 and tile_m == 192:
         return Tiling(192, 128, 2, 3, True, 160, 32, persistent, dyn, p_smem=True)

@@ -230,7 +230,7 @@ def test_fp8_tiling_rows():
     assert _tpl.choose_tiling(256, 256, True, fp8=True) == T(128, 64, 2, 2, False, 240, 24)
 
 
-def test_tile_192_only_at_head_dims_64_and_96():
+def test_tile_192_only_at_head_dims_32_64_and_96():
     assert _tpl.choose_tiling(64, 64, True, tile_m=192).num_mma_wgs == 3
     assert _tpl.choose_tiling(64, 64, False, tile_m=128).tile_m == 128
     # Head dim 96: only where asked for, with P through shared memory, within smem persistent too.
@@ -244,7 +244,7 @@ def test_tile_192_only_at_head_dims_64_and_96():
                                                       tile_m=192))
             assert _tpl.smem_bytes(cfg) <= _tpl.SMEM_CAPACITY
     assert not _tpl.choose_tiling(96, 96, True).p_smem
-    with pytest.raises(NotImplementedError, match="192 rows are served at head dims 64 and 96"):
+    with pytest.raises(NotImplementedError, match="192 rows are served at head dims 32, 64 and 96"):
         _tpl.choose_tiling(128, 128, True, tile_m=192)
 
 

@@ -9,7 +9,7 @@ whose lists disagree with their mask_mod (torch's semantics: a full block keeps 
 unlisted one none, whatever mask_mod says), where only the per-warpgroup kinds give the right
 answer. The same calls pinned to the 128-row tile (``kernel_options={"TILE_M": 128}``) must
 agree too. Head dim 96 has the 192-row tile as well, with P through shared memory for the PV
-GEMM (``sm90.p_smem``); it is checked the same way.
+GEMM (``sm90.p_smem``), and so has head dim 32; they are checked the same way.
 """
 import pytest
 import torch
@@ -57,18 +57,19 @@ def test_core_masks_match_the_oracle(name, L, S, tile_m, persistent):
     assert_close_to_oracle(f"{name} lse", lse, ref_lse, low_lse, FLOOR[q.dtype])
 
 
-# Head dim 96, 192-row tile (P through smem): every core mask on ragged, unequal and 4k
-# lengths (one full 192-row tile, a ragged last one, a ragged last kv tile), GQA 8/2, both
-# schedules.
+# Head dims 96 (P through smem) and 32 on 192-row tiles: every core mask on ragged, unequal
+# and 4k lengths (one full 192-row tile, a ragged last one, a ragged last kv tile), GQA 8/2,
+# both schedules.
+@pytest.mark.parametrize("D", [96, 32])
 @pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "persistent"])
 @pytest.mark.parametrize("L,S", [(1000, 1000), (777, 1300), (4096, 4096)])
 @pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "alibi", "softcap",
                                   "full"])
-def test_head_dim_96_tile_192_matches_the_oracle(name, L, S, persistent):
+def test_head_dim_96_tile_192_matches_the_oracle(name, L, S, persistent, D):
     B, Hq, Hkv = 2, 8, 2
     torch.manual_seed(0)
     case = make_case(name, B, Hq, L, S, device="cuda")
-    q, k, v = _qkv(B, Hq, Hkv, L, S, D=96)
+    q, k, v = _qkv(B, Hq, Hkv, L, S, D=D)
     bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cuda") if case.mask_mod else None
     opts = {"TILE_M": 192, "PERSISTENT": persistent}
     choice = explain(q, k, v, case.score_mod, bm, enable_gqa=True, kernel_options=opts)
@@ -89,7 +90,7 @@ def _stripes(b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("persistent", [False, True], ids=["per_tile", "persistent"])
 @pytest.mark.parametrize("tile_m", [192, 128])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("D", [64, 96])
+@pytest.mark.parametrize("D", [64, 96, 32])
 def test_lists_that_disagree_with_mask_mod(D, seed, tile_m, persistent):
     """Random kinds per 128×128 block (a third each skipped, partial, full) under a mask_mod
     that is true and false inside every block: the result is the reference backend's, which
