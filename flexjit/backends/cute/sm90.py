@@ -583,10 +583,9 @@ def tuning(call) -> Tuning:
 # --------------------------------------------------------------------------- backward
 
 # (head_dim, head_dim_v) pairs the sm90 backward has a tile for (``cute_sm90_bwd.HEAD_DIMS``).
-# 192 and (192, 128) take a 64-key kv tile with the head dims split between the MMA
-# warpgroups (``cute_sm90_bwd.choose_bwd_tiling``); compiled spill-free on the CPU, their
-# GPU tests (tests/test_cute_sm90_bwd_gpu.py) not yet run. "keys96" runs them on 64 × 96 tiles
-# instead (``bwd_keys``; GPU tests not yet run either).
+# 192 and (192, 128) run on 64 × 96 tiles by default ("keys96", ``bwd_keys``); deterministic
+# mode and captured-tensor gradients take the table's 64-key tile with the head dims split
+# between the MMA warpgroups (``bwd_tiling.choose_bwd_tiling``).
 _BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128))
 # The backward's schedule variants (``bwd_tiling.BWD_CONFIG_TOKENS``, repeated here so that
 # checking kernel_options needs no cutlass import).
