@@ -642,10 +642,13 @@ def test_lpt_order_is_a_bijection_longest_first(grid, section):
 
 
 @pytest.mark.parametrize("config,D,causal", [("m128+psmem+dksmem+shuffle", 64, True),
-                                             ("lpt2", 128, True), ("swapdq", 128, False)])
+                                             ("lpt2", 128, True), ("swapdq", 128, False),
+                                             ("m128", 32, True), ("m128", 32, False),
+                                             ("m128+shuffle", 32, True)])
 def test_schedule_variants_compile_clean(tmp_path, config, D, causal):
     # Each variant the GPU suite runs builds without spills or serialised wgmma; the 128-row
-    # tile at D = 64 fits only with P and dS read from shared memory and the stats shuffled.
+    # tile at D = 64 fits only with P and dS read from shared memory and the stats shuffled,
+    # at D = 32 (dK + dV 32 registers) with everything in registers.
     mods = load_mods(_program(None, fmods.causal() if causal else None))
     cfg = tpl.BwdConfig(D, D, cutlass.BFloat16, None, mods.mask_mod, has_block_mask=causal,
                         tiling=tiling_tpl.bwd_tiling(D, D, True, config))
