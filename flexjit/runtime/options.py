@@ -28,7 +28,9 @@ Keys with a meaning for flexjit:
   included (their lists merged per tile). ``flexjit.explain`` shows the tile.
 * ``BWD_CONFIG`` (flexjit): the sm90 backward's schedule variants, "+"-joined: "late" (P
   converted after dS, dV issued after it), "dksmem" (dK reads dSᵀ from shared memory),
-  "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "m80" /
+  "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "dvafter"
+  (the dV GEMM issued once dS is in shared memory; "m128+shuffle+dvafter" is the 128-row tile
+  with P and dS in registers at head dim 64), "m80" /
   "m128" (80- or 128-row query tiles), "qhead" (one CTA per query head under GQA, dK/dV summed
   in fp32 workspaces), "keys96" (head dim 192: 64 × 96 tiles, FlashAttention-3's schedule);
   where a variant cannot serve (Hq = Hkv or deterministic mode for "qhead"; deterministic mode

@@ -129,7 +129,7 @@ from flexjit.templates.cute.opaque import opaque_i32, opaque_smem, opaque_thread
 from flexjit.templates.cute.pipeline import tma_pipelines
 from flexjit.templates.cute.sm90 import bwd_qhead
 from flexjit.templates.cute.sm90.bwd_atoms import dq_atom, load_atoms
-from flexjit.templates.cute.sm90.bwd_rows import shuffled_row
+from flexjit.templates.cute.sm90.bwd_rows import row_values, shuffled_row
 from flexjit.templates.cute.sm90.bwd_tiling import BwdTiling, choose_bwd_tiling, lpt_coords
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols, store_dq_acc
 
@@ -205,13 +205,14 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         assert self.score_grads is None or self.score_mod is not None
         self.dq_swapped, self.p_late, self.shuffle_stats = t.dq_swapped, t.p_late, t.shuffle_stats
         self.dk_smem, self.p_smem, self.lpt_section = t.dk_smem, t.p_smem, t.lpt_section
+        self.dv_after_ds = t.dv_after_ds
         self.q_split, self.q_head = t.q_split, t.q_head
         self.do_stages = self.num_stages  # dO(+delta) stages (``bwd_keys`` may take one)
         # q_head: g CTAs add into each dK/dV box, in no fixed order; its fp32 boxes reuse the
         # operand tiles (``bwd_qhead``), which needs two Q stages of 64 rows or more.
         assert not self.q_head or not (self.deterministic or self.dq_swapped)
         assert not self.q_head or (t.tile_n == MASK_BLOCK and t.tile_m * t.num_stages >= 128)
-        assert not (self.p_smem and self.p_late)
+        assert not (self.p_smem and (self.p_late or self.dv_after_ds))
         assert not self.p_smem or t.tile_n == MASK_BLOCK  # not with the dim split
         assert not self.dk_smem or t.tile_n == MASK_BLOCK  # not with the dim split
         # p_late converts P from the fp32 it leaves in the Sᵀ accumulator: that is P itself
@@ -801,8 +802,8 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         acc_dP = cute.make_rmem_tensor(ctx.s_shape, Float32)
         wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
         # lse2 and delta (16 registers each here) read under the GEMMs, as in ``_q_tile_regs``.
-        rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
-        rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
+        rLSE = row_values(ctx.tSsLSE[None, None, None, idx], ctx.s_shape)
+        rDelta = row_values(ctx.tSsDelta[None, None, None, idx], ctx.s_shape)
         warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under P
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         self._probabilities(ctx, acc_S, rP, rLSE, head, m, kind)
@@ -855,7 +856,7 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         if const_expr(self.shuffle_stats):
             rLSE = shuffled_row(ctx.sLSE, idx, self.tile_m, ctx.tScS)
         elif const_expr(not self.kv_batch_broadcast):
-            rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
+            rLSE = row_values(ctx.tSsLSE[None, None, None, idx], ctx.s_shape)
         if const_expr(self.overlap_dp):
             warpgroup.wait_group(1)  # Sᵀ done; dPᵀ runs under the elementwise work below
         else:
@@ -880,11 +881,11 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         if const_expr(self.shuffle_stats):
             rDelta = shuffled_row(ctx.sDelta, idx, self.tile_m, ctx.tScS)
         elif const_expr(not self.kv_batch_broadcast):
-            rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, idx])
-        if const_expr(self.p_late):
+            rDelta = row_values(ctx.tSsDelta[None, None, None, idx], ctx.s_shape)
+        if const_expr(self.p_late or self.dv_after_ds):
             if const_expr(not self.overlap_dp):
                 wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrV, ops.tPrdO, zero_init=True)
-            warpgroup.wait_group(0)  # dPᵀ done; dV is issued once dS is formed
+            warpgroup.wait_group(0)  # dPᵀ done; dV is issued once dS is formed (or stored)
         elif const_expr(self.p_smem):
             if const_expr(self.overlap_dp):
                 warpgroup.wait_group(1)  # dPᵀ done (issued before dV)
@@ -907,7 +908,8 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         sums = self._form_ds(ctx, acc_S, acc_dP, rDelta, head, m)
         if const_expr(self.p_late):
             rP.store(acc_S.load().to(self.dtype))
-            wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
+            if const_expr(not self.dv_after_ds):
+                wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
         if const_expr(self.dk_smem):
             rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         else:
@@ -926,6 +928,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         else:
             cute.copy(ctx.st_t, ctx.thr_st_t.retile(rdS), ctx.tSsdS[None, None, None, idx])
         cute.arch.fence_view_async_shared()
+        if const_expr(self.dv_after_ds):
+            # Behind the proxy fence, which ptxas does not move a wgmma above (``dv_after_ds``).
+            wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ctx.tVrP, ops.tVrdO, zero_init=False)
         acc_dQ = cute.make_rmem_tensor(ctx.dq_shape, Float32)
         if const_expr(self.dk_smem):
             # dK reads only this warpgroup's keys of the dS tile: issued once the warpgroup's
@@ -955,16 +960,6 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             self._flush_uniform_grads(ctx, sums, head, m)
         state.advance()
         return state
-
-    @cute.jit
-    def _row_values(self, ctx, tRow: cute.Tensor) -> cute.Tensor:
-        """One stage of lse2 or delta (smem, broadcast over keys: the Sᵀ accumulator's shape)
-        read into registers here. The 32 reads name 16 distinct addresses per thread (its
-        accumulator covers 16 query columns); the compiler merges them into 8 LDS.64."""
-        r = cute.make_rmem_tensor(ctx.s_shape, Float32)
-        for i in cutlass.range_constexpr(cute.size(r)):
-            r[i] = tRow[i]
-        return r
 
     @cute.jit
     def _publish_dq(self, ctx, acc_dQ: cute.Tensor):

@@ -63,6 +63,7 @@ from flexjit.templates.cute.opaque import opaque_smem, opaque_thread_idx
 from flexjit.templates.cute.sm90.bwd import (_BAR_MMA, _BAR_WG, BwdConfig, FlexAttentionBwdSm90,
                                              _transposed_2d)
 from flexjit.templates.cute.sm90.bwd_atoms import dq_atom, load_atoms
+from flexjit.templates.cute.sm90.bwd_rows import row_values
 from flexjit.templates.cute.sm90.dq import dq_box_view, dq_smem_layout, k_atom_cols
 
 # Keys per CTA (``BwdTiling.tile_n`` of the "keys96" variant).
@@ -278,7 +279,7 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
         acc_dP = cute.make_rmem_tensor(ctx.s_shape, Float32)
         wgmma_gemm(ctx.mma_sdp, acc_dP, ops.tPrdO, ops.tPrV, zero_init=True)
         # lse2 (2 distinct values a thread: its 2 query rows) read under the GEMMs.
-        rLSE = self._row_values(ctx, ctx.tSsLSE[None, None, None, idx])
+        rLSE = row_values(ctx.tSsLSE[None, None, None, idx], ctx.s_shape)
         warpgroup.wait_group(1)  # S done; dP runs under P
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         self._probabilities(ctx, acc_S, rP, rLSE, head, m, kind)
@@ -293,7 +294,7 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
             # longer says so).
             cute.arch.barrier(barrier_id=_BAR_MMA, number_of_threads=self.num_mma_threads)
         wgmma_gemm(ctx.mma_dkv, ctx.acc_dV, ops.tVrdO, ops.tVsP, zero_init=False)
-        rDelta = self._row_values(ctx, ctx.tSsDelta[None, None, None, do_state.index])
+        rDelta = row_values(ctx.tSsDelta[None, None, None, do_state.index], ctx.s_shape)
         warpgroup.wait_group(1)  # dP done (dV may still run)
         self._form_ds(ctx, acc_S, acc_dP, rDelta, head, m)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
@@ -343,8 +344,7 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
 _KeysOperands = namedtuple("_KeysOperands", "tSrQ tSrK tPrdO tPrV tVrdO tVsP tKrQ tKsdS tQrA tQrB")
 
 # Per-CTA MMA-warpgroup state (trace-time), named as the base class's ``_BwdCtx`` where the
-# base class's helpers read it (``_probabilities``, ``_row_values``, ``_publish_dq``,
-# ``_walk_q_tiles``). tSsPdS: the stmatrix partition of the dS/P buffer (both stages).
+# base class's helpers read it (``_probabilities``, ``_publish_dq``, ``_walk_q_tiles``). tSsPdS: the stmatrix partition of the dS/P buffer (both stages).
 _KeysCtx = namedtuple("_KeysCtx", "mma_sdp mma_dkv mma_dq wg_sdp wg_dkv wg_dq smem acc_dV acc_dK "
                       "tScS tSsLSE tSsDelta st thr_st tSsPdS tQsdQ s_shape dq_shape c "
                       "softmax_scale sched aux wg")

@@ -1,12 +1,24 @@
-"""The sm90 backward's row statistics held sparsely: ``shuffled_row`` keeps one lse2 or delta
-value in 8 per thread and ``ShuffledRow`` fetches each by warp shuffle where the Sᵀ accumulator
-uses it (``BwdTiling.shuffle_stats``), instead of tile_m / 4 registers read before the waits."""
+"""The sm90 backward's row statistics (lse2, delta) in registers: ``row_values`` reads a stage
+whole, one register per accumulator element; held sparsely, ``shuffled_row`` keeps one value in 8
+per thread and ``ShuffledRow`` fetches each by warp shuffle where the Sᵀ accumulator uses it
+(``BwdTiling.shuffle_stats``), instead of tile_m / 4 registers read before the waits."""
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from flexjit.templates.cute.common import register_offsets
+
+
+@cute.jit
+def row_values(tRow: cute.Tensor, shape) -> cute.Tensor:
+    """One stage of lse2 or delta (smem, broadcast over keys: the accumulator's ``shape``) read
+    into registers here. In the 64 × 128 tile the 32 reads name 16 distinct addresses per thread
+    (its accumulator covers 16 query columns); the compiler merges them into 8 LDS.64."""
+    r = cute.make_rmem_tensor(shape, Float32)
+    for i in cutlass.range_constexpr(cute.size(r)):
+        r[i] = tRow[i]
+    return r
 
 
 @cute.jit

@@ -31,6 +31,15 @@ class BwdTiling:
     # P converted to 16 bits only after dS is formed, the dV GEMM issued after dS (FA3's
     # order): P's 16-bit copy is not live across the dP wait.
     p_late: bool = False
+    # dV += Pᵀ dO issued once dS is formed, converted and stored to smem (behind the proxy
+    # fence before the dS barrier: FlashAttention-4's order), not before the dPᵀ wait (or, with
+    # p_late, right after dS is formed). Nothing is in flight while dS is formed, and ptxas
+    # cannot hoist the dV wgmmas into the elementwise work: it schedules a wgmma as early as its
+    # register operands allow (in order with the other wgmmas, never above a proxy fence), so
+    # with p_late it interleaves dV with the forming of dS, where Sᵀ, dPᵀ and P are live. At
+    # 128 rows (D = 64) both earlier issue points leave too few registers for the wgmma
+    # pipeline, and ptxas serialises every wgmma (C7512).
+    dv_after_ds: bool = False
     # lse2 and delta held one value in 8 per thread and fetched by warp shuffle at each use
     # (``bwd_rows.ShuffledRow``), instead of tile_m / 4 registers each read before the waits.
     shuffle_stats: bool = False
@@ -82,8 +91,12 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       here (longer Q tiles amortise the per-tile work of the short K=64 GEMMs); with it Sᵀ, dPᵀ
       (64 each), P (32) and dV, dK (32 each) reach the cap: ptxas serialises the wgmmas
       (advisory C7512: a wait after every wgmma), with or without overlap_dp
-      (``BwdTiling(128, 128, 2, "rows", ..)`` builds). FA4 sheds registers there by holding each
-      LSE/delta value in one thread of 8 and shuffling; that is the next step for speed.
+      (``BwdTiling(128, 128, 2, "rows", ..)`` builds), also with lse2/delta held one value in 8
+      ("shuffle", FA4's). The wgmma that does not fit is dV's: issued before the dPᵀ wait it
+      keeps P (bf16) and dV in flight beside Sᵀ/P, dPᵀ and dK (224 of 240); issued after dS is
+      formed ("late"), ptxas hoists it back into the elementwise work. Issued once dS is
+      stored, behind the proxy fence ("dvafter", FA4's order), the 128-row tile compiles
+      clean with masks (not yet with score mods): "m128+shuffle+dvafter".
     * D = 32: D = 64's row (overlap always).
     * D = 96: D = 128's row, but overlap always: dV + dK = 96 registers leave room for every
       core mod's temporaries beside Sᵀ, dPᵀ and P (all 18 compile spill-free overlapped, heavy
@@ -122,14 +135,15 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 
 # The schedule variants a backward may be asked for by name (``bwd_tiling``), each a change to
 # the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "psmem"
-# (``p_smem``), "lpt" / "lpt2" (``lpt_section`` 8 / 2), "shuffle" (``shuffle_stats``), "swapdq" (``dq_swapped``), "m80"
+# (``p_smem``), "lpt" / "lpt2" (``lpt_section`` 8 / 2), "shuffle" (``shuffle_stats``), "swapdq"
+# (``dq_swapped``), "dvafter" (``dv_after_ds``), "m80"
 # (80-row tiles, dense launches only, with the dQ GEMM swapped), "m128" (128-row tiles, head
 # dims up to 64, dQ split by rows), "qhead" (``q_head``: one CTA per query head, head dims up to
 # 128); for the dim split (D = 192) only: "qsplit" / "sdpdup" (the S/dP
 # GEMMs split by query rows, ``BwdTiling.q_split``, or computed whole in each warpgroup), and
 # "keys96": 64 × 96 tiles instead (``KEYS96``, the kernel ``bwd_keys.FlexAttentionBwdKeysSm90``).
-BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "m80", "m128",
-                     "qsplit", "sdpdup", "qhead", "keys96")
+BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "dvafter", "m80",
+                     "m128", "qsplit", "sdpdup", "qhead", "keys96")
 _DIM_SPLIT_TOKENS = ("qsplit", "sdpdup", "keys96")
 
 # D = 192's 96-key tile (FlashAttention-3's): S and dP not swapped, the warpgroups split the keys
@@ -165,13 +179,15 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
     fields = dict(p_late="late" in tokens, dk_smem="dksmem" in tokens, p_smem="psmem" in tokens,
                   lpt_section=8 if "lpt" in tokens else 2 if "lpt2" in tokens else 0,
                   shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens,
-                  q_head="qhead" in tokens)
+                  dv_after_ds="dvafter" in tokens, q_head="qhead" in tokens)
     if "m80" in tokens:
         fields.update(tile_m=80, dq_swapped=True)
     if "m128" in tokens:
         if head_dim > 64:
             raise ValueError("128-row backward tiles serve head dims up to 64")
         fields.update(tile_m=128, dq_split="rows")
+    if fields["dv_after_ds"] and fields["p_smem"]:
+        raise ValueError("'dvafter' orders the dV GEMM that reads P from registers, not 'psmem'")
     if fields["dq_swapped"] and head_dim != 128:
         raise ValueError("the swapped dQ GEMM serves head dim 128 (64 head dims per warpgroup)")
     if fields["q_head"] and fields["dq_swapped"]:

@@ -658,6 +658,40 @@ def test_schedule_variants_compile_clean(tmp_path, config, D, causal):
     assert "wgmma.mma_async" in fn.parts["main"].compiled.__ptx__
 
 
+# The 128-row tile at D = 64 with P and dS read from registers (FlashAttention-4's tile): the
+# dV GEMM issued once dS is in smem ("dvafter") leaves ptxas room for the wgmma pipeline; issued
+# before the dPᵀ wait, or right after dS is formed ("late"), every wgmma is serialised (C7512).
+# Masks only: score mods (ALiBi, softcap) still spill there, and with "late" so does the
+# document mask (8 bytes).
+@pytest.mark.parametrize("config,name", [("m128+shuffle+dvafter", "full"),
+                                         ("m128+shuffle+dvafter", "causal"),
+                                         ("m128+shuffle+dvafter", "document"),
+                                         ("m128+shuffle+late+dvafter", "full"),
+                                         ("m128+shuffle+late+dvafter", "causal")])
+def test_m128_in_registers_compiles_clean(tmp_path, config, name):
+    case = make_case(name, 2, 4, 300, 500)
+    program = _program(case.score_mod, case.mask_mod)
+    mods = load_mods(program)
+    cfg = tpl.BwdConfig(64, 64, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
+                        has_block_mask=case.mask_mod is not None,
+                        tiling=tiling_tpl.bwd_tiling(64, 64, True, config))
+    ptx = _clean_main_ptx(tmp_path, cfg, program)
+    # Every tile kind's dV GEMM (half the RS wgmmas, dK's the other half) lies between the dS
+    # stores' proxy fence and the dS barrier.
+    rs = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{"
+    between = re.findall(r"fence\.proxy\.async\.shared::cta;(.*?)bar\.sync\s+1, 256;", ptx, re.S)
+    assert 2 * sum(len(re.findall(rs, seg)) for seg in between) == len(re.findall(rs, ptx)) > 0
+
+
+def test_dv_after_ds_token():
+    # "dvafter" moves the RS dV GEMM; with P read from smem ("psmem") there is none to move.
+    t = tiling_tpl.bwd_tiling(64, 64, None, "m128+shuffle+dvafter")
+    assert (t.tile_m, t.dq_split, t.shuffle_stats, t.dv_after_ds, t.p_late) == (128, "rows", True, True, False)
+    assert not tiling_tpl.bwd_tiling(64, 64, None, "m128+shuffle").dv_after_ds
+    with pytest.raises(ValueError, match="'dvafter'"):
+        tiling_tpl.bwd_tiling(64, 64, None, "psmem+dvafter")
+
+
 # One CTA per query head ("qhead"): the four head dims of the 128-key tile with no mods, the
 # two masks the GPU suite runs (causal, documents: a captured tensor) and ALiBi (a per-head
 # slope load, the heaviest of the three beside dK + dV at D = 128).

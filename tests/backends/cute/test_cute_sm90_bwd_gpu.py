@@ -233,14 +233,20 @@ def test_schedule_variants(config, D, name):
                                            ("m128+psmem+dksmem+shuffle", 64, "alibi"),
                                            ("m128", 32, "full"), ("m128", 32, "causal"),
                                            ("m128", 32, "alibi"), ("m128", 32, "document"),
-                                           ("m128+shuffle", 32, "causal")])
+                                           ("m128+shuffle", 32, "causal"),
+                                           ("m128+shuffle+dvafter", 64, "full"),
+                                           ("m128+shuffle+dvafter", 64, "causal"),
+                                           ("m128+shuffle+dvafter", 64, "document"),
+                                           ("m128+shuffle+dvafter", 64, "alibi"),
+                                           ("m128+shuffle+late+dvafter", 64, "causal")])
 def test_taller_tiles(config, D, name):
     # 80 rows: no multiple of the 128-row mask block, dense launches only.
     check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
 
 
 @pytest.mark.parametrize("config,D", [("swapdq", 128), ("m80+late+dksmem+shuffle", 128),
-                                      ("m128+psmem+dksmem+shuffle", 64), ("m128", 32)])
+                                      ("m128+psmem+dksmem+shuffle", 64), ("m128", 32),
+                                      ("m128+shuffle+dvafter", 64)])
 def test_schedule_variants_deterministic(config, D):
     # The transposed dQ boxes and 80-row tiles' semaphores (a tile count that does not divide
     # the padded length) keep deterministic mode bit-identical.
