@@ -94,10 +94,10 @@ _BWD_TABLE = {
     ("sm90", True, 128, "captured_grads"): (32, 128, 128, 32, 8, 3),
     # "dq_atomic" (the atomic-dQ schedule, ``dq_atomic``: the dK/dV role alone plus a
     # (BLOCK_M1, E) fp32 dQ tile) has no entry of its own yet, so it runs the plain entry's
-    # dK/dV tile. At sm90 D=128 (ptxas of triton 3.9's PTX, 8 warps) 64x128 spills 164 B
-    # (causal) to 256 B (softcap+ALiBi+window), 32x128 40-72 B, 64x64 0-64 B with twice the dQ
-    # atomics (one add per query row and head dim per key tile); 4 warps or 128-row query tiles
-    # spill 0.3-2 KB. The two-role launch's 64x128 beat its spill-free 32x128 on the GPU, so
+    # dK/dV tile. At sm90 D=128 (ptxas of triton 3.9's PTX, 8 warps, 3 stages) 64x128 spills
+    # 120 B (causal) to 324 B (softcap+ALiBi+window), 32x128 40-72 B, 64x64 0-64 B with twice
+    # the dQ atomics (one add per query row and head dim per key tile); 4 warps or 128-row
+    # query tiles spill 0.3-2 KB. The two-role launch's 64x128 beat its spill-free 32x128 on the GPU, so
     # 64x128 stays until a GPU sweep of the three (benchmarks' impls flexjit-triton-dqatomic*)
     # says otherwise. At D=64, 64x128 compiles spill-free.
 }
@@ -176,6 +176,8 @@ def _bwd_smem(c: "BwdConfig", e_pad, ev_pad, elem) -> int:
     buffers = c.num_stages
     role_kv = c.BLOCK_N1 * (e_pad + ev_pad) + buffers * c.BLOCK_M1 * (e_pad + ev_pad) \
         + c.BLOCK_M1 * c.BLOCK_N1
+    if c.dq_atomic:  # no dQ role; dS is staged once more, transposed, for the dQ product
+        return elem * (role_kv + c.BLOCK_M1 * c.BLOCK_N1)
     role_q = c.BLOCK_M2 * (e_pad + ev_pad) + buffers * c.BLOCK_N2 * (e_pad + ev_pad) \
         + c.BLOCK_M2 * c.BLOCK_N2
     return elem * max(role_kv, role_q)
@@ -316,9 +318,9 @@ def bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: 
     """The backward's block config (table, fitted like the forward's; kernel_options BLOCK_M1,
     BLOCK_N1, BLOCK_M2, BLOCK_N2, bwd_num_warps, bwd_num_stages override). ``captured_grads``:
     the kernel also accumulates captured tensors' gradients; ``tf32``, ``interpret`` as for the
-    forward; ``dq_atomic``: the atomic-dQ schedule (``dq_atomic``), which has no dQ role, so its
-    BLOCK_M2/BLOCK_N2 are the dK/dV role's tiles (shared memory, warps and the even-length
-    checks then see that role only)."""
+    forward; ``dq_atomic``: the atomic-dQ schedule (``dq_atomic``), which has no dQ role: its
+    BLOCK_M2/BLOCK_N2 are the dK/dV role's tiles, and the shared-memory estimate counts that
+    role only (the dQ role's streamed 128-key tiles would cut a stage at D=128)."""
     return _remembered(_bwd_config, arch, dtype, E, EV, L, S, sparse, opts,
                        (captured_grads, tf32, interpret, dq_atomic))
 
@@ -339,11 +341,11 @@ def _bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts:
     if dq_atomic:
         m2, n2 = m1, n1
     stages = _opt(opts, ("bwd_num_stages",), stages)
-    c = BwdConfig(m1, n1, m2, n2, warps, stages)
+    c = BwdConfig(m1, n1, m2, n2, warps, stages, dq_atomic=dq_atomic)
     elem = torch.finfo(dtype).bits // 8
     while "bwd_num_stages" not in opts and c.num_stages > 1 and \
             _bwd_smem(c, e_pad, ev_pad, elem) > smem_limit(arch):
         c = dataclasses.replace(c, num_stages=c.num_stages - 1)
     warps = _opt(opts, ("bwd_num_warps",), _warps(warps, max(m1, m2), max(n1, n2), _per_warp(dtype)))
     tma, ws = tma_options(90 if interpret else arch, opts, "bwd_", _BWD_TMA_DEFAULT, interpret)
-    return dataclasses.replace(c, num_warps=warps, use_tma=tma, warp_specialize=ws, dq_atomic=dq_atomic)
+    return dataclasses.replace(c, num_warps=warps, use_tma=tma, warp_specialize=ws)

@@ -982,6 +982,9 @@ def test_dq_atomic_option_is_checked_and_off_by_default():
     on = tb.bwd_config(*args, _DQA, dq_atomic=True)
     # no dQ role: its tiles are the dK/dV role's (the table's 64x128 at sm90 D=128)
     assert on.dq_atomic and (on.BLOCK_M1, on.BLOCK_N1, on.BLOCK_M2, on.BLOCK_N2) == (64, 128, 64, 128)
+    # its shared memory is the dK/dV role's alone: the table's 3 stages fit (a dQ role streaming
+    # 128-key tiles would have cut one)
+    assert on.num_stages == 3 and tb.bwd_config(*args, {}).num_stages == 3
     from flexjit.backends.triton.config import dq_atomic
     assert dq_atomic({}, False) == (False, "") and dq_atomic(_DQA, False) == (True, "")
     assert dq_atomic({"BWD_DQ_ATOMIC": False}, True) == (False, "")
@@ -1028,3 +1031,19 @@ def test_dq_atomic_compiles_for_sm90():
         assert "wgmma" in ptx and re.search(r"red\.global\.[\w.]*add[\w.]*f32", ptx)
         if name.startswith("learnable"):
             assert re.search(r"(red|atom)\.global\.[\w.]*add\.f64", ptx)
+
+
+def test_tune_triton_dqatomic_grid_plans_both_backward_schedules(tmp_path):
+    # --grid dqatomic, planned on the CPU: the default (two-role) backward first, then the
+    # atomic-dQ kernel at the table's tile and the pinned ones, with torch's baseline row.
+    import json
+    from benchmarks import tune_triton
+    tune_triton.main(["--dry-run", "--grid", "dqatomic", "--torch", "--passes", "fwdbwd",
+                      "--out", str(tmp_path), "--S", "2k", "--variants", "causal"])
+    rows = json.loads((tmp_path / "tune_triton.json").read_text())["rows"]
+    default = [r for r in rows if r["default"]]
+    assert len(default) == 1 and not default[0]["config"].get("dqa")
+    atomic = [r for r in rows if r["config"].get("dqa")]
+    assert len(atomic) >= 3 and all(" dqa" in r["label"] for r in atomic), rows
+    assert all(r["config"]["BLOCK_M2"] == "-" for r in atomic)
+    assert sum(1 for r in rows if r.get("baseline")) == 1
