@@ -4,6 +4,9 @@
   out, LSE and every gradient (q, k, v and captured tensors that require grad) for every core
   mod, with tolerances from the data (err <= 2·err(plain torch in the test dtype) + floor).
   Outputs are poisoned (FLEXJIT_POISON=1: NaN-filled) so an element no kernel writes fails.
+* The atomic-dQ backward (kernel_options BWD_DQ_ATOMIC): every core mod, GQA, ragged lengths,
+  padded head dims, block masks with partial and full blocks, captured gradients, against the
+  same oracle; deterministic mode runs the two-role launch; the default source is untouched.
 * Rendering: golden snapshots of the generated mod code; the op table's Python semantics.
 * Caching: one render per IR, scalars and buffer shapes are run-time values (counted).
 * Dispatch: supports()/explain reasons.
@@ -861,3 +864,186 @@ def test_tune_triton_tma_grid_plans_descriptors_and_the_torch_baseline(tmp_path)
         assert sum(1 for r in prow if r.get("baseline")) == 1
         assert any(r["config"].get("tma") and " tma" in r["label"] for r in prow), prow
     assert "best x torch" in (tmp_path / "tune_triton.md").read_text()
+
+
+# --------------------------------------------------------------------------- atomic-dQ backward
+
+_DQA = {"BWD_DQ_ATOMIC": True}
+
+
+def _record_kernels(monkeypatch) -> list:
+    """The kernel name of every launch from here on (spies on the backend's launcher)."""
+    seen = []
+    run = tb._run
+
+    def spy(plan, launch):
+        seen.append(launch.kernel)
+        return run(plan, launch)
+    monkeypatch.setattr(tb, "_run", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_dq_atomic_core_mods_bf16(interp, monkeypatch, name):
+    # The common shape (GQA 4:2, L = 96 != S = 80, S ragged against the 32-blocks: partial and
+    # full blocks, a last block past S) on the atomic-dQ schedule: the same oracle and
+    # tolerances as the two-role launch; the learnable mods' captured gradients included. The
+    # spy fails a silent fallback to the two-role launch.
+    seen = _record_kernels(monkeypatch)
+    case, oracle = case_and_oracle(name, SHAPE["B"], SHAPE["Hq"], SHAPE["L"], SHAPE["S"], seed=0)
+    check(case, **SHAPE, dtype=torch.bfloat16, block_size=32, oracle=oracle, kernel_options=_DQA)
+    assert "flex_bwd_dq_atomic" in seen and "flex_bwd" not in seen, seen
+
+
+@pytest.mark.parametrize("name", ["causal", "softcap", "document", "learnable_bias", "learnable_alibi"])
+def test_dq_atomic_core_mods_fp32(interp, name):
+    # fp32 (IEEE dots, errors near 1e-6): an atomic landing on the wrong row, head or column shows.
+    case, oracle = case_and_oracle(name, SHAPE["B"], SHAPE["Hq"], SHAPE["L"], SHAPE["S"], seed=1)
+    check(case, **SHAPE, dtype=torch.float32, block_size=32, seed=1, oracle=oracle,
+          kernel_options=_DQA)
+
+
+def test_dq_atomic_ragged_lengths_and_padded_head_dims(interp):
+    # Lengths that are not multiples of 16 (the atomics' row mask), head dims padded to powers of
+    # two (48 -> 64, 24 -> 32: the atomics' column mask), and 16-row sub-tiles of 64-blocks.
+    torch.manual_seed(6)
+    check(make_case("causal_or_global", 2, 2, 77, 53), B=2, Hq=2, Hkv=2, L=77, S=53, E=32, Ev=32,
+          dtype=torch.bfloat16, block_size=32, seed=6, kernel_options=_DQA)
+    torch.manual_seed(5)
+    check(make_case("softcap", 1, 2, 64, 72), B=1, Hq=2, Hkv=1, L=64, S=72, E=48, Ev=24,
+          dtype=torch.float32, block_size=32, seed=5, kernel_options=_DQA)
+    torch.manual_seed(4)
+    check(make_case("document", 1, 2, 112, 100), B=1, Hq=2, Hkv=2, L=112, S=100, E=16, Ev=16,
+          dtype=torch.float32, block_size=64, seed=4,
+          kernel_options=dict(_DQA, BLOCK_M1=16, BLOCK_N1=16))
+
+
+def test_dq_atomic_dense_and_tma(interp, monkeypatch):
+    # No block mask (the dense walk) with GQA, and the descriptor path for q/dO (even lengths).
+    seen = _record_tma(monkeypatch)
+    case, oracle = case_and_oracle("alibi", TMA_SHAPE["B"], TMA_SHAPE["Hq"], TMA_SHAPE["L"],
+                                   TMA_SHAPE["S"], seed=11)
+    check(case, **TMA_SHAPE, dtype=torch.bfloat16, block_size=32, seed=11, oracle=oracle,
+          kernel_options=dict(_DQA, USE_TMA=True))
+    assert seen["flex_bwd_dq_atomic"] == [True], seen
+
+
+def test_dq_atomic_matches_the_two_role_backward(interp):
+    # dK, dV and the captured gradient come from the same dK/dV programs in the same order (the
+    # interpreter's table, sm80's, gives both schedules one dK/dV tile): bit-equal; dQ differs
+    # only by the fp32 summation order (one kv tile's adds at a time).
+    torch.manual_seed(13)
+    table = torch.randn(2, 200).requires_grad_(True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + table[h % 2, q_idx - kv_idx + 100]
+    q, k, v = random_qkv(1, 4, 2, 96, 80, 32, 32, torch.float32, 13)
+    bm = create_block_mask(mods.causal(), None, None, 96, 80, device="cpu", BLOCK_SIZE=32)
+    grads = []
+    for opts in (None, _DQA):
+        out = flex_attention(q, k, v, biased, block_mask=bm, enable_gqa=True, backend="triton",
+                             kernel_options=opts)
+        grads.append(torch.autograd.grad(out.pow(2).sum(), (q, k, v, table)))
+    (dq0, dk0, dv0, dt0), (dq1, dk1, dv1, dt1) = grads
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1) and torch.equal(dt0, dt1)
+    assert max_err(dq0, dq1) <= 1e-5 * dq0.abs().max().item() and not torch.equal(dq0, torch.zeros_like(dq0))
+
+
+def test_dq_atomic_is_ignored_under_deterministic_algorithms(interp, monkeypatch):
+    # The atomic adds land in no fixed order: deterministic mode runs the two-role launch (bit
+    # for bit the default's gradients) and explain() says why the option was not served.
+    seen = _record_kernels(monkeypatch)
+    q, k, v = random_qkv(1, 2, 2, 64, 48, 16, 16, torch.float32, 14)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        choice = flexjit.explain(q, k, v, backend="triton", kernel_options=_DQA)
+        assert "BWD_DQ_ATOMIC is ignored under deterministic algorithms" in choice.backward_reason
+        assert "BWD_DQ_ATOMIC" in str(choice)
+        out = flex_attention(q, k, v, backend="triton", kernel_options=_DQA)
+        got = torch.autograd.grad(out.sum(), (q, k, v))
+        assert "flex_bwd" in seen and "flex_bwd_dq_atomic" not in seen, seen
+        out = flex_attention(q, k, v, backend="triton")
+        want = torch.autograd.grad(out.sum(), (q, k, v))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    finally:
+        torch.use_deterministic_algorithms(was)
+    choice = flexjit.explain(q, k, v, backend="triton", kernel_options=_DQA)
+    assert "atomic-dQ schedule" in choice.backward_reason
+    assert flexjit.explain(q, k, v, backend="triton").backward_reason == "the Triton backward"
+
+
+def test_dq_atomic_option_is_checked_and_off_by_default():
+    q = torch.randn(1, 1, 16, 16)
+    with pytest.raises(ValueError, match="BWD_DQ_ATOMIC"):
+        flex_attention(q, q, q, kernel_options={"BWD_DQ_ATOMIC": "yes"}, backend="reference")
+    args = (90, torch.bfloat16, 128, 128, 2048, 2048, (128, 128))
+    assert not tb.bwd_config(*args, {}).dq_atomic
+    on = tb.bwd_config(*args, _DQA, dq_atomic=True)
+    # no dQ role: its tiles are the dK/dV role's (the table's 64x128 at sm90 D=128)
+    assert on.dq_atomic and (on.BLOCK_M1, on.BLOCK_N1, on.BLOCK_M2, on.BLOCK_N2) == (64, 128, 64, 128)
+    # its shared memory is the dK/dV role's alone: the table's 3 stages fit (a dQ role streaming
+    # 128-key tiles would have cut one)
+    assert on.num_stages == 3 and tb.bwd_config(*args, {}).num_stages == 3
+    from flexjit.backends.triton.config import dq_atomic
+    assert dq_atomic({}, False) == (False, "") and dq_atomic(_DQA, False) == (True, "")
+    assert dq_atomic({"BWD_DQ_ATOMIC": False}, True) == (False, "")
+    assert not dq_atomic(_DQA, True)[0] and "deterministic" in dq_atomic(_DQA, True)[1]
+
+
+def test_dq_atomic_leaves_the_default_backward_source_untouched():
+    # The option selects another template ("bwd_dq_atomic", which extends "bwd"): the default
+    # module renders from bwd.py alone, and the atomic module is exactly that module's code with
+    # the new kernel appended (the shared functions are the same text, holes filled alike).
+    from flexjit.backends.triton import render as rd
+    assert rd.EXTENDS == {"bwd_dq_atomic": "bwd"}
+    for name in CORE:
+        prog = _program(name)
+        default = tb.render(prog, "bwd")
+        atomic = tb.render(prog, "bwd_dq_atomic")
+        body = default.split("\n", 2)[2].rstrip("\n")
+        assert atomic.split("\n", 2)[2].startswith(body), name
+        added = atomic.split("\n", 2)[2][len(body):]
+        assert "def flex_bwd_dq_atomic(" in added and "flex_bwd_dq_atomic" not in default
+        assert not any(rd._HOLE.match(line) for line in added.splitlines()), name  # holes filled
+        compile(atomic, f"{name}_bwd_dq_atomic", "exec")
+    # The default launch is the two-role kernel, with or without the option set to False.
+    call = prepare_call(torch.randn(1, 2, 256, 64, dtype=torch.bfloat16),
+                        *(torch.randn(1, 2, 256, 64, dtype=torch.bfloat16) for _ in "kv"),
+                        None, None, None, False, {"BWD_DQ_ATOMIC": False})
+    plain = tb.launches_for(call, 90)[2]
+    assert plain.kernel == "flex_bwd" and plain.which == "bwd" and "BLOCK_M2" in plain.constexprs
+
+
+def test_dq_atomic_compiles_for_sm90():
+    # As the H100 builds it (D = 128, 128-blocks, GQA): wgmma, vectorised fp32 reductions into
+    # the dQ accumulator, no dQ programs in the grid; learnable ALiBi keeps its fp64 atomics.
+    torch.manual_seed(0)
+    for name in ("causal", "learnable_alibi"):
+        case = make_case(name, 1, 4, 1024, 1024)
+        bm = _block_mask(case.mask_mod, 1, 4, 1024, 1024, 128)
+        q = torch.randn(1, 4, 1024, 128, dtype=torch.bfloat16)
+        kv = torch.randn(1, 2, 1024, 128, dtype=torch.bfloat16)
+        call = prepare_call(q, kv, kv, case.score_mod, bm, None, True, _DQA)
+        launch = tb.launches_for(call, 90)[2]
+        assert launch.kernel == "flex_bwd_dq_atomic" and launch.grid == (1024 // 128, 2, 1)
+        ptx = tb.compile_launch(tb.make_plan(call, arch=90, interpret=False), launch, 90).asm["ptx"]
+        assert "wgmma" in ptx and re.search(r"red\.global\.[\w.]*add[\w.]*f32", ptx)
+        if name.startswith("learnable"):
+            assert re.search(r"(red|atom)\.global\.[\w.]*add\.f64", ptx)
+
+
+def test_tune_triton_dqatomic_grid_plans_both_backward_schedules(tmp_path):
+    # --grid dqatomic, planned on the CPU: the default (two-role) backward first, then the
+    # atomic-dQ kernel at the table's tile and the pinned ones, with torch's baseline row.
+    import json
+    from benchmarks import tune_triton
+    tune_triton.main(["--dry-run", "--grid", "dqatomic", "--torch", "--passes", "fwdbwd",
+                      "--out", str(tmp_path), "--S", "2k", "--variants", "causal"])
+    rows = json.loads((tmp_path / "tune_triton.json").read_text())["rows"]
+    default = [r for r in rows if r["default"]]
+    assert len(default) == 1 and not default[0]["config"].get("dqa")
+    atomic = [r for r in rows if r["config"].get("dqa")]
+    assert len(atomic) >= 3 and all(" dqa" in r["label"] for r in atomic), rows
+    assert all(r["config"]["BLOCK_M2"] == "-" for r in atomic)
+    assert sum(1 for r in rows if r.get("baseline")) == 1
