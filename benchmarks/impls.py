@@ -65,7 +65,8 @@ FLEXJIT_MODES = {
         "late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle", "swapdq",
         "late+dksmem+swapdq", "psmem+dksmem", "psmem+dksmem+shuffle", "m80+late+dksmem+shuffle",
         "m128+psmem+dksmem+shuffle", "lpt", "lpt2", "qsplit", "sdpdup", "qhead", "qhead+lpt",
-        "qhead+lpt2", "keys96")},
+        "qhead+lpt2", "keys96", "dvafter", "m128+shuffle+dvafter", "m80+late+dksmem+shuffle+dvafter",
+        "m128", "m128+dvafter")},
     # the Triton backward's atomic-dQ schedule (kernel_options BWD_DQ_ATOMIC: no dQ programs,
     # dQ added by fp32 atomics from the dK/dV programs), for an A/B against flexjit-triton and
     # torch-flex-triton in one run
