@@ -12,8 +12,6 @@ each layout's copies and transposes the results back, outside the timed region.
 | flexjit-<backend>  | flexjit.flex_attention(..., backend=<backend>), flexjit's block mask   |
 | flexjit-cute-<mode>| the same under one of FLEXJIT_MODES' switches (det, pertile, persistent, |
 |                    | m128/m192: the forward's query tile pinned)                             |
-| flexjit-triton-dqatomic | flexjit's Triton backend, backward on the atomic-dQ schedule     |
-|                    | (kernel_options BWD_DQ_ATOMIC)                                          |
 | torch-flex-triton  | torch.compile(flex_attention), torch's block mask, Triton kernels      |
 | torch-flex-flash   | the same with kernel_options={"BACKEND": "FLASH"} (FA4 underneath)     |
 | fa4                | flash_attn.cute.flash_attn_func with the variant's built-in arguments  |
@@ -67,16 +65,6 @@ FLEXJIT_MODES = {
         "m128+psmem+dksmem+shuffle", "lpt", "lpt2", "qsplit", "sdpdup", "qhead", "qhead+lpt",
         "qhead+lpt2", "keys96", "dvafter", "m128+shuffle+dvafter", "m80+late+dksmem+shuffle+dvafter",
         "m128", "m128+dvafter")},
-    # the Triton backward's atomic-dQ schedule (kernel_options BWD_DQ_ATOMIC: no dQ programs,
-    # dQ added by fp32 atomics from the dK/dV programs), for an A/B against flexjit-triton and
-    # torch-flex-triton in one run
-    "flexjit-triton-dqatomic": ("triton", {"BWD_DQ_ATOMIC": True}, False),
-    # its dK/dV tile pinned beside the table's (64x128 at sm90 D=128): 32x128 and 64x64, which
-    # spill less there (64x64 with twice the atomics; backends/triton/config.py's table notes)
-    "flexjit-triton-dqatomic-m32n128": ("triton", {"BWD_DQ_ATOMIC": True, "BLOCK_M1": 32,
-                                                   "BLOCK_N1": 128}, False),
-    "flexjit-triton-dqatomic-m64n64": ("triton", {"BWD_DQ_ATOMIC": True, "BLOCK_M1": 64,
-                                                  "BLOCK_N1": 64}, False),
 }
 # FP8 inputs: name -> (backend, pre). ``pre(fp8_set) -> (q8, k8, v8, kwargs)`` runs outside the
 # timed region on each input set (None: the plain user call, flexjit's per-call preparation

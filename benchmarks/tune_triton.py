@@ -30,10 +30,6 @@ in time and a second call with `--variants` the rest (or `--passes` one pass) fi
 
     python3 -m benchmarks.tune_triton --grid tma --torch --out OUT/tma --budget-s 270
 
-`--grid dqatomic`: the backward's default (the two-role launch) against the atomic-dQ schedule
-(kernel_options BWD_DQ_ATOMIC) at the table's dK/dV tile and `DQA_BWD_GRID`'s others; with
-`--torch --passes fwdbwd` one call gives both schedules' ratio to torch Flex-Triton.
-
 DIR/tune_triton.json (meta and every row) is rewritten after each measurement; at the end
 DIR/tune_triton.md holds, per pass, each case's best config beside the default and each config's
 geometric-mean speedup over the default across cases (the tables are per arch and head dim, not
@@ -90,11 +86,6 @@ TMA_FWD_GRID = [{"USE_TMA": 1},
                 {"USE_TMA": 1, "BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}]
 TMA_BWD_GRID = [{"USE_TMA": 1},
                 {"USE_TMA": 1, "BLOCK_M1": 32, "BLOCK_N1": 128, "BLOCK_M2": 128, "BLOCK_N2": 32}]
-# --grid dqatomic (fwdbwd): the atomic-dQ backward at the table's tile, then 32x128 and 64x64
-# (fewer spills at sm90 D=128, the second with twice the atomics) and two stages.
-DQA_BWD_GRID = [{"BWD_DQ_ATOMIC": True}, {"BWD_DQ_ATOMIC": True, "BLOCK_M1": 32, "BLOCK_N1": 128},
-                {"BWD_DQ_ATOMIC": True, "BLOCK_M1": 64, "BLOCK_N1": 64},
-                {"BWD_DQ_ATOMIC": True, "bwd_num_stages": 2}]
 # The variant list (the blocks grid's default omits prefix_lm).
 TMA_VARIANTS = ("full", "causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap")
 FWD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -114,10 +105,9 @@ def parse_args(argv=None):
                    help="start no measurement after this many seconds (0: no limit)")
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up (default 10)")
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time (default 40)")
-    p.add_argument("--grid", choices=("blocks", "tma", "dqatomic"), default="blocks",
+    p.add_argument("--grid", choices=("blocks", "tma"), default="blocks",
                    help="blocks: FWD_GRID/BWD_GRID (tile sweep); tma: TMA_FWD_GRID/TMA_BWD_GRID "
-                        "(descriptors and warp specialisation against the default); dqatomic: "
-                        "DQA_BWD_GRID (the atomic-dQ backward against the default)")
+                        "(descriptors and warp specialisation against the default)")
     p.add_argument("--torch", action="store_true",
                    help="also time torch's compiled Flex-Triton (the same mods) per case, the "
                         "baseline: the report gives each config's ratio to it")
@@ -127,7 +117,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.S = parse_sizes(args.S)
     if args.variants is None:
-        args.variants = ",".join(DEFAULT_VARIANTS if args.grid == "blocks" else TMA_VARIANTS)
+        args.variants = ",".join(TMA_VARIANTS if args.grid == "tma" else DEFAULT_VARIANTS)
     args.variants = parse_list(args.variants, VARIANTS)
     args.passes = parse_list(args.passes, ("fwd", "fwdbwd"))
     for S in args.S:
@@ -146,8 +136,6 @@ def grid_options(pass_: str, grid: str = "blocks") -> list[dict]:
     """The grid as kernel_options dicts, for the forward or (fwdbwd) the backward."""
     if grid == "tma":
         return [dict(o) for o in (TMA_FWD_GRID if pass_ == "fwd" else TMA_BWD_GRID)]
-    if grid == "dqatomic":  # a backward schedule: the forward has only its default to time
-        return [] if pass_ == "fwd" else [dict(o) for o in DQA_BWD_GRID]
     keys, grid = (FWD_KEYS, FWD_GRID) if pass_ == "fwd" else (BWD_KEYS, BWD_GRID)
     return [dict(zip(keys, entry)) for entry in grid]
 
@@ -156,16 +144,13 @@ def resolved(q, k, v, variant, block_mask, pass_: str, opts: dict, arch: int) ->
     """The config the kernel would be launched with: read off the Triton backend's own launch plan
     (meta tensors, nothing compiled), so a grid entry the planner refits or rejects shows here."""
     call = prepare_call(q, k, v, variant.score_mod, block_mask, None, False, opts)
+    name = "flex_fwd" if pass_ == "fwd" else "flex_bwd"
     launches = {x.kernel: x for x in fj_triton.launches_for(call, arch)}
-    dqa = "flex_bwd_dq_atomic" in launches  # the atomic-dQ backward: no dQ role, no M2/N2
-    name = "flex_fwd" if pass_ == "fwd" else "flex_bwd_dq_atomic" if dqa else "flex_bwd"
     launch = launches[name]
     blocks = FWD_KEYS[:2] if pass_ == "fwd" else BWD_BLOCKS
-    cfg = {b: launch.constexprs.get(b, "-") for b in blocks}
+    cfg = {b: launch.constexprs[b] for b in blocks}
     cfg = {**cfg, "num_warps": launch.options["num_warps"], "num_stages": launch.options["num_stages"],
            "tma": launch.constexprs["USE_TMA"], "ws": launch.constexprs["WARP_SPEC"]}
-    if dqa and pass_ != "fwd":
-        cfg["dqa"] = True
     if pass_ == "fwdbwd":  # the forward it runs with: the row times both
         cfg["fwd_tma"] = launches["flex_fwd"].constexprs["USE_TMA"]
         cfg["fwd_ws"] = launches["flex_fwd"].constexprs["WARP_SPEC"]
@@ -178,7 +163,7 @@ def label(cfg: dict) -> str:
     its forward)."""
     blocks = "x".join(str(cfg[b]) for b in FWD_KEYS[:2]) if "BLOCK_M" in cfg \
         else "/".join(str(cfg[b]) for b in BWD_BLOCKS)
-    flags = "".join(f" {n}" for n in ("tma", "ws", "dqa") if cfg.get(n))
+    flags = "".join(f" {n}" for n in ("tma", "ws") if cfg.get(n))
     flags += "".join(f" fwd:{n}" for n in ("tma", "ws") if cfg.get("fwd_" + n))
     return f"{blocks} w{cfg['num_warps']} s{cfg['num_stages']}{flags}"
 

@@ -36,14 +36,6 @@ Keys with a meaning for flexjit:
   where a variant cannot serve (Hq = Hkv or deterministic mode for "qhead"; deterministic mode
   and captured-tensor gradients for "keys96") the table's runs, which ``flexjit.explain`` says;
   "" is the tile table's. For measuring schedules.
-* ``BWD_DQ_ATOMIC`` (flexjit): True runs the Triton backward's atomic-dQ schedule: the dK/dV
-  programs also form each query sub-tile's dQ and add it into an fp32 accumulator by atomics
-  (FlashAttention-2's original Triton form), so no dQ programs recompute S and dP (5 GEMMs a
-  tile instead of 7); the accumulator is cast to dq's dtype after. Off by default (False): not
-  yet measured faster on a GPU, and it holds an fp32 copy of dq. Ignored under deterministic
-  algorithms (the atomic adds land in no fixed order, so dQ would differ in its last bits from
-  run to run): the two-role launch runs, and ``flexjit.explain`` says so. Captured-tensor
-  gradients are unchanged (fp64 atomics either way). Only the Triton backward reads it.
 * ``AUTOTUNE`` (flexjit; ``fwd_``/``bwd_`` per pass): True (default) lets ``runtime.autotune``
   choose among a backend's candidate configurations (the sm90 forward's tile and schedule) by
   measurement, once per shape class, remembered on disk; False (and deterministic
@@ -74,7 +66,7 @@ from flexjit.backends.cute import sm90 as cute_sm90
 MEANINGFUL = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
               "BLOCK_N2", "FAST_MATH", "BACKEND", "FORCE_USE_FLEX_ATTENTION", "USE_TMA",
               "WARP_SPECIALIZE", "PERSISTENT", "DECODE_SPLITS", "TILE_M", "BWD_CONFIG",
-              "AUTOTUNE", "DECODE_CONFIG", "BWD_DQ_ATOMIC")
+              "AUTOTUNE", "DECODE_CONFIG")
 IGNORED = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
            "kpack", "matrix_instr_nonkdim", "waves_per_eu", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
            "SAFE_HEAD_DIMENSION",
@@ -109,7 +101,6 @@ class FlexKernelOptions(TypedDict, total=False):
     BWD_CONFIG: str
     AUTOTUNE: bool
     DECODE_CONFIG: str
-    BWD_DQ_ATOMIC: bool
     PRESCALE_QK: bool
     ROWS_GUARANTEED_SAFE: bool
     BLOCKS_ARE_CONTIGUOUS: bool
@@ -135,7 +126,6 @@ KNOWN = _known_keys()  # every key accepted without a prefix: flexjit's, the ign
 _TYPED = (
     ("PERSISTENT", lambda v: isinstance(v, bool), "True or False"),
     ("AUTOTUNE", lambda v: isinstance(v, bool), "True or False"),
-    ("BWD_DQ_ATOMIC", lambda v: isinstance(v, bool), "True or False"),
     ("TILE_M", lambda v: v in (128, 192) and not isinstance(v, bool), "128 or 192"),
     ("DECODE_SPLITS", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
      "a positive int"),

@@ -14,7 +14,6 @@ import torch
 from flexjit.backends.base import capability, device_buffers
 from flexjit.backends.fp8 import compute_dtype
 from flexjit.backends.triton import decode, prefill
-from flexjit.backends.triton.config import dq_atomic
 from flexjit.backends.triton.sources import import_triton, interpreting
 
 
@@ -81,19 +80,9 @@ def forward(call):
 
 
 def backward_supports(call) -> tuple[bool, str]:
-    """The Triton backward runs whatever its forward runs. The reason names the atomic-dQ
-    schedule where kernel_options ``BWD_DQ_ATOMIC`` asks for it, or why it is ignored
-    (deterministic algorithms: ``config.dq_atomic``), so ``flexjit.explain`` shows which runs."""
+    """The Triton backward runs whatever its forward runs."""
     ok, why = supports(call)
-    if not ok:
-        return ok, why
-    atomic, refused = dq_atomic(call.kernel_options, torch.are_deterministic_algorithms_enabled())
-    if refused:
-        return True, f"the Triton backward; {refused}"
-    if atomic:
-        return True, ("the Triton backward, atomic-dQ schedule (kernel_options BWD_DQ_ATOMIC: the "
-                      "dK/dV programs add dQ by fp32 atomics, no dQ programs)")
-    return True, "the Triton backward"
+    return ok, ("the Triton backward" if ok else why)
 
 
 def backward(call, q, k, v, out, lse, dout, dlse) -> tuple:

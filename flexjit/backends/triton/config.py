@@ -39,7 +39,6 @@ class BwdConfig:
     num_stages: int
     use_tma: bool = False  # streamed tiles (Q/dO in the dK/dV role, K/V in the dQ role) by TMA
     warp_specialize: bool = False
-    dq_atomic: bool = False  # the dK/dV role adds dQ by fp32 atomics; no dQ role (``dq_atomic``)
 
 
 # Forward (BLOCK_M, BLOCK_N, num_warps, num_stages) by (arch class, 16-bit inputs, padded head
@@ -92,14 +91,6 @@ _BWD_TABLE = {
     # triton 3.9's PTX), 32x128 12 B; not swept on the GPU, so they keep the 32x128 tiles they
     # were verified with.
     ("sm90", True, 128, "captured_grads"): (32, 128, 128, 32, 8, 3),
-    # "dq_atomic" (the atomic-dQ schedule, ``dq_atomic``: the dK/dV role alone plus a
-    # (BLOCK_M1, E) fp32 dQ tile) has no entry of its own yet, so it runs the plain entry's
-    # dK/dV tile. At sm90 D=128 (ptxas of triton 3.9's PTX, 8 warps, 3 stages) 64x128 spills
-    # 120 B (causal) to 324 B (softcap+ALiBi+window), 32x128 40-72 B, 64x64 0-64 B with twice
-    # the dQ atomics (one add per query row and head dim per key tile); 4 warps or 128-row
-    # query tiles spill 0.3-2 KB. The two-role launch's 64x128 beat its spill-free 32x128 on the GPU, so
-    # 64x128 stays until a GPU sweep of the three (benchmarks' impls flexjit-triton-dqatomic*)
-    # says otherwise. At D=64, 64x128 compiles spill-free.
 }
 # fp32 backward, same sweep: IEEE 32x64/64x32 tiles over 8 warps (the 4-warp entry before spilled
 # 9 KB; 79 against 442 ms forward + backward with the old forward), TF32 32x128/128x32 over 8
@@ -176,8 +167,6 @@ def _bwd_smem(c: "BwdConfig", e_pad, ev_pad, elem) -> int:
     buffers = c.num_stages
     role_kv = c.BLOCK_N1 * (e_pad + ev_pad) + buffers * c.BLOCK_M1 * (e_pad + ev_pad) \
         + c.BLOCK_M1 * c.BLOCK_N1
-    if c.dq_atomic:  # no dQ role; dS is staged once more, transposed, for the dQ product
-        return elem * (role_kv + c.BLOCK_M1 * c.BLOCK_N1)
     role_q = c.BLOCK_M2 * (e_pad + ev_pad) + buffers * c.BLOCK_N2 * (e_pad + ev_pad) \
         + c.BLOCK_M2 * c.BLOCK_N2
     return elem * max(role_kv, role_q)
@@ -293,55 +282,29 @@ def _fwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts:
     return FwdConfig(bm, bn, warps, stages, tma, ws)
 
 
-DQ_ATOMIC_DETERMINISTIC = ("kernel_options BWD_DQ_ATOMIC is ignored under deterministic algorithms "
-                           "(its fp32 dQ atomic adds land in no fixed order): dQ by its own programs")
-
-
-def dq_atomic(opts: dict, deterministic: bool) -> tuple[bool, str]:
-    """(whether the backward runs the atomic-dQ schedule, why it does not where asked):
-    kernel_options ``BWD_DQ_ATOMIC`` (off by default: not yet measured faster on a GPU). The
-    dK/dV programs then add each query sub-tile's dQ into an fp32 accumulator by atomics
-    (``templates/triton/bwd_dq_atomic.py``), 5 GEMMs a tile instead of 7. Deterministic
-    algorithms keep the two-role launch, whose dQ is a register sum in a fixed order: the
-    option is ignored there, with the reason (``flexjit.explain`` shows it), as "qhead" is on
-    the sm90 backward, rather than raising in a training loop that merely set the flag."""
-    if not _flag(opts, ("BWD_DQ_ATOMIC",), False):
-        return False, ""
-    if deterministic:
-        return False, DQ_ATOMIC_DETERMINISTIC
-    return True, ""
-
-
 def bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
-               captured_grads: bool = False, tf32: bool = False, interpret: bool = False,
-               dq_atomic: bool = False) -> BwdConfig:
+               captured_grads: bool = False, tf32: bool = False, interpret: bool = False) -> BwdConfig:
     """The backward's block config (table, fitted like the forward's; kernel_options BLOCK_M1,
     BLOCK_N1, BLOCK_M2, BLOCK_N2, bwd_num_warps, bwd_num_stages override). ``captured_grads``:
     the kernel also accumulates captured tensors' gradients; ``tf32``, ``interpret`` as for the
-    forward; ``dq_atomic``: the atomic-dQ schedule (``dq_atomic``), which has no dQ role: its
-    BLOCK_M2/BLOCK_N2 are the dK/dV role's tiles, and the shared-memory estimate counts that
-    role only (the dQ role's streamed 128-key tiles would cut a stage at D=128)."""
+    forward."""
     return _remembered(_bwd_config, arch, dtype, E, EV, L, S, sparse, opts,
-                       (captured_grads, tf32, interpret, dq_atomic))
+                       (captured_grads, tf32, interpret))
 
 
 def _bwd_config(arch: int, dtype, E: int, EV: int, L: int, S: int, sparse, opts: dict,
-                captured_grads: bool, tf32: bool = False, interpret: bool = False,
-                dq_atomic: bool = False) -> BwdConfig:
+                captured_grads: bool, tf32: bool = False, interpret: bool = False) -> BwdConfig:
     e_pad, ev_pad = head_pad(E), head_pad(EV)
-    # Captured gradients take precedence: their entries keep the tiles those kernels fit in.
-    kind = "captured_grads" if captured_grads else "dq_atomic" if dq_atomic else None
     m1, n1, m2, n2, warps, stages = _table_entry(_BWD_TABLE, _BWD_FP32, arch, dtype,
-                                                 max(e_pad, ev_pad), kind, tf32)
+                                                 max(e_pad, ev_pad),
+                                                 "captured_grads" if captured_grads else None, tf32)
     sq, skv = sparse if sparse is not None else (None, None)
     m1 = _user_block(opts, ("BLOCK_M1",), sq) or _fit_block(m1, sq, L)
     n1 = _user_block(opts, ("BLOCK_N1",), skv) or _fit_block(n1, skv, S)
     m2 = _user_block(opts, ("BLOCK_M2",), sq) or _fit_block(m2, sq, L)
     n2 = _user_block(opts, ("BLOCK_N2",), skv) or _fit_block(n2, skv, S)
-    if dq_atomic:
-        m2, n2 = m1, n1
     stages = _opt(opts, ("bwd_num_stages",), stages)
-    c = BwdConfig(m1, n1, m2, n2, warps, stages, dq_atomic=dq_atomic)
+    c = BwdConfig(m1, n1, m2, n2, warps, stages)
     elem = torch.finfo(dtype).bits // 8
     while "bwd_num_stages" not in opts and c.num_stages > 1 and \
             _bwd_smem(c, e_pad, ev_pad, elem) > smem_limit(arch):

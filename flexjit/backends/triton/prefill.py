@@ -13,8 +13,7 @@ backend import it) and re-exports what callers use from the others:
 What this module holds
 ----------------------
 * The plan of a call (``make_plan``, ``Plan``: block lists, configs, arch) and its launches
-  (``Launch``: ``fwd_launch``, ``preprocess_launch``, ``bwd_launch``, or ``dq_atomic_launch``
-  for kernel_options BWD_DQ_ATOMIC, ``backward_config``), run by ``_run``, which
+  (``Launch``: ``fwd_launch``, ``preprocess_launch``, ``bwd_launch``), run by ``_run``, which
   retries with fewer stages when Triton's shared memory outgrows the estimate.
   ``FLEXJIT_POISON=1`` NaN-fills outputs.
 * ``forward``/``backward`` for ``flexjit.dispatch`` (the backward needs only out and lse, so
@@ -39,7 +38,7 @@ from flexjit.planner.block_mask import _transpose_ordered
 from flexjit.backends.base import capability
 from flexjit.backends.fp8 import compute_dtype
 from flexjit.backends.triton.sources import STATS, cache_key, compiler_env, forget_imported, import_triton, interpreting, load_module, triton_compiles
-from flexjit.backends.triton.config import _BWD_TABLE, _FWD_TABLE, SHORT_KV_LOOP, BwdConfig, FwdConfig, _fwd_smem, bwd_config, dq_atomic, fwd_config, head_pad, smem_limit
+from flexjit.backends.triton.config import _BWD_TABLE, _FWD_TABLE, SHORT_KV_LOOP, BwdConfig, FwdConfig, _fwd_smem, bwd_config, fwd_config, head_pad, smem_limit
 from flexjit.backends.triton.render import buffer_ranks, capture_names, fill, grad_names, grad_slots, render, render_holes, template_text
 
 LOG2E = 1.4426950408889634
@@ -421,10 +420,6 @@ def preprocess_launch(plan: Plan, out, dout, lse, dlse, delta, lse2) -> Launch:
 
 def bwd_launch(plan: Plan, c: BwdConfig, q, k, v, dout, lse2, delta, dq, dk, dv, bufs,
                grads: dict) -> Launch:
-    """The backward's launch; ``c.dq_atomic``: the atomic-dQ kernel (``dq_atomic_launch``),
-    where ``dq`` is its fp32 accumulator."""
-    if c.dq_atomic:
-        return dq_atomic_launch(plan, c, q, k, v, dout, lse2, delta, dq, dk, dv, bufs, grads)
     B, Hq, L, E = q.shape
     Hkv, S, EV = k.shape[1], k.shape[2], v.shape[3]
     grad_args = []
@@ -455,77 +450,26 @@ def bwd_launch(plan: Plan, c: BwdConfig, q, k, v, dout, lse2, delta, dq, dk, dv,
                   _options(c.num_warps, c.num_stages))
 
 
-def dq_atomic_launch(plan: Plan, c: BwdConfig, q, k, v, dout, lse2, delta, dq_acc, dk, dv, bufs,
-                     grads: dict) -> Launch:
-    """The atomic-dQ backward (``templates/triton/bwd_dq_atomic.py``): the dK/dV programs only,
-    one per (key tile, kv head, batch), each adding its query sub-tiles' dQ into ``dq_acc``
-    (fp32, like q, zero-filled). Only the dK/dV role's tiles (BLOCK_M1, BLOCK_N1) decide the
-    even-length checks and the descriptors' blocks."""
-    B, Hq, L, E = q.shape
-    Hkv, S, EV = k.shape[1], k.shape[2], v.shape[3]
-    grad_args = []
-    for g in grads.values():
-        grad_args += [g, *g.stride()]
-    q_lists = _q_lists(plan) if plan.sparse is not None else _Lists(None, None, None, None)
-    q_args = q_lists.args(delta)
-    n_kv = triton_cdiv(S, c.BLOCK_N1)
-    even_m = _even(L, c.BLOCK_M1, plan.sparse, 0)
-    even_n = _even(S, c.BLOCK_N1, plan.sparse, 1)
-    tma = c.use_tma and _tma_ok((q, dout), even_m and even_n)
-    descs = [_descriptor(q, c.BLOCK_M1), _descriptor(dout, c.BLOCK_M1)] if tma else [q, dout]
-    args = [q, k, v, dout, lse2, delta, dq_acc, dk, dv, *descs, *q.stride(), *k.stride(),
-            *v.stride(), *dout.stride(), *dq_acc.stride(), *dk.stride(), *dv.stride(),
-            *q_args[:4], *q_args[4:], Hq, L, S, Hq // Hkv, triton_cdiv(L, c.BLOCK_M1),
-            plan.scale, *_capture_args(plan.program, bufs), *grad_args]
-    kv_lists = plan.kv_lists
-    consts = _common_constexprs(plan, E, EV)
-    consts.update(BLOCK_M1=c.BLOCK_M1, BLOCK_N1=c.BLOCK_N1,
-                  HAS_PARTIAL=kv_lists.num is not None, HAS_FULL=kv_lists.full_num is not None,
-                  ACC_GRADS=bool(grads), EVEN_M=even_m, EVEN_N=even_n,
-                  DOT_PRECISION=plan.dot, NUM_STAGES=c.num_stages,
-                  USE_TMA=tma, WARP_SPEC=c.warp_specialize)
-    return Launch("bwd_dq_atomic", "flex_bwd_dq_atomic", (n_kv, Hkv, B), args, consts,
-                  _options(c.num_warps, c.num_stages))
-
-
-_SAID_REFUSED: list[str] = []  # the BWD_DQ_ATOMIC refusal is logged once a process
-
-
-def backward_config(plan: Plan, dtype, E: int, EV: int, L: int, S: int, arch: int | None = None,
-                    interpret: bool | None = None) -> BwdConfig:
-    """The backward's config for this plan (``arch``/``interpret``: a compile-only build's),
-    the atomic-dQ schedule where kernel_options ask for it and deterministic mode allows
-    (``dq_atomic``)."""
-    atomic, refused = dq_atomic(plan.kernel_options, torch.are_deterministic_algorithms_enabled())
-    if refused and not _SAID_REFUSED:
-        _SAID_REFUSED.append(refused)
-        log.info("flexjit: %s", refused)
-    return bwd_config(plan.arch if arch is None else arch, dtype, E, EV, L, S, plan.sparse,
-                      plan.kernel_options, captured_grads=bool(grad_slots(plan.program)),
-                      tf32=plan.tf32, interpret=plan.interpret if interpret is None else interpret,
-                      dq_atomic=atomic)
-
-
 def run_backward(plan: Plan, q, k, v, out, lse, dout, dlse, bufs):
     """Launch preprocess + backward: (dq, dk, dv, grads of captured tensors by slot)."""
     B, Hq, L, E = q.shape
     S, EV = k.shape[2], v.shape[3]
-    c = backward_config(plan, q.dtype, E, EV, L, S)
+    c = bwd_config(plan.arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options,
+                   captured_grads=bool(grad_slots(plan.program)), tf32=plan.tf32,
+                   interpret=plan.interpret)
     delta = _out((B, Hq, L), torch.float32, q.device)
     lse2 = _out((B, Hq, L), torch.float32, q.device)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()  # autograd may hand an expanded (stride 0) grad
     _run(plan, preprocess_launch(plan, out, dout, lse, dlse, delta, lse2))
-    # The atomic-dQ kernel adds into a zeroed fp32 accumulator (already scaled), cast after.
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if c.dq_atomic \
-        else _out(q.shape, q.dtype, q.device)
+    dq = _out(q.shape, q.dtype, q.device)
     dk = _out(k.shape, k.dtype, k.device)
     dv = _out(v.shape, v.dtype, v.device)
     grads = {s: torch.zeros(bufs[s].shape, dtype=_GRAD_ACC, device=q.device)
              for s in grad_slots(plan.program)}
     _run(plan, bwd_launch(plan, c, q, k, v, dout, lse2, delta, dq, dk, dv, bufs, grads))
     STATS["bwd_launch"] += 1
-    return dq.to(q.dtype), dk, dv, grads
+    return dq, dk, dv, grads
 
 
 # --------------------------------------------------------------------------- compile-only
@@ -596,14 +540,14 @@ def launches_for(call, arch: int) -> list[Launch]:
     bufs = [t.detach().to("meta") for t in call.program.buffers]
     out = torch.empty(B, Hq, L, EV, dtype=q.dtype, device="meta")
     lse = torch.empty(B, Hq, L, dtype=torch.float32, device="meta")
-    c = backward_config(plan, q.dtype, E, EV, L, S, arch=arch, interpret=False)
+    c = bwd_config(arch, q.dtype, E, EV, L, S, plan.sparse, plan.kernel_options,
+                   captured_grads=bool(grad_slots(plan.program)), tf32=plan.tf32)
     grads = {s: torch.empty(bufs[s].shape, dtype=_GRAD_ACC, device="meta")
              for s in grad_slots(plan.program)}
     max_scores = torch.empty_like(lse) if call.max_scores else None
-    dq = torch.empty(q.shape, dtype=torch.float32, device="meta") if c.dq_atomic else q
     return [fwd_launch(plan, q, k, v, out, lse, bufs, max_scores),
             preprocess_launch(plan, out, out, lse, None, lse, lse),
-            bwd_launch(plan, c, q, k, v, out, lse, lse, dq, k, v, bufs, grads)]
+            bwd_launch(plan, c, q, k, v, out, lse, lse, q, k, v, bufs, grads)]
 
 
 def make_plan(call, arch: int | None = None, interpret: bool | None = None) -> Plan:

@@ -257,8 +257,7 @@ def _import(p: Program, which: str, interpret: bool):
 def triton_compiles(mod) -> int:
     """Compiled binaries Triton holds for a generated module's kernels (0 under the interpreter)."""
     total = 0
-    for fn in (getattr(mod, n, None) for n in ("flex_fwd", "flex_bwd", "flex_bwd_preprocess",
-                                               "flex_bwd_dq_atomic")):
+    for fn in (getattr(mod, n, None) for n in ("flex_fwd", "flex_bwd", "flex_bwd_preprocess")):
         caches = getattr(fn, "device_caches", None)
         if caches is not None:
             total += sum(len(c[0]) for c in caches.values())

@@ -6,8 +6,6 @@
   and every gradient against the float64 oracle with tolerances from the data
   (err <= 2·err(plain torch in bf16) + floor), outputs poisoned first (FLEXJIT_POISON=1).
 * The USE_TMA option on the benchmark's variants.
-* The atomic-dQ backward (BWD_DQ_ATOMIC): every core mod at head dims 64 and 128, its tiles,
-  TMA, ragged lengths, fp16/fp32, 16k against the two-role launch; deterministic mode.
 * Long sequences (S = 16k): out and LSE on sampled query rows against a float64 oracle of those
   rows; gradients against the reference backend (fp32) by relative norm.
 * Compiles are counted: a new captured scalar, a captured tensor of a new shape or a new
@@ -269,100 +267,3 @@ def test_max_scores_and_int64_index_math():
             continue
         got = flex_attention(q, k, v, mods_softcap, bm, enable_gqa=True, backend=backend)
         assert_close_to_oracle(f"{backend} out", got, ref, low, FLOOR[torch.bfloat16])
-
-
-# The atomic-dQ backward (kernel_options BWD_DQ_ATOMIC): the dK/dV programs add dQ by fp32
-# atomics, no dQ programs. At the TMA tests' shape (2k x 2k, GQA 8:2, D = 128, 128-blocks) and
-# at D = 64, against the float64 oracle with the same tolerances as the two-role launch; the
-# launches are spied on so a silent fallback to the two-role kernel fails.
-_DQA = {"BWD_DQ_ATOMIC": True}
-
-
-def _spy_kernels(monkeypatch) -> list:
-    seen = []
-    run = tb._run
-
-    def spy(plan, launch):
-        seen.append(launch.kernel)
-        return run(plan, launch)
-    monkeypatch.setattr(tb, "_run", spy)
-    return seen
-
-
-@pytest.mark.parametrize("E", [64, 128])
-@pytest.mark.parametrize("name", CORE)
-def test_dq_atomic_core_mods(monkeypatch, name, E):
-    seen = _spy_kernels(monkeypatch)
-    case, oracle = case_and_oracle(name, 2, 8, 1536, 2048, device=DEV, seed=0)
-    check(case, B=2, Hq=8, Hkv=2, L=1536, S=2048, E=E, Ev=E, oracle=oracle, kernel_options=_DQA)
-    assert "flex_bwd_dq_atomic" in seen and "flex_bwd" not in seen, seen
-
-
-@pytest.mark.parametrize("opts", [{}, {"USE_TMA": True}, {"BLOCK_M1": 32, "BLOCK_N1": 128},
-                                  {"BLOCK_M1": 64, "BLOCK_N1": 64}])
-@pytest.mark.parametrize("name", ["causal", "document", "softcap_alibi_window", "learnable_bias"])
-def test_dq_atomic_tiles_and_tma(monkeypatch, name, opts):
-    # The table's tile (64x128 at D = 128), the benchmark's pinned ones, and q/dO by TMA.
-    seen = _spy_kernels(monkeypatch)
-    case, oracle = case_and_oracle(name, 2, 8, 2048, 2048, device=DEV, seed=5)
-    check(case, B=2, Hq=8, Hkv=2, L=2048, S=2048, E=128, Ev=128, seed=5, oracle=oracle,
-          kernel_options=dict(_DQA, **opts))
-    assert "flex_bwd_dq_atomic" in seen and "flex_bwd" not in seen, seen
-
-
-@pytest.mark.parametrize("name", ["causal", "document", "learnable_alibi", "softcap_alibi_window"])
-def test_dq_atomic_ragged_and_odd_head_dim(name):
-    # Lengths that are not multiples of 16 or of the block (the atomics' row mask); head dim 96
-    # padded to 128 (their column mask).
-    case, oracle = case_and_oracle(name, 2, 4, 1000, 1337, device=DEV, seed=1)
-    check(case, B=2, Hq=4, Hkv=4, L=1000, S=1337, E=96, Ev=96, seed=1, oracle=oracle,
-          kernel_options=_DQA)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_dq_atomic_dtypes(dtype):
-    case, oracle = case_and_oracle("learnable_bias", 1, 4, 1024, 1024, device=DEV, seed=2)
-    check(case, B=1, Hq=4, Hkv=4, L=1024, S=1024, E=64, Ev=64, dtype=dtype, block_size=64,
-          seed=2, oracle=oracle, kernel_options=_DQA)
-
-
-def test_dq_atomic_long_sequence_against_the_two_role_backward():
-    # 16k causal, D = 128, both launches on the two-role launch's dK/dV tile (64x128): every
-    # gradient within the bf16 rounding of the other's (dQ's fp32 sums run in another order),
-    # by relative norm as test_long_sequence_16k compares.
-    B, H, S, D = 1, 4, 16384, 128
-    q, k, v = _inputs(B, H, H, S, S, D, D, torch.bfloat16, 3)
-    bm = _block_mask(make_case("causal", B, H, S, S, device=DEV).mask_mod, B, H, S, S)
-    do = torch.randn(B, H, S, D, device=DEV, dtype=torch.bfloat16)
-    tile = {"BLOCK_M1": 64, "BLOCK_N1": 128}
-    grads = []
-    for opts in (tile, dict(_DQA, **tile)):
-        out = flex_attention(q, k, v, block_mask=bm, backend="triton", kernel_options=opts)
-        grads.append(torch.autograd.grad(out, (q, k, v), do))
-    for label, a, b in zip(("dq", "dk", "dv"), *grads):
-        assert torch.isfinite(b).all(), label
-        rel = ((a.float() - b.float()).norm() / a.float().norm()).item()
-        assert rel < 1e-2, f"{label}: relative difference {rel:.3g}"
-
-
-def test_dq_atomic_is_ignored_under_deterministic_algorithms(monkeypatch):
-    # Deterministic mode runs the two-role launch (its dQ sums in a fixed order): the same bits
-    # on every run, and explain() says why the option was not served.
-    seen = _spy_kernels(monkeypatch)
-    q, k, v = _inputs(1, 4, 2, 1024, 1024, 128, 128, torch.bfloat16, 6)
-    bm = _block_mask(make_case("causal", 1, 4, 1024, 1024, device=DEV).mask_mod, 1, 4, 1024, 1024)
-    was = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True, warn_only=True)  # torch's own ops may warn
-        choice = flexjit.explain(q, k, v, block_mask=bm, enable_gqa=True, backend="triton",
-                                 kernel_options=_DQA)
-        assert "ignored under deterministic algorithms" in choice.backward_reason, str(choice)
-        runs = []
-        for _ in range(2):
-            out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, backend="triton",
-                                 kernel_options=_DQA)
-            runs.append(torch.autograd.grad(out.float().pow(2).sum(), (q, k, v)))
-        assert all(torch.equal(a, b) for a, b in zip(*runs))
-        assert "flex_bwd" in seen and "flex_bwd_dq_atomic" not in seen, seen
-    finally:
-        torch.use_deterministic_algorithms(was)
