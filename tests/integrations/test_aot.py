@@ -106,7 +106,9 @@ _CHILD = _CHILD_CALL + """
     aux = tuple(backend._aux_tensor(t, q.device) for t in call.program.buffers)
     backend.compile_program(call.program, q, k, v, sparse, aux, tile_m=tile_m,
                             persistent=backend._persistent_fwd(D, sparse, S, owner=bm))
-    backend.compile_backward(call.program, q.dtype, D, True, False, aux, head_dim_v=D)
+    tiling = backend.tiling_for(call.program, D, D, backend.heuristic_bwd_config(call, False))
+    backend.compile_backward(call.program, q.dtype, D, True, False, aux, head_dim_v=D,
+                             tiling=tiling)
     print(json.dumps({"messages": messages}))
 """
 

@@ -409,18 +409,20 @@ _MERGE_MAX_BLOCKS = 1 << 28
 # partial) and sliding window (40%) 5%, document (31%) 28% slower: a partial tile runs mask_mod
 # per score on 160 registers, where ptxas spills, and merging doubles the partial tiles.
 MERGED_MAX_PARTIAL = 0.15
+# Head dims whose forward takes the 192-row tile by that rule. D=32 on the H100, 8k, 128 → 192
+# rows: full 248 → 318 TFLOP/s, causal 246 → 272 (FA4 346, 324).
+TILE_192_HEAD_DIMS = (32, 64)
 
 
 def forward_tile_m(head_dim: int, bm, pinned: int | None = None) -> int:
-    """The forward's query tile rows: 192 at head dim 64 (three consumer warpgroups; with a
-    block mask over merged list rows where at most MERGED_MAX_PARTIAL of the merged tiles are
-    partial), else 128; ``pinned`` is ``kernel_options["TILE_M"]``. Head dim 96 has a 192-row
-    tile too (P through shared memory, ``fwd_tiling.choose_tiling``), run only where pinned:
-    causal +8%, ALiBi +4%, full ±0 on the H200, but its GPU tests have not all run, so the
-    tuner does not pick it yet."""
-    if head_dim in (32, 96) and pinned in (128, 192):
+    """The forward's query tile rows: 192 at head dims 32 and 64 (three consumer warpgroups;
+    with a block mask over merged list rows where at most MERGED_MAX_PARTIAL of the merged tiles
+    are partial), else 128; ``pinned`` is ``kernel_options["TILE_M"]``. Head dim 96 has a
+    192-row tile too (P through shared memory, ``fwd_tiling.choose_tiling``) that the tuner
+    measures but the rule does not pick: causal +8% on the H200, -2% on the H100, full ±1%."""
+    if head_dim == 96 and pinned in (128, 192):
         return int(pinned)
-    if head_dim != 64:
+    if head_dim not in TILE_192_HEAD_DIMS:
         if pinned not in (None, 128):
             raise ValueError(f"kernel_options TILE_M={pinned}: the sm90 forward runs 128-row "
                              f"query tiles at head dim {head_dim} (192 only at head dims 32, "
@@ -540,12 +542,12 @@ def _log2(x: float) -> int:
 def tuning(call) -> Tuning:
     """The forward's candidates for this call (``runtime.autotune`` measures them).
 
-    Only close calls are measured: both tiles at head dim 64 (192 with a block mask
+    Only close calls are measured: both tiles at head dims 32, 64 and 96 (192 with a block mask
     only where at most 2·MERGED_MAX_PARTIAL of the merged tiles are partial), both schedules where a query
     tile visits at most 2·PERSISTENT_MAX_KV_TILES kv tiles on average; a kernel_options pin
     keeps its value alone. The shape class holds what moves the answer: the Program, dtype,
     head dims, mask presence, K/V broadcast, max_scores, and log2 buckets of L, S, the grid
-    (B·Hq·⌈L/128⌉) and the mean kv tiles per q tile; at head dim 64 with a mask the
+    (B·Hq·⌈L/128⌉) and the mean kv tiles per q tile; at those head dims with a mask the
     merged tiles' partial share in tenths (known there already; elsewhere it would cost a
     sync)."""
     q, bm, opts = call.q, call.block_mask, call.kernel_options
@@ -558,7 +560,7 @@ def tuning(call) -> Tuning:
     fp8 = call.fp8 is not None  # one schedule; both tiles only where _fp8_tile_192 allows 192
     if fp8 and "TILE_M" not in opts and _fp8_tile_192(call):
         tile_ms = (128, 192)
-    elif D == 64 and "TILE_M" not in opts and not fp8:
+    elif D in (*TILE_192_HEAD_DIMS, 96) and "TILE_M" not in opts and not fp8:
         mergeable = bm is None or bm.kv_num_blocks.numel() * bm.kv_indices.shape[-1] <= _MERGE_MAX_BLOCKS
         if bm is not None and mergeable:
             share = _merged_partial_share(bm)
@@ -797,16 +799,36 @@ BWD_FAMILY = "sm90-bwd"
 
 
 def backward_heuristic(call) -> Config:
-    """The backward's configuration by rule: the tile table's schedule (at head dim 192 the
-    96-key tile, "keys96", wherever it serves: 1.4x the 64-key tile's fwd+bwd on the H100), or
+    """The backward's configuration by rule: ``default_bwd_config`` (at head dim 192 the 96-key
+    tile, "keys96", wherever it serves: 1.4x the 64-key tile's fwd+bwd on the H100), or
     the variants ``kernel_options["BWD_CONFIG"]`` pins (``bwd_config_for``: less the variants
     that cannot serve this call)."""
     return Config.of(bwd_config=heuristic_bwd_config(call, torch.are_deterministic_algorithms_enabled()))
 
 
+# The 128-row backward tile at head dims 32 and 64 (FA4's), dV issued only after dS is stored
+# ("dvafter": earlier, ptxas serialises every wgmma for want of registers). H100 fwd+bwd 8k
+# against the 64-row tile, same run: D=64 full +5% (Hkv 16) / +12% (Hkv 4), causal +10% / +3%;
+# D=32 full +16%, causal +12%. Mods with loads or transcendentals spill there (ALiBi 264 bytes
+# at D=64), so they keep the 64-row tile.
+TALL_BWD = {32: "m128+dvafter", 64: "m128+shuffle+dvafter"}
+
+
+def default_bwd_config(call) -> str:
+    """The ``BWD_CONFIG`` the backward runs unless pinned: at head dim 192 the 96-key tile; at
+    head dims 32 and 64 with light mods (``light_mods``) the 128-row tile (``TALL_BWD``); else
+    the tile table's row."""
+    D = call.q.shape[-1]
+    if D == 192:
+        return "keys96"
+    if D in TALL_BWD and call.v.shape[-1] == D and light_mods(call.program):
+        return TALL_BWD[D]
+    return ""
+
+
 def heuristic_bwd_config(call, deterministic: bool) -> str:
     """``backward_heuristic``'s ``BWD_CONFIG`` string under ``deterministic``."""
-    default = "keys96" if call.q.shape[-1] == 192 else ""
+    default = default_bwd_config(call)
     return bwd_config_for(call, call.kernel_options.get("BWD_CONFIG", default), deterministic)[0]
 
 
@@ -833,9 +855,9 @@ def bwd_config_for(call, config: str, deterministic: bool) -> tuple[str, str]:
 
 
 def backward_tuning(call) -> Tuning:
-    """The backward's candidates for this call (``runtime.autotune`` measures them): the tile
-    table's schedule and, under a block mask outside deterministic mode, kv tiles launched
-    longest first in sections of 8 or 2 (kv head, batch) pairs ("lpt", "lpt2": causal masks'
+    """The backward's candidates for this call (``runtime.autotune`` measures them): the
+    heuristic's schedule and, under a block mask outside deterministic mode, the same with kv
+    tiles launched longest first in sections of 8 or 2 (kv head, batch) pairs ("lpt", "lpt2": causal masks'
     work falls with the kv tile; which section pays depends on the Q/dO bytes, docs/
     performance.md); under GQA at head dim 128 outside deterministic mode, one CTA per query
     head ("qhead": +5% on causal 8k, -6% on full 8k, even elsewhere; it lost at head dim 64 and
@@ -851,7 +873,7 @@ def backward_tuning(call) -> Tuning:
     names = [default["bwd_config"]]
     lpt = "BWD_CONFIG" not in opts and D <= 128 and bm is not None and not deterministic
     if lpt:
-        names += ["lpt", "lpt2"]
+        names += ["+".join(t for t in (names[0], sec) if t) for sec in ("lpt", "lpt2")]
     if "BWD_CONFIG" not in opts and D == 128 and H > Hkv and not deterministic:
         names.append("qhead")
     key = (f"program={prog.key}", f"dtype={str(q.dtype).removeprefix('torch.')}",

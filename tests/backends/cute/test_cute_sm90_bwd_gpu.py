@@ -142,7 +142,7 @@ def check(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, sparse=True, with_dls
     return got
 
 
-@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("D", [128, 64, 32])
 @pytest.mark.parametrize("name", ["causal", "alibi", "document", "softcap", "sliding_window"])
 def test_mods_ragged_gqa(name, D):
     check(name, B=2, Hq=16, Hkv=4, L=1000, S=1000, D=D)
@@ -218,7 +218,9 @@ def test_empty_kv_blocks_get_zero_gradients():
 _VARIANTS = [(c, D) for c in ("late", "dksmem", "late+dksmem", "shuffle", "late+dksmem+shuffle",
                               "psmem", "psmem+dksmem+shuffle")
              for D in (128, 64)] + [("swapdq", 128), ("late+dksmem+swapdq", 128),
-                                    ("lpt", 128), ("lpt2", 128), ("lpt2", 64), ("late+lpt", 64)]
+                                    ("lpt", 128), ("lpt2", 128), ("lpt2", 64), ("late+lpt", 64),
+                                    ("m128+shuffle+dvafter+lpt", 64),
+                                    ("m128+shuffle+dvafter+lpt2", 64), ("m128+dvafter+lpt", 32)]
 
 
 @pytest.mark.parametrize("config,D", _VARIANTS)
@@ -246,7 +248,7 @@ def test_taller_tiles(config, D, name):
 
 @pytest.mark.parametrize("config,D", [("swapdq", 128), ("m80+late+dksmem+shuffle", 128),
                                       ("m128+psmem+dksmem+shuffle", 64), ("m128", 32),
-                                      ("m128+shuffle+dvafter", 64)])
+                                      ("m128+shuffle+dvafter", 64), ("m128+dvafter", 32)])
 def test_schedule_variants_deterministic(config, D):
     # The transposed dQ boxes and 80-row tiles' semaphores (a tile count that does not divide
     # the padded length) keep deterministic mode bit-identical.
@@ -269,10 +271,12 @@ def _api_grads(case, q, k, v, dout, bm, gqa):
     return torch.autograd.grad(out, (qq, kk, vv), dout)
 
 
-@pytest.mark.parametrize("name", ["causal", "softcap", "document"])
-def test_autograd_through_the_api(name):
-    # The dispatch path: the cute backend's autograd Function runs the sm90 backward.
-    B, Hq, Hkv, L, S, D = 2, 8, 2, 1000, 1000, 128
+@pytest.mark.parametrize("D", [128, 64, 32])
+@pytest.mark.parametrize("name", ["causal", "softcap", "document", "sliding_window"])
+def test_autograd_through_the_api(name, D):
+    # The dispatch path: the cute backend's autograd Function runs the sm90 backward its rule
+    # picks (at head dims 32 and 64 the 128-row tile for causal and sliding window).
+    B, Hq, Hkv, L, S = 2, 8, 2, 1000, 1000
     case = make_case(name, B, Hq, L, S, device=DEV)
     q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 7)
     bm = _block_mask(case.mask_mod, B, Hq, L, S)

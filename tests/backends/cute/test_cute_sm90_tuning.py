@@ -50,15 +50,18 @@ def test_head_dim_64_causal_8k_measures_both_tiles_on_one_schedule():
     assert t.family == "sm90-fwd" and t.pins == ""
 
 
-def test_head_dim_96_runs_its_192_row_tile_only_where_pinned():
-    """The 192-row tile at D = 96 (P through smem) is no tuner candidate yet: a TILE_M pin runs
-    either tile alone."""
+def test_head_dim_96_measures_its_192_row_tile_but_runs_128_by_rule():
+    """The 192-row tile at D = 96 (P through smem) won on one GPU and lost on another, so the
+    tuner measures it beside 128 rows and the rule keeps 128; a TILE_M pin runs either alone.
+    D = 32 takes 192 rows by rule, as D = 64 does."""
     t = _tuning(96, CAUSAL)
-    assert _names(t) == ["tile_m=128"] and str(t.default) == "tile_m=128"
-    assert _names(_tuning(96, None)) == ["tile_m=128"]
+    assert _names(t) == ["tile_m=128", "tile_m=192"] and str(t.default) == "tile_m=128"
+    assert _names(_tuning(96, None)) == ["tile_m=128", "tile_m=192"]
     t = _tuning(96, CAUSAL, options={"TILE_M": 192})
     assert _names(t) == ["tile_m=192"] and t.pins == "kernel_options TILE_M=192"
     assert _names(_tuning(96, CAUSAL, options={"TILE_M": 128})) == ["tile_m=128"]
+    t = _tuning(32, CAUSAL)
+    assert _names(t) == ["tile_m=128", "tile_m=192"] and str(t.default) == "tile_m=192"
 
 
 def test_head_dim_128_causal_8k_has_nothing_to_measure():
@@ -139,8 +142,16 @@ def test_backward_candidates_follow_the_mask_and_the_mods():
     # No mask: every kv tile does the same work, so no launch order to choose; under GQA at head
     # dim 128 the query-head CTAs still are a candidate (g times the CTAs); at 64, and without
     # GQA, not.
-    assert [c["bwd_config"] for c in _bwd_tuning(64).candidates] == [""]
-    assert [c["bwd_config"] for c in _bwd_tuning(64, Hkv=4).candidates] == [""]
+    tall = "m128+shuffle+dvafter"  # D = 64 with light mods: the 128-row tile (TALL_BWD)
+    assert [c["bwd_config"] for c in _bwd_tuning(64).candidates] == [tall]
+    assert [c["bwd_config"] for c in _bwd_tuning(64, Hkv=4).candidates] == [tall]
+    assert [c["bwd_config"] for c in _bwd_tuning(64, CAUSAL, Hkv=4).candidates] == [
+        tall, f"{tall}+lpt", f"{tall}+lpt2"]
+    assert [c["bwd_config"] for c in _bwd_tuning(32, CAUSAL).candidates] == [
+        "m128+dvafter", "m128+dvafter+lpt", "m128+dvafter+lpt2"]
+    # Mods with loads or transcendentals spill on it: the 64-row tile.
+    assert [c["bwd_config"] for c in _bwd_tuning(64, CAUSAL, mods.alibi(16)).candidates] == [
+        "", "lpt", "lpt2"]
     assert [c["bwd_config"] for c in _bwd_tuning(128, Hkv=4).candidates] == ["", "qhead"]
     assert [c["bwd_config"] for c in _bwd_tuning(128, CAUSAL, Hkv=16).candidates] == [
         "", "lpt", "lpt2"]
@@ -154,10 +165,12 @@ def test_backward_candidates_follow_the_mask_and_the_mods():
     try:
         t_det = _bwd_tuning(128, CAUSAL)
         t_det_gqa = _bwd_tuning(128, CAUSAL, Hkv=4)
+        t_det_64 = _bwd_tuning(64, CAUSAL)
     finally:
         torch.use_deterministic_algorithms(False)
     assert [c["bwd_config"] for c in t_det.candidates] == [""]
     assert [c["bwd_config"] for c in t_det_gqa.candidates] == [""]
+    assert [c["bwd_config"] for c in t_det_64.candidates] == [tall]
     assert _key(t_det)["deterministic"] == "True"
 
 

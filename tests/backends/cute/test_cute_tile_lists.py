@@ -64,7 +64,7 @@ def test_causal_tiles_visit_both_diagonal_blocks():
 
 
 def test_tile_choice():
-    """192 rows at D = 64 where few merged tiles are partial (causal over 8k: 6%), else 128
+    """192 rows at D = 64 (and 32) where few merged tiles are partial (causal over 8k: 6%), else 128
     (a 256-token window: 40%, and causal over 512 tokens: every tile holds two diagonal blocks)."""
     bm = create_block_mask(lambda b, h, q, k: q >= k, None, None, 8192, 8192, device="cpu")
     assert forward_tile_m(64, bm) == 192 and forward_tile_m(64, None) == 192
@@ -75,7 +75,8 @@ def test_tile_choice():
     assert forward_tile_m(64, short) == 128
     assert forward_tile_m(64, window, pinned=192) == 192
     assert forward_tile_m(64, bm, pinned=128) == 128
-    for d in (32, 96, 128, 192, 256):
+    assert forward_tile_m(32, bm) == 192 and forward_tile_m(32, window) == 128
+    for d in (96, 128, 192, 256):
         assert forward_tile_m(d, bm) == 128
     with pytest.raises(ValueError, match="TILE_M=192"):
         forward_tile_m(128, bm, pinned=192)
