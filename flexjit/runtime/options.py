@@ -24,13 +24,15 @@ Keys with a meaning for flexjit:
   looping over tiles, or one CTA per tile); by default it is persistent where a query tile
   visits few kv tiles. Head dims 192 and 256 always run one CTA per tile.
 * ``TILE_M`` (flexjit): 128 or 192 pins the sm90 forward's query tile rows; 192 (three
-  consumer warpgroups) is served at head dim 64 only, where it is the default, block masks
-  included (their lists merged per tile). ``flexjit.explain`` shows the tile.
+  consumer warpgroups) is served at head dims 32, 64 and 96: the default at 32 and 64, block
+  masks included (their lists merged per tile), a tuner candidate at 96. ``flexjit.explain``
+  shows the tile.
 * ``BWD_CONFIG`` (flexjit): the sm90 backward's schedule variants, "+"-joined: "late" (P
   converted after dS, dV issued after it), "dksmem" (dK reads dSᵀ from shared memory),
   "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "dvafter"
   (the dV GEMM issued once dS is in shared memory; "m128+shuffle+dvafter" is the 128-row tile
-  with P and dS in registers at head dim 64), "m80" /
+  with P and dS in registers at head dim 64, the default there and, as "m128+dvafter", at 32
+  for mods without loads or transcendentals), "m80" /
   "m128" (80- or 128-row query tiles), "qhead" (one CTA per query head under GQA, dK/dV summed
   in fp32 workspaces), "keys96" (head dim 192: 64 × 96 tiles, FlashAttention-3's schedule);
   where a variant cannot serve (Hq = Hkv or deterministic mode for "qhead"; deterministic mode
