@@ -874,8 +874,10 @@ class FlexAttentionBwdSm90(config.TiledKernel):
             cute.copy(ctx.st_t, ctx.thr_st_t.retile(rP), ctx.tSsdS[None, None, None, self.num_stages])
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=_BAR_WG + ctx.wg, number_of_threads=128)
+            if const_expr(not self.overlap_dp):
+                pipe_do.consumer_wait(state)  # dV reads dO: waited here when dP did not
             wgmma_gemm(ctx.mma_dv, ctx.acc_dV, ops.tVsP, ops.tVrdO, zero_init=False)
-        if const_expr(not self.overlap_dp):
+        if const_expr(not self.overlap_dp and not self.p_smem):
             pipe_do.consumer_wait(state)
         # delta likewise before the dPᵀ wait (and before the dV GEMM, whose issue covers them).
         if const_expr(self.shuffle_stats):

@@ -246,6 +246,13 @@ def test_taller_tiles(config, D, name):
     check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
 
 
+@pytest.mark.parametrize("config,D,name", [("psmem", 128, "alibi")])
+def test_psmem_without_overlap(config, D, name):
+    # P read from smem with the overlap off (the D=128 row's for heavy mods): the dV GEMM reads
+    # dO before any dP GEMM has waited for it, so it must wait for dO itself.
+    check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
+
+
 @pytest.mark.parametrize("config,D", [("swapdq", 128), ("m80+late+dksmem+shuffle", 128),
                                       ("m128+psmem+dksmem+shuffle", 64), ("m128", 32),
                                       ("m128+shuffle+dvafter", 64), ("m128+dvafter", 32)])
