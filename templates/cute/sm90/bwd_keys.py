@@ -344,7 +344,8 @@ class FlexAttentionBwdKeysSm90(FlexAttentionBwdSm90):
 _KeysOperands = namedtuple("_KeysOperands", "tSrQ tSrK tPrdO tPrV tVrdO tVsP tKrQ tKsdS tQrA tQrB")
 
 # Per-CTA MMA-warpgroup state (trace-time), named as the base class's ``_BwdCtx`` where the
-# base class's helpers read it (``_probabilities``, ``_publish_dq``, ``_walk_q_tiles``). tSsPdS: the stmatrix partition of the dS/P buffer (both stages).
+# base class's helpers read it (``_probabilities``, ``_publish_dq``, ``_walk_q_tiles``).
+# tSsPdS: the stmatrix partition of the dS/P buffer (both stages).
 _KeysCtx = namedtuple("_KeysCtx", "mma_sdp mma_dkv mma_dq wg_sdp wg_dkv wg_dq smem acc_dV acc_dK "
                       "tScS tSsLSE tSsDelta st thr_st tSsPdS tQsdQ s_shape dq_shape c "
                       "softmax_scale sched aux wg")

@@ -266,35 +266,44 @@ def sliding_window_mask(b, h, q_idx, kv_idx, aux):
 
 
 _DOCS = torch.zeros(500, dtype=torch.int32)
-# name: (_compile's keyword arguments, spills ptxas reports now (None: none)). The 192-row tile
-# at head dim 96 runs three consumer warpgroups at 160 registers: O 48 + S 64 per thread while
-# PV(j-1) is in flight; P goes through smem so no register holds it then. Document still
-# spills (stores/loads in bytes, cutlass-dsl 4.8.1's ptxas): the merged rows' kind shift
-# (2 · which mask-block row), a per-thread value kept through the partial loop. Formed from the
-# warp index instead, it takes document to none, but then sliding window spills one of the
-# four stmatrix addresses of P's store (4/4), so it stays as it is.
-_D96_TILE_192 = {
-    "no_mods": ({}, None),
-    "alibi": ({"score_mod": alibi_score, "aux": (torch.rand(4),)}, None),
-    "softcap": ({"score_mod": softcap_score, "scalars": (30.0,)}, None),
-    "causal": ({"mask_mod": causal_mask, "sparse": True}, None),
-    "sliding_window": ({"mask_mod": sliding_window_mask, "sparse": True}, None),
-    "document": ({"mask_mod": document_mask, "sparse": True, "aux": (torch.rand(4), _DOCS)},
-                 "4/4"),
+# The mods each 192-row tile below is compiled with: name -> _compile's keyword arguments.
+_TILE_192_MODS = {
+    "no_mods": {},
+    "alibi": {"score_mod": alibi_score, "aux": (torch.rand(4),)},
+    "softcap": {"score_mod": softcap_score, "scalars": (30.0,)},
+    "causal": {"mask_mod": causal_mask, "sparse": True},
+    "sliding_window": {"mask_mod": sliding_window_mask, "sparse": True},
+    "document": {"mask_mod": document_mask, "sparse": True, "aux": (torch.rand(4), _DOCS)},
 }
+# Per head dim, the mods that spill as ptxas reports them now (stores/loads in bytes,
+# cutlass-dsl 4.8.1's ptxas); the others compile spill-free.
+# * D = 96: three consumer warpgroups at 160 registers, O 48 + S 64 per thread while PV(j-1) is
+#   in flight; P goes through smem so no register holds it then. Document spills the merged
+#   rows' kind shift (2 · which mask-block row), a per-thread value kept through the partial
+#   loop. Formed from the warp index instead, it takes document to none, but then sliding
+#   window spills one of the four stmatrix addresses of P's store (4/4), so it stays as it is.
+# * D = 32: D = 64's row (P in registers): O 16 + S 64 + P 32 per thread; the masks that spill
+#   are the ones that spill on D = 64's merged tile.
+_TILE_192_SPILLS = {96: {"document": "4/4"}, 32: {"sliding_window": "8/32", "document": "16/44"}}
 
 
-@pytest.mark.parametrize("name", list(_D96_TILE_192))
-def test_head_dim_96_tile_192(tmp_path, name):
-    """D = 96 on 192×128 tiles, P through smem (SS PV GEMM): the SS form in the PTX, the
-    three-warpgroup register split, wgmmas never serialised (C7512), and no spills where
-    ptxas reports none (the others are strict xfails, so a fix shows)."""
-    kwargs, spills = _D96_TILE_192[name]
-    ptx = _compile(tmp_path, 96, tile_m=192, **kwargs)
+@pytest.mark.parametrize("name", list(_TILE_192_MODS))
+@pytest.mark.parametrize("head_dim", [96, 32])
+def test_tile_192_beside_head_dim_64(tmp_path, head_dim, name):
+    """Head dims 96 and 32 on 192×128 tiles (``tile_m=192``): the three-warpgroup register
+    split; at 96 P through smem (the SS PV GEMM), at 32 P read from registers (RS); wgmmas
+    never serialised (C7512), and no spills where ptxas reports none (the others are xfails
+    that fail once the spill is gone, so a fix shows)."""
+    spills = _TILE_192_SPILLS[head_dim].get(name)
+    ptx = _compile(tmp_path, head_dim, tile_m=192, **_TILE_192_MODS[name])
     _assert_hopper_path(ptx)
     assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+160;", ptx), "not the 3-warpgroup split"
     # RS wgmma names a register A operand ({...}); the SS form passes two descriptors.
-    assert not re.search(r"wgmma\.mma_async[^;]*m64n96k16[^;]*\{[^}]*\},\s*\{", ptx)
+    rs_pv = re.search(rf"wgmma\.mma_async[^;]*m64n{head_dim}k16[^;]*\{{[^}}]*\}},\s*\{{", ptx)
+    if head_dim == 96:
+        assert not rs_pv, "PV is not SS"
+    else:
+        assert rs_pv, "PV is not RS"
     report = ptxas_report(tmp_path, ptx)
     assert "serialized" not in report, report
     if spills is not None:
@@ -302,38 +311,6 @@ def test_head_dim_96_tile_192(tmp_path, name):
         pytest.xfail(f"ptxas spills (stores/loads {spills} bytes)")
     assert_no_spills(tmp_path, ptx, no_serialised_wgmma=True)
 
-
-
-# Head dim 32 on 192 × 128 tiles (D = 64's row: three consumer warpgroups at 160 registers, P in
-# registers): O 16 + S 64 + P 32 per thread. Spills as ptxas reports them now (stores/loads in
-# bytes); the masks that spill are the ones that spill on D = 64's merged tile.
-_D32_TILE_192 = {
-    "no_mods": ({}, None),
-    "alibi": ({"score_mod": alibi_score, "aux": (torch.rand(4),)}, None),
-    "softcap": ({"score_mod": softcap_score, "scalars": (30.0,)}, None),
-    "causal": ({"mask_mod": causal_mask, "sparse": True}, None),
-    "sliding_window": ({"mask_mod": sliding_window_mask, "sparse": True}, "8/32"),
-    "document": ({"mask_mod": document_mask, "sparse": True, "aux": (torch.rand(4), _DOCS)},
-                 "16/44"),
-}
-
-
-@pytest.mark.parametrize("name", list(_D32_TILE_192))
-def test_head_dim_32_tile_192(tmp_path, name):
-    """D = 32 on 192-row tiles (``tile_m=192``): the three-warpgroup split, P read from registers
-    by the PV GEMM, wgmmas never serialised, and no spills where ptxas reports none (the others
-    are xfails that fail once the spill is gone, so a fix shows)."""
-    kwargs, spills = _D32_TILE_192[name]
-    ptx = _compile(tmp_path, 32, tile_m=192, **kwargs)
-    _assert_hopper_path(ptx)
-    assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+160;", ptx), "not the 3-warpgroup split"
-    assert re.search(r"wgmma\.mma_async[^;]*m64n32k16[^;]*\{[^}]*\},\s*\{", ptx), "PV is not RS"
-    report = ptxas_report(tmp_path, ptx)
-    assert "serialized" not in report, report
-    if spills is not None:
-        assert "0 bytes spill stores" not in report, report
-        pytest.xfail(f"ptxas spills (stores/loads {spills} bytes)")
-    assert_no_spills(tmp_path, ptx, no_serialised_wgmma=True)
 
 def test_tile_table():
     """The table's rows: 64/128/256 exactly as they were before the other rows came (their kernels must stay

@@ -56,10 +56,13 @@ def test_head_dim_96_measures_its_192_row_tile_but_runs_128_by_rule():
     D = 32 takes 192 rows by rule, as D = 64 does."""
     t = _tuning(96, CAUSAL)
     assert _names(t) == ["tile_m=128", "tile_m=192"] and str(t.default) == "tile_m=128"
+    assert _key(t)["partial"] == "0.1" and _key(t)["dims"] == "96x96"
     assert _names(_tuning(96, None)) == ["tile_m=128", "tile_m=192"]
     t = _tuning(96, CAUSAL, options={"TILE_M": 192})
     assert _names(t) == ["tile_m=192"] and t.pins == "kernel_options TILE_M=192"
     assert _names(_tuning(96, CAUSAL, options={"TILE_M": 128})) == ["tile_m=128"]
+    # A 1k window (its merged tiles 40% partial) keeps the 128-row tile alone.
+    assert "tile_m=192" not in _names(_tuning(96, WINDOW))
     t = _tuning(32, CAUSAL)
     assert _names(t) == ["tile_m=128", "tile_m=192"] and str(t.default) == "tile_m=192"
 
