@@ -28,7 +28,8 @@ Keys with a meaning for flexjit:
   masks included (their lists merged per tile), a tuner candidate at 96. ``flexjit.explain``
   shows the tile.
 * ``BWD_CONFIG`` (flexjit): the sm90 backward's schedule variants, "+"-joined: "late" (P
-  converted after dS, dV issued after it), "dksmem" (dK reads dSᵀ from shared memory),
+  converted after dS, dV issued after it; with a score_mod only where d score/d score is 1, or
+  with captured-tensor gradients), "dksmem" (dK reads dSᵀ from shared memory),
   "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "dvafter"
   (the dV GEMM issued once dS is in shared memory; "m128+shuffle+dvafter" is the 128-row tile
   with P and dS in registers at head dim 64, the default there and, as "m128+dvafter", at 32

@@ -348,6 +348,12 @@ def render(program: Program) -> str:
     return "".join(parts)
 
 
+def unit_dscore(program: Program) -> bool:
+    """Whether the score_mod's derivative d score/d score is the constant 1."""
+    dscore = program.dscore
+    return dscore is not None and dscore.op is Op.CONST and float(dscore.arg) == 1.0
+
+
 def grad_slots(program: Program) -> list[int]:
     """The captured tensors (slots) that receive a gradient, in the order of the kernel's fp64
     accumulators."""
@@ -390,8 +396,7 @@ def render_captured_grads(program: Program) -> str:
     dscore = program.dscore
     roots = [dscore] + [g.grad for g in program.grad_loads]
     parts = [render_function("score_grads", params, *roots)]
-    unit = dscore.op is Op.CONST and float(dscore.arg) == 1.0
-    parts.append(f"score_grads.unit_dscore = {unit}\n\n")
+    parts.append(f"score_grads.unit_dscore = {unit_dscore(program)}\n\n")
     index_roots = [i for g in program.grad_loads for i in g.load.src[1:]]
     body, names = _render_body(index_roots)
     offsets, uniform, varies = [], [], {}

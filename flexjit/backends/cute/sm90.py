@@ -55,7 +55,8 @@ def _cutlass_dtype(dtype: torch.dtype):
     return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
-from flexjit.backends.cute.render import captured_grads_in_kernel, grad_slots, render  # noqa: F401  (re-exported)
+from flexjit.backends.cute.render import (  # noqa: F401  (re-exported)
+    captured_grads_in_kernel, grad_slots, render, unit_dscore)
 
 
 _MODULES: dict[str, object] = {}  # Program.key -> the imported generated module
@@ -631,9 +632,11 @@ def tiling_for(prog: Program, head_dim: int, head_dim_v: int, config: str,
     config = routed_config(prog, config, deterministic)
     if not config:
         return None
-    if "late" in config.split("+") and prog.score is not None and not prog.grad_loads:
+    if ("late" in config.split("+") and prog.score is not None and not prog.grad_loads
+            and not unit_dscore(prog)):
         raise ValueError("kernel_options BWD_CONFIG 'late' converts P after dS, which needs P "
-                         "itself in the S accumulator: not with a score_mod (P∘dscore is there)")
+                         "itself in the S accumulator: not with a score_mod whose d score/d score "
+                         "is not the constant 1 (P∘dscore is there)")
     return templates("sm90").bwd_tiling.bwd_tiling(head_dim, head_dim_v, light_mods(prog) or None,
                                                    config)
 
@@ -747,7 +750,7 @@ def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: in
         overlap_dp=True if light_mods(program) else None,
         score_grads=getattr(mods, "score_grads", None),
         grad_offsets=getattr(mods, "grad_offsets", None), kv_batch_broadcast=kv_batch_broadcast,
-        tiling=tiling)
+        unit_dscore=unit_dscore(program), tiling=tiling)
     dims = f"{head_dim}" if head_dim_v == head_dim else f"{head_dim}/{head_dim_v}"
     what = f"{program.score_name}/{program.mask_name} D={dims} {str(dtype).replace('torch.', '')}"
     if kv_batch_broadcast:

@@ -154,6 +154,8 @@ class BwdConfig(config.BwdConfig):
     # the main kernel loads them at batch 0 and still writes dK/dV per query batch, into
     # (B, Hkv, S, ·), which autograd's expand backward sums.
     kv_batch_broadcast: bool = False
+    # d score/d score is the constant 1 (additive mods): P∘dscore is P (``BwdTiling.p_late``).
+    unit_dscore: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -216,8 +218,9 @@ class FlexAttentionBwdSm90(config.TiledKernel):
         assert not self.p_smem or t.tile_n == MASK_BLOCK  # not with the dim split
         assert not self.dk_smem or t.tile_n == MASK_BLOCK  # not with the dim split
         # p_late converts P from the fp32 it leaves in the Sᵀ accumulator: that is P itself
-        # only without a score_mod or with captured gradients (else P∘dscore).
-        assert not self.p_late or self.score_mod is None or self.score_grads is not None
+        # only without a score_mod, with captured gradients, or with d score/d score = 1.
+        assert not self.p_late or self.score_mod is None or self.score_grads is not None \
+            or cfg.unit_dscore
         # 96 keys: ``bwd_keys.FlexAttentionBwdKeysSm90`` (its own q lists per kv tile).
         assert self.tile_n in (MASK_BLOCK, MASK_BLOCK // 2, 96) and self.tile_m % 16 == 0
         # Block lists name 128-row q blocks: a tile must be a whole fraction of one. A tile
@@ -1044,11 +1047,11 @@ class FlexAttentionBwdSm90(config.TiledKernel):
                 if const_expr(rP is not None):
                     rP[i] = p.to(self.dtype)
                 acc_S[i] = p
-            elif const_expr(self.score_mod is not None):
+            elif const_expr(self.score_mod is not None and rP is not None):
                 rP[i] = p.to(self.dtype)
                 acc_S[i] = softmax.p_dscore(p, ds, ok)
             else:
-                acc_S[i] = p
+                acc_S[i] = p  # no score_mod, or p_late's d score/d score = 1 (P∘dscore = P)
         if const_expr(self.score_mod is None and rP is not None):
             rP.store(acc_S.load().to(self.dtype))  # vectorised conversion
 

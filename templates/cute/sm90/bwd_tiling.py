@@ -29,7 +29,9 @@ class BwdTiling:
     # of 16 (80 is no wgmma M); the accumulator is then kept transposed, (B, Hq, D, Lpad).
     dq_swapped: bool = False
     # P converted to 16 bits only after dS is formed, the dV GEMM issued after dS (FA3's
-    # order): P's 16-bit copy is not live across the dP wait.
+    # order): P's 16-bit copy is not live across the dP wait. It is converted from the Sᵀ
+    # accumulator, which must then hold P itself: no score_mod, captured gradients, or a
+    # score_mod whose d score/d score is 1 (``BwdConfig.unit_dscore``: additive biases).
     p_late: bool = False
     # dV += Pᵀ dO issued once dS is formed, converted and stored to smem (behind the proxy
     # fence before the dS barrier: FlashAttention-4's order), not before the dPᵀ wait (or, with
@@ -96,7 +98,11 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       keeps P (bf16) and dV in flight beside Sᵀ/P, dPᵀ and dK (224 of 240); issued after dS is
       formed ("late"), ptxas hoists it back into the elementwise work. Issued once dS is
       stored, behind the proxy fence ("dvafter", FA4's order), the 128-row tile compiles
-      clean with masks (not yet with score mods): "m128+shuffle+dvafter".
+      clean with masks: "m128+shuffle+dvafter". Score mods spill there (ALiBi 264 bytes: ptxas
+      forms the ~34 distinct biases of a thread in one batch after the Sᵀ wait, beside P's
+      16-bit copy); with P converted after dS ("m128+shuffle+late+dvafter", for mods whose
+      d score/d score is 1) ALiBi and T5's bucketed bias compile clean, a per-element bias
+      table still spills (relative_bias 92 bytes).
     * D = 32: D = 64's row (overlap always).
     * D = 96: D = 128's row, but overlap always: dV + dK = 96 registers leave room for every
       core mod's temporaries beside Sᵀ, dPᵀ and P (all 18 compile spill-free overlapped, heavy

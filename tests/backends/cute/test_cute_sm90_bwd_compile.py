@@ -34,7 +34,7 @@ cutlass = pytest.importorskip("cutlass")
 
 from flexjit.ir import nodes as ir  # noqa: E402
 from flexjit import mods as fmods  # noqa: E402
-from flexjit.backends.cute.sm90 import _aux_tensor, load_mods  # noqa: E402
+from flexjit.backends.cute.sm90 import _aux_tensor, load_mods, unit_dscore  # noqa: E402
 from flexjit.planner.block_mask import dq_order  # noqa: E402
 from flexjit import create_block_mask
 from flexjit.ir.nodes import Op  # noqa: E402
@@ -78,7 +78,7 @@ def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False,
     tiling = tiling_tpl.bwd_tiling(head_dim, head_dim_v, overlap_dp, config) if config else None
     cfg = tpl.BwdConfig(head_dim, head_dim_v, cutlass.BFloat16, mods.score_mod_and_grad,
                         mods.mask_mod, has_block_mask=sparse, deterministic=deterministic,
-                        overlap_dp=overlap_dp, tiling=tiling)
+                        overlap_dp=overlap_dp, unit_dscore=unit_dscore(program), tiling=tiling)
     aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
     fn = host.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
                          parts=parts)
