@@ -593,7 +593,7 @@ _BWD_HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 12
 # The backward's schedule variants (``bwd_tiling.BWD_CONFIG_TOKENS``, repeated here so that
 # checking kernel_options needs no cutlass import).
 BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "dvafter",
-                     "m80", "m128", "qsplit", "sdpdup", "qhead", "keys96")
+                     "m80", "m128", "qsplit", "sdpdup", "qhead", "keys96", "dpafter")
 # The kv tile of "keys96" (``bwd_tiling.KEYS96``): its q lists are per 96 keys.
 _KEY_TILE = 96
 

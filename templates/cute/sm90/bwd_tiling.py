@@ -102,7 +102,13 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
       forms the ~34 distinct biases of a thread in one batch after the Sᵀ wait, beside P's
       16-bit copy); with P converted after dS ("m128+shuffle+late+dvafter", for mods whose
       d score/d score is 1) ALiBi and T5's bucketed bias compile clean, a per-element bias
-      table still spills (relative_bias 92 bytes).
+      table still spills (relative_bias 92 bytes). The rest of the room is dPᵀ's accumulator,
+      in flight while P is formed: issued after P ("dpafter", the D = 128 row's order for heavy
+      mods), "m128+shuffle+late+dvafter+dpafter" compiles relative_bias clean too, and with
+      learnable_alibi's captured gradients "+dksmem"; mods whose d score/d score is not 1
+      (softcap) keep P's 16-bit copy, which fits only from smem:
+      "m128+psmem+dksmem+shuffle+dpafter" compiles clean with every core mod that spills
+      above (learnable_bias's gradients included).
     * D = 32: D = 64's row (overlap always).
     * D = 96: D = 128's row, but overlap always: dV + dK = 96 registers leave room for every
       core mod's temporaries beside Sᵀ, dPᵀ and P (all 18 compile spill-free overlapped, heavy
@@ -144,12 +150,13 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 # (``p_smem``), "lpt" / "lpt2" (``lpt_section`` 8 / 2), "shuffle" (``shuffle_stats``), "swapdq"
 # (``dq_swapped``), "dvafter" (``dv_after_ds``), "m80"
 # (80-row tiles, dense launches only, with the dQ GEMM swapped), "m128" (128-row tiles, head
-# dims up to 64, dQ split by rows), "qhead" (``q_head``: one CTA per query head, head dims up to
-# 128); for the dim split (D = 192) only: "qsplit" / "sdpdup" (the S/dP
-# GEMMs split by query rows, ``BwdTiling.q_split``, or computed whole in each warpgroup), and
+# dims up to 64, dQ split by rows), "dpafter" (``overlap_dp`` off: the dP GEMM issued once P is
+# formed, for mods too heavy to form P beside dPᵀ's accumulator), "qhead" (``q_head``: one CTA
+# per query head, head dims up to 128); for the dim split (D = 192) only: "qsplit" / "sdpdup"
+# (the S/dP GEMMs split by query rows, ``BwdTiling.q_split``, or computed whole in each warpgroup), and
 # "keys96": 64 × 96 tiles instead (``KEYS96``, the kernel ``bwd_keys.FlexAttentionBwdKeysSm90``).
 BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "dvafter", "m80",
-                     "m128", "qsplit", "sdpdup", "qhead", "keys96")
+                     "m128", "qsplit", "sdpdup", "qhead", "keys96", "dpafter")
 _DIM_SPLIT_TOKENS = ("qsplit", "sdpdup", "keys96")
 
 # D = 192's 96-key tile (FlashAttention-3's): S and dP not swapped, the warpgroups split the keys
@@ -186,6 +193,9 @@ def bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True, config: 
                   lpt_section=8 if "lpt" in tokens else 2 if "lpt2" in tokens else 0,
                   shuffle_stats="shuffle" in tokens, dq_swapped="swapdq" in tokens,
                   dv_after_ds="dvafter" in tokens, q_head="qhead" in tokens)
+    if "dpafter" in tokens:
+        # Whatever the table's row says (head dims up to 96 always overlap there).
+        fields.update(overlap_dp=False)
     if "m80" in tokens:
         fields.update(tile_m=80, dq_swapped=True)
     if "m128" in tokens:

@@ -661,8 +661,8 @@ def test_schedule_variants_compile_clean(tmp_path, config, D, causal):
 # The 128-row tile at D = 64 with P and dS read from registers (FlashAttention-4's tile): the
 # dV GEMM issued once dS is in smem ("dvafter") leaves ptxas room for the wgmma pipeline; issued
 # before the dPᵀ wait, or right after dS is formed ("late"), every wgmma is serialised (C7512).
-# Masks only: score mods (ALiBi, softcap) still spill there, and with "late" so does the
-# document mask (8 bytes).
+# Masks only: score mods (ALiBi, softcap) spill there (their variants:
+# test_m128_score_mods_compile_clean), and with "late" so does the document mask (8 bytes).
 @pytest.mark.parametrize("config,name", [("m128+shuffle+dvafter", "full"),
                                          ("m128+shuffle+dvafter", "causal"),
                                          ("m128+shuffle+dvafter", "document"),
@@ -690,6 +690,75 @@ def test_dv_after_ds_token():
     assert not tiling_tpl.bwd_tiling(64, 64, None, "m128+shuffle").dv_after_ds
     with pytest.raises(ValueError, match="'dvafter'"):
         tiling_tpl.bwd_tiling(64, 64, None, "psmem+dvafter")
+
+
+# The 128-row tile at D = 64 (and 32) with score mods, which spill or serialise on the default
+# "m128+shuffle+dvafter" (D = 64: ALiBi 264 bytes, relative_bias 272, learnable_bias 660 / 380
+# with its gradients, softcap 80 + C7512, t5_bias 104 + C7512, softcap_alibi_window 100 + C7512,
+# learnable_alibi's gradients 8 + C7512). Mods whose d score/d score is 1 convert P after dS
+# ("late"); with dP issued after P ("dpafter") the per-element bias table fits too. P∘dscore
+# (softcap) needs P's 16-bit copy beside it: from smem ("psmem"), it fits with every mod.
+# grads: the captured tensors' gradients in the kernel (``score_grads``).
+_TALL_MODS = [("m128+shuffle+late+dvafter", 64, "alibi", False),
+              ("m128+shuffle+late+dvafter", 64, "t5_bias", False),
+              ("m128+shuffle+late+dvafter+dpafter", 64, "alibi", False),
+              ("m128+shuffle+late+dvafter+dpafter", 64, "relative_bias", False),
+              ("m128+shuffle+late+dvafter+dpafter", 64, "t5_bias", False),
+              ("m128+shuffle+late+dvafter+dpafter+dksmem", 64, "learnable_alibi", True),
+              ("m128+shuffle+late+dvafter+dpafter", 32, "alibi", False),
+              ("m128+shuffle+late+dvafter+dpafter", 32, "relative_bias", False),
+              ("m128+psmem+dksmem+shuffle+dpafter", 64, "softcap", False),
+              ("m128+psmem+dksmem+shuffle+dpafter", 64, "softcap_alibi_window", False),
+              ("m128+psmem+dksmem+shuffle+dpafter", 64, "relative_bias", False),
+              ("m128+psmem+dksmem+shuffle+dpafter", 64, "learnable_bias", True),
+              ("m128+psmem+dksmem+shuffle+dpafter", 64, "learnable_alibi", True),
+              ("m128+psmem+dksmem+shuffle+dpafter", 32, "softcap", False)]
+
+
+@pytest.mark.parametrize("config,D,name,grads", _TALL_MODS)
+def test_m128_score_mods_compile_clean(tmp_path, config, D, name, grads):
+    case = make_case(name, 2, 4, 300, 500)
+    program = _program(case.score_mod, case.mask_mod)
+    mods = load_mods(program)
+    tiling = tiling_tpl.bwd_tiling(D, D, None, config)
+    assert tiling.tile_m == 128 and not tiling.overlap_dp == ("dpafter" in config)
+    cfg = tpl.BwdConfig(D, D, cutlass.BFloat16, mods.score_mod_and_grad, mods.mask_mod,
+                        has_block_mask=case.mask_mod is not None, overlap_dp=True,
+                        score_grads=mods.score_grads if grads else None,
+                        grad_offsets=mods.grad_offsets if grads else None,
+                        unit_dscore=unit_dscore(program), tiling=tiling)
+    aux = tuple(_aux_tensor(t, torch.device("cpu")) for t in program.buffers)
+    fn = host.compile_bwd(cfg, aux, program.scalars, options=f"--keep-ptx --dump-dir {tmp_path}",
+                         parts=("main",))
+    ptx = fn.parts["main"].compiled.__ptx__
+    _assert_clean_registers(tmp_path, ptx)
+    assert "wgmma.mma_async" in ptx and "ex2.approx" in ptx
+    if grads:
+        assert re.search(r"(red|atom)\.global(\.\w+)*\.add\.f64", ptx), "no fp64 atomic add"
+
+
+def test_late_and_dpafter_tokens():
+    # "late" with a score_mod: only where P∘dscore is P (d score/d score = 1); "dpafter" turns
+    # off the overlap that the table's row always takes at head dims up to 96.
+    from flexjit.backends.cute.sm90 import tiling_for
+    alibi, softcap = (_program(make_case(n, 2, 4, 300, 500).score_mod, None)
+                      for n in ("alibi", "softcap"))
+    assert unit_dscore(alibi) and not unit_dscore(softcap)
+    assert tiling_for(alibi, 64, 64, "m128+shuffle+late+dvafter").p_late
+    with pytest.raises(ValueError, match="'late'"):
+        tiling_for(softcap, 64, 64, "m128+shuffle+late+dvafter")
+    assert tiling_tpl.bwd_tiling(64, 64, True, "m128").overlap_dp
+    t = tiling_tpl.bwd_tiling(64, 64, True, "m128+dpafter")
+    assert not t.overlap_dp and t == dataclasses.replace(tiling_tpl.bwd_tiling(64, 64, True, "m128"),
+                                                         overlap_dp=False)
+    with pytest.raises(ValueError):
+        tiling_tpl.bwd_tiling(192, 192, True, "dpafter")
+    # Without the derivative's constancy the kernel refuses "late" with a score_mod.
+    mods = load_mods(softcap)
+    with pytest.raises(AssertionError):
+        tpl.FlexAttentionBwdSm90(tpl.BwdConfig(
+            64, 64, cutlass.BFloat16, mods.score_mod_and_grad, None,
+            tiling=tiling_tpl.bwd_tiling(64, 64, True, "m128+shuffle+late+dvafter")))
 
 
 # One CTA per query head ("qhead"): the four head dims of the 128-key tile with no mods, the

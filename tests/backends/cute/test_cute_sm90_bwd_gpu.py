@@ -34,7 +34,7 @@ import cutlass  # noqa: E402
 from flexjit import create_block_mask  # noqa: E402
 from flexjit.api.attention import explain, flex_attention
 from flexjit.planner.block_mask import dq_order  # noqa: E402
-from flexjit.backends.cute.sm90 import _aux_tensor, bwd_block_lists, light_mods, load_mods
+from flexjit.backends.cute.sm90 import _aux_tensor, bwd_block_lists, light_mods, load_mods, unit_dscore
 from flexjit.ir.nodes import Op, uses  # noqa: E402
 from flexjit.frontend.trace import MASK_MOD, trace_mod  # noqa: E402
 from mods_catalog import CORE, case_and_oracle, lowered, make_case  # noqa: E402
@@ -69,6 +69,7 @@ def _compiled(case, D, dtype, sparse, deterministic, Dv=None, config=""):
                             overlap_dp=overlap,
                             score_grads=getattr(mods, "score_grads", None),
                             grad_offsets=getattr(mods, "grad_offsets", None),
+                            unit_dscore=unit_dscore(program),
                             tiling=tiling_tpl.bwd_tiling(D, Dv, overlap, config) if config else None)
         _COMPILED[key] = host.compile_bwd(cfg, aux, program.scalars)
     return _COMPILED[key], aux, program.scalars
@@ -250,6 +251,24 @@ def test_taller_tiles(config, D, name):
 def test_psmem_without_overlap(config, D, name):
     # P read from smem with the overlap off (the D=128 row's for heavy mods): the dV GEMM reads
     # dO before any dP GEMM has waited for it, so it must wait for dO itself.
+    check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
+
+
+@pytest.mark.parametrize("config,D,name", [
+    ("m128+shuffle+late+dvafter", 64, "alibi"), ("m128+shuffle+late+dvafter", 64, "t5_bias"),
+    ("m128+shuffle+late+dvafter+dpafter", 64, "alibi"),
+    ("m128+shuffle+late+dvafter+dpafter", 64, "relative_bias"),
+    ("m128+shuffle+late+dvafter+dpafter", 64, "t5_bias"),
+    ("m128+shuffle+late+dvafter+dpafter", 32, "alibi"),
+    ("m128+shuffle+late+dvafter+dpafter", 32, "relative_bias"),
+    ("m128+psmem+dksmem+shuffle+dpafter", 64, "softcap"),
+    ("m128+psmem+dksmem+shuffle+dpafter", 64, "softcap_alibi_window"),
+    ("m128+psmem+dksmem+shuffle+dpafter", 64, "relative_bias"),
+    ("m128+psmem+dksmem+shuffle+dpafter", 32, "softcap")])
+def test_taller_tiles_with_score_mods(config, D, name):
+    # The 128-row tile's variants that compile clean with score mods
+    # (test_m128_score_mods_compile_clean): P converted after dS where d score/d score is 1
+    # ("late"), dP issued after P ("dpafter"), P read from smem ("psmem").
     check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
 
 
@@ -447,11 +466,15 @@ def test_captured_tensor_grads_through_the_api(name, monkeypatch, capsys):
     assert "backward on cute" in printed and "backward on triton" not in printed, printed
 
 
-@pytest.mark.parametrize("D,config", [(128, ""), (64, ""), (192, "sdpdup"), (192, "qsplit")])
+@pytest.mark.parametrize("D,config", [(128, ""), (64, ""), (192, "sdpdup"), (192, "qsplit"),
+                                      (64, "m128+psmem+dksmem+shuffle+dpafter"),
+                                      (64, "m128+shuffle+late+dvafter+dpafter+dksmem")])
 @pytest.mark.parametrize("name", ["learnable_bias", "learnable_alibi"])
 def test_captured_tensor_grads_through_the_template(name, D, config):
     # 192 "sdpdup": both MMA warpgroups hold the same elements; only warpgroup 0 adds them.
     # "qsplit": each holds its own query rows and adds them.
+    # The 128-row tile at 64: P from smem, or P converted after the gradients' dS (learnable_bias
+    # spills 8 bytes there, learnable_alibi is clean: test_m128_score_mods_compile_clean).
     # The template directly: compile_bwd with score_grads/grad_offsets and fp64 accumulators.
     from flexjit.backends.cute.sm90 import grad_slots
 
