@@ -133,7 +133,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
-from flexjit.templates.cute import config, host, softmax, tile_scheduler
+from flexjit.templates.cute import config, host, mask, softmax, tile_scheduler
 from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, BlockSparse, BlockSparseRows, bcast, count_of, listed_tile, row_of
 from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, bind, fadd, index_add, kernel_aux, launch, permute, plain_i32, quad_allreduce, register_offsets, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
@@ -916,6 +916,15 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         score_mod = bind(self.score_mod, batch, head, ctx.aux)
         mask_mod = bind(self.mask_mod, batch, head, ctx.aux) if const_expr(use_mask) else None
         offsets = register_offsets(tScS)
+        # A mask with one kept interval of keys per row: each row's limits once, then one
+        # compare per element and side, in place of mask_mod, the merged kinds and the bound.
+        rows = getattr(self.mask_mod, "rows", None) if const_expr(use_mask) else None
+        limits = {}
+        if const_expr(rows is not None):
+            bound_rows = bind(rows, batch, head, ctx.aux)
+            for r in sorted({at[0] for at in offsets}):
+                limits[r] = mask.row_limits(bound_rows, batch, head, index_add(q0, r), kv0,
+                                            ctx.sched.seqlen_k, ctx.aux, sub_full, sub_partial)
         for i in cutlass.range_constexpr(len(offsets)):
             at = offsets[i]
             q_idx = index_add(q0, at[0])
@@ -924,7 +933,9 @@ class FlexAttentionFwdSm90(config.TiledKernel):
             if const_expr(self.score_mod is not None):
                 s = score_mod(s * ctx.softmax_scale, batch, head, q_idx, kv_idx, ctx.aux,
                               *indices.args(self.score_mod, q_idx, kv_idx, at))
-            if const_expr(use_mask and self.merged_rows):
+            if const_expr(rows is not None):
+                s = where(mask.in_row(limits[at[0]], at[1], rows.bounds), s, neg_inf)
+            elif const_expr(use_mask and self.merged_rows):
                 masked = s
                 if const_expr(self.mask_mod is not None):
                     keep = mask_mod(batch, head, q_idx, kv_idx, ctx.aux,
@@ -935,7 +946,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
                 keep = mask_mod(batch, head, q_idx, kv_idx, ctx.aux,
                                 *indices.args(self.mask_mod, q_idx, kv_idx, at))
                 s = where(keep, s, neg_inf)
-            if const_expr(use_bound):
+            if const_expr(use_bound and rows is None):
                 s = where(kv_idx < ctx.sched.seqlen_k, s, neg_inf)
             acc_S[i] = s
 
