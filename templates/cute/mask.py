@@ -44,7 +44,7 @@ def kept(bits, col: int):
 
 
 # A row's limits are clamped to this, relative to the tile's first column: far past any tile.
-_CAP = 1 << 30
+_CAP = 1 << 29  # (the difference of two limits stays an int32)
 
 
 @cute.jit
@@ -72,8 +72,12 @@ def row_limits(rows: cutlass.Constexpr, batch: Int32, head: Int32, q_idx: Int32,
 
 def in_row(limits, col: int, bounds):
     """Whether the compile-time column ``col`` lies within ``limits`` (``row_limits``);
-    ``bounds``: which sides the interval has (one compare per element for causal)."""
-    keep = Int32(col) <= limits[1]
-    if bounds[0]:
-        keep = cutlass.and_(keep, Int32(col) >= limits[0])
-    return keep
+    ``bounds``: which sides the interval has. One side: one compare. Two: one unsigned compare
+    of col - first against last - first (two compares and'ed became two selects per score)."""
+    if not bounds[0]:
+        return Int32(col) <= limits[1]
+    first, last = limits
+    empty = last < first  # then col - first < 0 for every column: huge unsigned, never kept
+    start = cutlass.select_(empty, Int32(_CAP), first)
+    width = cutlass.select_(empty, Int32(0), last - first)
+    return cutlass.Uint32(Int32(col) - start) <= cutlass.Uint32(width)
