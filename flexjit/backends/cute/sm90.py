@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import time
@@ -68,11 +69,15 @@ def load_mods(program: Program):
 
 
 def _import_mods(program: Program):
-    key = program.key
-    path = cache.cache_dir("cute") / f"mods_{key[:24]}.py"
+    # Named by the text itself: a flexjit that renders a program differently never imports an
+    # older file of the same program (the kernels' keys cover flexjit's sources; this file's
+    # name must too).
+    source = render(program)
+    key = hashlib.sha256(source.encode()).hexdigest()[:24]
+    path = cache.cache_dir("cute") / f"mods_{key}.py"
     if config.settings.debug:
         print(f"[flexjit] cute mods for {program.score_name}/{program.mask_name}: {path}")
-    return cache.import_source(path, f"flexjit_cute_mods_{key[:24]}", render(program))
+    return cache.import_source(path, f"flexjit_cute_mods_{key}", source)
 
 
 # --------------------------------------------------------------------------- backend interface

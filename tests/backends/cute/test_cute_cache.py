@@ -201,6 +201,24 @@ def test_racing_processes_export_once(cache_dir):
     assert (cache_dir / "race.o").read_text() == "payload " * 1000
 
 
+def test_generated_mods_file_follows_its_text(cache_dir, monkeypatch):
+    # A flexjit that renders a program differently (a later version over the same cache folder)
+    # must import its own text, never the older file of the same program.
+    monkeypatch.setattr(backend, "_MODULES", {})
+    program = lower(None, trace_mod(mods.causal(), MASK_MOD))
+    first = backend.load_mods(program)
+    monkeypatch.setattr(backend, "_MODULES", {})
+    monkeypatch.setattr(backend, "render", _later)
+    second = backend.load_mods(program)
+    assert not hasattr(first, "LATER") and second.LATER == 1
+    assert len(list(cache_dir.glob("mods_*.py"))) == 2
+
+
+def _later(program):
+    from flexjit.backends.cute.render import render
+    return render(program) + "\nLATER = 1\n"
+
+
 def test_key_options_and_config():
     assert backend._key_options("--keep-ptx --dump-dir /tmp/x --keep-cubin") == ""
     assert backend._key_options("--dump-dir=/a --opt-level 2") == "--opt-level 2"
