@@ -33,10 +33,9 @@ Keys with a meaning for flexjit:
   "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "dvafter"
   (the dV GEMM issued once dS is in shared memory; "m128+shuffle+dvafter" is the 128-row tile
   with P and dS in registers at head dim 64, the default there and, as "m128+dvafter", at 32
-  for mods without loads or transcendentals), "dpafter" (the dP
-  GEMM issued once P is formed, not under it), "m80" /
-  "m128" (80- or 128-row query tiles), "qhead" (one CTA per query head under GQA, dK/dV summed
-  in fp32 workspaces), "keys96" (head dim 192: 64 × 96 tiles, FlashAttention-3's schedule);
+  for mods without loads or transcendentals), "dpafter" (the dP GEMM issued once P is formed,
+  not under it), "m80" / "m128" (80- or 128-row query tiles), "qhead" (one CTA per query head
+  under GQA, dK/dV summed in fp32 workspaces), "keys96" (head dim 192: 64 × 96 tiles, FlashAttention-3's schedule);
   where a variant cannot serve (Hq = Hkv or deterministic mode for "qhead"; deterministic mode
   and captured-tensor gradients for "keys96") the table's runs, which ``flexjit.explain`` says;
   "" is the tile table's. For measuring schedules.
