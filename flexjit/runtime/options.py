@@ -27,18 +27,18 @@ Keys with a meaning for flexjit:
   consumer warpgroups) is served at head dims 32, 64 and 96: the default at 32 and 64, block
   masks included (their lists merged per tile), a tuner candidate at 96. ``flexjit.explain``
   shows the tile.
-* ``BWD_CONFIG`` (flexjit): the sm90 backward's schedule variants, "+"-joined: "late" (P
-  converted after dS, dV issued after it; with a score_mod only where d score/d score is 1, or
-  with captured-tensor gradients), "dksmem" (dK reads dSᵀ from shared memory),
-  "shuffle" (LSE and delta held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "dvafter"
-  (the dV GEMM issued once dS is in shared memory; "m128+shuffle+dvafter" is the 128-row tile
-  with P and dS in registers at head dim 64, the default there and, as "m128+dvafter", at 32
-  for mods without loads or transcendentals), "dpafter" (the dP GEMM issued once P is formed,
-  not under it), "m80" / "m128" (80- or 128-row query tiles), "qhead" (one CTA per query head
-  under GQA, dK/dV summed in fp32 workspaces), "keys96" (head dim 192: 64 × 96 tiles, FlashAttention-3's schedule);
-  where a variant cannot serve (Hq = Hkv or deterministic mode for "qhead"; deterministic mode
-  and captured-tensor gradients for "keys96") the table's runs, which ``flexjit.explain`` says;
-  "" is the tile table's. For measuring schedules.
+* ``BWD_CONFIG`` (flexjit): the sm90 backward's schedule variants, "+"-joined: "late" (P converted
+  after dS, dV issued after it; with a score_mod only where d score/d score is 1, or with
+  captured-tensor gradients), "dksmem" (dK reads dSᵀ from shared memory), "shuffle" (LSE and delta
+  held one in 8 and shuffled), "swapdq" (dQᵀ = Kᵀ dSᵀ), "dvafter" (the dV GEMM issued once dS is in
+  shared memory; "m128+shuffle+dvafter" is the 128-row tile with P and dS in registers at head dim
+  64, the default there and, as "m128+dvafter", at 32 for mods without loads or transcendentals),
+  "dpafter" (the dP GEMM issued once P is formed, not under it), "m80" / "m128" (80- or 128-row
+  query tiles), "qhead" (one CTA per query head under GQA, dK/dV summed in fp32 workspaces),
+  "keys96" (head dim 192: 64 × 96 tiles, FlashAttention-3's schedule); where a variant cannot serve
+  (Hq = Hkv or deterministic mode for "qhead"; deterministic mode and captured-tensor gradients for
+  "keys96") the table's runs, which ``flexjit.explain`` says; "" is the tile table's. For measuring
+  schedules.
 * ``AUTOTUNE`` (flexjit; ``fwd_``/``bwd_`` per pass): True (default) lets ``runtime.autotune``
   choose among a backend's candidate configurations (the sm90 forward's tile and schedule) by
   measurement, once per shape class, remembered on disk; False (and deterministic

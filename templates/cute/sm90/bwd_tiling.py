@@ -148,13 +148,13 @@ def choose_bwd_tiling(head_dim: int, head_dim_v: int, overlap_dp: bool = True) -
 # The schedule variants a backward may be asked for by name (``bwd_tiling``), each a change to
 # the tile table's row: "late" (``BwdTiling.p_late``), "dksmem" (``dk_smem``), "psmem"
 # (``p_smem``), "lpt" / "lpt2" (``lpt_section`` 8 / 2), "shuffle" (``shuffle_stats``), "swapdq"
-# (``dq_swapped``), "dvafter" (``dv_after_ds``), "m80"
-# (80-row tiles, dense launches only, with the dQ GEMM swapped), "m128" (128-row tiles, head
-# dims up to 64, dQ split by rows), "dpafter" (``overlap_dp`` off: the dP GEMM issued once P is
-# formed, for mods too heavy to form P beside dPᵀ's accumulator), "qhead" (``q_head``: one CTA
-# per query head, head dims up to 128); for the dim split (D = 192) only: "qsplit" / "sdpdup"
-# (the S/dP GEMMs split by query rows, ``BwdTiling.q_split``, or computed whole in each warpgroup), and
-# "keys96": 64 × 96 tiles instead (``KEYS96``, the kernel ``bwd_keys.FlexAttentionBwdKeysSm90``).
+# (``dq_swapped``), "dvafter" (``dv_after_ds``), "m80" (80-row tiles, dense launches only, with the
+# dQ GEMM swapped), "m128" (128-row tiles, head dims up to 64, dQ split by rows), "dpafter"
+# (``overlap_dp`` off: the dP GEMM issued once P is formed, for mods too heavy to form P beside
+# dPᵀ's accumulator), "qhead" (``q_head``: one CTA per query head, head dims up to 128); for the dim
+# split (D = 192) only: "qsplit" / "sdpdup" (the S/dP GEMMs split by query rows,
+# ``BwdTiling.q_split``, or computed whole in each warpgroup), and "keys96": 64 × 96 tiles instead
+# (``KEYS96``, the kernel ``bwd_keys.FlexAttentionBwdKeysSm90``).
 BWD_CONFIG_TOKENS = ("late", "dksmem", "psmem", "lpt", "lpt2", "shuffle", "swapdq", "dvafter", "m80",
                      "m128", "qsplit", "sdpdup", "qhead", "keys96", "dpafter")
 _DIM_SPLIT_TOKENS = ("qsplit", "sdpdup", "keys96")

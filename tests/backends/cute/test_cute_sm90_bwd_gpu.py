@@ -230,6 +230,22 @@ def test_schedule_variants(config, D, name):
     check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
 
 
+# The 128-row tile's variants that compile clean with score mods
+# (test_m128_score_mods_compile_clean): P converted after dS where d score/d score is 1 ("late"),
+# dP issued after P ("dpafter"), P read from smem ("psmem").
+_TALL_SCORE_MODS = [
+    ("m128+shuffle+late+dvafter", 64, "alibi"), ("m128+shuffle+late+dvafter", 64, "t5_bias"),
+    ("m128+shuffle+late+dvafter+dpafter", 64, "alibi"),
+    ("m128+shuffle+late+dvafter+dpafter", 64, "relative_bias"),
+    ("m128+shuffle+late+dvafter+dpafter", 64, "t5_bias"),
+    ("m128+shuffle+late+dvafter+dpafter", 32, "alibi"),
+    ("m128+shuffle+late+dvafter+dpafter", 32, "relative_bias"),
+    ("m128+psmem+dksmem+shuffle+dpafter", 64, "softcap"),
+    ("m128+psmem+dksmem+shuffle+dpafter", 64, "softcap_alibi_window"),
+    ("m128+psmem+dksmem+shuffle+dpafter", 64, "relative_bias"),
+    ("m128+psmem+dksmem+shuffle+dpafter", 32, "softcap")]
+
+
 @pytest.mark.parametrize("config,D,name", [("m80+late+dksmem+shuffle", 128, "full"),
                                            ("m128+psmem+dksmem+shuffle", 64, "full"),
                                            ("m128+psmem+dksmem+shuffle", 64, "causal"),
@@ -241,7 +257,8 @@ def test_schedule_variants(config, D, name):
                                            ("m128+shuffle+dvafter", 64, "causal"),
                                            ("m128+shuffle+dvafter", 64, "document"),
                                            ("m128+shuffle+dvafter", 64, "alibi"),
-                                           ("m128+shuffle+late+dvafter", 64, "causal")])
+                                           ("m128+shuffle+late+dvafter", 64, "causal"),
+                                           *_TALL_SCORE_MODS])
 def test_taller_tiles(config, D, name):
     # 80 rows: no multiple of the 128-row mask block, dense launches only.
     check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
@@ -251,24 +268,6 @@ def test_taller_tiles(config, D, name):
 def test_psmem_without_overlap(config, D, name):
     # P read from smem with the overlap off (the D=128 row's for heavy mods): the dV GEMM reads
     # dO before any dP GEMM has waited for it, so it must wait for dO itself.
-    check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
-
-
-@pytest.mark.parametrize("config,D,name", [
-    ("m128+shuffle+late+dvafter", 64, "alibi"), ("m128+shuffle+late+dvafter", 64, "t5_bias"),
-    ("m128+shuffle+late+dvafter+dpafter", 64, "alibi"),
-    ("m128+shuffle+late+dvafter+dpafter", 64, "relative_bias"),
-    ("m128+shuffle+late+dvafter+dpafter", 64, "t5_bias"),
-    ("m128+shuffle+late+dvafter+dpafter", 32, "alibi"),
-    ("m128+shuffle+late+dvafter+dpafter", 32, "relative_bias"),
-    ("m128+psmem+dksmem+shuffle+dpafter", 64, "softcap"),
-    ("m128+psmem+dksmem+shuffle+dpafter", 64, "softcap_alibi_window"),
-    ("m128+psmem+dksmem+shuffle+dpafter", 64, "relative_bias"),
-    ("m128+psmem+dksmem+shuffle+dpafter", 32, "softcap")])
-def test_taller_tiles_with_score_mods(config, D, name):
-    # The 128-row tile's variants that compile clean with score mods
-    # (test_m128_score_mods_compile_clean): P converted after dS where d score/d score is 1
-    # ("late"), dP issued after P ("dpafter"), P read from smem ("psmem").
     check(name, B=2, Hq=8, Hkv=2, L=1000, S=1000, D=D, config=config)
 
 
