@@ -30,6 +30,7 @@ import math
 import re
 
 from flexjit.ir import nodes as ir
+from flexjit.ir.kv_range import BIG, kv_interval
 from flexjit.ir.nodes import DType, Node, Op
 from flexjit.ir.program import Program
 from flexjit.ir.passes import exact_float_nodes
@@ -332,6 +333,7 @@ def render(program: Program) -> str:
     parts.append("\n")
     if program.mask is not None:
         parts.append(render_function("mask_mod", "b, h, q_idx, kv_idx, aux", program.mask))
+        parts.append(_render_rows(program.mask))
     else:
         parts.append("mask_mod = None\n")
     parts.append("\n")
@@ -346,6 +348,20 @@ def render(program: Program) -> str:
         parts.append("\n")
         parts.append(render_captured_grads(program))
     return "".join(parts)
+
+
+def _render_rows(mask: Node) -> str:
+    """``mask_mod.rows``: the mask's kept keys of a row as one interval (``ir.kv_range``), a
+    function returning (lo, hi) with ``.bounds`` (which sides exist); None where the mask has
+    no such form. A kernel masks a partial tile with it at one compare per element."""
+    iv = kv_interval(mask)
+    if iv is None:
+        return "\nmask_mod.rows = None\n"
+    lo = iv.lo if iv.lo is not None else ir.const(-BIG, DType.INT64)
+    hi = iv.hi if iv.hi is not None else ir.const(BIG, DType.INT64)
+    return ("\n" + render_function("mask_rows", "b, h, q_idx, kv_idx, aux", lo, hi)
+            + f"mask_rows.bounds = ({iv.lo is not None}, {iv.hi is not None})\n"
+            "mask_mod.rows = mask_rows\n")
 
 
 def unit_dscore(program: Program) -> bool:

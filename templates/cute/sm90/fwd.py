@@ -13,11 +13,10 @@ What this module holds
 
 Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pipelining)
 -------------------------------------------------------------------------------------
-* One CTA computes a tile_m-row query tile (128; 192 at D=64, and at D=96 where asked for) of
-  one (batch, query head).
-  Warpgroup 0 is the producer:
-  it drops to ``load_regs`` registers (``setmaxnreg.dec``) and one warp issues TMA loads of Q
-  (once), then K and V tiles through two ``PipelineTmaAsync`` rings (``num_stages`` deep each).
+* One CTA computes a tile_m-row query tile (128; 192 at D ≤ 64, at D=96 where asked for) of one
+  (batch, query head). Warpgroup 0 is the producer: it drops to ``load_regs`` registers
+  (``setmaxnreg.dec``) and one warp issues TMA loads of Q (once), then K and V tiles through two
+  ``PipelineTmaAsync`` rings (``num_stages`` deep each).
   Warpgroups 1..n are consumers, raised to ``mma_regs`` (``setmaxnreg.inc``); each owns 64
   query rows (the wgmma M). The kernel is launched with ``min_blocks_per_mp=1`` so the register
   caps take effect.
@@ -39,32 +38,22 @@ Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pi
 
 Persistent variant (``Tiling.persistent``; the backend picks it for short kv loops)
 -------------------------------------------------------------------------------
-The grid is min(num_tiles, num_sms) CTAs (``num_sms`` is a runtime argument: the device's SM
-count on the host path, 132 for a CPU compile); CTA i runs tiles i, i + grid, i + 2·grid, ... in
-``tile_scheduler.tile_coords``'s order, so longest-first and the L2 sections still hold. The producer warp and
-each consumer warpgroup run that loop with their own copy of ``_schedule`` per tile, and carry
-their pipeline states (Q: one stage, K/V: a ring) from tile to tile: ``_load_tile`` /
-``_mainloop`` both advance the K/V state once per kv tile visited, i.e. past V(last).
+The grid is min(num_tiles, num_sms) CTAs (``num_sms``: a runtime argument); CTA i runs tiles i,
+i + grid, ... in ``tile_scheduler.tile_coords``'s order (longest first, L2 sections). The producer
+warp and each consumer warpgroup run that loop with their own ``_schedule`` per tile, carrying
+their pipeline states (Q: one stage, K/V: a ring) across tiles, past V(last) of each.
 * Overlap: the consumers release Q right after their last QK GEMM has completed (before the
   last PV GEMM; at once for an empty row), so the producer loads the next tile's Q, and its
   first K/V tiles as stages free up, under this tile's last PV GEMM and epilogue.
-* O has its own smem buffer (the next Q may be landing in Q's). D=128: Q 32 + K/V 2×64 + O 32
-  = 192 KB; D=64: 128 KB (block-sparse) / 144 KB (dense 192-row); D=256 would need 256 KB and
-  is refused. The epilogue's TMA store is committed but not waited for; before the next tile's
-  stmatrix, warp 4 (the storing warp) waits for its bulk group with read semantics and the
-  first epilogue barrier releases the other consumer threads; after the loop warp 4 waits once
-  more, so sO outlives the last store's reads.
-* Ping-pong: per tile each consumer warpgroup waits on its own named barrier and signals the
-  next warpgroup's once per steady kv tile (total − 1 times, the same for all warpgroups of a
-  tile), so the single token that warpgroup 0 hands itself ONCE PER CTA, before the tile loop,
-  is back at warpgroup 0's barrier at every tile boundary (the per-CTA kernel hands it out after
-  the first kv tile instead). Warpgroups cannot drift apart across tiles: the epilogue barriers
-  join all consumer threads every tile.
+* O has its own smem buffer (the next Q may be landing in Q's; D=256 would need 256 KB: refused).
+  Its TMA store is not waited for; before the next tile's stmatrix warp 4 (the storing warp)
+  waits for its bulk group (read semantics), then the epilogue barrier releases the others.
+* Ping-pong: each consumer warpgroup signals the next one's barrier once per steady kv tile
+  (total − 1 times per tile), so the one token warpgroup 0 hands itself per CTA, before the tile
+  loop, is back at its barrier at every tile boundary; the epilogue barriers join them per tile.
 
-Dynamic tile scheduler (``Tiling.dynamic_schedule``, persistent only; ``choose_tiling``'s default):
-``tile_scheduler``'s protocol, the tile index published to the consumers with each tile's Q (the
-Q pipeline's one stage and an 8-byte smem slot); the K/V rings and the ping-pong token are
-unchanged, all roles walking the same tile sequence.
+Dynamic tile scheduler (``Tiling.dynamic_schedule``, persistent only): ``tile_scheduler``'s
+protocol, each tile's index published to the consumers with its Q (an 8-byte smem slot).
 
 Block sparsity (FlexAttention's BlockMask, mask block 128×128)
 --------------------------------------------------------------
@@ -79,9 +68,8 @@ rows lie in one mask block, and it keeps all, none or mask_mod's scores as that 
 says (``_apply_mods``). Without a block mask (``has_block_mask=False``) every kv tile is visited: as partial tiles
 when a mask_mod is given, else as full tiles (dense mode, the last/ragged tile first).
 
-Scheduling: a 1-D grid of q-tiles. Block-sparse launches group (head, batch) pairs into sections
-whose K/V fit in L2 and run the longest q-tiles (the last ones, under causal masks) first; dense
-launches walk one head's q-tiles together (``hb_per_section`` = 1: they stream the same K/V).
+Scheduling: a 1-D grid of q-tiles. Block-sparse launches run the longest q-tiles first in sections
+of (head, batch) pairs whose K/V fit in L2; dense ones walk a head's q-tiles together.
 
 The holes: the score_mod / mask_mod contract
 --------------------------------------------
@@ -109,6 +97,9 @@ tile-uniform values (``common.bind`` computes them once per tile).
   indexed ``aux.tensors[i][i0, i1, ...]`` with Int32 expressions; ``aux.scalars[j]`` is a runtime
   ``Float32`` or ``Int32`` kernel argument (a new value does not recompile).
 * Masking is applied after score_mod (a masked element becomes -inf), as in torch.
+* ``mask_mod.rows`` (optional): the mask as one kept interval of keys per row, (lo, hi) =
+  rows(b, h, q_idx, ...), with ``.bounds`` (which sides exist); partial tiles then compare each
+  column with its row's limits (``mask.row_limits``) instead of calling mask_mod.
 
 Shapes: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), o (B, Hq, L, Dv), lse (B, Hq, L)
 fp32 (k and v (1, Hkv, S, ·) with ``FwdConfig.kv_batch_broadcast``: one K/V for every query
@@ -133,7 +124,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
-from flexjit.templates.cute import config, host, softmax, tile_scheduler
+from flexjit.templates.cute import config, host, mask, softmax, tile_scheduler
 from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, BlockSparse, BlockSparseRows, bcast, count_of, listed_tile, row_of
 from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, bind, fadd, index_add, kernel_aux, launch, permute, plain_i32, quad_allreduce, register_offsets, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
@@ -916,6 +907,14 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         score_mod = bind(self.score_mod, batch, head, ctx.aux)
         mask_mod = bind(self.mask_mod, batch, head, ctx.aux) if const_expr(use_mask) else None
         offsets = register_offsets(tScS)
+        # An interval mask: row limits once, then in place of mask_mod, merged kinds and bound.
+        rows = getattr(self.mask_mod, "rows", None) if const_expr(use_mask) else None
+        limits = {}
+        if const_expr(rows is not None):
+            bound_rows = bind(rows, batch, head, ctx.aux)
+            for r in sorted({at[0] for at in offsets}):
+                limits[r] = mask.row_limits(bound_rows, batch, head, index_add(q0, r), kv0,
+                                            ctx.sched.seqlen_k, ctx.aux, sub_full, sub_partial)
         for i in cutlass.range_constexpr(len(offsets)):
             at = offsets[i]
             q_idx = index_add(q0, at[0])
@@ -924,7 +923,9 @@ class FlexAttentionFwdSm90(config.TiledKernel):
             if const_expr(self.score_mod is not None):
                 s = score_mod(s * ctx.softmax_scale, batch, head, q_idx, kv_idx, ctx.aux,
                               *indices.args(self.score_mod, q_idx, kv_idx, at))
-            if const_expr(use_mask and self.merged_rows):
+            if const_expr(rows is not None):
+                s = where(mask.in_row(limits[at[0]], at[1], rows.bounds), s, neg_inf)
+            elif const_expr(use_mask and self.merged_rows):
                 masked = s
                 if const_expr(self.mask_mod is not None):
                     keep = mask_mod(batch, head, q_idx, kv_idx, ctx.aux,
@@ -935,7 +936,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
                 keep = mask_mod(batch, head, q_idx, kv_idx, ctx.aux,
                                 *indices.args(self.mask_mod, q_idx, kv_idx, at))
                 s = where(keep, s, neg_inf)
-            if const_expr(use_bound):
+            if const_expr(use_bound and rows is None):
                 s = where(kv_idx < ctx.sched.seqlen_k, s, neg_inf)
             acc_S[i] = s
 

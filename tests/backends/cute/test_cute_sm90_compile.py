@@ -82,7 +82,7 @@ def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, au
                                               dynamic_schedule=dynamic_schedule, tile_m=tile_m,
                                               fp8=fp8), fp8=fp8)
     fn = compile_fwd(cfg, q, k, v, o, lse, bm, aux, scalars,
-                     options=f"--keep-ptx --dump-dir {tmp_path}")
+                     options=f"--keep-ptx --keep-cubin --dump-dir {tmp_path}")
     ptx = fn.compiled.__ptx__
     assert ptx, "no PTX produced"
     return ptx
@@ -155,6 +155,60 @@ def test_merged_rows_192(tmp_path, mods, persistent):
         assert_no_spills(tmp_path, ptx, no_serialised_wgmma=True)
     else:
         assert "serialized" not in ptxas_report(tmp_path, ptx)  # C7512: wgmmas stay async
+
+
+_INTERVAL_MASKS = ["causal", "sliding_window", "prefix_lm_per_batch", "batch_dependent"]
+_ROW_LIMIT_SPILLS = {(64, "sliding_window"): 8}  # spill-store bytes ptxas reports now
+
+
+@pytest.mark.parametrize("name", _INTERVAL_MASKS)
+@pytest.mark.parametrize("head_dim,tile_m", [(64, 192), (32, 192), (128, None)])
+def test_interval_masks_by_row_limits(tmp_path, name, head_dim, tile_m):
+    """Rendered masks that keep one interval of keys per row (``mask_mod.rows``: causal, a
+    window, a per-batch prefix read from a tensor, padding lengths) on the production tiles,
+    persistent: no spills, no serialised wgmma, and on the partial tiles one select per score
+    (the SASS of the loop over partial tiles: mask_mod per score, the merged rows' kinds and
+    the bound took three on D = 64's 192-row tile)."""
+    from benchmarks import sass_compare
+    from flexjit.backends.cute.sm90 import load_mods
+    from flexjit.frontend.trace import MASK_MOD, trace_mod
+    from flexjit.ir.passes import lower
+    from mods_catalog import make_case
+
+    torch.manual_seed(0)
+    program = lower(None, trace_mod(make_case(name, 2, 4, 300, 500).mask_mod, MASK_MOD),
+                    float_index=True)
+    mask_mod = load_mods(program).mask_mod
+    assert mask_mod.rows is not None
+    ptx = _compile(tmp_path, head_dim, mask_mod=mask_mod, sparse=True, tile_m=tile_m,
+                   aux=program.buffers, scalars=program.scalars, persistent=True,
+                   dynamic_schedule=True)
+    if (head_dim, name) in _ROW_LIMIT_SPILLS:
+        # evaluating mask_mod per score there, the persistent tile spilled 56-68 bytes for
+        # each of these masks; with row limits only the window's two limits still spill
+        report = ptxas_report(tmp_path, ptx)
+        stores = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+        assert stores <= _ROW_LIMIT_SPILLS[head_dim, name] and "serialized" not in report, report
+    else:
+        assert_no_spills(tmp_path, ptx, no_serialised_wgmma=True)
+    ins = sass_compare.disassemble(sass_compare._largest_cubin(str(tmp_path)))
+    partial = _first_wgmma_loop(ins)
+    scores = 64  # per thread: a warpgroup's 64 rows x 128 keys over its 128 threads
+    selects = sum(sass_compare._opcode(t) == "FSEL" for t in partial)
+    assert scores <= selects <= scores + 8, selects
+
+
+def _first_wgmma_loop(ins):
+    """The body of the first loop that issues wgmmas: the loop over partial tiles (visited
+    before the full ones)."""
+    for addr, text in ins:
+        m = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
+        start = int(m.group(1), 16) if m else None
+        if start is not None and start < addr and text.startswith("@"):  # a loop's back edge
+            body = [t for a, t in ins if start <= a <= addr]
+            if any("HGMMA" in t for t in body):
+                return body
+    raise AssertionError("no loop issues wgmmas")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
