@@ -91,9 +91,8 @@ tile-uniform values (``common.bind`` computes them once per tile).
   indexed ``aux.tensors[i][i0, i1, ...]`` with Int32 expressions; ``aux.scalars[j]`` is a runtime
   ``Float32`` or ``Int32`` kernel argument (a new value does not recompile).
 * Masking is applied after score_mod (a masked element becomes -inf), as in torch.
-* ``mask_mod.rows`` (optional): the mask as one kept interval of keys per row, (lo, hi) =
-  rows(b, h, q_idx, ...), with ``.bounds`` (which sides exist); partial tiles then compare each
-  column with its row's limits (``mask.row_limits``) instead of calling mask_mod.
+* ``mask_mod.rows`` (optional): one kept interval of keys per row, (lo, hi) = rows(b, h, q_idx,
+  ...), ``.bounds`` its sides; partial tiles test bits made from it (``mask.row_words``) instead.
 
 Shapes: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), o (B, Hq, L, Dv), lse (B, Hq, L)
 fp32 (k and v (1, Hkv, S, ·) with ``FwdConfig.kv_batch_broadcast``: one K/V for every query
@@ -907,15 +906,17 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         score_mod = bind(self.score_mod, batch, head, ctx.aux)
         mask_mod = bind(self.mask_mod, batch, head, ctx.aux) if const_expr(use_mask) else None
         offsets = register_offsets(tScS)
-        # An interval mask: row limits once, then in place of mask_mod, merged kinds and bound.
+        # An interval mask: row limits (as bits) once, in place of mask_mod, merged kinds, bound.
         rows = getattr(self.mask_mod, "rows", None) if const_expr(use_mask) else None
         limits = {}
         if const_expr(rows is not None):
             bound_rows = bind(rows, batch, head, ctx.aux)
             for r in sorted({at[0] for at in offsets}):
-                limits[r] = mask.row_limits(bound_rows, batch, head, index_add(q0, r), kv0,
-                                            ctx.sched.seqlen_k, ctx.aux, sub_full, sub_partial)
-        for i in cutlass.range_constexpr(len(offsets)):
+                limits[r] = mask.row_words(mask.row_limits(
+                    bound_rows, batch, head, index_add(q0, r), kv0, ctx.sched.seqlen_k, ctx.aux,
+                    sub_full, sub_partial), [c for q, c in offsets if q == r], rows.bounds)
+        # Row by row where bits mask: ptxas then fills predicates from one word at a time (R2P).
+        for i in sorted(range(len(offsets)), key=lambda i: offsets[i] if limits else i):
             at = offsets[i]
             q_idx = index_add(q0, at[0])
             kv_idx = index_add(kv0, at[1])
