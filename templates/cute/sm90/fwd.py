@@ -468,9 +468,8 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         lane 0's counter value (None without the dynamic scheduler)."""
         mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v = ld
         head_kv = sched.head // (mQ.shape[2] // mK.shape[2])
-        # A K/V batch broadcast over the query's (``FwdConfig.kv_batch_broadcast``): K and V
-        # have batch extent 1 and every batch reads entry 0, as GQA maps a query head to its
-        # kv head.
+        # A K/V batch broadcast over the query's (``FwdConfig.kv_batch_broadcast``): K and V have
+        # batch extent 1 and every batch reads entry 0, as GQA maps a query head to its kv head.
         kv_batch = 0 if const_expr(self.kv_batch_broadcast) else sched.batch
         gQ = cute.local_tile(mQ[None, None, sched.head, sched.batch],
                              (self.tile_m, self.head_dim), (sched.m_block, 0))
@@ -906,16 +905,16 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         score_mod = bind(self.score_mod, batch, head, ctx.aux)
         mask_mod = bind(self.mask_mod, batch, head, ctx.aux) if const_expr(use_mask) else None
         offsets = register_offsets(tScS)
-        # An interval mask: row limits (as bits) once, in place of mask_mod, merged kinds, bound.
+        # An interval mask: row limits as bits, in place of mask_mod, merged kinds and bound; then
+        # scores row by row, so that ptxas fills predicates from one word at a time (R2P).
         rows = getattr(self.mask_mod, "rows", None) if const_expr(use_mask) else None
         limits = {}
         if const_expr(rows is not None):
-            bound_rows = bind(rows, batch, head, ctx.aux)
             for r in sorted({at[0] for at in offsets}):
                 limits[r] = mask.row_words(mask.row_limits(
-                    bound_rows, batch, head, index_add(q0, r), kv0, ctx.sched.seqlen_k, ctx.aux,
-                    sub_full, sub_partial), [c for q, c in offsets if q == r], rows.bounds)
-        # Row by row where bits mask: ptxas then fills predicates from one word at a time (R2P).
+                    bind(rows, batch, head, ctx.aux), batch, head, index_add(q0, r), kv0,
+                    ctx.sched.seqlen_k, ctx.aux, sub_full, sub_partial),
+                    [c for q, c in offsets if q == r], rows.bounds)
         for i in sorted(range(len(offsets)), key=lambda i: offsets[i] if limits else i):
             at = offsets[i]
             q_idx = index_add(q0, at[0])
