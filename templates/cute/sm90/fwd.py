@@ -115,12 +115,13 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
-from flexjit.templates.cute import config, host, mask, softmax, tile_scheduler
-from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, BlockSparse, BlockSparseRows, bcast, count_of, listed_tile, row_of
-from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, bind, fadd, index_add, kernel_aux, launch, permute, plain_i32, quad_allreduce, register_offsets, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
+from flexjit.templates.cute import config, host, softmax, tile_scheduler
+from flexjit.templates.cute.block_sparse import BlockSparse, BlockSparseRows, bcast, count_of, listed_tile, row_of
+from flexjit.templates.cute.common import MASK_BLOCK, Aux, acc_as_operand_a, fadd, kernel_aux, launch, permute, quad_allreduce, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.pipeline import tma_pipelines
 from flexjit.templates.cute.sm90 import fp8, p_smem
+from flexjit.templates.cute.sm90.fwd_mods import FwdMods
 from flexjit.templates.cute.sm90.fwd_tiling import (FP8_HEAD_DIMS, HEAD_DIMS, SMEM_CAPACITY, Tiling,  # noqa: F401  (the template's API)
                                                     choose_tiling, dynamic_schedule_default, smem_bytes)
 
@@ -154,7 +155,7 @@ class FwdConfig(config.FwdConfig):
 # ---------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------
-class FlexAttentionFwdSm90(config.TiledKernel):
+class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
     """Warp-specialised FlashAttention-3 style forward for sm_90a with score/mask holes."""
 
     def __init__(self, cfg: FwdConfig):
@@ -741,7 +742,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         else is in flight here, so runtime branches cost nothing."""
         sched = ctx.sched
         tile = sched.first_tile
-        kinds = self._entry_kinds(ctx, Int32(0), "partial")  # (a kinds row is never empty)
+        setup = self._mask_setup(ctx, tile, Int32(0), "partial")  # (a kinds row is never empty)
         pipe_k.consumer_wait(kv)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
         wgmma_gemm(ctx.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv.index], zero_init=True)
@@ -749,7 +750,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         pipe_k.consumer_release(kv)
         if sched.n_partial > 0:
             if const_expr(self.has_partial):
-                self._mods(ctx, acc_S, tile, "partial", kinds)
+                self._mods(ctx, acc_S, tile, "partial", setup)
         else:
             if const_expr(self.has_full):
                 if (tile + 1) * self.tile_n > sched.seqlen_k:
@@ -767,7 +768,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         Between the two waits the code must stay branch-free (see ``mma``)."""
         kv_v = kv.clone()
         kv.advance()
-        kinds = self._entry_kinds(ctx, j, kind)
+        setup = self._mask_setup(ctx, tile, j, kind)
         pipe_k.consumer_wait(kv)
         self._pingpong_wait(ctx.wg)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
@@ -778,7 +779,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         self._pingpong_signal(ctx.wg)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(kv)
-        self._mods(ctx, acc_S, tile, kind, kinds)
+        self._mods(ctx, acc_S, tile, kind, setup)
         row_scale = self._online_softmax(ctx, acc_S, False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
@@ -850,96 +851,6 @@ class FlexAttentionFwdSm90(config.TiledKernel):
     # -----------------------------------------------------------------------------------------
     # The holes, masking, softmax
     # -----------------------------------------------------------------------------------------
-    @cute.jit
-    def _entry_kinds(self, ctx, j: Int32, kind: cutlass.Constexpr):
-        """Merged rows: partial entry j's kinds (``sched.kind_row``), else None; read before the
-        GEMMs (read after the S wait, their latency sat before every partial tile's softmax)."""
-        if const_expr(kind == "partial" and self.merged_rows):
-            return ctx.sched.kind_row[j]
-        return None
-
-    @cute.jit
-    def _mods(self, ctx, acc_S: cute.Tensor, tile: Int32, kind: cutlass.Constexpr, kinds=None):
-        """Branch-free application of the holes to one S tile. kind: "partial" = score_mod,
-        mask_mod and the kv < S bound; "bounded" = a full tile that crosses S: score_mod and the
-        bound; "full" = score_mod only (nothing at all without one); ``kinds``: _entry_kinds'."""
-        if const_expr(kind == "partial"):
-            self._apply_mods(ctx, acc_S, tile, use_mask=True, use_bound=True, kinds=kinds)
-        elif const_expr(kind == "bounded"):
-            self._apply_mods(ctx, acc_S, tile, use_mask=False, use_bound=True)
-        else:
-            if const_expr(self.score_mod is not None):
-                self._apply_mods(ctx, acc_S, tile, use_mask=False, use_bound=False)
-
-    @cute.jit
-    def _apply_mods(self, ctx, acc_S: cute.Tensor, tile: Int32, use_mask: cutlass.Constexpr,
-                    use_bound: cutlass.Constexpr, kinds=None):
-        """Unrolled over the thread's S registers; (q_idx, kv_idx) per register come from an
-        identity tensor partitioned like the accumulator (compile-time offsets + one base).
-
-        Merged rows (a query tile over two mask-block rows): a warpgroup's 64 rows lie in one
-        mask block, whose kind for this kv block (``kinds``, two bits a row) decides per
-        warpgroup: full keeps every score, skip none, partial applies mask_mod, exactly as the
-        128-row tile reading that block would."""
-        tScS = ctx.thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        first_row = ctx.sched.m_block * self.tile_m
-        q0 = plain_i32(first_row + tScS[0][0])
-        kv0 = plain_i32(tile * self.tile_n + tScS[0][1])
-        if const_expr(self.p_smem):
-            # The same (row, col) from the (uniform) warp and the lane: a wgmma accumulator's warp
-            # holds rows 16·warp + l/4, columns from 2·(l%4). From tidx, their terms were kept from
-            # the setup through the loops and spilled on this tile; the lane ptxas re-reads.
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - 4
-            q0 = plain_i32(first_row + warp * 16 + cute.arch.lane_idx() // 4)
-            kv0 = plain_i32(tile * self.tile_n + cute.arch.lane_idx() % 4 * 2)
-        neg_inf = -Float32.inf
-        indices = FloatIndices(q0, kv0)
-        sub_full = None
-        sub_partial = None
-        if const_expr(use_mask and self.merged_rows):
-            sub = q0 // MASK_BLOCK - first_row // MASK_BLOCK
-            sub_kind = (kinds >> (sub * 2)) & 3
-            sub_full = sub_kind == KIND_FULL
-            sub_partial = sub_kind == KIND_PARTIAL
-        batch, head = ctx.sched.batch, ctx.sched.head
-        score_mod = bind(self.score_mod, batch, head, ctx.aux)
-        mask_mod = bind(self.mask_mod, batch, head, ctx.aux) if const_expr(use_mask) else None
-        offsets = register_offsets(tScS)
-        # An interval mask: row limits as bits, in place of mask_mod, merged kinds and bound; then
-        # scores row by row, so that ptxas fills predicates from one word at a time (R2P).
-        rows = getattr(self.mask_mod, "rows", None) if const_expr(use_mask) else None
-        limits = {}
-        if const_expr(rows is not None):
-            for r in sorted({at[0] for at in offsets}):
-                limits[r] = mask.row_words(mask.row_limits(
-                    bind(rows, batch, head, ctx.aux), batch, head, index_add(q0, r), kv0,
-                    ctx.sched.seqlen_k, ctx.aux, sub_full, sub_partial),
-                    [c for q, c in offsets if q == r], rows.bounds)
-        for i in sorted(range(len(offsets)), key=lambda i: offsets[i] if limits else i):
-            at = offsets[i]
-            q_idx = index_add(q0, at[0])
-            kv_idx = index_add(kv0, at[1])
-            s = acc_S[i]
-            if const_expr(self.score_mod is not None):
-                s = score_mod(s * ctx.softmax_scale, batch, head, q_idx, kv_idx, ctx.aux,
-                              *indices.args(self.score_mod, q_idx, kv_idx, at))
-            if const_expr(rows is not None):
-                s = where(mask.in_row(limits[at[0]], at[1], rows.bounds), s, neg_inf)
-            elif const_expr(use_mask and self.merged_rows):
-                masked = s
-                if const_expr(self.mask_mod is not None):
-                    keep = mask_mod(batch, head, q_idx, kv_idx, ctx.aux,
-                                    *indices.args(self.mask_mod, q_idx, kv_idx, at))
-                    masked = where(keep, s, neg_inf)
-                s = where(sub_full, s, where(sub_partial, masked, neg_inf))
-            elif const_expr(use_mask and self.mask_mod is not None):
-                keep = mask_mod(batch, head, q_idx, kv_idx, ctx.aux,
-                                *indices.args(self.mask_mod, q_idx, kv_idx, at))
-                s = where(keep, s, neg_inf)
-            if const_expr(use_bound and rows is None):
-                s = where(kv_idx < ctx.sched.seqlen_k, s, neg_inf)
-            acc_S[i] = s
-
     def _online_softmax(self, ctx, acc_S: cute.Tensor, first: bool):
         """One online-softmax step over S (in place -> P); the per-row factor O is rescaled by."""
         return softmax.online_softmax(acc_S, ctx.row_max, ctx.row_sum,
