@@ -3,10 +3,8 @@
 What this module holds
 ----------------------
 * ``FwdConfig`` / ``choose_tiling``: the frozen compile-time configuration and the tile table.
-* ``FlexAttentionFwdSm90``: the CuTeDSL kernel class. ``__init__`` takes a ``FwdConfig``;
-  the ``@cute.jit`` ``__call__`` builds the TMA atoms, smem layouts and tiled MMAs and launches;
-  the ``@cute.kernel`` body splits warpgroups into roles: ``load`` (producer warpgroup),
-  ``mma`` (one per consumer warpgroup: both GEMMs plus the online softmax) and ``epilogue``.
+* ``FlexAttentionFwdSm90(FwdConfig)``: ``__call__`` builds TMA atoms, smem layouts and MMAs and
+  launches; the kernel's roles: ``load`` (producer), ``mma`` and ``epilogue`` (per consumer).
 * The host API: ``compile_fwd`` returns a ``CompiledFwd`` (sequence lengths, batch, heads and
   strides are runtime values), launched on the current torch stream, by default through
   TVM-FFI with the torch tensors themselves (``CompiledFwd.export`` writes an object file).
@@ -14,12 +12,9 @@ What this module holds
 Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pipelining)
 -------------------------------------------------------------------------------------
 * One CTA computes a tile_m-row query tile (128; 192 at D ≤ 64, at D=96 where asked for) of one
-  (batch, query head). Warpgroup 0 is the producer: it drops to ``load_regs`` registers
-  (``setmaxnreg.dec``) and one warp issues TMA loads of Q (once), then K and V tiles through two
-  ``PipelineTmaAsync`` rings (``num_stages`` deep each).
-  Warpgroups 1..n are consumers, raised to ``mma_regs`` (``setmaxnreg.inc``); each owns 64
-  query rows (the wgmma M). The kernel is launched with ``min_blocks_per_mp=1`` so the register
-  caps take effect.
+  (batch, query head). Warpgroup 0, the producer, drops to ``load_regs`` registers; one warp
+  issues TMA loads of Q (once), then K and V through two ``num_stages`` rings. Warpgroups 1..n,
+  consumers at ``mma_regs``, own 64 query rows each (``min_blocks_per_mp=1``: the caps hold).
 * S = Q Kᵀ and O += P V are wgmma; P stays in registers (RS form) as the A operand of PV,
   except on D=96's 192-row tile, where it goes through smem (SS form, ``sm90.p_smem``).
 * Overlap, both kinds: (1) inside a warpgroup, iteration j issues QKᵀ(j) then PV(j-1) and waits
@@ -32,9 +27,8 @@ Algorithm (FlashAttention-2 §3.1 online softmax; FlashAttention-3 §3 Hopper pi
   thread, reduced over the 4 threads of a row with butterfly shuffles; O is rescaled only when
   some row's max grew by more than ``rescale_threshold`` (log2 units; default 0, which keeps the
   bf16 error at torch Flex-Triton's), skipped per warp by vote.
-* Epilogue: O is normalised, converted, written to smem over Q's buffer with stmatrix and stored
-  by TMA (rows >= L are clipped by the TMA unit). LSE (natural log, fp32) = (m·c + log2(Σp))·ln2.
-  A row with no unmasked key gives O = 0 and LSE = -inf, never NaN.
+* Epilogue: O normalised, to smem over Q (stmatrix), TMA store (rows >= L clipped). LSE (natural
+  log) = (m·c + log2(Σp))·ln2. A row with no unmasked key gives O = 0 and LSE = -inf, never NaN.
 
 Persistent variant (``Tiling.persistent``; the backend picks it for short kv loops)
 -------------------------------------------------------------------------------
@@ -65,8 +59,8 @@ first, then full blocks; whether a full block crosses S is decided per block bef
 issued. A 192-row tile reads ``BlockSparseRows``: the lists of its two mask-block rows merged
 (full only where both are), each partial entry with both rows' kinds; a consumer warpgroup's 64
 rows lie in one mask block, and it keeps all, none or mask_mod's scores as that block's kind
-says (``_apply_mods``). Without a block mask (``has_block_mask=False``) every kv tile is visited: as partial tiles
-when a mask_mod is given, else as full tiles (dense mode, the last/ragged tile first).
+says (``_apply_mods``). Without a block mask every kv tile is visited: as partial tiles with a
+mask_mod, else as full tiles (dense mode, the last/ragged tile first).
 
 Scheduling: a 1-D grid of q-tiles. Block-sparse launches run the longest q-tiles first in sections
 of (head, batch) pairs whose K/V fit in L2; dense ones walk a head's q-tiles together.
@@ -97,16 +91,13 @@ tile-uniform values (``common.bind`` computes them once per tile).
   indexed ``aux.tensors[i][i0, i1, ...]`` with Int32 expressions; ``aux.scalars[j]`` is a runtime
   ``Float32`` or ``Int32`` kernel argument (a new value does not recompile).
 * Masking is applied after score_mod (a masked element becomes -inf), as in torch.
-* ``mask_mod.rows`` (optional): the mask as one kept interval of keys per row, (lo, hi) =
-  rows(b, h, q_idx, ...), with ``.bounds`` (which sides exist); partial tiles then compare each
-  column with its row's limits (``mask.row_limits``) instead of calling mask_mod.
+* ``mask_mod.rows`` (optional): one kept interval of keys per row, (lo, hi) = rows(b, h, q_idx,
+  ...), ``.bounds`` its sides; partial tiles test bits made from it (``mask.row_words``) instead.
 
 Shapes: q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv), o (B, Hq, L, Dv), lse (B, Hq, L)
 fp32 (k and v (1, Hkv, S, ·) with ``FwdConfig.kv_batch_broadcast``: one K/V for every query
 batch, e.g. a paged KV cache; strides nonzero, see ``check_kv_batch``); the last dim of q/k/v/o
-contiguous, 16-byte aligned, other strides arbitrary; bf16 or fp16;
-Hq = g·Hkv (query head h reads kv head h // g). Supported head dims (D, Dv): ``HEAD_DIMS``, i.e.
-D == Dv in {32, 64, 96, 128, 192, 256} and (192, 128).
+contiguous, 16-byte aligned; bf16 or fp16; Hq = g·Hkv (head h reads kv head h // g); ``HEAD_DIMS``.
 """
 
 from collections import namedtuple
@@ -124,12 +115,13 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
-from flexjit.templates.cute import config, host, mask, softmax, tile_scheduler
-from flexjit.templates.cute.block_sparse import KIND_FULL, KIND_PARTIAL, BlockSparse, BlockSparseRows, bcast, count_of, listed_tile, row_of
-from flexjit.templates.cute.common import MASK_BLOCK, Aux, FloatIndices, acc_as_operand_a, bind, fadd, index_add, kernel_aux, launch, permute, plain_i32, quad_allreduce, register_offsets, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm, where
+from flexjit.templates.cute import config, host, softmax, tile_scheduler
+from flexjit.templates.cute.block_sparse import BlockSparse, BlockSparseRows, bcast, count_of, listed_tile, row_of
+from flexjit.templates.cute.common import MASK_BLOCK, Aux, acc_as_operand_a, fadd, kernel_aux, launch, permute, quad_allreduce, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.pipeline import tma_pipelines
 from flexjit.templates.cute.sm90 import fp8, p_smem
+from flexjit.templates.cute.sm90.fwd_mods import FwdMods
 from flexjit.templates.cute.sm90.fwd_tiling import (FP8_HEAD_DIMS, HEAD_DIMS, SMEM_CAPACITY, Tiling,  # noqa: F401  (the template's API)
                                                     choose_tiling, dynamic_schedule_default, smem_bytes)
 
@@ -163,7 +155,7 @@ class FwdConfig(config.FwdConfig):
 # ---------------------------------------------------------------------------------------------
 # The kernel
 # ---------------------------------------------------------------------------------------------
-class FlexAttentionFwdSm90(config.TiledKernel):
+class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
     """Warp-specialised FlashAttention-3 style forward for sm_90a with score/mask holes."""
 
     def __init__(self, cfg: FwdConfig):
@@ -477,9 +469,8 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         lane 0's counter value (None without the dynamic scheduler)."""
         mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v = ld
         head_kv = sched.head // (mQ.shape[2] // mK.shape[2])
-        # A K/V batch broadcast over the query's (``FwdConfig.kv_batch_broadcast``): K and V
-        # have batch extent 1 and every batch reads entry 0, as GQA maps a query head to its
-        # kv head.
+        # A K/V batch broadcast over the query's (``FwdConfig.kv_batch_broadcast``): K and V have
+        # batch extent 1 and every batch reads entry 0, as GQA maps a query head to its kv head.
         kv_batch = 0 if const_expr(self.kv_batch_broadcast) else sched.batch
         gQ = cute.local_tile(mQ[None, None, sched.head, sched.batch],
                              (self.tile_m, self.head_dim), (sched.m_block, 0))
@@ -685,9 +676,8 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         (Per-CTA mode hands it out after the first tile of the only tile instead.)"""
         sched = ctx.sched
         wg = ctx.wg
-        # Always wait for Q: the producer issues it even for an empty row of blocks, and the
-        # epilogue writes O over it (non-persistent). (Dynamic scheduler: already waited for,
-        # to read the tile index published with it.)
+        # Always wait for Q: the producer issues it even for an empty row, and the epilogue writes
+        # O over it (non-persistent); the dynamic scheduler waited already, for the tile index.
         if const_expr(not self.dynamic):
             pipe_q.consumer_wait(q_state)
         n_partial = sched.n_partial
@@ -752,6 +742,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         else is in flight here, so runtime branches cost nothing."""
         sched = ctx.sched
         tile = sched.first_tile
+        setup = self._mask_setup(ctx, tile, Int32(0), "partial")  # (a kinds row is never empty)
         pipe_k.consumer_wait(kv)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
         wgmma_gemm(ctx.mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv.index], zero_init=True)
@@ -759,7 +750,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         pipe_k.consumer_release(kv)
         if sched.n_partial > 0:
             if const_expr(self.has_partial):
-                self._mods(ctx, acc_S, tile, "partial", Int32(0))
+                self._mods(ctx, acc_S, tile, "partial", setup)
         else:
             if const_expr(self.has_full):
                 if (tile + 1) * self.tile_n > sched.seqlen_k:
@@ -777,6 +768,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         Between the two waits the code must stay branch-free (see ``mma``)."""
         kv_v = kv.clone()
         kv.advance()
+        setup = self._mask_setup(ctx, tile, j, kind)
         pipe_k.consumer_wait(kv)
         self._pingpong_wait(ctx.wg)
         acc_S = cute.make_rmem_tensor(ctx.s_shape, Float32)
@@ -787,7 +779,7 @@ class FlexAttentionFwdSm90(config.TiledKernel):
         self._pingpong_signal(ctx.wg)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(kv)
-        self._mods(ctx, acc_S, tile, kind, j)
+        self._mods(ctx, acc_S, tile, kind, setup)
         row_scale = self._online_softmax(ctx, acc_S, False)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(kv_v)
@@ -859,87 +851,6 @@ class FlexAttentionFwdSm90(config.TiledKernel):
     # -----------------------------------------------------------------------------------------
     # The holes, masking, softmax
     # -----------------------------------------------------------------------------------------
-    @cute.jit
-    def _mods(self, ctx, acc_S: cute.Tensor, tile: Int32, kind: cutlass.Constexpr, j=None):
-        """Branch-free application of the holes to one S tile. kind: "partial" = score_mod,
-        mask_mod and the kv < S bound; "bounded" = a full tile that crosses S: score_mod and the
-        bound; "full" = score_mod only (nothing at all without one). ``j``: the tile's entry in
-        the partial list (its kinds, with merged rows)."""
-        if const_expr(kind == "partial"):
-            self._apply_mods(ctx, acc_S, tile, use_mask=True, use_bound=True, entry=j)
-        elif const_expr(kind == "bounded"):
-            self._apply_mods(ctx, acc_S, tile, use_mask=False, use_bound=True)
-        else:
-            if const_expr(self.score_mod is not None):
-                self._apply_mods(ctx, acc_S, tile, use_mask=False, use_bound=False)
-
-    @cute.jit
-    def _apply_mods(self, ctx, acc_S: cute.Tensor, tile: Int32, use_mask: cutlass.Constexpr,
-                    use_bound: cutlass.Constexpr, entry=None):
-        """Unrolled over the thread's S registers; (q_idx, kv_idx) per register come from an
-        identity tensor partitioned like the accumulator (compile-time offsets + one base).
-
-        Merged rows (a query tile over two mask-block rows): a warpgroup's 64 rows lie in one
-        mask block, whose kind for this kv block (``sched.kind_row[entry]``) decides per
-        warpgroup: full keeps every score, skip none, partial applies mask_mod, exactly as the
-        128-row tile reading that block would."""
-        tScS = ctx.thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        first_row = ctx.sched.m_block * self.tile_m
-        q0 = plain_i32(first_row + tScS[0][0])
-        kv0 = plain_i32(tile * self.tile_n + tScS[0][1])
-        if const_expr(self.p_smem):
-            # The same (row, col) from the (uniform) warp and the lane: a wgmma accumulator's warp
-            # holds rows 16·warp + l/4, columns from 2·(l%4). From tidx, their terms were kept from
-            # the setup through the loops and spilled on this tile; the lane ptxas re-reads.
-            warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) - 4
-            q0 = plain_i32(first_row + warp * 16 + cute.arch.lane_idx() // 4)
-            kv0 = plain_i32(tile * self.tile_n + cute.arch.lane_idx() % 4 * 2)
-        neg_inf = -Float32.inf
-        indices = FloatIndices(q0, kv0)
-        sub_full = None
-        sub_partial = None
-        if const_expr(use_mask and self.merged_rows):
-            sub = q0 // MASK_BLOCK - first_row // MASK_BLOCK
-            sub_kind = (ctx.sched.kind_row[entry] >> (sub * 2)) & 3
-            sub_full = sub_kind == KIND_FULL
-            sub_partial = sub_kind == KIND_PARTIAL
-        batch, head = ctx.sched.batch, ctx.sched.head
-        score_mod = bind(self.score_mod, batch, head, ctx.aux)
-        mask_mod = bind(self.mask_mod, batch, head, ctx.aux) if const_expr(use_mask) else None
-        offsets = register_offsets(tScS)
-        # An interval mask: row limits once, then in place of mask_mod, merged kinds and bound.
-        rows = getattr(self.mask_mod, "rows", None) if const_expr(use_mask) else None
-        limits = {}
-        if const_expr(rows is not None):
-            bound_rows = bind(rows, batch, head, ctx.aux)
-            for r in sorted({at[0] for at in offsets}):
-                limits[r] = mask.row_limits(bound_rows, batch, head, index_add(q0, r), kv0,
-                                            ctx.sched.seqlen_k, ctx.aux, sub_full, sub_partial)
-        for i in cutlass.range_constexpr(len(offsets)):
-            at = offsets[i]
-            q_idx = index_add(q0, at[0])
-            kv_idx = index_add(kv0, at[1])
-            s = acc_S[i]
-            if const_expr(self.score_mod is not None):
-                s = score_mod(s * ctx.softmax_scale, batch, head, q_idx, kv_idx, ctx.aux,
-                              *indices.args(self.score_mod, q_idx, kv_idx, at))
-            if const_expr(rows is not None):
-                s = where(mask.in_row(limits[at[0]], at[1], rows.bounds), s, neg_inf)
-            elif const_expr(use_mask and self.merged_rows):
-                masked = s
-                if const_expr(self.mask_mod is not None):
-                    keep = mask_mod(batch, head, q_idx, kv_idx, ctx.aux,
-                                    *indices.args(self.mask_mod, q_idx, kv_idx, at))
-                    masked = where(keep, s, neg_inf)
-                s = where(sub_full, s, where(sub_partial, masked, neg_inf))
-            elif const_expr(use_mask and self.mask_mod is not None):
-                keep = mask_mod(batch, head, q_idx, kv_idx, ctx.aux,
-                                *indices.args(self.mask_mod, q_idx, kv_idx, at))
-                s = where(keep, s, neg_inf)
-            if const_expr(use_bound and rows is None):
-                s = where(kv_idx < ctx.sched.seqlen_k, s, neg_inf)
-            acc_S[i] = s
-
     def _online_softmax(self, ctx, acc_S: cute.Tensor, first: bool):
         """One online-softmax step over S (in place -> P); the per-row factor O is rescaled by."""
         return softmax.online_softmax(acc_S, ctx.row_max, ctx.row_sum,

@@ -151,10 +151,17 @@ def test_merged_rows_192(tmp_path, mods, persistent):
                        persistent=persistent, dynamic_schedule=persistent)
     _assert_hopper_path(ptx)
     assert re.search(r"setmaxnreg.inc.sync.aligned.u32\s+160;", ptx), "not the 3-warpgroup split"
+    from benchmarks import sass_compare
+    ins = sass_compare.disassemble(sass_compare._largest_cubin(str(tmp_path)))
     if mods == "causal" and not persistent:
         assert_no_spills(tmp_path, ptx, no_serialised_wgmma=True)
+        if _under_pv(_first_wgmma_loop(ins)) < 64:
+            # The merged kinds are read after the S wait for a mask without row limits; read
+            # before the GEMMs they kept the overlap here but spilled 20 bytes a tile.
+            pytest.xfail("the partial tiles' mask waits for the PV GEMM")
     else:
         assert "serialized" not in ptxas_report(tmp_path, ptx)  # C7512: wgmmas stay async
+        assert _under_pv(_first_wgmma_loop(ins)) >= 64, "the partial tiles' mods wait for the PV GEMM"
 
 
 _INTERVAL_MASKS = ["causal", "sliding_window", "prefix_lm_per_batch", "batch_dependent"]
@@ -196,6 +203,16 @@ def test_interval_masks_by_row_limits(tmp_path, name, head_dim, tile_m):
     scores = 64  # per thread: a warpgroup's 64 rows x 128 keys over its 128 threads
     selects = sum(sass_compare._opcode(t) == "FSEL" for t in partial)
     assert scores <= selects <= scores + 8, selects
+    assert _under_pv(partial) >= scores, "the partial tiles' masking waits for the PV GEMM"
+
+
+def _under_pv(loop):
+    """How many instructions of a loop lie between its two wgmma waits (wait_group 1, then 0):
+    the work that overlaps the PV GEMM. With one load that all the masking waits for after the S
+    wait (the merged rows' kinds), ptxas put the second wait 3-11 instructions after the first."""
+    first = next(i for i, t in enumerate(loop) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in t)
+    second = next(i for i, t in enumerate(loop) if i > first and "DEPBAR.LE gsb0, 0x0" in t)
+    return second - first - 1
 
 
 def _first_wgmma_loop(ins):
