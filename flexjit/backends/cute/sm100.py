@@ -1,7 +1,7 @@
 """The CuTeDSL Blackwell backend (sm_100a): fill the sm100 forward's holes from a Program, compile,
 self-check, launch.
 
-Status: the kernel (``templates/cute_sm100_fwd.py``) compiles for sm_100a on the CPU but has
+Status: the kernel (``templates/cute/sm100/fwd.py``) compiles for sm_100a on the CPU but has
 NEVER RUN on a Blackwell GPU. So no call gets an answer from it before that compiled kernel has
 passed a first-use self-check on the GPU it runs on (``flexjit.selfcheck``): a small case of the
 same Program, compared with the reference backend. ``supports`` runs the check on a kernel's
@@ -16,7 +16,7 @@ rest of the process (``backend="auto"`` falls back to Triton, ``backend="cute"``
 * ``compile_program``: the forward for a Program, its mods rendered by the shared CuTe renderer
   (``cute_sm90.load_mods``: the same generated module fills the sm90 and sm100 kernels), kept in
   memory under ``kernel_key`` (program, dtype, head dims, block-mask presence, captured-tensor
-  kinds, options) and on disk (``backends.cute_cache``, as the sm90 kernels; a loaded kernel
+  kinds, options) and on disk (``backends.cute.objects``, as the sm90 kernels; a loaded kernel
   is self-checked like a fresh one).
 * ``supports`` / ``forward``: the backend interface, both gated. ``backward_supports`` /
   ``backward``: the sm100 backward (``cute_sm100_bwd``, never run on Blackwell either), gated
@@ -44,7 +44,7 @@ from flexjit.backends.cute import sm100_bwd
 from flexjit.backends.self_checked import Pending, layout, require
 from flexjit.backends.cute.sm90 import _aux_tensor, _cutlass_dtype, _key_options, _scalar_signature, block_sparse_args, call_refusal, forward_disk_key, forward_label, load_mods, operands_refusal
 
-# (head_dim, head_dim_v) pairs the sm100 forward has a tile for (``cute_sm100_fwd.HEAD_DIMS``,
+# (head_dim, head_dim_v) pairs the sm100 forward has a tile for (``sm100.fwd.HEAD_DIMS``,
 # repeated so that refusing needs no cutlass import).
 HEAD_DIMS = ((64, 64), (128, 128))
 SELF_CHECKED = True  # never run on Blackwell hardware: dispatch admits it per kernel (self_checked)
@@ -52,7 +52,7 @@ SELF_CHECKED = True  # never run on Blackwell hardware: dispatch admits it per k
 log = logging.getLogger("flexjit")
 _COMPILED: dict[tuple, object] = {}
 
-# A kv block's kind for one 128-row sub-tile (``cute_sm100_fwd.KIND_*``).
+# A kv block's kind for one 128-row sub-tile (``block_sparse.KIND_*``).
 KIND_SKIP, KIND_PARTIAL, KIND_FULL = 0, 1, 2
 
 

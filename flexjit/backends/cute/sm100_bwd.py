@@ -14,7 +14,7 @@ what that gate calls:
   kernel, the sm100 postprocess) for a Program, its mods rendered by the shared CuTe renderer
   (``cute_sm90.load_mods``: the module that fills the sm90 kernels), kept in memory per
   (program, dtype, head dims, block-mask presence, determinism, captured-tensor kinds) and on
-  disk, one object file per part (``backends.cute_cache``, as the sm90 backward's; a loaded
+  disk, one object file per part (``backends.cute.objects``, as the sm90 backward's; a loaded
   kernel is self-checked like a fresh one). ``export_backward``: the same, compiled afresh with
   each part's PTX and cubin kept (``flexjit.aot``).
 * ``backward``: the sm90 backend's ``backward`` contract (dq, dk, dv and one gradient per

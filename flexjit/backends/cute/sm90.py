@@ -2,13 +2,13 @@
 
 What this module holds
 ----------------------
-* The generated mods module of a Program (``load_mods``: ``cute_render.render``, written to
+* The generated mods module of a Program (``load_mods``: ``cute.render.render``, written to
   ``$FLEXJIT_CACHE_DIR/cute/mods_<key>.py`` and imported once), the holes of
-  ``templates/cute_sm90_fwd.py`` and ``cute_sm90_bwd.py``.
+  ``templates/cute/sm90/fwd.py`` and ``bwd.py``.
 * Compile and load: ``compile_program`` (forward), ``compile_backward`` (its three kernels,
-  through the backward's host module ``templates/cute_sm90_bwd_host.py``), kept
+  through the backward's host module ``templates/cute/sm90/bwd_host.py``), kept
   in memory per (key, dtypes, head dims, block-mask presence, tiling) and, when launched through
-  TVM-FFI, on disk as ``$FLEXJIT_CACHE_DIR/cute/<kernel_key>.o`` (``backends.cute_cache``), all
+  TVM-FFI, on disk as ``$FLEXJIT_CACHE_DIR/cute/<kernel_key>.o`` (``backends.cute.objects``), all
   through ``cache.cached``, so a second process loads them instead of compiling.
 * The backend interface (``flexjit.dispatch``): ``supports``/``forward`` for the forward;
   ``backward_supports``/``backward`` for the sm90 backward from the saved (out, lse). Where it
@@ -42,10 +42,10 @@ from flexjit.backends.base import Config, Tuning, capability
 from flexjit.backends.fp8 import descale_table
 from flexjit.backends.cute import objects as cute_cache, templates
 
-# (head_dim, head_dim_v) pairs the sm90 forward has a tile for (``cute_sm90_fwd.HEAD_DIMS``,
+# (head_dim, head_dim_v) pairs the sm90 forward has a tile for (``sm90.fwd_tiling.HEAD_DIMS``,
 # repeated here so that refusing a shape needs no cutlass import).
 _HEAD_DIMS = ((32, 32), (64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256))
-# The pairs its FP8 (e4m3) forward serves (``cute_sm90_fwd.FP8_HEAD_DIMS``).
+# The pairs its FP8 (e4m3) forward serves (``sm90.fwd_tiling.FP8_HEAD_DIMS``).
 _FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 _E4M3 = torch.float8_e4m3fn
 
@@ -322,7 +322,7 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     heads, strides and scalar values are runtime arguments. Works on the CPU with
     CUTE_DSL_ARCH=sm_90a (for compile-only tests).
 
-    Disk cache (TVM-FFI launches only, ``backends.cute_cache``): a compiled kernel is exported to
+    Disk cache (TVM-FFI launches only, ``backends.cute.objects``): a compiled kernel is exported to
     ``cache_dir("cute")/<kernel_key>.o`` and a later process loads it instead of compiling. A
     caller asking for ``--keep-ptx``/``--keep-cubin`` always compiles (a loaded kernel has no
     PTX to show); its kernel is still exported.
@@ -590,7 +590,7 @@ def tuning(call) -> Tuning:
 
 # --------------------------------------------------------------------------- backward
 
-# (head_dim, head_dim_v) pairs the sm90 backward has a tile for (``cute_sm90_bwd.HEAD_DIMS``).
+# (head_dim, head_dim_v) pairs the sm90 backward has a tile for (``sm90.bwd_tiling.HEAD_DIMS``).
 # 192 and (192, 128) run on 64 × 96 tiles by default ("keys96", ``bwd_keys``); deterministic
 # mode and captured-tensor gradients take the table's 64-key tile with the head dims split
 # between the MMA warpgroups (``bwd_tiling.choose_bwd_tiling``).
@@ -745,7 +745,7 @@ def export_backward(program: Program, dtype: torch.dtype, head_dim: int, sparse:
 def _build_backward(host, program: Program, dtype, head_dim: int, head_dim_v: int, sparse: bool,
                     deterministic: bool, aux_tensors, sig, dump_dirs: dict | None = None,
                     keys_out: dict | None = None, kv_batch_broadcast: bool = False, tiling=None):
-    """The three kernels (``host``: the template ``cute_sm90_bwd_host``), each from its own object file on disk, the missing ones compiled
+    """The three kernels (``host``: the template ``sm90.bwd_host``), each from its own object file on disk, the missing ones compiled
     together (and exported); the pre/postprocess keys leave the Program out: every mod shares
     them."""
     mods = load_mods(program)

@@ -15,7 +15,7 @@ What this module holds
   shuffles, no architecture in it, compiled here for sm_100a.
 * The host half: ``compile_bwd`` -> ``CompiledBwd`` (``host``'s launch, pre → main → post).
 
-Math: exactly the sm90 backward's (``cute_sm90_bwd``, "Algorithm"), with s = score_mod(q·k·scale)::
+Math: exactly the sm90 backward's (``sm90.bwd``, "Algorithm"), with s = score_mod(q·k·scale)::
 
     P = exp2(s·c − lse2)          (c = scale·log2 e without a score_mod, log2 e with one)
     dP = dO Vᵀ      dS = P ∘ (dP − delta) ∘ dscore      dscore = d score_mod / d score
@@ -406,7 +406,7 @@ class FlexAttentionBwdSm100(config.Kernel):
         n_block, head_kv, batch = cute.arch.block_idx()
         n_kv = cute.ceil_div(mK.shape[0], TILE_N)
         if const_expr(self.deterministic):
-            n_block = n_kv - 1 - n_block  # last kv block first (see cute_sm90_bwd)
+            n_block = n_kv - 1 - n_block  # last kv block first (see sm90.bwd)
         return _Sched(n_block, head_kv, batch, q_per_kv, mQ.shape[0], mK.shape[0],
                       cute.ceil_div(mQ.shape[0], TILE_M), n_kv)
 

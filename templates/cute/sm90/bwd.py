@@ -92,7 +92,7 @@ The holes
 ---------
 ``score_mod_and_grad(score, b, h, q_idx, kv_idx, aux) -> (modded, d modded / d score)`` and
 ``mask_mod(b, h, q_idx, kv_idx, aux) -> Boolean``, both compile-time callables (or None), inlined
-per element exactly as in ``cute_sm90_fwd`` (same ``Aux``; ``h`` is the QUERY head; rows q >= L
+per element exactly as in ``sm90.fwd`` (same ``Aux``; ``h`` is the QUERY head; rows q >= L
 and columns kv >= S can reach them and their results are discarded).
 
 Block lists (FlexAttention's BlockMask, mask block 128×128, int32, Bm ∈ {1, B}, Hm ∈ {1, Hq}):
