@@ -1,10 +1,9 @@
 """The sm90 forward's holes: score_mod, mask_mod and the kv < S bound applied to one S tile.
 
-A mixin of ``FlexAttentionFwdSm90``. What a partial tile's mask needs besides the scores is
-prepared before the tile's GEMMs (``_mask_setup``): between the wait for S and the wait for the
-PV GEMM the code must not wait on a load, or ptxas places the PV wait right after the S wait and
-the masking and softmax no longer overlap the PV GEMM. The masking itself is branch-free
-(``_apply_mods``).
+A mixin of ``FlexAttentionFwdSm90``. An interval mask's row words are made before the tile's
+GEMMs (``_mask_setup``): between the wait for S and the wait for the PV GEMM the code must not
+wait on a load, or ptxas places the PV wait right after the S wait and the masking and softmax
+no longer overlap the PV GEMM. The masking itself is branch-free (``_apply_mods``).
 """
 
 import cutlass
@@ -23,7 +22,9 @@ class FwdMods:
     def _mask_setup(self, ctx, tile: Int32, j: Int32, kind: cutlass.Constexpr):
         """Before the GEMMs of partial tile ``j`` (kv tile ``tile``): with an interval mask
         (``mask_mod.rows``) its row words, so any tensor the limits read and the merged rows'
-        kinds are loaded under the S GEMM; else the merged rows' kinds word. None elsewhere."""
+        kinds are loaded under the S GEMM; else the entry j, whose merged kinds ``_apply_mods``
+        reads after the S wait (read before the GEMMs, hand-written masks spilled on the 192-row
+        tile). None on other tiles."""
         if const_expr(kind != "partial"):
             return None
         if const_expr(getattr(self.mask_mod, "rows", None) is not None):
@@ -94,7 +95,7 @@ class FwdMods:
         mask_mod, merged kinds and bound; scores go row by row, so that ptxas fills predicates
         from one word at a time (R2P). Merged rows otherwise (a query tile over two mask-block
         rows): a warpgroup's 64 rows lie in one mask block, whose kind for this kv block
-        (``setup``, the kinds word) decides per warpgroup: full keeps every score, skip none,
+        (entry ``setup`` of ``sched.kind_row``) decides per warpgroup: full keeps every score, skip none,
         partial applies mask_mod, exactly as the 128-row tile reading that block would."""
         tScS, first_row, q0, kv0 = self._coords(ctx, tile)
         neg_inf = -Float32.inf
