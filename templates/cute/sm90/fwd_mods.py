@@ -63,13 +63,13 @@ class FwdMods:
         sub_full, sub_partial = self._sub_kinds(first_row, q0, kinds) if const_expr(self.merged_rows) else (None, None)
         rows = self.mask_mod.rows
         batch, head = ctx.sched.batch, ctx.sched.head
+        bound_rows = bind(rows, batch, head, ctx.aux)  # its tile-uniform part once, not per row
         offsets = register_offsets(tScS)
         words = {}
         for r in sorted({at[0] for at in offsets}):
             words[r] = mask.row_words(mask.row_limits(
-                bind(rows, batch, head, ctx.aux), batch, head, index_add(q0, r), kv0,
-                ctx.sched.seqlen_k, ctx.aux, sub_full, sub_partial),
-                [c for q, c in offsets if q == r], rows.bounds)
+                bound_rows, batch, head, index_add(q0, r), kv0, ctx.sched.seqlen_k, ctx.aux,
+                sub_full, sub_partial), [c for q, c in offsets if q == r], rows.bounds)
         return words
 
     @cute.jit
