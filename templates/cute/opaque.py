@@ -26,6 +26,16 @@ def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(value)
 
 
+@dsl_user_op
+def use_all(t: cute.Tensor, *, loc=None, ip=None) -> None:
+    """An empty volatile asm statement that reads every element of ``t`` (32-bit registers):
+    what computes them stays before this point, which stays where it is among the other
+    volatile operations (waits, barriers)."""
+    values = [t[i].ir_value(loc=loc, ip=ip) for i in range(cute.size(t))]
+    llvm.inline_asm(None, values, "", ",".join("r" * len(values)), has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 def opaque_smem(t: cute.Tensor, swizzle) -> cute.Tensor:
     """``t``, a ``swizzle``d smem tile starting on a 1024-byte boundary (a swizzle atom), rebased
     on its address passed through a volatile move: the same tile, the same wgmma descriptors.

@@ -115,7 +115,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warp import StMatrix8x8x16bOp
 from cutlass.memory.smem import SmemAllocator
 
-from flexjit.templates.cute import config, host, softmax, tile_scheduler
+from flexjit.templates.cute import config, host, opaque, softmax, tile_scheduler
 from flexjit.templates.cute.block_sparse import BlockSparse, BlockSparseRows, bcast, count_of, listed_tile, row_of
 from flexjit.templates.cute.common import MASK_BLOCK, Aux, acc_as_operand_a, fadd, kernel_aux, launch, permute, quad_allreduce, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
@@ -789,13 +789,19 @@ class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
             softmax.rescale_rows(ctx.acc_O, row_scale)
             self._store_p(ctx, acc_S)
         else:
-            self._store_p(ctx, acc_S)
+            self._store_p(ctx, acc_S, pin=kind != "partial")
             softmax.rescale_rows(ctx.acc_O, row_scale)
         return kv
 
     @cute.jit
-    def _store_p(self, ctx, acc_S: cute.Tensor):
-        """P (the softmax's output in acc_S) into the PV GEMM's A fragment, converted."""
+    def _store_p(self, ctx, acc_S: cute.Tensor, pin: cutlass.Constexpr = False):
+        """P (the softmax's output in acc_S) into the PV GEMM's A fragment, converted.
+
+        ``pin``: the conversions are tied to this point by a volatile use of P's registers.
+        Left free, LLVM sinks them past the next tile's K wait (a loop ptxas does not schedule
+        across), so they ran after the last exp2, each waiting on the one before; pinned here,
+        ptxas interleaves them with the exp2s. Not on partial tiles, where the mask's work
+        already fills those slots and the pin cost registers."""
         if const_expr(self.fp8):
             src, dst = fp8.acc_as_fp8_operand_a(acc_S, ctx.tOrP)
             dst.store(src.load().to(self.in_dtype))
@@ -803,6 +809,8 @@ class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
             p_smem.store(ctx.tOrP, ctx.mma_qk, acc_S, self.dtype)
         else:
             ctx.tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            if const_expr(pin):
+                opaque.use_all(cute.recast_tensor(ctx.tOrP, Int32))
 
     def _p_operand(self, ctx) -> cute.Tensor:
         """The PV GEMM's A operand: P's registers, or with ``p_smem`` sP's descriptors, formed
