@@ -58,6 +58,7 @@ RUN_ORDER = ("cudnn", "fa4", "fa4-bhsd", *impl_mod.FP8_BASELINES, "torch-flex-tr
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
               "misaligned address", "illegal instruction", "CUDA error: an illegal")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+TUNE_TIMEOUT_S = 300.0  # a case waits this long at most for flexjit's tuner to settle
 KNOWN_IMPLS = impl_mod.DEFAULT_IMPLS + impl_mod.EXTRA_IMPLS
 
 
@@ -310,6 +311,30 @@ def call_once(fn, s: dict, pass_: str, layout: str) -> dict:
     return {n: to_bhsd(t, layout) for n, t in got.items()}
 
 
+def tuner_undecided() -> frozenset:
+    """flexjit's shape classes still being tuned in this process (empty without flexjit)."""
+    try:
+        from flexjit.runtime import autotune
+    except ImportError:
+        return frozenset()
+    return autotune.undecided()
+
+
+def settle_tuner(opened: frozenset, call, timeout_s: float = TUNE_TIMEOUT_S) -> float:
+    """Call again until the shape classes that the first call ``opened`` are decided: their
+    candidates compile in the background and a later call measures them. Timed before that,
+    a case mixes the heuristic's configuration, the tuner's measuring call and the compiles'
+    CPU load. Returns the seconds it took; raises once ``timeout_s`` pass."""
+    t0 = time.perf_counter()
+    while opened & tuner_undecided():
+        if time.perf_counter() - t0 > timeout_s:
+            raise TimeoutError(f"the tuner left {len(opened & tuner_undecided())} shape "
+                               f"class(es) undecided after {timeout_s:.0f} s")
+        time.sleep(0.25)
+        call()
+    return round(time.perf_counter() - t0, 3)
+
+
 def make_step(fn, sets: list[dict], pass_: str):
     """The timed closure: one call (fwd) or one call and its backward (fwdbwd), rotating sets."""
     cycle = itertools.cycle(sets)
@@ -415,6 +440,7 @@ def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: R
     poison_allocator(case, args.device)
     mode = getattr(impl, "context", contextlib.nullcontext)  # flexjit's switches (impls.FLEXJIT_MODES)
     t0 = time.perf_counter()
+    open_before = tuner_undecided()
     try:
         with mode():
             got = call_once(fn, sets[0], pass_, impl.layout)
@@ -423,6 +449,13 @@ def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: R
     except Exception as e:
         return {**row, "status": "error", "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=6)}
     row["first_call_s"] = round(time.perf_counter() - t0, 3)
+    opened = tuner_undecided() - open_before
+    if opened:
+        try:
+            with mode():
+                row["tune_s"] = settle_tuner(opened, lambda: call_once(fn, sets[0], pass_, impl.layout))
+        except Exception as e:
+            return {**row, "status": "error", "error": f"tuning: {type(e).__name__}: {e}"}
     ref, low = refs.fp8_pair() if fp8 else refs.pair()
     verdict = check(refs.restrict(got), ref, low)
     del got

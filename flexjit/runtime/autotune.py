@@ -150,6 +150,15 @@ def clear() -> None:
         _PATHS.clear()
 
 
+def undecided() -> frozenset:
+    """The shape classes this process has yet to decide (their candidates still compiling in
+    the background, or compiled and not yet measured by a call), as ``Tuning.ident``s. A
+    benchmark calls again until the classes its first call opened are gone, so that it times
+    the configuration users run once tuning has settled."""
+    with _LOCK:
+        return frozenset(_CLASSES)
+
+
 # --------------------------------------------------------------------------- entry points
 
 

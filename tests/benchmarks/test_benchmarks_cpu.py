@@ -53,6 +53,29 @@ def test_run_takes_unequal_head_dims_and_one_long_sequence(tmp_path):
     assert [records._size(n) for n in (512, 8192, 1 << 20, 3 << 20)] == ["512", "8k", "1M", "3M"]
 
 
+def test_timing_waits_for_the_tuner(tmp_path, monkeypatch):
+    """A case whose first call opened a shape class for flexjit's tuner is called again until
+    the class is decided, and only then timed (``tune_s``); a class that never settles is an
+    error, not a timing of the heuristic's configuration under the compiles' load."""
+    from benchmarks import run
+    answers = iter([frozenset(), frozenset({"cls"}), frozenset({"cls"}), frozenset({"cls"})])
+    monkeypatch.setattr(run, "tuner_undecided", lambda: next(answers, frozenset()))
+    out = tmp_path / "bench"
+    run.main(["--out", str(out), "--device", "cpu", "--impls", "flexjit-reference", "--variants",
+              "causal", "--S", "256", "--tokens", "256", "--passes", "fwd", "--no-png", "--rep-ms", "5",
+              "--warmup-ms", "1"])
+    (row,) = json.loads((out / "results.json").read_text())
+    assert row["status"] == "ok" and row["correct"] and row["tune_s"] >= 0.5, row  # two calls
+
+    calls = []
+    monkeypatch.setattr(run, "tuner_undecided", lambda: frozenset({"cls"}))
+    with pytest.raises(TimeoutError, match="1 shape class"):
+        run.settle_tuner(frozenset({"cls"}), lambda: calls.append(1), timeout_s=0.3)
+    assert calls
+    from flexjit.runtime import autotune
+    assert autotune.undecided() == frozenset()  # nothing is tuned on the CPU
+
+
 def test_long_sequences_are_checked_on_one_kv_head(tmp_path, monkeypatch):
     # From REF_ONE_HEAD_FROM_S on, the reference covers the first KV head's group only (GQA
     # 16/4 here: query heads 0-3 and KV head 0); the rows are still checked and pass.
