@@ -4,7 +4,7 @@
 
 At a tiny shape (default B=1, H=1, S=128, D=64, bf16, forward only: one block, so that the
 call's fixed costs dominate) each implementation is set up and called --warmup times (compiles,
-caches), then:
+caches) and until flexjit's tuner has decided what those calls opened, then:
 - `host_us`: the median over rounds of (host time to issue --calls calls back to back) / calls.
   On the GPU nothing synchronises inside a round, so this is the time the CPU spends per call
   before the kernel is queued: the overhead a small decode-like call cannot hide. On the CPU the
@@ -31,7 +31,7 @@ import torch
 
 from . import impls as impl_mod
 from .reference import check
-from .run import Refs, call_once, environment, for_pass, in_layout, make_inputs
+from .run import Refs, call_once, environment, for_pass, in_layout, make_inputs, settle_tuner, tuner_undecided
 from .variants import VARIANTS, Case, build, default_scale
 
 CPU_IMPLS = ("flexjit-reference", "torch-flex-eager")
@@ -79,8 +79,11 @@ def measure(name: str, variant, case: Case, s: dict, refs: Refs, args) -> dict:
     s = for_pass(in_layout([s], impl.layout), "fwd")[0]  # FA4 takes [B, S, H, D]
     try:
         fn = impl.setup(variant, case, args.device)
+        open_before = tuner_undecided()
         for _ in range(args.warmup):
             got = call_once(fn, s, "fwd", impl.layout)
+        # the tuner's background compiles would load the host being timed
+        settle_tuner(tuner_undecided() - open_before, lambda: call_once(fn, s, "fwd", impl.layout))
     except (impl_mod.Skip, NotImplementedError) as e:
         return {**row, "status": "skipped", "error": str(e)}
     except Exception as e:

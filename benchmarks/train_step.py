@@ -6,8 +6,8 @@ For each model and sequence length, the same randomly initialised model (same se
 weights) trains the same batches for a few AdamW steps under ``torch.autocast("cuda",
 torch.bfloat16)`` with attn_implementation "sdpa", "eager", "flex_attention" (transformers' own
 torch flex integration, compiled by transformers) and "flexjit". A step is forward, backward and
-the optimizer step, synchronised; the first ``--warmup`` steps (compiles) are not timed and the
-median of the rest is ``step_ms``. ``correct``: the implementation computes the model's attention
+the optimizer step, synchronised; the first ``--warmup`` steps (compiles) are not timed, nor the
+passes (no optimizer step) that let flexjit's tuner settle, and the median of the rest is ``step_ms``. ``correct``: the implementation computes the model's attention
 (sdpa has no softcapping, so it is not correct on Gemma 2) and its losses stay within
 ``--loss-tol`` of eager attention's at every step.
 
@@ -30,6 +30,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from .run import settle_tuner, tuner_undecided
 
 IMPLS = ("sdpa", "eager", "flex_attention", "flexjit")
 NO_SOFTCAP = {"sdpa"}  # implementations that ignore attn_logit_softcapping
@@ -83,12 +85,23 @@ def train(model_name: str, impl: str, seq: int, args, batches) -> dict:
     losses, times = [], []
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for ids in batches:
-        sync()
-        t0 = time.perf_counter()
+
+    def forward_backward(ids):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        return loss
+
+    open_before = tuner_undecided()
+    for i, ids in enumerate(batches):
+        if i == args.warmup:
+            # Untimed forward and backward passes until flexjit's tuner has decided the shape
+            # classes the warm-up opened; their gradients are dropped, so training is unchanged.
+            settle_tuner(tuner_undecided() - open_before,
+                         lambda: (forward_backward(ids), opt.zero_grad(set_to_none=True)))
+        sync()
+        t0 = time.perf_counter()
+        loss = forward_backward(ids)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
