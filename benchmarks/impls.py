@@ -18,6 +18,7 @@ each layout's copies and transposes the results back, outside the timed region.
 | fa4                | flash_attn.cute.flash_attn_func with the variant's built-in arguments  |
 | fa4-bhsd           | the same on [B, H, S, D] memory (transposed views), as torch-flex-flash |
 |                    | hands it: FA4's kernel on flexjit's own layout                          |
+| fa4-nopack         | fa4 with pack_gqa=False: a CTA per query head, as flexjit's forward    |
 | cudnn              | F.scaled_dot_product_attention under SDPBackend.CUDNN_ATTENTION        |
 | torch-flex-eager   | flex_attention without compile: for CPU smoke runs only                |
 | flexjit-cute-fp8   | flexjit.flex_attention on float8_e4m3fn q, k, v with (B, Hkv) descales, |
@@ -80,7 +81,7 @@ FLEXJIT_FP8_MODES = {
 }
 FP8_BASELINES = ("sdpa-fp8", "torch-flex-triton-fp8", "fa4-fp8")
 FP8_IMPLS = tuple(FLEXJIT_FP8_MODES) + FP8_BASELINES
-EXTRA_IMPLS = ("torch-flex-eager",) + tuple(FLEXJIT_MODES) + FP8_IMPLS
+EXTRA_IMPLS = ("torch-flex-eager", "fa4-nopack") + tuple(FLEXJIT_MODES) + FP8_IMPLS
 
 # Generous enough for every (variant, shape, pass) of one process: at torch's default of 8,
 # FlexAttention silently falls back to its unfused eager path after 8 recompiles.
@@ -244,6 +245,23 @@ class FA4BhsdImpl(FA4Impl):
 
         def fn(q, k, v):
             return inner(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+        return fn
+
+
+class FA4NoPackImpl(FA4Impl):
+    """FA4 with its GQA packing off: the g query heads of a kv head no longer share a tile's
+    rows (and its K/V loads). Beside fa4 under GQA, what packing is worth to FA4."""
+
+    name = "fa4-nopack"
+
+    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
+        flash_attn_func = self._function(variant, device, extra=("pack_gqa",))
+        kwargs = dict(variant.fa4_kwargs, pack_gqa=False)
+
+        def fn(q, k, v):
+            out = flash_attn_func(q, k, v, **kwargs)
+            return out[0] if isinstance(out, tuple) else out
 
         return fn
 
@@ -417,6 +435,7 @@ def make(name: str):
         "torch-flex-eager": lambda: TorchFlexImpl(name, None, compiled=False),
         "fa4": FA4Impl,
         "fa4-bhsd": FA4BhsdImpl,
+        "fa4-nopack": FA4NoPackImpl,
         "cudnn": CudnnImpl,
         "sdpa-fp8": SdpaFp8Impl,
         "torch-flex-triton-fp8": TorchFlexFp8Impl,

@@ -52,7 +52,7 @@ PLAIN_VARIANTS = ("full", "causal", "sliding_window", "prefix_lm")
 PLAIN_IMPLS = ("flexjit-cute", "fa4", "torch-flex-flash")
 # Run the trusted baselines first: a kernel that corrupts the CUDA context ends the run's GPU
 # work, and then at least the baselines it came after are in.
-RUN_ORDER = ("cudnn", "fa4", "fa4-bhsd", *impl_mod.FP8_BASELINES, "torch-flex-triton",
+RUN_ORDER = ("cudnn", "fa4", "fa4-bhsd", "fa4-nopack", *impl_mod.FP8_BASELINES, "torch-flex-triton",
              "torch-flex-flash", "flexjit-triton", "flexjit-cute", *impl_mod.FLEXJIT_MODES,
              *impl_mod.FLEXJIT_FP8_MODES, "flexjit-reference", "torch-flex-eager")
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",

@@ -119,6 +119,8 @@ def test_flexjit_modes_are_impls(tmp_path):
     rows = json.loads((out / "results.json").read_text())
     assert {r["impl"] for r in rows} == {"flexjit-cute-det", "flexjit-cute-persistent"}
     assert all(r["status"] == "skipped" and "CUDA" in r["error"] for r in rows), rows
+    # every impl the run accepts has its place in the run order (one without is never run)
+    assert set(run.KNOWN_IMPLS) <= set(run.RUN_ORDER), set(run.KNOWN_IMPLS) - set(run.RUN_ORDER)
 
 
 def test_fp8_impls_run_forward_only_and_are_checked(tmp_path, monkeypatch):
