@@ -439,8 +439,8 @@ def measure(impl, variant, case: Case, pass_: str, sets_by_layout: dict, refs: R
             return {**row, "status": "error", "error": f"quantise: {type(e).__name__}: {e}"}
     poison_allocator(case, args.device)
     mode = getattr(impl, "context", contextlib.nullcontext)  # flexjit's switches (impls.FLEXJIT_MODES)
-    t0 = time.perf_counter()
     open_before = tuner_undecided()
+    t0 = time.perf_counter()
     try:
         with mode():
             got = call_once(fn, sets[0], pass_, impl.layout)

@@ -7,9 +7,10 @@ weights) trains the same batches for a few AdamW steps under ``torch.autocast("c
 torch.bfloat16)`` with attn_implementation "sdpa", "eager", "flex_attention" (transformers' own
 torch flex integration, compiled by transformers) and "flexjit". A step is forward, backward and
 the optimizer step, synchronised; the first ``--warmup`` steps (compiles) are not timed, nor the
-passes (no optimizer step) that let flexjit's tuner settle, and the median of the rest is ``step_ms``. ``correct``: the implementation computes the model's attention
-(sdpa has no softcapping, so it is not correct on Gemma 2) and its losses stay within
-``--loss-tol`` of eager attention's at every step.
+passes (no optimizer step) that let flexjit's tuner settle, and the median of the rest is
+``step_ms``. ``correct``: the implementation computes the model's attention (sdpa has no
+softcapping, so it is not correct on Gemma 2) and its losses stay within ``--loss-tol`` of eager
+attention's at every step.
 
 Models (small, attention-heavy enough to show): Llama, 4 layers, hidden 1024, 8 query / 4 KV
 heads of 128, vocab 32000; Gemma 2 of the same size with attention softcap 50, final softcap 30,

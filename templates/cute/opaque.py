@@ -1,5 +1,6 @@
 """Values the compiler cannot follow: a volatile move that keeps ptxas from merging (CSE) or
-hoisting what is computed from it, where that merging costs registers or instructions."""
+hoisting what is computed from it, where that merging costs registers or instructions; and a
+volatile use that keeps LLVM from sinking what computes its operands."""
 
 import cutlass.cute as cute
 from cutlass import Int32

@@ -800,8 +800,8 @@ class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
         ``pin``: the conversions are tied to this point by a volatile use of P's registers.
         Left free, LLVM sinks them past the next tile's K wait (a loop ptxas does not schedule
         across), so they ran after the last exp2, each waiting on the one before; pinned here,
-        ptxas interleaves them with the exp2s. Not on partial tiles, where the mask's work
-        already fills those slots and the pin cost registers."""
+        ptxas interleaves them with the exp2s. Not on partial tiles: pinned there, masked
+        kernels failed their spill and overlap checks (``test_cute_sm90_compile``)."""
         if const_expr(self.fp8):
             src, dst = fp8.acc_as_fp8_operand_a(acc_S, ctx.tOrP)
             dst.store(src.load().to(self.in_dtype))
