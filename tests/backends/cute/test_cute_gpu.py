@@ -164,6 +164,24 @@ def test_negative_scale_without_a_score_mod_is_routed_off_the_sm90_forward():
     assert_close_to_oracle("out", out, ref, low, FLOOR[torch.bfloat16])
 
 
+@pytest.mark.parametrize("name", ["full", "causal", "sliding_window"])
+def test_zero_scale_averages_the_kept_values(name):
+    # scale 0: every kept score is 0 and every row the mean of its kept values. The exp2
+    # multiplier is then 0 and the online softmax must not form 0 * -inf anywhere.
+    torch.manual_seed(0)
+    B, H, L, D = 1, 4, 1000, 128
+    case = make_case(name, B, H, L, L, device="cuda")
+    q, k, v = [torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    bm = create_block_mask(case.mask_mod, B, H, L, L, device="cuda") if case.mask_mod else None
+    assert explain(q, k, v, block_mask=bm, scale=0.0).name == "cute"
+    poison_allocator()
+    with torch.no_grad():
+        out = flex_attention(q, k, v, block_mask=bm, scale=0.0)
+        ref, _ = dense_attention(q, k, v, mask_mod=case.mask_mod, scale=0.0)
+        low, _ = dense_attention(q, k, v, mask_mod=case.mask_mod, scale=0.0, dtype=torch.bfloat16)
+    assert_close_to_oracle("out", out, ref, low, FLOOR[torch.bfloat16])
+
+
 @pytest.mark.parametrize("num_sms", [1, 3, 7])
 @pytest.mark.parametrize("name", ["causal", "document", "sliding_window", "softcap", "full",
                                   "empty_rows"])
