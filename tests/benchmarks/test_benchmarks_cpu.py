@@ -76,6 +76,35 @@ def test_timing_waits_for_the_tuner(tmp_path, monkeypatch):
     assert autotune.undecided() == frozenset()  # nothing is tuned on the CPU
 
 
+def test_ab_runs_each_tree_on_its_own_code(tmp_path, capfd):
+    """benchmarks.ab: each tree's run imports flexjit and its kernels from that tree, the
+    baselines run once (first tree, first run), and the table has every tree's numbers."""
+    import shutil
+    from pathlib import Path
+
+    from benchmarks import ab
+    root = Path(__file__).resolve().parents[2]
+    for name in ("a", "b"):
+        for part in ("flexjit", "templates", "benchmarks"):
+            shutil.copytree(root / part, tmp_path / name / part,
+                            ignore=shutil.ignore_patterns("__pycache__", "results"))
+    out = tmp_path / "out"
+    assert ab.main(["--tree", f"a={tmp_path / 'a'}", "--tree", f"b={tmp_path / 'b'}", "--runs", "1",
+                    "--out", str(out), "--", "--device", "cpu", "--impls",
+                    "flexjit-reference,torch-flex-eager", "--variants", "causal", "--S", "256",
+                    "--tokens", "256", "--passes", "fwd", "--no-png", "--rep-ms", "5",
+                    "--warmup-ms", "1"]) == 0
+    printed = capfd.readouterr().out
+    for name in ("a", "b"):
+        assert f"flexjit from {tmp_path / name / 'flexjit'} kernels from {tmp_path / name / 'templates'}" in printed
+        assert json.loads((out / f"{name}-1" / "meta.json").read_text())["git"] == f"tree {name}"
+    impls = {n: {r["impl"] for r in json.loads((out / f"{n}-1" / "results.json").read_text())} for n in "ab"}
+    assert impls == {"a": {"flexjit-reference", "torch-flex-eager"}, "b": {"flexjit-reference"}}
+    row = next(line for line in (out / "ab.md").read_text().splitlines() if "flexjit-reference" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert all(float(c.split("-")[0]) > 0 for c in cells[6:8]) and cells[8] == "", row
+
+
 def test_long_sequences_are_checked_on_one_kv_head(tmp_path, monkeypatch):
     # From REF_ONE_HEAD_FROM_S on, the reference covers the first KV head's group only (GQA
     # 16/4 here: query heads 0-3 and KV head 0); the rows are still checked and pass.
