@@ -151,12 +151,25 @@ def clear() -> None:
 
 
 def undecided() -> frozenset:
-    """The shape classes this process has yet to decide (their candidates still compiling in
-    the background, or compiled and not yet measured by a call), as ``Tuning.ident``s. A
-    benchmark calls again until the classes its first call opened are gone, so that it times
-    the configuration users run once tuning has settled."""
+    """The shape classes that a later call of this process will decide (``Tuning.ident``s):
+    every candidate compiled, or compiling in the background. Not the classes that wait for
+    ``flexjit.warmup`` (no workers, or no compile jobs for the family): they run the default
+    until then. A benchmark calls again until the classes its first call opened are gone, so
+    that it times the configuration users run once tuning has settled."""
     with _LOCK:
-        return frozenset(_CLASSES)
+        return frozenset(ident for ident, state in _CLASSES.items() if _progressing(state))
+
+
+def _progressing(state: _Class) -> bool:
+    if not state.jobs:
+        return False
+    for c, job in state.jobs.items():
+        if c in state.failed or _ready(state, c):
+            continue
+        answer = compile_pool.state(job)
+        if answer == compile_pool.MISSING:  # never queued: nothing compiles it
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------- entry points

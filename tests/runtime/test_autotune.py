@@ -181,6 +181,25 @@ def test_a_class_runs_the_default_until_all_are_compiled_then_measures_once(env,
                     "0.61 ms against 0.66 ms (tile_m=128), 0.7 ms (tile_m=192)"]
 
 
+def test_undecided_names_the_classes_a_later_call_will_decide(env, monkeypatch):
+    assert autotune.undecided() == frozenset()
+    _run(env)  # first call: the candidates go to the background
+    (ident,) = autotune.undecided()
+    env.pool.finish()
+    assert autotune.undecided() == {ident}  # compiled, not yet measured
+    _run(env)  # measures and decides
+    assert autotune.undecided() == frozenset()
+    # No workers: nothing compiles the candidates, and nothing but flexjit.warmup would decide
+    # the class, so a benchmark must not wait for it.
+    autotune.clear()
+    env.pool.states.clear()
+    for path in _records(env):  # nor a record on disk
+        path.unlink()
+    monkeypatch.setattr(compile_pool, "background", lambda job: False)
+    _run(env)
+    assert autotune.undecided() == frozenset() and autotune._CLASSES
+
+
 def test_a_new_process_reads_the_record_and_measures_nothing(env):
     _ready_after_first_call(env)
     _run(env)
