@@ -137,8 +137,8 @@ def table(rows_by_run: dict) -> str:
         for col in trees + ["baseline"]:
             got = cells[key].get(col, [])
             nums = sorted(x for x in got if isinstance(x, float))
-            text = "" if not nums else _num(nums[0]) if len(nums) == 1 or _num(nums[0]) == _num(
-                nums[-1]) else f"{_num(nums[0])}-{_num(nums[-1])}"
+            lo, hi = (_num(nums[0]), _num(nums[-1])) if nums else ("", "")
+            text = lo if lo == hi else f"{lo}-{hi}"
             vals.append(" ".join([text] + [x for x in got if isinstance(x, str)]).strip())
         lines.append(f"| {p} | {variant} | {S} | {hkv} | {dims} | {impl} | " + " | ".join(vals) + " |")
     return "\n".join(lines) + "\n"

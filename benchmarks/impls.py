@@ -203,6 +203,7 @@ class TorchFlexImpl:
 class FA4Impl:
     name = "fa4"
     layout = "bshd"
+    options: dict = {}  # flash_attn_func keywords beyond the variant's (a subclass's switch)
 
     @staticmethod
     def _function(variant: Variant, device: torch.device, extra=(), why: str = "") -> Callable:
@@ -221,8 +222,8 @@ class FA4Impl:
         return flash_attn_func
 
     def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
-        flash_attn_func = self._function(variant, device)
-        kwargs = dict(variant.fa4_kwargs)
+        flash_attn_func = self._function(variant, device, extra=tuple(self.options))
+        kwargs = dict(variant.fa4_kwargs, **self.options)
 
         def fn(q, k, v):
             out = flash_attn_func(q, k, v, **kwargs)
@@ -254,16 +255,7 @@ class FA4NoPackImpl(FA4Impl):
     rows (and its K/V loads). Beside fa4 under GQA, what packing is worth to FA4."""
 
     name = "fa4-nopack"
-
-    def setup(self, variant: Variant, case: Case, device: torch.device) -> Callable:
-        flash_attn_func = self._function(variant, device, extra=("pack_gqa",))
-        kwargs = dict(variant.fa4_kwargs, pack_gqa=False)
-
-        def fn(q, k, v):
-            out = flash_attn_func(q, k, v, **kwargs)
-            return out[0] if isinstance(out, tuple) else out
-
-        return fn
+    options = {"pack_gqa": False}
 
 
 class CudnnImpl:

@@ -60,21 +60,23 @@ def poison_allocator(nbytes=1 << 30):
     del x
 
 
-def run_case(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, seed=0, Dv=None, kernel_options=None):
+def run_case(name, B, Hq, Hkv, L, S, D, dtype=torch.bfloat16, seed=0, Dv=None, kernel_options=None,
+             scale=None):
     torch.manual_seed(seed)
     case = make_case(name, B, Hq, L, S, device="cuda")
     q = torch.randn(B, Hq, L, D, device="cuda", dtype=dtype)
     k = torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype)
     v = torch.randn(B, Hkv, S, Dv or D, device="cuda", dtype=dtype)
     bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cuda") if case.mask_mod else None
-    choice = explain(q, k, v, case.score_mod, bm, enable_gqa=Hq != Hkv)
+    choice = explain(q, k, v, case.score_mod, bm, scale=scale, enable_gqa=Hq != Hkv)
     assert choice.name == "cute", str(choice)
     poison_allocator()
     with torch.no_grad():
-        out, lse = flex_attention(q, k, v, case.score_mod, bm, enable_gqa=Hq != Hkv, return_lse=True,
-                                  kernel_options=kernel_options)
-        ref, ref_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=torch.float64)
-        low, low_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=dtype)
+        out, lse = flex_attention(q, k, v, case.score_mod, bm, scale=scale, enable_gqa=Hq != Hkv,
+                                  return_lse=True, kernel_options=kernel_options)
+        ref, ref_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, scale=scale,
+                                       dtype=torch.float64)
+        low, low_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, scale=scale, dtype=dtype)
     assert_close_to_oracle(f"{name} out", out, ref, low, FLOOR[dtype])
     assert_close_to_oracle(f"{name} lse", lse, ref_lse, low_lse, FLOOR[dtype])
 
@@ -168,18 +170,7 @@ def test_negative_scale_without_a_score_mod_is_routed_off_the_sm90_forward():
 def test_zero_scale_averages_the_kept_values(name):
     # scale 0: every kept score is 0 and every row the mean of its kept values. The exp2
     # multiplier is then 0 and the online softmax must not form 0 * -inf anywhere.
-    torch.manual_seed(0)
-    B, H, L, D = 1, 4, 1000, 128
-    case = make_case(name, B, H, L, L, device="cuda")
-    q, k, v = [torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    bm = create_block_mask(case.mask_mod, B, H, L, L, device="cuda") if case.mask_mod else None
-    assert explain(q, k, v, block_mask=bm, scale=0.0).name == "cute"
-    poison_allocator()
-    with torch.no_grad():
-        out = flex_attention(q, k, v, block_mask=bm, scale=0.0)
-        ref, _ = dense_attention(q, k, v, mask_mod=case.mask_mod, scale=0.0)
-        low, _ = dense_attention(q, k, v, mask_mod=case.mask_mod, scale=0.0, dtype=torch.bfloat16)
-    assert_close_to_oracle("out", out, ref, low, FLOOR[torch.bfloat16])
+    run_case(name, B=1, Hq=4, Hkv=4, L=1000, S=1000, D=128, scale=0.0)
 
 
 @pytest.mark.parametrize("num_sms", [1, 3, 7])
