@@ -1,8 +1,8 @@
 """The repository holds the product: the checks that keep it so (CPU, no kernels).
 
-What a clone shows must be flexjit itself: no working notes, one current
-record per benchmarked capability, imports that run one way through the pipeline, one place that
-reads the environment, short files and short docs.
+What a clone shows must be flexjit itself: one current record per benchmarked capability,
+imports that run one way through the pipeline, one place that reads the environment, short
+files and short docs.
 """
 import ast
 import re
@@ -12,19 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import records
 from flexjit import config
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# Phrases that belong in a project tracker, not in flexjit's files (the pattern has to name them).
-PROCESS_WORDS = re.compile(
-    r"\bsession \d|\b\d+(st|nd|rd|th) session\b|\b(first|second|third|fourth|fifth|sixth|seventh|"
-    r"eighth|ninth|tenth|eleventh|twelfth|next|last|this|previous|earlier) session\b|\blent\b|"
-    r"\bissue #?\d|#\d{1,3}\b(?![0-9a-fA-F])|gpu-s\d|\bledger\b|device call|NOTES?\.md|"
-    r"\bstage \d|\bround \d|\bsession note|results/20\d\d-\d\d-\d\d", re.IGNORECASE)
-# Where the words mean something else: an `# {{HOLE}}` marker, a colour, or an argument or tensor
-# number in a message ("argument #4", "captured tensor #0") is not an issue number.
-_ALLOWED = re.compile(r"#\s*\{\{|#[0-9a-fA-F]{6}\b|\"#\d+\"|(argument|tensor|buffer|slot) #\d+")
 
 
 def _tracked() -> list[Path]:
@@ -36,29 +27,12 @@ def _tracked() -> list[Path]:
     return [ROOT / p for p in out.split() if (ROOT / p).is_file()]
 
 
-def test_no_tracked_file_holds_working_notes():
-    hits = []
-    for path in _tracked():
-        if path.suffix in (".png", ".o", ".cubin"):
-            continue
-        rel = path.relative_to(ROOT).as_posix()
-        if PROCESS_WORDS.search(rel):
-            hits.append(f"{rel}: (file name)")
-        try:
-            text = path.read_text()
-        except UnicodeDecodeError:
-            continue
-        for n, line in enumerate(text.splitlines(), 1):
-            m = PROCESS_WORDS.search(_ALLOWED.sub("", line))
-            if m and path != Path(__file__):
-                hits.append(f"{rel}:{n}: {m.group(0)!r}")
-    assert not hits, "process words in tracked files:\n" + "\n".join(hits[:40])
-
-
 def test_benchmark_records_are_few_and_current():
     results = [p for p in _tracked() if "benchmarks/results/" in p.as_posix()]
     assert len(results) <= 80, len(results)
-    assert not [p for p in results if re.search(r"notes?|ledger", p.name, re.IGNORECASE)]
+    # nothing beside the records: each file is one of a record's three, in a record's folder
+    stray = [p for p in results if p.name not in records.RECORD_FILES or not (p.parent / "meta.json").exists()]
+    assert not stray, stray
 
 
 def _package_files():
