@@ -102,9 +102,9 @@ def run_backward(case, q, k, v, dout, dlse, bm, sparse=True, deterministic=False
     return dq, dk, dv
 
 
-def _oracle_grads(case, q, k, v, dout, dlse, dtype):
+def _oracle_grads(case, q, k, v, dout, dlse, dtype, scale=None):
     qq, kk, vv = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
-    out, lse = dense_attention(qq, kk, vv, case.score_mod, case.mask_mod, dtype=dtype)
+    out, lse = dense_attention(qq, kk, vv, case.score_mod, case.mask_mod, scale=scale, dtype=dtype)
     finite = torch.isfinite(lse)
     loss = (out.double() * dout.double()).sum()
     if dlse is not None:
@@ -290,9 +290,9 @@ def test_schedule_variants_deterministic(config, D):
     assert_bit_identical(runs, config)
 
 
-def _api_grads(case, q, k, v, dout, bm, gqa):
+def _api_grads(case, q, k, v, dout, bm, gqa, scale=None):
     qq, kk, vv = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    out = flex_attention(qq, kk, vv, case.score_mod, bm, enable_gqa=gqa, backend="cute")
+    out = flex_attention(qq, kk, vv, case.score_mod, bm, scale=scale, enable_gqa=gqa, backend="cute")
     return torch.autograd.grad(out, (qq, kk, vv), dout)
 
 
@@ -309,6 +309,20 @@ def test_autograd_through_the_api(name, D):
     want = _oracle_grads(case, q, k, v, dout, None, torch.float64)
     low = _oracle_grads(case, q, k, v, dout, None, torch.bfloat16)
     assert_grads_close(f"api {name}", got, want, low)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.2])
+@pytest.mark.parametrize("name", ["full", "causal", "alibi"])
+def test_nonpositive_scales_through_the_api(name, scale):
+    # The kernels get dispatch's stand-in (a positive scale, the same scores), dq taken back.
+    B, Hq, Hkv, L, S, D = 1, 4, 2, 1000, 1000, 128
+    case = make_case(name, B, Hq, L, S, device=DEV)
+    q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 3)
+    bm = _block_mask(case.mask_mod, B, Hq, L, S)
+    got = _api_grads(case, q, k, v, dout, bm, True, scale)
+    want = _oracle_grads(case, q, k, v, dout, None, torch.float64, scale)
+    low = _oracle_grads(case, q, k, v, dout, None, torch.bfloat16, scale)
+    assert_grads_close(f"api {name} scale {scale}", got, want, low)
 
 
 def test_api_deterministic_mode_is_bit_identical():
