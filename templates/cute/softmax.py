@@ -31,6 +31,16 @@ def max_step(blk_max: Float32, m_old: Float32, c: Float32, threshold: cutlass.Co
 
 
 @cute.jit
+def max_step_every_tile(blk_max: Float32, m_old: Float32, c: Float32):
+    """``max_step`` at threshold 0 without a branch on whether the max grew: the factor is
+    exactly 1 where it did not, and 0 while the row has kept nothing (m_old = -inf: O and the
+    sum are still 0), also where c = 0 would make the exponent NaN."""
+    m_new = cute.arch.fmax(blk_max, m_old)
+    scale = cute.math.exp2((m_old - m_new) * c, fastmath=True)
+    return cutlass.select_(m_old == -Float32.inf, Float32(0.0), scale), m_new
+
+
+@cute.jit
 def exp2_bias(m: Float32, c: Float32) -> Float32:
     """m·c, with 0 for a row that has kept nothing yet (m = -inf)."""
     return (Float32(0.0) if m == -Float32.inf else m) * c
@@ -65,31 +75,42 @@ def online_softmax(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
             row_peak[r] = cute.arch.fmax(row_peak[r], blk_max)
         m_new = blk_max
         scale = Float32(1.0)
-        if const_expr(not first):
+        if const_expr(not first and threshold == 0.0):
+            scale, m_new = max_step_every_tile(blk_max, row_max[r], c)
+        elif const_expr(not first):
             scale, m_new = max_step(blk_max, row_max[r], c, threshold)
         row_max[r] = m_new
         bias = exp2_bias(m_new, c)
         for k in cutlass.range_constexpr(n_cols):
             s_rc[r, k] = cute.math.exp2(cute.fma(s_rc[r, k], c, -bias), fastmath=True)
-        blk_sum = tree([s_rc[r, k] for k in range(n_cols)], fadd)
         if const_expr(first):
-            row_sum[r] = blk_sum
+            row_sum[r] = tree([s_rc[r, k] for k in range(n_cols)], fadd)
         else:
-            row_sum[r] = row_sum[r] * scale + blk_sum
+            # The rescaled old sum enters the tree first: the scale's exp2 then starts a chain
+            # instead of ending one, and ptxas issues it early, O's multiplies after it.
+            row_sum[r] = tree([row_sum[r] * scale] + [s_rc[r, k] for k in range(n_cols)], fadd)
         row_scale[r] = scale
     return row_scale
 
 
 @cute.jit
-def rescale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor):
-    """O *= row_scale on an sm90 accumulator, skipped when no row of this warp changed its kept
-    max (a warp vote)."""
-    smallest = tree([row_scale[r] for r in range(cute.size(row_scale))], cute.arch.fmin)
-    if cute.arch.vote_any_sync(smallest < 1.0):
-        o_rc = rows_cols(acc_O)
-        for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
-            for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
-                o_rc[r, k] = o_rc[r, k] * row_scale[r]
+def rescale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor, vote: cutlass.Constexpr = True):
+    """O *= row_scale on an sm90 accumulator; ``vote``: skipped when no row of this warp changed
+    its kept max (a warp vote, a branch); without, straight-line code ptxas can interleave."""
+    o_rc = rows_cols(acc_O)
+    if const_expr(vote):
+        smallest = tree([row_scale[r] for r in range(cute.size(row_scale))], cute.arch.fmin)
+        if cute.arch.vote_any_sync(smallest < 1.0):
+            _scale_rows(o_rc, row_scale)
+    else:
+        _scale_rows(o_rc, row_scale)
+
+
+@cute.jit
+def _scale_rows(o_rc: cute.Tensor, row_scale: cute.Tensor):
+    for r in cutlass.range_constexpr(cute.size(o_rc, mode=[0])):
+        for k in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+            o_rc[r, k] = o_rc[r, k] * row_scale[r]
 
 
 @cute.jit

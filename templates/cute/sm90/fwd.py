@@ -790,7 +790,7 @@ class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
             self._store_p(ctx, acc_S)
         else:
             self._store_p(ctx, acc_S, pin=kind != "partial")
-            softmax.rescale_rows(ctx.acc_O, row_scale)
+            softmax.rescale_rows(ctx.acc_O, row_scale, vote=kind == "partial")
         return kv
 
     @cute.jit
