@@ -790,7 +790,10 @@ class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
             self._store_p(ctx, acc_S)
         else:
             self._store_p(ctx, acc_S, pin=kind != "partial")
-            softmax.rescale_rows(ctx.acc_O, row_scale, vote=kind == "partial")
+            # The vote skips the multiplies where no row's max moved: kept where a threshold
+            # makes that common, and on partial tiles; elsewhere they interleave with the exp2s.
+            softmax.rescale_rows(ctx.acc_O, row_scale,
+                                 vote=kind == "partial" or self.rescale_threshold > 0.0)
         return kv
 
     @cute.jit
