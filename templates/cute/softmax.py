@@ -60,10 +60,13 @@ def finalize(row_sum: Float32, row_max: Float32, c: Float32):
 
 @cute.jit
 def online_softmax(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, row_peak,
-                   c: Float32, threshold: cutlass.Constexpr, first: cutlass.Constexpr):
+                   c: Float32, threshold: cutlass.Constexpr, first: cutlass.Constexpr,
+                   interleave: cutlass.Constexpr = False):
     """One step over an sm90 S accumulator, in place -> P (unnormalised): the 4 threads of a row
     reduce by shuffles. ``row_peak`` (or None) tracks the true max. Returns the per-row factor
-    O must be multiplied by (1.0 where the kept max did not change)."""
+    O must be multiplied by (1.0 where the kept max did not change). ``interleave`` (threshold
+    0 only): the factor without a branch, its exp2 first in the row sum's tree, so that ptxas
+    issues O's multiplies among the exp2s (``rescale_rows(vote=False)``)."""
     s_rc = rows_cols(acc_S)
     n_rows = cute.size(s_rc, mode=[0])
     n_cols = cute.size(s_rc, mode=[1])
@@ -75,7 +78,7 @@ def online_softmax(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
             row_peak[r] = cute.arch.fmax(row_peak[r], blk_max)
         m_new = blk_max
         scale = Float32(1.0)
-        if const_expr(not first and threshold == 0.0):
+        if const_expr(not first and interleave):
             scale, m_new = max_step_every_tile(blk_max, row_max[r], c)
         elif const_expr(not first):
             scale, m_new = max_step(blk_max, row_max[r], c, threshold)
@@ -85,10 +88,12 @@ def online_softmax(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tenso
             s_rc[r, k] = cute.math.exp2(cute.fma(s_rc[r, k], c, -bias), fastmath=True)
         if const_expr(first):
             row_sum[r] = tree([s_rc[r, k] for k in range(n_cols)], fadd)
-        else:
+        elif const_expr(interleave):
             # The rescaled old sum enters the tree first: the scale's exp2 then starts a chain
             # instead of ending one, and ptxas issues it early, O's multiplies after it.
             row_sum[r] = tree([row_sum[r] * scale] + [s_rc[r, k] for k in range(n_cols)], fadd)
+        else:
+            row_sum[r] = row_sum[r] * scale + tree([s_rc[r, k] for k in range(n_cols)], fadd)
         row_scale[r] = scale
     return row_scale
 
