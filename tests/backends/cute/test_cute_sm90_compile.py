@@ -288,17 +288,21 @@ def test_fp8_loop_is_the_16_bit_loop_with_e4m3_gemms(tmp_path):
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (128, False), (64, True), (128, True)])
 def test_p_conversion_and_o_rescale_interleave_with_exp2(tmp_path, head_dim, causal):
     """On the loops over unmasked tiles (dense; with a causal block mask, the loop over full
-    tiles, the one with the most wgmmas), P's 32 bf16 conversions and O's multiplies by the
-    row factor interleave with the 64 exp2s: at most 8 of either in a row with no exp2 between.
-    Left to LLVM the conversions all ran after the last exp2, and the multiplies waited behind
-    a warp vote and the factor's exp2 (issued last): chains of waits the tile's latency paid."""
+    tiles, the one with the most wgmmas), P's 32 bf16 conversions interleave with the 64 exp2s,
+    and at head dim 64 O's multiplies by the row factor too (``interleave_rescale``): at most 8
+    of either in a row with no exp2 between. Left to LLVM the conversions all ran after the
+    last exp2, and the multiplies waited behind a warp vote and the factor's exp2 (issued
+    last): chains of waits the tile's latency paid. At 128 the vote stays (it measured faster)."""
     from benchmarks import sass_compare as sc
 
     ins = sc.disassemble(sc._ours("fwd", causal, str(tmp_path), head_dim))
     loop = max(_wgmma_loops(ins), key=lambda b: sum("HGMMA" in t for t in b))
     ops = [sc._opcode(t) for t in loop]
     assert sum(o.startswith("F2FP") for o in ops) >= 32 and ops.count("FMUL") >= head_dim // 2
-    for name, match in (("conversions", lambda o: o.startswith("F2FP")), ("multiplies", lambda o: o == "FMUL")):
+    checks = [("conversions", lambda o: o.startswith("F2FP"))]
+    if head_dim <= 64:
+        checks.append(("multiplies", lambda o: o == "FMUL"))
+    for name, match in checks:
         longest = run = 0
         for op in ops:
             run = run + 1 if match(op) else 0 if op.startswith("MUFU.EX2") else run
