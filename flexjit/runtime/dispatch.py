@@ -283,12 +283,12 @@ def backward(name: str, call, q, k, v, out, lse, dout, dlse) -> tuple:
     if dout is None:  # only the LSE was used
         dout = torch.zeros_like(out)
     compile_pool.wait(name, call)  # the kernels compiled ahead of need (``run``) are on disk now
-    like, (call, dq_factor) = q, positive_scale(call)
+    call, dq_factor = positive_scale(call)  # the backend differentiates by call.q, the stand-in
     with torch.autocast(q.device.type, enabled=False):
         dq, dk, dv, *rest = autotune.backward(module(name), call, call.q, k, v, out, lse, dout, dlse)
     if dq is not None and dq_factor != 1:
         dq = dq.zero_() if dq_factor == 0 else dq.neg_()
-    return (follow_layout(dq, like), follow_layout(dk, k), follow_layout(dv, v), *rest)
+    return (follow_layout(dq, q), follow_layout(dk, k), follow_layout(dv, v), *rest)
 
 
 def positive_scale(call) -> tuple:

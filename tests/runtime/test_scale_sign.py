@@ -4,7 +4,7 @@ The CuTe kernels stabilise a row by its largest q·k and multiply masked scores 
 ``dispatch`` hands every backend a positive scale with the same scores (``positive_scale``).
 Here a stand-in backend refuses any scale <= 0 and otherwise runs the reference; results are
 compared with the float64 oracle at the scale the user gave. The GPU tests run the CuTe kernels
-on scale 0 and below (``test_cute_gpu``).
+on scale 0 and below (``test_cute_gpu``, ``test_cute_sm90_bwd_gpu``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flexjit import create_block_mask
-from flexjit.api.attention import flex_attention
+from flexjit.api.attention import flex_attention, prepare_call
 from flexjit.backends import reference
 from flexjit.runtime import dispatch
 from mods_catalog import case_and_oracle
@@ -77,7 +77,6 @@ def test_nonpositive_scale_matches_the_oracle(positive_only, name, scale):
 
 
 def _call(q, k, v, scale):
-    from flexjit.api.attention import prepare_call
     return prepare_call(q, k, v, None, None, scale, False, None)
 
 
