@@ -61,8 +61,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     FP8: q, k and v may be ``torch.float8_e4m3fn`` (or k and v alone, beside a bf16/fp16/fp32
     query: an FP8 KV cache), with FlashAttention-3's descales: ``x_descale`` a float32 tensor of
     positive factors (unchecked: their values stay on the device), shape () or (B, H_kv), real
-    value = stored value × descale, 1.0 when not given; the query's is per kv head too (each query head uses its kv head's factor). The output is ``out_dtype``
-    (bfloat16, float16 or float32; default bfloat16, or the query's dtype beside an FP8 cache).
+    value = stored value × descale, 1.0 when not given; the query's is per kv head too (each
+    query head uses its kv head's factor). The output is ``out_dtype`` (bfloat16, float16 or
+    float32; default bfloat16, or the query's dtype beside an FP8 cache).
     No gradient flows through FP8 inputs: a backward raises, saying to train on bf16 inputs.
     """
     if return_aux is not None and return_lse:
