@@ -47,7 +47,6 @@ import torch
 from flexjit import config
 from flexjit.backends import reference, triton
 from flexjit.backends.base import Backend, capability
-from flexjit.backends.fp8 import is_fp8
 from flexjit.backends.cute import sm90 as cute_sm90, sm100 as cute_sm100
 from flexjit.backends.triton import decode as triton_decode
 from flexjit.ir import bounds
@@ -265,7 +264,6 @@ def forward(name: str, call) -> tuple:
     cannot raise, and their clamp would answer silently."""
     bounds.check(call.program, (*call.q.shape[:3], call.k.shape[2]))
     like = call.q
-    call, _ = positive_scale(call)
     if call.fp8 is not None and not fp8_native(module(name), call)[0]:
         call = call.dequantized()  # the road around a backend without an FP8 kernel
     device = call.q.device.type
@@ -283,32 +281,9 @@ def backward(name: str, call, q, k, v, out, lse, dout, dlse) -> tuple:
     if dout is None:  # only the LSE was used
         dout = torch.zeros_like(out)
     compile_pool.wait(name, call)  # the kernels compiled ahead of need (``run``) are on disk now
-    call, dq_factor = positive_scale(call)  # the backend differentiates by call.q, the stand-in
     with torch.autocast(q.device.type, enabled=False):
-        dq, dk, dv, *rest = autotune.backward(module(name), call, call.q, k, v, out, lse, dout, dlse)
-    if dq is not None and dq_factor != 1:
-        dq = dq.zero_() if dq_factor == 0 else dq.neg_()
+        dq, dk, dv, *rest = autotune.backward(module(name), call, q, k, v, out, lse, dout, dlse)
     return (follow_layout(dq, q), follow_layout(dk, k), follow_layout(dv, v), *rest)
-
-
-def positive_scale(call) -> tuple:
-    """(the call with the same scores and a scale > 0, the factor dq takes back: 1, -1 or 0).
-
-    The kernels stabilise a row's softmax by its largest q·k, which is the largest score only for
-    scale > 0, and multiply masked scores (-inf) by the scale, NaN at 0. So a scale < 0 runs as
-    (-q)·k·|scale| and 0 as (0·q)·k·1: the same scores bit for bit (negation is exact, and the
-    sums of exact zeros are 0), so the same out, lse and gradients for k, v and captured tensors;
-    only dq, taken with respect to the stand-in, is negated or zero."""
-    if not call.scale <= 0:  # NaN too: it stays NaN either way
-        return call, 1
-    q = call.q
-    if call.scale == 0:
-        return dataclasses.replace(call, q=torch.zeros_like(q) if is_fp8(q) else q * 0, scale=1.0), 0
-    if is_fp8(q):  # float8 has no neg kernel; its sign bit flipped is the exact negation
-        neg = (q.view(torch.uint8) ^ 0x80).view(q.dtype)
-    else:
-        neg = -q
-    return dataclasses.replace(call, q=neg, scale=-call.scale), -1
 
 
 def layout_order(like: torch.Tensor) -> list[int] | None:

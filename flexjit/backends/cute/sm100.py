@@ -111,7 +111,7 @@ def supports(call) -> tuple[bool, str]:
     """Whether the sm100 forward may answer the call: what the kernel handles (as the sm90
     backend's ``supports`` checks it: sm_100 exactly (sm_103 needs its own ``--gpu-arch``),
     fp16/bf16, head dims in ``HEAD_DIMS``, contiguous last dims and 16-byte strides for TMA, no
-    batch broadcast by stride 0, 128x128 blocks, no negative scale without a score_mod), then the
+    batch broadcast by stride 0, 128x128 blocks, no scale <= 0 without a score_mod), then the
     first-use self-check of the call's compiled kernel, run here on the first call (reported
     only, under ``flexjit.explain``)."""
     q, k, v = call.q, call.k, call.v

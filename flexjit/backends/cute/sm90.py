@@ -112,12 +112,13 @@ def operands_refusal(q, k, v, head_dims, kernel: str, fp8: bool = False) -> tupl
 def call_refusal(call, kernel: str) -> tuple[bool, str] | None:
     """Why a CuTe forward cannot take this call's block mask or scale, or None. Without a
     score_mod the kernel folds the scale into exp2's multiplier and takes the row max of the raw
-    q·k: right only for a scale >= 0."""
+    q·k: right only for a scale > 0 (at 0, masked scores' -inf times 0 is NaN)."""
     bm = call.block_mask
     if bm is not None and tuple(bm.BLOCK_SIZE) != (128, 128):
         return False, f"block size {bm.BLOCK_SIZE}; the {kernel} kernel takes 128x128 mask blocks"
-    if call.program.score is None and call.scale < 0:
-        return False, f"scale {call.scale} < 0 without a score_mod (the {kernel} forward folds the scale)"
+    if call.program.score is None and call.scale <= 0:
+        sign = "<" if call.scale < 0 else "="
+        return False, f"scale {call.scale} {sign} 0 without a score_mod (the {kernel} forward folds the scale)"
     return None
 
 

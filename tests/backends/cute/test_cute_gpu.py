@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from flexjit.backends import kernel_cache as cache
-from flexjit import create_block_mask
+from flexjit import create_block_mask, mods
 from flexjit.api.attention import explain, flex_attention
 from flexjit.backends.cute import sm90 as backend
 from flexjit.backends.cute.sm90 import _aux_tensor, block_sparse_args, compile_program
@@ -153,25 +153,28 @@ def test_max_scores(name):
     assert torch.equal(plain, out)  # the extra output changes nothing else
 
 
-def test_negative_scale_without_a_score_mod_is_routed_off_the_sm90_forward():
-    # The kernel folds the scale into exp2's multiplier: right for scale >= 0 only. A negative
-    # scale goes to Triton (auto says why) and still gives the right answer.
-    q, k, v = [torch.randn(1, 2, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    choice = explain(q, k, v, scale=-0.1)
-    assert choice.name == "triton" and "scale -0.1 < 0" in str(choice), str(choice)
+@pytest.mark.parametrize("scale", [-0.1, 0.0])
+def test_nonpositive_scale_without_a_score_mod_is_routed_off_the_sm90_forward(scale):
+    # The kernel folds the scale into exp2's multiplier: right for scale > 0 only (at 0, masked
+    # and ragged -inf scores times 0 are NaN). Such a scale goes to Triton (auto says why) and
+    # still gives the right answer, here with a causal mask on a ragged length.
+    q, k, v = [torch.randn(1, 2, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    bm = create_block_mask(mods.causal(), None, None, 1000, 1000, device="cuda")
+    choice = explain(q, k, v, block_mask=bm, scale=scale)
+    sign = "<" if scale < 0 else "="
+    assert choice.name == "triton" and f"scale {scale} {sign} 0" in str(choice), str(choice)
     with torch.no_grad():
-        out = flex_attention(q, k, v, scale=-0.1)
-        ref, _ = dense_attention(q, k, v, scale=-0.1)
-        low, _ = dense_attention(q, k, v, scale=-0.1, dtype=torch.bfloat16)
+        out = flex_attention(q, k, v, block_mask=bm, scale=scale)
+        ref, _ = dense_attention(q, k, v, mask_mod=mods.causal(), scale=scale)
+        low, _ = dense_attention(q, k, v, mask_mod=mods.causal(), scale=scale, dtype=torch.bfloat16)
     assert_close_to_oracle("out", out, ref, low, FLOOR[torch.bfloat16])
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.2])
-@pytest.mark.parametrize("name", ["full", "causal", "sliding_window"])
-def test_nonpositive_scales(name, scale):
-    # scale 0: every kept score is 0 and every row the mean of its kept values; below 0 the
-    # largest q·k is the smallest score. The kernels run both through dispatch's stand-in
-    # (a positive scale, the same scores): ragged and masked tiles hold -inf scores.
+@pytest.mark.parametrize("name", ["alibi", "softcap", "softcap_alibi_window"])
+def test_nonpositive_scales_beside_a_score_mod(name, scale):
+    # With a score_mod the kernel scales the scores before it, so any scale runs here: at 0
+    # every score is score_mod(0), below 0 the largest q·k is the smallest score.
     run_case(name, B=1, Hq=4, Hkv=4, L=1000, S=1000, D=128, scale=scale)
 
 

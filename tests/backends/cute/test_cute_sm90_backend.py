@@ -194,6 +194,23 @@ def test_backward_refuses_other_head_dims(monkeypatch, dims):
     assert not ok and f"head dims {dims}" in why, why
 
 
+@pytest.mark.parametrize("scale", [-0.1, 0.0, -0.0, 0.5])
+def test_forward_refuses_a_scale_it_would_fold_wrongly(monkeypatch, scale):
+    # Without a score_mod the kernel folds the scale into exp2's multiplier: only a scale > 0
+    # is right (0 turns masked -inf scores into NaN); with one, the score_mod sees scaled scores.
+    import dataclasses
+
+    from flexjit.backends.cute.sm90 import supports
+    call = dataclasses.replace(_hopper_call(monkeypatch, 128, 128), scale=scale)
+    ok, why = supports(call)
+    if scale > 0:
+        assert ok, why
+    else:
+        assert not ok and f"scale {scale} {'<' if scale < 0 else '='} 0 without a score_mod" in why, why
+    softcap = dataclasses.replace(call, program=lowered(mods.softcap(20.0), None))
+    assert supports(softcap)[0]
+
+
 def test_backend_head_dims_match_the_templates():
     """The backend's tables (kept free of cutlass imports) list exactly the templates' rows."""
     from flexjit.backends.cute import sm90 as cute_sm90

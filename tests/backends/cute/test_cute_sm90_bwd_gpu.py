@@ -312,9 +312,10 @@ def test_autograd_through_the_api(name, D):
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.2])
-@pytest.mark.parametrize("name", ["full", "causal", "alibi"])
+@pytest.mark.parametrize("name", ["alibi", "softcap"])
 def test_nonpositive_scales_through_the_api(name, scale):
-    # The kernels get dispatch's stand-in (a positive scale, the same scores), dq taken back.
+    # Beside a score_mod the sm90 kernels take any scale (without one, Triton does: see
+    # test_cute_gpu); at 0 no gradient reaches q or k through the scores.
     B, Hq, Hkv, L, S, D = 1, 4, 2, 1000, 1000, 128
     case = make_case(name, B, Hq, L, S, device=DEV)
     q, k, v, dout, _ = _inputs(B, Hq, Hkv, L, S, D, torch.bfloat16, 3)

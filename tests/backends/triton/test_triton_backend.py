@@ -82,7 +82,7 @@ def _loss_grads(out, lse, inputs, g_out, g_lse):
 
 
 def check(case, B, Hq, Hkv, L, S, E, Ev, dtype, block_size, seed=0, kernel_options=None,
-          qkv=None, bm=None, oracle=None):
+          qkv=None, bm=None, oracle=None, scale=None):
     """Triton (interpreter) vs the float64 oracle: out, lse and every gradient. ``oracle``: the
     case's float64-captures twin (``case_and_oracle``), differentiated by the float64 math."""
     oracle = oracle or case
@@ -90,10 +90,12 @@ def check(case, B, Hq, Hkv, L, S, E, Ev, dtype, block_size, seed=0, kernel_optio
     if bm is None:
         bm = _block_mask(case.mask_mod, B, Hq, L, S, block_size)
     out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
-                              return_lse=True, backend="triton", kernel_options=kernel_options)
+                              return_lse=True, backend="triton", kernel_options=kernel_options,
+                              scale=scale)
     assert out.dtype == dtype and out.shape == (B, Hq, L, Ev) and lse.dtype == torch.float32
-    ref, ref_lse = dense_attention(q, k, v, oracle.score_mod, oracle.mask_mod, dtype=torch.float64)
-    low, low_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, dtype=dtype)
+    ref, ref_lse = dense_attention(q, k, v, oracle.score_mod, oracle.mask_mod, scale=scale,
+                                   dtype=torch.float64)
+    low, low_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, scale=scale, dtype=dtype)
     floor = FLOOR[dtype]
     assert_close_to_oracle("out", out, ref, low, floor)
     assert_close_to_oracle("lse", lse, ref_lse, low_lse, floor)
@@ -137,6 +139,16 @@ def test_core_mods_fp32(interp, name):
 def test_core_mods_fp16(interp, name):
     case, oracle = case_and_oracle(name, SHAPE["B"], SHAPE["Hq"], SHAPE["L"], SHAPE["S"], seed=2)
     check(case, **SHAPE, dtype=torch.float16, block_size=32, seed=2, oracle=oracle)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.3])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "full", "learnable_alibi"])
+def test_nonpositive_scales(interp, name, scale):
+    # Where the sm90 forward refuses them (no score_mod: ``cute_sm90.call_refusal``) Triton
+    # runs them: scale 0 keeps every score at 0 beside masked and ragged -inf ones, and below 0
+    # the largest q·k is the smallest score. Out, lse and every gradient (0 for q and k at 0).
+    case, oracle = case_and_oracle(name, SHAPE["B"], SHAPE["Hq"], SHAPE["L"], SHAPE["S"], seed=3)
+    check(case, **SHAPE, dtype=torch.float32, block_size=32, seed=3, oracle=oracle, scale=scale)
 
 
 def _record_tma(monkeypatch) -> dict:
