@@ -94,11 +94,24 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return d.max().item() if d.numel() else 0.0
 
 
+def half_ulp(t: torch.Tensor, dtype: torch.dtype) -> float:
+    """Half a unit in the last place of ``dtype`` at ``t``'s largest finite magnitude: the error
+    of storing the exact result in ``dtype``, below which no kernel can go."""
+    finite = t[torch.isfinite(t)].abs()
+    if not finite.numel() or not dtype.is_floating_point:
+        return 0.0
+    peak = finite.max().item()
+    return 0.0 if peak == 0 else 0.5 * torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(peak))
+
+
 def assert_close_to_oracle(name, got, ref64, ref_lowp, floor):
-    """err(got) <= 2 * err(same math in the test dtype) + floor, and no NaN."""
+    """err(got) <= 2 * err(same math in the test dtype) + floor, and no NaN. The same math's
+    error counts as at least half an ulp of the result's dtype: where it rounds exactly by luck
+    (a few elements, a large LSE in float32), the bound would otherwise ask for more than the
+    format holds."""
     assert not torch.isnan(got).any(), f"{name}: NaN in result"
     err = max_err(got, ref64)
-    bound = 2 * max_err(ref_lowp, ref64) + floor
+    bound = 2 * max(max_err(ref_lowp, ref64), half_ulp(ref64, got.dtype)) + floor
     assert err <= bound, f"{name}: error {err:.3g} exceeds bound {bound:.3g}"
     return err
 
