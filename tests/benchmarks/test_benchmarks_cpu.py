@@ -340,3 +340,21 @@ def test_resume_keeps_the_rows_or_refuses(tmp_path):
         run.main(flags + ["--d", "64", "--resume", str(out / "results.json")])
     assert json.loads((out / "results.json").read_text()) == first
     assert (out / "meta.json").read_text() == meta
+
+
+def test_poisoning_stops_at_the_memory_it_has(monkeypatch):
+    """The allocator poisoning allocates eight output-sized blocks at once; where they do not
+    fit (1M tokens on an 80 GB card) it keeps the ones that did and the run goes on."""
+    import torch
+    from benchmarks import run
+    from benchmarks.variants import Case
+    made = []
+
+    def full(shape, value, dtype, device):
+        if len(made) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        made.append((shape, dtype))
+        return torch.empty(0)
+    monkeypatch.setattr(run.torch, "full", full)
+    run.poison_allocator(Case(B=1, S=1 << 20, Hq=16, Hkv=16, D=128), torch.device("cuda"))
+    assert len(made) == 3 and made[0] == ((1, 16, 1 << 20, 128), torch.bfloat16)
