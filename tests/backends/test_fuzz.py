@@ -510,8 +510,8 @@ def test_a_bool_op_of_a_tile_uniform_value_and_a_block(_interpreter):
 @pytest.mark.skipif(not _triton_ok(), reason="the interpreter tests need triton >= 3.9")
 def test_a_large_float32_lse_is_held_to_its_rounding(_interpreter):
     # Scores up to (0.2·37)^4 ≈ 3000 put the LSE where a float32 ulp is 2.4e-4; torch's float32
-    # math rounded it exactly by luck and the bound asked for 2e-5. The kernel's LSE was one
-    # ulp off; the oracle now counts the same math's error as at least half an ulp.
+    # math rounded it exactly by luck, so a bound of 2·err(low) + floor asked for 2e-5. The
+    # kernel's LSE is one ulp off; the oracle counts the same math's error as at least half an ulp.
     case = Case(1, 1, 1, 1, 38, 16, 16, torch.float32, "(-(((kv_idx + kv_idx) * 0.1)) ** 2) ** 2",
                 None, Captures(dims={"b": 1, "h": 1, "q_idx": 1, "kv_idx": 38}), False, 0)
     run_case(case, "triton")
