@@ -332,9 +332,11 @@ def run_case(case: Case, backend: str, device: str = "cpu", block: int = 32):
     # -Σ δ_i lse_i (δ held fixed). Eager math, deriving through its own softmax, has no such term,
     # and where the true gradient is near 0 (a table added to every score) it is all that is left.
     delta = (dout.double() * (out.detach().double() - ref.detach())).sum(-1)
-    common = _or_zeros(torch.autograd.grad(
-        (delta * torch.where(torch.isfinite(ref_lse), ref_lse, 0)).sum(), inputs64[3:],
-        allow_unused=True, retain_graph=True), inputs64[3:]) if learn else []
+    term = (delta * torch.where(torch.isfinite(ref_lse), ref_lse, 0)).sum()
+    common = [torch.zeros_like(t) for t in inputs64[3:]]  # no table reaches the scores
+    if learn and term.requires_grad:
+        common = _or_zeros(torch.autograd.grad(term, inputs64[3:], allow_unused=True,
+                                               retain_graph=True), inputs64[3:])
     want = _or_zeros(torch.autograd.grad(loss(ref, ref_lse), inputs64, allow_unused=True), inputs64)
     lowg = _or_zeros(torch.autograd.grad(loss(low, low_lse), inputs, allow_unused=True), inputs)
     extra = [0.0] * 3 + [2 * c.abs().max().item() for c in common]
@@ -535,3 +537,8 @@ def test_a_table_added_to_every_score_is_held_to_the_flash_term(_interpreter):
                 Captures(tables=[("z0", "float", ())], dims={"b": 1, "h": 2, "q_idx": 33, "kv_idx": 4}),
                 True, 329)
     run_case(case, "triton")
+    # A table that only masks: no gradient reaches the scores, and the term is 0 (the
+    # constant score_mod leaves the LSE without a graph at all).
+    cap = Captures(tables=[("ftab0", "float", (34,))], dims={"b": 2, "h": 2, "q_idx": 10, "kv_idx": 19})
+    run_case(Case(2, 2, 2, 10, 19, 16, 16, torch.float32, "torch.full_like(score, 0.25)",
+                  "((kv_idx <= b) & (ftab0[(b) % 34 - 34] > 0.0))", cap, True, 2000), "triton")
