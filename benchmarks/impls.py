@@ -12,7 +12,7 @@ each layout's copies and transposes the results back, outside the timed region.
 | flexjit-<backend>  | flexjit.flex_attention(..., backend=<backend>), flexjit's block mask   |
 | flexjit-cute-<mode>| the same under one of FLEXJIT_MODES' switches (det, pertile, persistent, |
 |                    | m128/m192: the forward's query tile pinned; m192-pertile: and one tile |
-|                    | per CTA)                                                               |
+|                    | per CTA; pack/nopack: GQA heads folded into a tile, or not)            |
 | torch-flex-triton  | torch.compile(flex_attention), torch's block mask, Triton kernels      |
 | torch-flex-flash   | the same with kernel_options={"BACKEND": "FLASH"} (FA4 underneath)     |
 | fa4                | flash_attn.cute.flash_attn_func with the variant's built-in arguments  |
@@ -59,6 +59,9 @@ FLEXJIT_MODES = {
     "flexjit-cute-m128": ("cute", {"TILE_M": 128}, False),
     "flexjit-cute-m192": ("cute", {"TILE_M": 192}, False),
     "flexjit-cute-m192-pertile": ("cute", {"TILE_M": 192, "PERSISTENT": False}, False),
+    # GQA's query heads folded into the forward's tiles, or one head a tile (plain attention)
+    "flexjit-cute-pack": ("cute", {"PACK_GQA": True}, False),
+    "flexjit-cute-nopack": ("cute", {"PACK_GQA": False}, False),
     # the sm90 backward's schedule variants (kernel_options BWD_CONFIG); "table": the tile
     # table's row pinned (the tuner measures none of the others: a fixed baseline for an A/B)
     "flexjit-cute-bwd-table": ("cute", {"BWD_CONFIG": ""}, False),

@@ -133,8 +133,9 @@ def compile_kernels(score_mod: Callable | None = None, mask_mod: Callable | None
     CPU BlockMask over ``seq_len``, e.g. one per batch entry for a mask that reads ``b``): the
     run's own, where they differ from the default batch of 1 and a mask built from ``mask_mod``
     broadcast over batch and heads (the mask's density picks the forward's tiling; the lengths
-    can widen index math). ``kernel_options``: the run's (``TILE_M``/``PERSISTENT`` pin the
-    forward's configuration; by default every candidate the tuner would measure is compiled,
+    can widen index math). ``kernel_options``: the run's (``TILE_M``, ``PERSISTENT`` and
+    ``PACK_GQA`` pin the forward's configuration; by default every candidate the tuner would
+    measure is compiled,
     only the heuristic's with ``AUTOTUNE=False``). ``dtype`` torch.float8_e4m3fn: the sm90 FP8
     forward (q, k and v in e4m3, ``out_dtype`` bf16 by default; no backward, so ``passes``
     defaults to the forward). ``out``: where each kernel's PTX
@@ -273,7 +274,8 @@ def _sm90_forward(program, q, k, v, bm, aux, cfg, arch: str, what: str, folder,
     keys: dict = {}
     cute_sm90.compile_program(program, q, k, v, cute_sm90.forward_lists(bm, cfg["tile_m"]), aux,
                               options=options, persistent=cfg["persistent"], keys=keys,
-                              tile_m=cfg["tile_m"], out_dtype=out_dtype)
+                              tile_m=cfg["tile_m"], out_dtype=out_dtype,
+                              pack_gqa=cfg.as_dict().get("pack_gqa", 1))
     return Kernel(arch, "fwd", "main", what, *(_files(folder, arch) if folder else (None, None)),
                   keys.get("fwd"), time.perf_counter() - t0)
 

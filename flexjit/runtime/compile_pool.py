@@ -108,6 +108,7 @@ class Job:
     persistent: bool = False  # the forward's tiling
     tile_m: int = 128  # the forward's query tile rows
     write_max: bool = False  # the forward writes max_scores
+    pack_gqa: int = 1  # the forward's query heads per tile (packed GQA)
     bwd_config: str = ""  # the backward's schedule variants (kernel_options BWD_CONFIG)
     cache_dir: str = ""
 
@@ -121,7 +122,8 @@ class Job:
     def what(self) -> str:
         names = self.program[2]
         which = "forward" if self.kind == "fwd" else "backward"
-        tiling = f" (tile_m={self.tile_m}{', persistent' if self.persistent else ''})" \
+        pack = f", packed GQA {self.pack_gqa}" if self.pack_gqa > 1 else ""
+        tiling = f" (tile_m={self.tile_m}{', persistent' if self.persistent else ''}{pack})" \
             if self.kind == "fwd" else ""
         return f"sm90 {which} for {names[0]}/{names[1]} D={self.head_dim} {self.dtype}{tiling}"
 
@@ -242,7 +244,8 @@ def run_job(job: Job) -> dict:
                     lists += (torch.zeros(1, 1, 1, 1, dtype=torch.int32),)
             cute_sm90.compile_program(program, q, q, v, lists, aux, persistent=job.persistent,
                                       write_max=job.write_max, tile_m=job.tile_m,
-                                      kv_batch_broadcast=job.kv_batch_broadcast)
+                                      kv_batch_broadcast=job.kv_batch_broadcast,
+                                      pack_gqa=job.pack_gqa)
     hits = cute_cache.STATS["hits"] - before["hits"]
     misses = cute_cache.STATS["misses"] - before["misses"]
     mark_done(job)

@@ -27,6 +27,10 @@ Keys with a meaning for flexjit:
   consumer warpgroups) is served at head dims 32, 64 and 96: the default at 32 and 64, block
   masks included (their lists merged per tile), a tuner candidate at 96. ``flexjit.explain``
   shows the tile.
+* ``PACK_GQA`` (flexjit): True or False pins whether the sm90 forward folds the query heads that
+  share a kv head into one tile's rows (one K/V tile then serves them all). Served for plain
+  attention (no score_mod, mask_mod or block mask) under GQA; a tuner candidate there, off
+  until measured faster.
 * ``BWD_CONFIG`` (flexjit): the sm90 backward's schedule variants, "+"-joined: "late" (P converted
   after dS, dV issued after it; with a score_mod only where d score/d score is 1, or with
   captured-tensor gradients), "dksmem" (dK reads dSᵀ from shared memory), "shuffle" (LSE and delta
@@ -42,7 +46,7 @@ Keys with a meaning for flexjit:
 * ``AUTOTUNE`` (flexjit; ``fwd_``/``bwd_`` per pass): True (default) lets ``runtime.autotune``
   choose among a backend's candidate configurations (the sm90 forward's tile and schedule) by
   measurement, once per shape class, remembered on disk; False (and deterministic
-  algorithms) run the heuristic's and never measure. ``TILE_M`` and ``PERSISTENT`` pin their part either way.
+  algorithms) run the heuristic's and never measure. ``TILE_M``, ``PERSISTENT`` and ``PACK_GQA`` pin their part either way.
 * ``DECODE_SPLITS`` (flexjit): a positive int, the split-KV decode kernel's split count
   (default: from the shape and the SM count; ``flexjit.explain`` shows it).
 * ``DECODE_CONFIG`` (flexjit): the split-KV decode kernel's variants, "+"-joined: "prefetch"
@@ -69,7 +73,7 @@ from flexjit.backends.cute import sm90 as cute_sm90
 MEANINGFUL = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
               "BLOCK_N2", "FAST_MATH", "BACKEND", "FORCE_USE_FLEX_ATTENTION", "USE_TMA",
               "WARP_SPECIALIZE", "PERSISTENT", "DECODE_SPLITS", "TILE_M", "BWD_CONFIG",
-              "AUTOTUNE", "DECODE_CONFIG")
+              "AUTOTUNE", "DECODE_CONFIG", "PACK_GQA")
 IGNORED = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
            "kpack", "matrix_instr_nonkdim", "waves_per_eu", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
            "SAFE_HEAD_DIMENSION",
@@ -101,6 +105,7 @@ class FlexKernelOptions(TypedDict, total=False):
     PERSISTENT: bool
     DECODE_SPLITS: int
     TILE_M: int
+    PACK_GQA: bool
     BWD_CONFIG: str
     AUTOTUNE: bool
     DECODE_CONFIG: str
@@ -129,6 +134,7 @@ KNOWN = _known_keys()  # every key accepted without a prefix: flexjit's, the ign
 _TYPED = (
     ("PERSISTENT", lambda v: isinstance(v, bool), "True or False"),
     ("AUTOTUNE", lambda v: isinstance(v, bool), "True or False"),
+    ("PACK_GQA", lambda v: isinstance(v, bool), "True or False"),
     ("TILE_M", lambda v: v in (128, 192) and not isinstance(v, bool), "128 or 192"),
     ("DECODE_SPLITS", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
      "a positive int"),

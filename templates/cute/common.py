@@ -137,6 +137,18 @@ def permute(t: cute.Tensor, order) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=order))
 
 
+def fold_heads(t: cute.Tensor, group: int, head_mode: int) -> cute.Tensor:
+    """A sequence-major view (L, ..., Hq, ...) with the query heads at ``head_mode``, seen as
+    ((group, L), ..., Hq / group, ...): the ``group`` query heads that share a kv head folded
+    into the rows, head fastest (row r is position r // group of head r % group), so one tile
+    holds several heads' rows and one K/V tile serves them all (packed GQA)."""
+    shape, stride = list(t.layout.shape), list(t.layout.stride)
+    shape[0], stride[0] = (group, shape[0]), (stride[head_mode], stride[0])
+    shape[head_mode] = shape[head_mode] // group
+    stride[head_mode] = stride[head_mode] * group
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
+
+
 def transposed(s: cute.Tensor) -> cute.Tensor:
     """(rows, cols, stages) smem tensor viewed as (cols, rows, stages): Vᵀ for the PV GEMM."""
     shape = (s.shape[1], s.shape[0], s.shape[2])

@@ -23,8 +23,9 @@ CPU_NUM_SMS = 132  # H100/H200 SXM; what a compile (or a launch on CPU tensors) 
 
 
 def num_tiles(mQ: cute.Tensor, tile_m: int):
-    """q-tiles × query heads × batch of a (L, D, Hq, B) view: the non-persistent grid size."""
-    return cute.ceil_div(mQ.shape[0], tile_m) * mQ.shape[2] * mQ.shape[3]
+    """q-tiles × query heads × batch of a (L, D, Hq, B) view (rows ((g, L)) and kv heads when
+    packed GQA folds the heads): the non-persistent grid size."""
+    return cute.ceil_div(cute.size(mQ, mode=[0]), tile_m) * mQ.shape[2] * mQ.shape[3]
 
 
 @cute.jit
@@ -33,7 +34,7 @@ def tile_coords(mQ: cute.Tensor, tile_m: cutlass.Constexpr, hb_per_section: Int3
     -> (m_block, head, batch). (head, batch) pairs are grouped in sections whose K/V fit in L2;
     inside a section the heads vary fastest and the q-tiles run from the last (longest under
     causal masks) to the first: longest-processing-time-first order."""
-    num_m = cute.ceil_div(mQ.shape[0], tile_m)
+    num_m = cute.ceil_div(cute.size(mQ, mode=[0]), tile_m)
     num_hq = mQ.shape[2]
     num_hb = num_hq * mQ.shape[3]
     if const_expr(tile is None):

@@ -268,7 +268,8 @@ def _frozen_config(cfg, aux_tensors, program: Program, options: str) -> tuple:
     whether it writes max_scores and the code-changing compile options)."""
     return _kernel_config(cfg, aux_tensors, program, float(cfg.rescale_threshold),
                           bool(cfg.write_max), _key_options(options),
-                          *(("fp8",) if cfg.fp8 else ()))
+                          *(("fp8",) if cfg.fp8 else ()),
+                          *((f"pack_gqa={cfg.pack_gqa}",) if cfg.pack_gqa > 1 else ()))
 
 
 # The persistent forward (one CTA per SM looping over tiles, claimed from an atomic counter)
@@ -315,7 +316,7 @@ def _rescale_threshold() -> float:
 def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options: str = "",
                     persistent: bool | None = None, write_max: bool = False, keys: dict | None = None,
                     kv_batch_broadcast: bool = False, tile_m: int = 128,
-                    out_dtype: torch.dtype | None = None):
+                    out_dtype: torch.dtype | None = None, pack_gqa: int = 1):
     """Compile (or find in memory, or load from disk) the sm90 forward for this program and
     these input kinds.
 
@@ -335,7 +336,9 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     ``keys``: if given, ``keys["fwd"]`` is set to the disk-cache key (None with the cache off;
     ``flexjit.aot`` reports it).
     FP8 (float8_e4m3fn q, k and v, where ``v`` is the permuted Vᵀ, ``fp8_value_transposed``):
-    ``out_dtype`` is the output's (bf16 or fp16); one tile per CTA."""
+    ``out_dtype`` is the output's (bf16 or fp16); one tile per CTA.
+    ``pack_gqa``: the query heads per kv head folded into a tile's rows (``pack_gqa_group``),
+    1 for none."""
     tpl = _template()
     fp8 = q.dtype == _E4M3
     D, Dv = q.shape[-1], v.shape[-2 if fp8 else -1]
@@ -348,7 +351,8 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
     # Persistent launches claim tiles dynamically: part of the tiling, hence of both cache keys.
     dynamic = persistent and tpl.dynamic_schedule_default()
     key = (program.key, q.dtype, D, Dv, block_mask is not None, sig, program.scalar_dtypes, options,
-           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast, tile_m, out_dtype)
+           persistent, dynamic, write_max, _rescale_threshold(), kv_batch_broadcast, tile_m, out_dtype,
+           pack_gqa)
     hit = _COMPILED.get(key)
     if hit is not None:  # the per-call path: no mods, config or disk key to build for `cached`
         return hit
@@ -360,10 +364,12 @@ def compile_program(program: Program, q, k, v, block_mask, aux_tensors, options:
                                                  dynamic_schedule=dynamic, tile_m=tile_m, fp8=fp8),
                         write_max=write_max,
                         rescale_threshold=_rescale_threshold(), kv_batch_broadcast=kv_batch_broadcast,
-                        fp8=fp8)
+                        fp8=fp8, pack_gqa=pack_gqa)
     what = forward_label(program, q.dtype, D)
     if kv_batch_broadcast:
         what += " (K/V batch broadcast)"
+    if pack_gqa > 1:
+        what += f" (packed GQA, {pack_gqa} heads)"
     disk_key = forward_disk_key(tpl, program, "sm90", keys,
                                 lambda: _frozen_config(cfg, aux_tensors, program, options))
 
@@ -509,7 +515,7 @@ def forward(call, config: Config | None = None) -> tuple[torch.Tensor, torch.Ten
         descale = descale_table(call)
     fn = compile_program(prog, q, k, v, sparse, aux, persistent=config["persistent"],
                          write_max=call.max_scores, kv_batch_broadcast=broadcast, tile_m=tile_m,
-                         out_dtype=call.out_dtype)
+                         out_dtype=call.out_dtype, pack_gqa=config.as_dict().get("pack_gqa", 1))
     o = torch.empty(*q.shape[:-1], call.v.shape[-1], dtype=call.out_dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     max_scores = torch.empty_like(lse) if call.max_scores else None
@@ -523,22 +529,51 @@ def forward(call, config: Config | None = None) -> tuple[torch.Tensor, torch.Ten
 FAMILY = "sm90-fwd"
 
 
+def pack_gqa_group(call) -> int:
+    """How many query heads a forward tile may fold into its rows (packed GQA: one K/V tile
+    serves them all), else 1: Hq / Hkv where the kernel reads no row's head or position (plain
+    attention: no score_mod, mask_mod or block mask; no max_scores; 16-bit) and the group
+    divides both query tiles (128 and 192 rows: at most 64)."""
+    prog = call.program
+    group = call.q.shape[1] // call.k.shape[1]
+    if group == 1 or prog.score is not None or prog.mask is not None or \
+            call.block_mask is not None or call.max_scores or call.fp8 is not None or 128 % group or group > 64:
+        return 1
+    return group
+
+
 def heuristic(call) -> Config:
-    """The forward's configuration by rule (``forward_tile_m``, ``_persistent_fwd``), pins in
-    ``kernel_options`` honoured: what runs until the tuner has measured, and without it."""
+    """The forward's configuration by rule (``forward_tile_m``, ``_persistent_fwd``, one head
+    per tile), pins in ``kernel_options`` honoured: what runs until the tuner has measured, and
+    without it."""
     D, opts = call.q.shape[-1], call.kernel_options
     if call.fp8 is not None:  # one tile per CTA; 192 rows where _fp8_tile_192 allows them
         pinned = opts.get("TILE_M")
         tile_m = pinned if pinned is not None else 192 if _fp8_tile_192(call) else 128
         return _configs((int(tile_m),), (False,))[0]
-    return Config.of(tile_m=forward_tile_m(D, call.block_mask, opts.get("TILE_M")),
-                     persistent=_persistent_fwd(D, None, call.k.shape[2], owner=call.block_mask,
-                                                pinned=opts.get("PERSISTENT")))
+    return _configs((forward_tile_m(D, call.block_mask, opts.get("TILE_M")),),
+                    (_persistent_fwd(D, None, call.k.shape[2], owner=call.block_mask,
+                                     pinned=opts.get("PERSISTENT")),),
+                    _packs(call)[:1])[0]
+
+
+def _packs(call) -> tuple:
+    """The head groups a forward may fold into a tile's rows: () where packing is out of the
+    question (its Config then has no such field), else 1 (the heuristic's: one head per tile)
+    and the group, or the one ``kernel_options["PACK_GQA"]`` pins."""
+    group = pack_gqa_group(call)
+    if group == 1:
+        return ()
+    pinned = call.kernel_options.get("PACK_GQA")
+    return (1, group) if pinned is None else (group if pinned else 1,)
 
 
 @functools.lru_cache(maxsize=None)
-def _configs(tile_ms: tuple, persistents: tuple) -> tuple[Config, ...]:
-    return tuple(Config.of(tile_m=m, persistent=p) for m in tile_ms for p in persistents)
+def _configs(tile_ms: tuple, persistents: tuple, packs: tuple = ()) -> tuple[Config, ...]:
+    if not packs:
+        return tuple(Config.of(tile_m=m, persistent=p) for m in tile_ms for p in persistents)
+    return tuple(Config.of(tile_m=m, persistent=p, pack_gqa=g)
+                 for m in tile_ms for p in persistents for g in packs)
 
 
 def _log2(x: float) -> int:
@@ -584,8 +619,9 @@ def tuning(call) -> Tuning:
            f"kv_tiles=2^{_log2(kv_tiles)}")
     if share is not None:
         key += (f"partial={round(share, 1)}",)
-    pins = ", ".join(f"{k}={opts[k]!r}" for k in ("TILE_M", "PERSISTENT") if k in opts)
-    return Tuning(FAMILY, key, _configs(tile_ms, persistents), default,
+    pins = ", ".join(f"{k}={opts[k]!r}" for k in ("TILE_M", "PERSISTENT", "PACK_GQA") if k in opts)
+    packs = () if fp8 else _packs(call)
+    return Tuning(FAMILY, key, _configs(tile_ms, persistents, packs), default,
                   f"kernel_options {pins}" if pins else "")
 
 

@@ -118,7 +118,7 @@ from cutlass.memory.smem import SmemAllocator
 
 from flexjit.templates.cute import config, host, opaque, softmax, tile_scheduler
 from flexjit.templates.cute.block_sparse import BlockSparse, BlockSparseRows, bcast, count_of, listed_tile, row_of
-from flexjit.templates.cute.common import MASK_BLOCK, Aux, acc_as_operand_a, fadd, kernel_aux, launch, permute, quad_allreduce, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
+from flexjit.templates.cute.common import MASK_BLOCK, Aux, acc_as_operand_a, fadd, fold_heads, kernel_aux, launch, permute, quad_allreduce, rows_cols, rows_cols_layout, shared_storage, smem_buffer, smem_layout, tma_tiles, transposed, wgmma_gemm
 from flexjit.templates.cute.host import as_scalar, placeholder, tvm_ffi_enabled  # noqa: F401  (the template's API)
 from flexjit.templates.cute.pipeline import tma_pipelines
 from flexjit.templates.cute.sm90 import fp8, p_smem
@@ -146,6 +146,11 @@ class FwdConfig(config.FwdConfig):
     # q, k and v are float8_e4m3fn (``dtype`` is then the output's): e4m3 wgmma for both GEMMs,
     # V passed as its permuted transpose and the descales as a table (``sm90.fp8``).
     fp8: bool = False
+    # Packed GQA: the query heads sharing a kv head (this many, Hq / Hkv) folded into the query
+    # tile's rows (``common.fold_heads``), so one K/V tile serves them all. 1: one head per tile.
+    # Plain attention only (no score_mod, mask_mod or block mask: nothing reads a row's head
+    # or position), and tile_m a multiple of it.
+    pack_gqa: int = 1
 
     def __post_init__(self):
         if self.tiling is None:
@@ -185,6 +190,13 @@ class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
         # Which loop bodies exist: partial tiles (mask_mod + bound), full tiles (bound if ragged).
         self.has_partial = self.sparse or self.mask_mod is not None
         self.has_full = self.sparse or self.mask_mod is None
+        self.pack_gqa = int(getattr(cfg, "pack_gqa", 1))
+        if self.pack_gqa > 1 and (self.score_mod is not None or self.mask_mod is not None or
+                                  self.sparse or self.write_max or self.fp8 or
+                                  self.tile_m % self.pack_gqa):
+            raise NotImplementedError(
+                f"cute_sm90_fwd: packed GQA takes plain attention (no score_mod, mask_mod, block "
+                f"mask, max_scores or FP8) on a tile of a multiple of {self.pack_gqa} rows")
         self.persistent = bool(getattr(t, "persistent", False))
         self.dynamic = self.persistent and bool(getattr(t, "dynamic_schedule", False))
         if self.persistent and smem_bytes(cfg) > SMEM_CAPACITY:
@@ -212,6 +224,9 @@ class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
         # Sequence-major views: (L, D, Hq, B), (S, D, Hkv, B), (S, Dv, Hkv, B), (L, Hq, B).
         q, k, v, o = [permute(t, [2, 3, 1, 0]) for t in (mQ, mK, mV, mO)]
         lse = permute(mLSE, [2, 1, 0])
+        if const_expr(self.pack_gqa > 1):  # ((g, L), D, Hkv, B) and ((g, L), Hkv, B)
+            q, o = (fold_heads(t, self.pack_gqa, 2) for t in (q, o))
+            lse = fold_heads(lse, self.pack_gqa, 1)
         row_max = permute(mMax, [2, 1, 0]) if const_expr(mMax is not None) else None
 
         D, Dv, tm, tn = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
@@ -270,7 +285,7 @@ class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
             fields["sP"] = smem_buffer(dt, smem_layout(dt, tm, tn))
         self.shared_storage = shared_storage(name, fields)
 
-        num_m_blocks = cute.ceil_div(q.shape[0], tm)
+        num_m_blocks = cute.ceil_div(cute.size(q, mode=[0]), tm)
         num_tiles = num_m_blocks * q.shape[2] * q.shape[3]
         num_ctas = num_tiles
         if const_expr(self.persistent):
@@ -473,7 +488,9 @@ class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
         and the next tile is claimed right after Q's load; returns (kv, claim) where claim is
         lane 0's counter value (None without the dynamic scheduler)."""
         mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v = ld
-        head_kv = sched.head // (mQ.shape[2] // mK.shape[2])
+        head_kv = sched.head  # packed GQA: the tile's head is the kv head
+        if const_expr(self.pack_gqa == 1):
+            head_kv = sched.head // (mQ.shape[2] // mK.shape[2])
         # A K/V batch broadcast over the query's (``FwdConfig.kv_batch_broadcast``): K and V have
         # batch extent 1 and every batch reads entry 0, as GQA maps a query head to its kv head.
         kv_batch = 0 if const_expr(self.kv_batch_broadcast) else sched.batch
@@ -931,7 +948,7 @@ class FlexAttentionFwdSm90(FwdMods, config.TiledKernel):
         thr_pv = mma_pv.get_slice(tidx)
         cO = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim_v))))
         if cO[0, 0][1] == 0:
-            seqlen_q = mQ.shape[0]
+            seqlen_q = cute.size(mQ, mode=[0])  # packed GQA: group × L rows
             for r in cutlass.range_constexpr(n_rows):
                 row = ctx.sched.m_block * self.tile_m + cO[r, 0][0]
                 if row < seqlen_q:

@@ -290,3 +290,38 @@ def test_dynamic_schedule_two_streams(persistent, monkeypatch, num_sms):
         assert not o.isnan().any() and not lse.isnan().any()
         torch.testing.assert_close(o, o_ref, rtol=1e-2, atol=1e-3)
         torch.testing.assert_close(lse, l_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("D,Hq,Hkv,L,S", [
+    (64, 16, 4, 1000, 1000),  # 192-row tiles of 48 positions × 4 heads; L ragged against 48
+    (128, 16, 4, 1000, 777),  # 128-row tiles of 32 positions; S ragged too
+    (64, 16, 2, 300, 4096),  # 8 heads a tile: 24 positions (192 rows)
+    (128, 32, 2, 500, 1000),  # 16 heads a tile: 8 positions
+    (128, 4, 2, 4096, 4096),
+], ids=lambda x: str(x))
+def test_packed_gqa(persistent, D, Hq, Hkv, L, S):
+    """Plain GQA attention with the query heads of a kv head folded into one tile's rows
+    (``kernel_options`` PACK_GQA pins it), through the API: out and LSE against float64 math,
+    and against the one-head-per-tile kernel (the same per-row arithmetic over the same kv tiles
+    in the same order: equal but for a race, which shows as NaN or a large error)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, Hq, L, D, device="cuda", dtype=torch.bfloat16)
+    k, v = [torch.randn(2, Hkv, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    outs = {}
+    for pack in (True, False):
+        options = {"PACK_GQA": pack}
+        choice = explain(q, k, v, None, None, enable_gqa=True, kernel_options=options)
+        assert choice.name == "cute" and ("pack_gqa=" in choice.config) and \
+            (f"pack_gqa={Hq // Hkv}" in choice.config) == pack, choice.config
+        poison_allocator()
+        with torch.no_grad():
+            outs[pack] = flex_attention(q, k, v, enable_gqa=True, return_lse=True,
+                                        kernel_options=options)
+    with torch.no_grad():
+        ref, ref_lse = dense_attention(q, k, v, None, None, dtype=torch.float64)
+        low, low_lse = dense_attention(q, k, v, None, None, dtype=q.dtype)
+    out, lse = outs[True]
+    assert_close_to_oracle("packed out", out, ref, low, FLOOR[q.dtype])
+    assert_close_to_oracle("packed lse", lse, ref_lse, low_lse, FLOOR[q.dtype])
+    torch.testing.assert_close(out, outs[False][0], rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(lse, outs[False][1], rtol=1e-5, atol=1e-5)

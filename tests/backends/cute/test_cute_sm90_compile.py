@@ -61,8 +61,9 @@ def _block_mask(nq, nk):
 
 
 def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, aux=(), scalars=(),
-             persistent=False, dynamic_schedule=False, tile_m=None, fp8=False):
-    """``head_dim``: D, or a (D, Dv) pair. ``fp8``: e4m3 q, k and Vᵀ (keys padded to 128)."""
+             persistent=False, dynamic_schedule=False, tile_m=None, fp8=False, pack_gqa=1):
+    """``head_dim``: D, or a (D, Dv) pair. ``fp8``: e4m3 q, k and Vᵀ (keys padded to 128).
+    ``pack_gqa``: the query heads folded into a tile's rows."""
     head_dim, head_dim_v = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
     # L != S and neither a multiple of 128; GQA 4/2: the compile must not depend on any of it.
     b, hq, hkv, seq_q, seq_k = 2, 4, 2, 300, 500
@@ -80,7 +81,7 @@ def _compile(tmp_path, head_dim, score_mod=None, mask_mod=None, sparse=False, au
     cfg = FwdConfig(head_dim, head_dim_v, cutlass.BFloat16, score_mod, mask_mod, has_block_mask=sparse,
                     tiling=_tpl.choose_tiling(head_dim, head_dim_v, sparse, persistent=persistent,
                                               dynamic_schedule=dynamic_schedule, tile_m=tile_m,
-                                              fp8=fp8), fp8=fp8)
+                                              fp8=fp8), fp8=fp8, pack_gqa=pack_gqa)
     fn = compile_fwd(cfg, q, k, v, o, lse, bm, aux, scalars,
                      options=f"--keep-ptx --keep-cubin --dump-dir {tmp_path}")
     ptx = fn.compiled.__ptx__
@@ -656,3 +657,38 @@ def test_long_static_loop_warning_is_hidden_for_the_templates_only():
 
     assert loop_in("flexjit.templates.cute.sm90.fwd") == []
     assert len(loop_in("my_kernels")) == 1
+
+
+# TMA tensor copies by rank and direction: "load" (global to shared) or "store".
+_TMA_COPY = re.compile(r"cp\.async\.bulk\.tensor\.(\d)d\.(shared::cta\.global|global\.shared::cta)")
+
+
+def _tma_ranks(ptx) -> set:
+    return {(int(rank), "load" if way.startswith("shared") else "store")
+            for rank, way in _TMA_COPY.findall(ptx)}
+
+
+@pytest.mark.parametrize("head_dim,persistent", [(64, False), (64, True), (128, False), (128, True),
+                                                 (256, False)])
+def test_packed_gqa_moves_q_and_o_over_the_folded_heads(tmp_path, head_dim, persistent):
+    """Packed GQA (here 2 query heads per kv head): Q's load and O's store are 5-D TMA copies
+    (column, head in the group, position, kv head, batch) where the one-head kernel's are 4-D;
+    K and V stay 4-D. Spill-free, on both schedules."""
+    ptx = _compile(tmp_path, head_dim, persistent=persistent, dynamic_schedule=persistent, pack_gqa=2)
+    _assert_hopper_path(ptx)
+    assert_no_spills(tmp_path, ptx)
+    assert _tma_ranks(ptx) == {(4, "load"), (5, "load"), (5, "store")}, _tma_ranks(ptx)
+    (tmp_path / "plain").mkdir()
+    plain = _compile(tmp_path / "plain", head_dim, persistent=persistent, dynamic_schedule=persistent)
+    assert _tma_ranks(plain) == {(4, "load"), (4, "store")}, _tma_ranks(plain)
+
+
+@pytest.mark.parametrize("what", ["score_mod", "mask_mod", "block_mask", "group"])
+def test_packed_gqa_refuses_kernels_that_read_a_rows_head_or_position(tmp_path, what):
+    """A folded row's head and position are not the kernel's: a kernel whose mods or lists read
+    them, or whose tile the group does not divide (128 rows, 3 heads), is refused."""
+    kw = {"score_mod": {"score_mod": alibi_softcap_score, "aux": (torch.rand(4),)},
+          "mask_mod": {"mask_mod": causal_mask},
+          "block_mask": {"mask_mod": causal_mask, "sparse": True}, "group": {}}[what]
+    with pytest.raises(NotImplementedError, match="packed GQA"):
+        _compile(tmp_path, 128, pack_gqa=3 if what == "group" else 2, **kw)

@@ -270,3 +270,60 @@ def test_keys96_pin_routes_captured_tensor_gradients():
     assert [c["bwd_config"] for c in pinned.candidates] == [""]
     assert "64-key tile serves captured-tensor gradients" in pinned.pins
     assert [c["bwd_config"] for c in _bwd_tuning(192, score_mod=case.score_mod).candidates] == [""]
+
+
+def _gqa_tuning(D, Hq, Hkv, score_mod=None, bm=None, options=None, max_scores=False, L=N):
+    q = torch.empty(2, Hq, L, D, dtype=torch.bfloat16)
+    k = torch.empty(2, Hkv, L, D, dtype=torch.bfloat16)
+    return sm90.tuning(prepare_call(q, k, k, score_mod, bm, None, True, options, max_scores=max_scores))
+
+
+def test_plain_gqa_measures_packed_heads_and_runs_one_head_per_tile_by_rule():
+    """Packed GQA (the query heads of a kv head folded into a tile's rows) is a candidate of
+    plain attention under GQA only, beside each tile; the rule runs one head per tile until it
+    is measured faster, and a PACK_GQA pin runs its choice alone."""
+    t = _gqa_tuning(64, 16, 4)
+    assert _names(t) == ["tile_m=128, pack_gqa=1", "tile_m=128, pack_gqa=4",
+                         "tile_m=192, pack_gqa=1", "tile_m=192, pack_gqa=4"]
+    assert str(t.default) == "tile_m=192, pack_gqa=1"
+    assert _names(_gqa_tuning(128, 32, 2)) == ["tile_m=128, pack_gqa=1", "tile_m=128, pack_gqa=16"]
+    t = _gqa_tuning(128, 16, 4, options={"PACK_GQA": True})
+    assert _names(t) == ["tile_m=128, pack_gqa=4"] and t.pins == "kernel_options PACK_GQA=True"
+    assert str(t.default) == "tile_m=128, pack_gqa=4"
+    assert _names(_gqa_tuning(128, 16, 4, options={"PACK_GQA": False})) == ["tile_m=128, pack_gqa=1"]
+
+
+@pytest.mark.parametrize("why", ["mha", "score_mod", "mask", "max_scores", "group_12", "group_128"])
+def test_packed_gqa_only_where_no_row_reads_its_head_or_position(why):
+    """Where a kernel reads a row's head or position (a score_mod, a mask), writes max_scores,
+    has no kv head to share, or the group divides no tile, there is no pack_gqa field at all
+    (the candidates keep the names they had) and a PACK_GQA pin changes nothing."""
+    Hq, Hkv, kw = 16, 4, {}
+    if why == "mha":
+        Hkv = 16
+    elif why == "score_mod":
+        kw["score_mod"] = make_case("alibi", 2, 16, N, N).score_mod
+    elif why == "mask":
+        kw["bm"] = CAUSAL
+    elif why == "max_scores":
+        kw["max_scores"] = True
+    elif why == "group_12":
+        Hq, Hkv = 24, 2
+    else:
+        Hq, Hkv = 128, 1
+    for options in (None, {"PACK_GQA": True}):
+        t = _gqa_tuning(128, Hq, Hkv, options=options, **kw)
+        assert all("pack_gqa" not in str(c) for c in (*t.candidates, t.default)), (why, _names(t))
+
+
+def test_packed_gqa_jobs_carry_the_group():
+    q = torch.empty(1, 8, 2048, 64, dtype=torch.bfloat16)
+    k = torch.empty(1, 2, 2048, 64, dtype=torch.bfloat16)
+    call = prepare_call(q, k, k, None, None, None, True, {"TILE_M": 192})
+    t = sm90.tuning(call)
+    jobs = compile_pool.candidate_jobs(call, t.family, t.candidates)
+    assert sorted((j.tile_m, j.persistent, j.pack_gqa) for j in jobs.values()) == [
+        (192, p, g) for p in (False, True) for g in (1, 4)]
+    assert len({j.ident for j in jobs.values()}) == 4
+    packed = jobs[Config.of(tile_m=192, persistent=False, pack_gqa=4)]
+    assert packed.what().endswith("(tile_m=192, packed GQA 4)")
