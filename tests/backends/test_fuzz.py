@@ -331,12 +331,13 @@ def run_case(case: Case, backend: str, device: str = "cpu", block: int = 32):
     # carries -δ_i P_ij, δ_i = dO_i · (O_i - exact O_i): on a captured table, the gradient of
     # -Σ δ_i lse_i (δ held fixed). Eager math, deriving through its own softmax, has no such term,
     # and where the true gradient is near 0 (a table added to every score) it is all that is left.
-    delta = (dout.double() * (out.detach().double() - ref.detach())).sum(-1)
-    term = (delta * torch.where(torch.isfinite(ref_lse), ref_lse, 0)).sum()
-    common = [torch.zeros_like(t) for t in inputs64[3:]]  # no table reaches the scores
-    if learn and term.requires_grad:
-        common = _or_zeros(torch.autograd.grad(term, inputs64[3:], allow_unused=True,
-                                               retain_graph=True), inputs64[3:])
+    common = [torch.zeros_like(t) for t in inputs64[3:]]
+    if learn:
+        delta = (dout.double() * (out.detach().double() - ref.detach())).sum(-1)
+        term = (delta * torch.where(torch.isfinite(ref_lse), ref_lse, 0)).sum()
+        if term.requires_grad:  # else no table reaches the scores: the term is 0
+            common = _or_zeros(torch.autograd.grad(term, inputs64[3:], allow_unused=True,
+                                                   retain_graph=True), inputs64[3:])
     want = _or_zeros(torch.autograd.grad(loss(ref, ref_lse), inputs64, allow_unused=True), inputs64)
     lowg = _or_zeros(torch.autograd.grad(loss(low, low_lse), inputs, allow_unused=True), inputs)
     extra = [0.0] * 3 + [2 * c.abs().max().item() for c in common]

@@ -8,7 +8,7 @@ import torch
 from flexjit import create_block_mask
 from flexjit.api.attention import flex_attention
 from oracle import FLOOR, assert_close_to_oracle, dense_attention, random_qkv
-from mods_catalog import CORE, POINTWISE, make_case
+from mods_catalog import CORE, POINTWISE, case_and_oracle, make_case
 
 
 
@@ -145,3 +145,34 @@ def test_pointwise_ops_float64(name):
     want = torch.autograd.grad((ref * g).sum(), [q, k, v])
     for label, a, b in zip(("dq", "dk", "dv"), got, want):
         assert_close_to_oracle(label, a, b, b, FLOOR[torch.float64] * max(1.0, b.abs().max().item()))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.0, -0.3])
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "learnable_alibi", "softcap"])
+def test_nonpositive_scales(name, scale):
+    """The reference takes any scale as torch defines it (the CuTe forwards refuse one <= 0
+    without a score_mod, and Triton runs it): at 0 every score is score_mod(0) and no gradient
+    reaches q or k; below 0 the largest q·k is the smallest score. Out, lse and every gradient
+    against the float64 oracle."""
+    B, Hq, Hkv, L, S, E = 2, 4, 2, 40, 56, 16
+    case, oracle = case_and_oracle(name, B, Hq, L, S)
+    q, k, v = random_qkv(B, Hq, Hkv, L, S, E, E, torch.float32, seed=1)
+    bm = create_block_mask(case.mask_mod, B, Hq, L, S, device="cpu") if case.mask_mod else None
+    out, lse = flex_attention(q, k, v, case.score_mod, bm, scale=scale, enable_gqa=True,
+                              return_lse=True, backend="reference")
+    ref, ref_lse = dense_attention(q, k, v, oracle.score_mod, oracle.mask_mod, scale=scale)
+    low, low_lse = dense_attention(q, k, v, case.score_mod, case.mask_mod, scale=scale,
+                                   dtype=torch.float32)
+    floor = FLOOR[torch.float32]
+    assert_close_to_oracle("out", out, ref, low, floor)
+    assert_close_to_oracle("lse", lse, ref_lse, low_lse, floor)
+    g = torch.Generator().manual_seed(2)
+    g_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    g_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    got = _grads(out, lse, [q, k, v, *case.learnable], g_out, g_lse)
+    want = _grads(ref, ref_lse, [q, k, v, *oracle.learnable], g_out, g_lse)
+    lowg = _grads(low, low_lse, [q, k, v, *case.learnable], g_out, g_lse)
+    for label, a, b, c in zip(["dq", "dk", "dv", "dslopes"], got, want, lowg):
+        assert_close_to_oracle(label, a, b, c, floor * max(1.0, b.abs().max().item()))
+    if scale == 0:
+        assert torch.equal(got[0], torch.zeros_like(q)) and torch.equal(got[1], torch.zeros_like(k))
