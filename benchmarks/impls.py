@@ -68,7 +68,8 @@ FLEXJIT_MODES = {
         "m128+psmem+dksmem+shuffle", "lpt", "lpt2", "qsplit", "sdpdup", "qhead", "qhead+lpt",
         "qhead+lpt2", "keys96", "dvafter", "m128+shuffle+dvafter", "m80+late+dksmem+shuffle+dvafter",
         "m128", "m128+dvafter", "m128+shuffle+late+dvafter+dpafter",
-        "m128+psmem+dksmem+shuffle+dpafter")},
+        "m128+psmem+dksmem+shuffle+dpafter", "m128+shuffle+dvafter+lpt",
+        "m128+shuffle+dvafter+lpt2")},
 }
 # FP8 inputs: name -> (backend, pre). ``pre(fp8_set) -> (q8, k8, v8, kwargs)`` runs outside the
 # timed region on each input set (None: the plain user call, flexjit's per-call preparation

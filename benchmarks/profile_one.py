@@ -12,7 +12,8 @@
 kernels of one more call (torch.profiler), so a call's wall time can be set against the sum of
 its kernels: the difference is GPU idle time (host work, allocations, synchronisation).
 
-B·S = 16384 tokens, 16 heads, head dim 128, bf16, the variant from benchmarks/variants.py.
+B·S = 16384 tokens (B = 1 beyond), 16 heads, head dim 128, bf16, the variant from
+benchmarks/variants.py.
 """
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile_one")
     p.add_argument("--backend", default="auto",
                    help="a flexjit backend, fa4 / fa4-bhsd (FA4's built-in variant, the baseline "
-                        "beside which a profile is read), or an FP8 impl (flexjit-cute-fp8: e4m3 "
-                        "q, k, v quantised outside the profiled calls; forward only)")
+                        "beside which a profile is read), a flexjit mode (flexjit-cute-bwd-lpt: "
+                        "a pinned schedule, so no tuner launches between the profiled calls), or "
+                        "an FP8 impl (flexjit-cute-fp8: e4m3 q, k, v quantised outside the "
+                        "profiled calls; forward only)")
     p.add_argument("--variant", default="causal")
     p.add_argument("--S", type=int, default=8192)
     p.add_argument("--D", type=int, default=128)
@@ -42,14 +45,15 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (no --timeline)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
-    case = Case(B=16384 // a.S, S=a.S, Hq=16, Hkv=16, D=a.D)
+    case = Case(B=max(1, 16384 // a.S), S=a.S, Hq=16, Hkv=16, D=a.D)
     var = build(a.variant, case, dev, torch.Generator().manual_seed(0))
     # The benchmark's own adapters, inputs and timed closure (run.py), so a profile is of
     # exactly what benchmarks.run times.
     fp8 = a.backend in FLEXJIT_FP8_MODES
     if fp8 and a.pass_ != "fwd":
         p.error(f"{a.backend} has no backward: --pass fwd")
-    impl = make(a.backend) if a.backend.startswith("fa4") or fp8 else FlexjitImpl(a.backend)
+    named = a.backend.startswith(("fa4", "flexjit-"))
+    impl = make(a.backend) if named else FlexjitImpl(a.backend)
     sets = for_pass(in_layout(make_inputs(case, dev, 1), impl.layout), a.pass_)
     if fp8:
         impl.prepare(sets)  # quantised once, as benchmarks.run does outside its timing
@@ -64,7 +68,8 @@ def main(argv=None) -> None:
     if isinstance(impl, FlexjitImpl) and not fp8:
         bm = plan_mask(flexjit.create_block_mask, var, case, dev)
         q, k, v = (sets[0][n] for n in "qkv")
-        ran = flexjit.explain(q, k, v, var.score_mod, bm, backend=a.backend).name
+        ran = flexjit.explain(q, k, v, var.score_mod, bm, backend=impl.backend,
+                              kernel_options=impl.kernel_options or None).name
     print(f"ran {a.variant} S={a.S} on {ran}")
 
 
