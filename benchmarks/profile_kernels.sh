@@ -8,7 +8,8 @@
 # A case is backend:variant:S:pass[:D] (e.g. cute:causal:8192:fwd, or cute:full:8192:fwdbwd:192 at
 # head dim 192; D defaults to 128; backend fa4-bhsd profiles FA4's own
 # kernels on the same memory layout: its forward, or its backward's three kernels; an FP8 impl,
-# e.g. flexjit-cute-fp8:full:8192:fwd, the e4m3 forward). Per kernel: Speed Of Light,
+# e.g. flexjit-cute-fp8:full:8192:fwd, the e4m3 forward; a flexjit mode, e.g.
+# flexjit-cute-bwd-lpt:causal:2048:fwdbwd:64, a pinned backward schedule). Per kernel: Speed Of Light,
 # warp stall reasons, and every pipe's utilisation (tensor = wgmma/mma, xu = MUFU: exp2, tanh,
 # int<->float conversions; fma/alu = FP32/integer), issue-slot use, and every stall reason per
 # issued instruction.
@@ -35,7 +36,7 @@ for c in "${cases[@]}"; do
   else
     # Three forward+backward calls: profile every backward kernel of the second.
     case $backend in
-      cute) sel=(-k "regex:Bwd" -s 3 -c 3) ;;  # pre, main, post
+      cute|flexjit-cute*) sel=(-k "regex:Bwd" -s 3 -c 3) ;;  # pre, main, post
       fa4*) sel=(-k "regex:FlashAttentionBackward" -s 3 -c 3) ;;  # FA4's pre, main, post
       *) sel=(-k "regex:flex_bwd" -s 2 -c 2) ;;
     esac
