@@ -817,6 +817,33 @@ def _involves_proxy(args, kwargs) -> bool:
 
 
 
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _new_values(result, args, kwargs) -> bool:
+    """Whether ``result`` holds a tensor of new storage (not a view of an argument)."""
+    made = _tensors(result)
+    if not made:
+        return False
+    seen = {t.untyped_storage().data_ptr() for t in _tensors((tuple(args), tuple(kwargs.values())))}
+    return any(t.untyped_storage().data_ptr() not in seen for t in made)
+
+
+def _as_traced(ctx: _Context, x):
+    """A captured tensor as the tracer reads it: a 0-d one as its load, a larger one as a view
+    to index (``BufferView``); anything else unchanged."""
+    if isinstance(x, torch.Tensor):
+        return Proxy(_coerce(ctx, x), ctx) if x.dim() == 0 else BufferView(x, (), ctx)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_as_traced(ctx, y) for y in x)
+    return x
+
+
 def _dispatch(ctx: _Context, func, args=(), kwargs=None, first=None):
     """One torch call made while tracing: build IR if it touches a proxy. ``first``: the tensor a
     method was looked up on (a row's ``.sum(...)``), put before ``args``."""
@@ -834,7 +861,22 @@ def _dispatch(ctx: _Context, func, args=(), kwargs=None, first=None):
                  "use a Python number (e.g. float('-inf')), or create the tensor "
                  "outside the mod and capture it")
     if not _involves_proxy(args, kwargs):
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if not _new_values(result, args, kwargs):
+            return result  # metadata (t.shape), a number, or a view: read when the kernel runs
+        # New values computed from captured tensors (t[3] + 1.0, t.sigmoid()): computed here
+        # they would be frozen into the trace, which is reused while the tensors' values change
+        # (an optimizer step). Traced instead, they are read when the kernel runs.
+        if func is torch.Tensor.__getitem__:
+            return _index(ctx, args[0], (), args[1])
+        whole = [t for t in _tensors((tuple(args), tuple(kwargs.values())))
+                 if t.dim() > 1 or t.dim() == 1 and t.shape[0] > MAX_ROW]
+        if whole:
+            ctx.fail(f"torch.{getattr(func, '__name__', func)} on a whole captured tensor of shape "
+                     f"{tuple(whole[0].shape)}: a mod reads captured tensors element by element when "
+                     "the kernel runs", "apply it to the elements the mod reads (torch.sigmoid(t[h]) "
+                     "for torch.sigmoid(t)[h]), or compute it outside the mod and capture the result")
+        return _dispatch(ctx, func, _as_traced(ctx, args), {k: _as_traced(ctx, v) for k, v in kwargs.items()})
     handler = _HANDLERS.get(func)
     if handler is None:
         name = getattr(func, "__name__", "")

@@ -1,4 +1,5 @@
 """Tracing, the IR and the passes: CPU only, no kernels."""
+import math
 import os
 import subprocess
 import sys
@@ -322,6 +323,82 @@ def test_unfingerprintable_captures_are_traced_every_call():
     holder.scale = 3.0
     b = trace_mod(by_attribute, SCORE_MOD)
     assert a is not b and any(n.op is Op.CONST and n.arg == 3.0 for n in ir.walk(b.out))
+
+
+def _softmax_attention(q, k, v, scores_of):
+    s = scores_of(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]))
+    return torch.softmax(s, -1) @ v
+
+
+@pytest.mark.parametrize("name", ["element plus a number", "row mean", "row sigmoid element"])
+def test_values_computed_from_captures_follow_their_updates(name):
+    # Ops on captured tensors that involve no traced argument are traced too, not computed once:
+    # the trace is reused while the tensor's values change in place (an optimizer step).
+    from flexjit import flex_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    table = torch.randn(19, generator=g)
+    value = {"element plus a number": lambda t: t[3] + 1.0, "row mean": lambda t: t.mean(),
+             "row sigmoid element": lambda t: t.sigmoid()[5]}[name]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * value(table)
+    for _ in range(3):
+        got = flex_attention(q, k, v, score_mod=score_mod, backend="reference")
+        want = _softmax_attention(q.double(), k.double(), v.double(), lambda s: s * value(table).double())
+        assert (got.double() - want).abs().max() < 1e-5
+        with torch.no_grad():
+            table.add_(0.5)
+
+
+def test_a_learnable_capture_through_trace_time_math_trains():
+    from flexjit import flex_attention
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    table = torch.randn(19, generator=g).requires_grad_()
+    opt = torch.optim.SGD([table], lr=0.1)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * (table[3] + 1.0)
+    for _ in range(3):
+        flex_attention(q, k, v, score_mod=score_mod, backend="reference").sum().backward()
+        ref = table.detach().double().requires_grad_()
+        _softmax_attention(q.double(), k.double(), v.double(), lambda s: s * (ref[3] + 1.0)).sum().backward()
+        assert torch.allclose(table.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_low_precision_element_widens_with_a_constant_index_too():
+    # DESIGN: captured float16 values widen on load, so t[11] + 1.0 is a float32 sum whether the
+    # index is a number or traced (eager torch would round the sum to float16).
+    table = torch.full((19,), -0.168701171875, dtype=torch.float16)  # + 1.0 is no float16 value
+    idx = _idx()
+    values = []
+    for fn in (lambda s, b, h, q_idx, kv_idx: s / (table[11] + 1.0),
+               lambda s, b, h, q_idx, kv_idx: s / (table[q_idx * 0 + 11] + 1.0)):
+        t = trace_mod(fn, SCORE_MOD)
+        score = torch.ones(2, 3, 7, 9)
+        values.append(evaluate(t.out, Env(**idx, score=score, buffers=tuple(t.buffers),
+                                          scalars=tuple(t.scalars), float_dtype=torch.float64)))
+    wide, rounded = 1.0 / (table[11].double() + 1.0), 1.0 / (table[11] + 1.0).double()
+    for got in values:
+        assert torch.allclose(got, wide, rtol=1e-6, atol=0)
+        assert not torch.allclose(got, rounded, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("fn, shape", [
+    (lambda s, b, h, q_idx, kv_idx: s + torch.sigmoid(BIG_ROW)[q_idx], "(1000,)"),
+    (lambda s, b, h, q_idx, kv_idx: s + (GRID * 2)[q_idx, kv_idx], "(8, 8)"),
+    (lambda s, b, h, q_idx, kv_idx: s + BIG_ROW.mean(), "(1000,)"),
+])
+def test_whole_tensor_math_on_a_capture_names_the_element_form(fn, shape):
+    with pytest.raises(TraceError, match=rf"whole captured tensor of shape \{shape[:-1]}\).*element by"):
+        trace_mod(fn, SCORE_MOD)
+
+
+BIG_ROW = torch.randn(1000)
+GRID = torch.randn(8, 8)
 
 
 # --------------------------------------------------------------------------- float indices
