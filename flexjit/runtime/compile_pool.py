@@ -268,9 +268,21 @@ def done_marker(job: Job) -> Path | None:
     return cute_cache.object_path(job.ident).with_name(f"{job.ident}.done")
 
 
+# Jobs this process found done on disk, by (ident, cache folder): a training call asks twice per
+# step, and the marker's folder and file checks cost 0.1-0.2 ms each on a busy host. Once found,
+# the kernels are in memory or loadable; a marker deleted since costs only an in-process compile.
+_FOUND: set[tuple[str, str]] = set()
+
+
 def _on_disk(job: Job) -> bool:
+    seen = (job.ident, str(config.settings.cache_dir))
+    if seen in _FOUND:
+        return True
     marker = done_marker(job)
-    return job.ident not in _PENDING and marker is not None and marker.exists()
+    found = job.ident not in _PENDING and marker is not None and marker.exists()
+    if found:
+        _FOUND.add(seen)
+    return found
 
 
 # --------------------------------------------------------------------------- workers

@@ -499,7 +499,9 @@ def forward(call, config: Config | None = None) -> tuple[torch.Tensor, torch.Ten
         k, v = _batch_one(k), _batch_one(v)
     bm = call.block_mask
     if config is None:
-        config = heuristic(call)
+        config = call.memo.get("sm90_fwd_heuristic")
+        if config is None:
+            config = call.memo["sm90_fwd_heuristic"] = heuristic(call)
     tile_m = config["tile_m"]
     sparse = forward_lists(bm, tile_m)
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
@@ -668,8 +670,15 @@ def backward_supports(call) -> tuple[bool, str]:
 def light_mods(program: Program) -> bool:
     """No loads and no transcendentals in the score, its derivative or the mask: cheap enough
     for the backward to form P under the dP GEMM (``BwdConfig.overlap_dp``)."""
-    roots = [r for r in (program.score, program.dscore, program.mask) if r is not None]
-    return not any(n.op is Op.LOAD or n.op in ir.TRANSCENDENTAL for n in ir.toposort(roots))
+    hit = _LIGHT.get(program.key)
+    if hit is None:
+        roots = [r for r in (program.score, program.dscore, program.mask) if r is not None]
+        hit = _LIGHT[program.key] = not any(n.op is Op.LOAD or n.op in ir.TRANSCENDENTAL
+                                            for n in ir.toposort(roots))
+    return hit
+
+
+_LIGHT: dict[str, bool] = {}  # Program.key -> light_mods: every backward call asks, twice
 
 
 def bwd_block_lists(bm, tiling=None):
@@ -908,12 +917,18 @@ def backward(call, q, k, v, out, lse, dout, dlse, config: Config | None = None) 
     aux = tuple(_aux_tensor(t, q.device) for t in prog.buffers)
     deterministic = torch.are_deterministic_algorithms_enabled()
     broadcast = kv_broadcast(call)
-    if config is None:
-        config = backward_heuristic(call)
-    tiling = tiling_for(prog, q.shape[-1], v.shape[-1],
-                        bwd_config_for(call, config["bwd_config"], deterministic)[0], deterministic)
-    fn = compile_backward(prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic,
-                          aux, head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast, tiling=tiling)
+    # The compiled kernels by configuration, in the call's memo (its signature fixes everything
+    # the choice reads): a training step would otherwise rebuild the choice every call.
+    memo_key = ("sm90_bwd", None if config is None else config["bwd_config"], deterministic)
+    fn = call.memo.get(memo_key)
+    if fn is None:
+        if config is None:
+            config = backward_heuristic(call)
+        tiling = tiling_for(prog, q.shape[-1], v.shape[-1],
+                            bwd_config_for(call, config["bwd_config"], deterministic)[0], deterministic)
+        fn = call.memo[memo_key] = compile_backward(
+            prog, q.dtype, q.shape[-1], call.block_mask is not None, deterministic, aux,
+            head_dim_v=v.shape[-1], kv_batch_broadcast=broadcast, tiling=tiling)
     return run_backward(fn, call, q, k, v, out, lse, dout, dlse, aux, deterministic, broadcast)
 
 
