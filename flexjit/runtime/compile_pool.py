@@ -609,13 +609,14 @@ def pool() -> Pool:
 
 
 def shutdown() -> None:
-    """Stop the workers (at exit; a later job starts new ones)."""
+    """Stop the workers (at exit; a later job starts new ones) and forget the jobs found done."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is not None and _POOL.pid == os.getpid():
             _POOL.shutdown()
         _POOL = None
         _PENDING.clear()
+        _FOUND.clear()
 
 
 atexit.register(shutdown)

@@ -174,6 +174,30 @@ def test_a_job_done_by_an_earlier_process_starts_no_worker(cache, monkeypatch):
     assert submitted == []
 
 
+def test_a_job_found_done_is_not_looked_up_on_disk_again(cache, monkeypatch):
+    # A training call asks before its forward and before its backward: after the first answer,
+    # no folder or file check per step (they cost 0.1-0.2 ms each on a busy host).
+    monkeypatch.setattr(compile_pool, "submit", lambda job: pytest.fail("submitted"))
+    monkeypatch.setattr(compile_pool, "enabled", lambda: True)
+    monkeypatch.setattr(compile_pool.cute_cache, "available", lambda: True)
+    call = _call(mods.softcap(40.0))
+    marker = compile_pool.done_marker(compile_pool._job_of(call))
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    compile_pool.ahead("cute", call)
+    looked = []
+    real = compile_pool.done_marker
+    monkeypatch.setattr(compile_pool, "done_marker", lambda job: looked.append(job) or real(job))
+    for _ in range(3):
+        compile_pool.ahead("cute", call)
+        compile_pool.wait("cute", call)
+    assert looked == []
+    monkeypatch.setenv("FLEXJIT_CACHE_DIR", str(cache.parent / "other"))  # another folder: asked again
+    with pytest.raises(pytest.fail.Exception, match="submitted"):
+        compile_pool.ahead("cute", call)
+    assert len(looked) == 1
+
+
 def _fwd_job(call, **fields):
     """A forward job for ``call`` on the tiling ``fields`` (as the tuner builds one)."""
     from flexjit.backends.base import Config
