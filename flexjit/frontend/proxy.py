@@ -830,8 +830,11 @@ def _new_values(result, args, kwargs) -> bool:
     made = _tensors(result)
     if not made:
         return False
-    seen = {t.untyped_storage().data_ptr() for t in _tensors((tuple(args), tuple(kwargs.values())))}
-    return any(t.untyped_storage().data_ptr() not in seen for t in made)
+    try:
+        seen = {t.untyped_storage().data_ptr() for t in _tensors((tuple(args), tuple(kwargs.values())))}
+        return any(t.untyped_storage().data_ptr() not in seen for t in made)
+    except (RuntimeError, NotImplementedError):  # no storage to compare (a fake tensor)
+        return False
 
 
 def _as_traced(ctx: _Context, x):
@@ -861,6 +864,10 @@ def _dispatch(ctx: _Context, func, args=(), kwargs=None, first=None):
                  "use a Python number (e.g. float('-inf')), or create the tensor "
                  "outside the mod and capture it")
     if not _involves_proxy(args, kwargs):
+        name = getattr(func, "__name__", "")
+        if name == "__setitem__" or name.endswith("_") and not name.startswith("_"):
+            ctx.fail(f"in-place op `{name}` on a captured tensor: the mod would change it while "
+                     "being traced", "compute a new value instead; change the tensor outside the mod")
         result = func(*args, **kwargs)
         if not _new_values(result, args, kwargs):
             return result  # metadata (t.shape), a number, or a view: read when the kernel runs

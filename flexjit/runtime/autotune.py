@@ -19,8 +19,8 @@ worker, or by any process: its done marker) measures them on its own inputs: CUD
 warm-up launch each, then up to ``MAX_ROUNDS`` rounds with the candidates interleaved (the order
 rotates, so clock drift hits each alike; each round is led by an untimed launch, so that no
 timed one starts on an idle GPU and counts its host work), within ``BUDGET_S`` of launches (a
-huge call gets fewer rounds), the median per candidate. Each launch writes fresh outputs, which are dropped;
-the call's own outputs come from the winner, launched once more. A candidate that is not
+huge call gets fewer rounds), the median per candidate. Each launch writes fresh outputs,
+which are dropped; the call's own outputs come from the winner, launched once more. A candidate that is not
 ``TIE`` faster than the default loses to it, so noise never flips a choice between runs. A
 candidate whose compile failed or whose launch raises is dropped with a logged reason.
 

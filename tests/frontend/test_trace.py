@@ -401,6 +401,21 @@ BIG_ROW = torch.randn(1000)
 GRID = torch.randn(8, 8)
 
 
+def test_an_in_place_op_on_a_capture_is_refused_before_it_runs():
+    table = torch.zeros(4)
+
+    def by_method(score, b, h, q_idx, kv_idx):
+        return score + table.add_(1.0)[0]
+
+    def by_assignment(score, b, h, q_idx, kv_idx):
+        table[0] = 5.0
+        return score
+    for fn, name in ((by_method, "add_"), (by_assignment, "__setitem__")):
+        with pytest.raises(TraceError, match=f"in-place op `{name}` on a captured tensor"):
+            trace_mod(fn, SCORE_MOD)
+    assert torch.equal(table, torch.zeros(4))
+
+
 # --------------------------------------------------------------------------- float indices
 
 
