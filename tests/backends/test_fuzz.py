@@ -344,6 +344,31 @@ def run_case(case: Case, backend: str, device: str = "cpu", block: int = 32):
     for name, a, b, c, e in zip(["dq", "dk", "dv"] + [f"d{n}" for n in learn], got, want, lowg, extra):
         # A captured table's gradient sums over many scores: the floor scales with its size.
         assert_close_to_oracle(name, a, b, c, floor * max(1.0, b.abs().max().item()) + e)
+    _after_an_update(case, backend, tables, score_mod, mask_mod, q, k, v, device, block, floor)
+
+
+def _after_an_update(case: Case, backend: str, tables: dict, score_mod, mask_mod, q, k, v,
+                     device, block: int, floor: float):
+    """The same mods called again after their float tables change in place (an optimizer step):
+    the trace is reused, and must read the new values. The block mask is built again (a mask
+    reading a changed table has changed)."""
+    floats = [n for n, kind, _ in case.cap.tables if kind in ("float", "half")]
+    if not floats:
+        return
+    with torch.no_grad():
+        for n in floats:
+            tables[n].add_(0.25)
+    tables64, tables_low = _oracle_tables(tables)
+    score64, mask64 = _mods(case, tables64)
+    score_low, mask_low = _mods(case, tables_low)
+    bm = create_block_mask(mask_mod, case.B, case.Hq, case.L, case.S, device=device,
+                           BLOCK_SIZE=block) if mask_mod else None
+    with torch.no_grad():
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                             enable_gqa=case.Hq != case.Hkv, backend=backend)
+        ref, _ = dense_attention(q, k, v, score64, mask64, dtype=torch.float64)
+        low, _ = dense_attention(q, k, v, score_low, mask_low, dtype=case.dtype)
+    assert_close_to_oracle("out after the tables changed", out, ref, low, floor)
 
 
 # --------------------------------------------------------------------------- tests
@@ -543,3 +568,17 @@ def test_a_table_added_to_every_score_is_held_to_the_flash_term(_interpreter):
     cap = Captures(tables=[("ftab0", "float", (34,))], dims={"b": 2, "h": 2, "q_idx": 10, "kv_idx": 19})
     run_case(Case(2, 2, 2, 10, 19, 16, 16, torch.float32, "torch.full_like(score, 0.25)",
                   "((kv_idx <= b) & (ftab0[(b) % 34 - 34] > 0.0))", cap, True, 2000), "triton")
+
+
+def test_math_on_a_table_without_traced_values_follows_the_table(_interpreter):
+    # The fuzz's float16 table read at a constant index: t[11] + 1.0 was computed once, eagerly
+    # in float16, while tracing; the trace then kept it through in-place changes of the table.
+    cap = Captures(tables=[("htab0", "half", (19,))], numbers=[("c0", 6), ("c1", 1)],
+                   dims={"b": 1, "h": 2, "q_idx": 34, "kv_idx": 64})
+    run_case(Case(1, 2, 2, 34, 64, 16, 16, torch.float32,
+                  "torch.minimum((torch.floor(b * 0.5) * 0.1), (score / (torch.abs(torch.abs("
+                  "htab0[((-8)) % 19])) + 1.0)))", "(kv_idx != (-c1))", cap, False, 11176), "reference")
+    # A learnable float table: the second call reads the changed values.
+    cap = Captures(tables=[("ftab0", "float", (8,))], dims={"b": 1, "h": 2, "q_idx": 20, "kv_idx": 24})
+    run_case(Case(1, 2, 2, 20, 24, 16, 16, torch.float32, "score * (ftab0[3] + 1.0) + ftab0.mean()",
+                  None, cap, True, 7), "reference")
