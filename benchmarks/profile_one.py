@@ -23,7 +23,7 @@ import torch
 
 import flexjit
 from .impls import FLEXJIT_FP8_MODES, FlexjitImpl, make, plan_mask
-from .run import for_pass, in_layout, make_inputs, make_step
+from .run import event_ms, for_pass, in_layout, make_inputs, make_step
 from .variants import Case, build
 
 
@@ -87,12 +87,7 @@ def timeline(step, reps: int = 20) -> None:
 
     walls = []
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        walls.append(start.elapsed_time(end) * 1e3)
+        walls.append(event_ms(step) * 1e3)
     wall_us = sorted(walls)[len(walls) // 2]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()

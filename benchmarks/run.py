@@ -357,7 +357,7 @@ def make_step(fn, sets: list[dict], pass_: str):
     return step
 
 
-def _event_ms(step) -> float:
+def event_ms(step) -> float:
     """One call's milliseconds between CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -372,11 +372,11 @@ def time_ms(step, device, warmup_ms: float, rep_ms: float) -> float:
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        first = _event_ms(step)
+        first = event_ms(step)
         if first >= rep_ms:
             # One call outlasts the repetition time (1M tokens: 26 s fwd+bwd), where do_bench
             # would spend seven calls on estimates and warm-up to time one: the median of three.
-            return statistics.median([first, _event_ms(step), _event_ms(step)])
+            return statistics.median([first, event_ms(step), event_ms(step)])
         return float(do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     step()
     times = []

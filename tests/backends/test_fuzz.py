@@ -296,15 +296,11 @@ def run_case(case: Case, backend: str, device: str = "cpu", block: int = 32):
     learn = [n for n, kind, _ in case.cap.tables if kind == "float"] if case.learnable else []
     for n in learn:
         tables[n].requires_grad_(True)
-    tables64, tables_low = _oracle_tables(tables)
     score_mod, mask_mod = _mods(case, tables)
-    score64, mask64 = _mods(case, tables64)
-    score_low, mask_low = _mods(case, tables_low)
     q, k, v = (t.detach().to(device).requires_grad_() for t in
                random_qkv(case.B, case.Hq, case.Hkv, case.L, case.S, case.E, case.Ev, case.dtype,
                           case.seed))
-    bm = create_block_mask(mask_mod, case.B, case.Hq, case.L, case.S, device=device,
-                           BLOCK_SIZE=block) if mask_mod else None
+    bm = _block_mask(case, mask_mod, device, block)
     try:
         out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
                                   enable_gqa=case.Hq != case.Hkv, return_lse=True, backend=backend)
@@ -313,8 +309,7 @@ def run_case(case: Case, backend: str, device: str = "cpu", block: int = 32):
             raise
         _note(f"{backend} does not claim it: {e}")
         return
-    ref, ref_lse = dense_attention(q, k, v, score64, mask64, dtype=torch.float64)
-    low, low_lse = dense_attention(q, k, v, score_low, mask_low, dtype=case.dtype)
+    tables64, (ref, ref_lse), (low, low_lse) = _oracles(case, tables, q, k, v)
     floor = FLOOR[case.dtype]
     assert_close_to_oracle("out", out, ref, low, floor)
     assert_close_to_oracle("lse", lse, ref_lse, low_lse, floor)
@@ -358,17 +353,25 @@ def _after_an_update(case: Case, backend: str, tables: dict, score_mod, mask_mod
     with torch.no_grad():
         for n in floats:
             tables[n].add_(0.25)
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=_block_mask(case, mask_mod, device, block),
+                             enable_gqa=case.Hq != case.Hkv, backend=backend)
+        _, (ref, _), (low, _) = _oracles(case, tables, q, k, v)
+    assert_close_to_oracle("out after the tables changed", out, ref, low, floor)
+
+
+def _block_mask(case: Case, mask_mod, device, block: int):
+    return create_block_mask(mask_mod, case.B, case.Hq, case.L, case.S, device=device,
+                             BLOCK_SIZE=block) if mask_mod else None
+
+
+def _oracles(case: Case, tables: dict, q, k, v):
+    """(the float64 tables, the float64 truth's (out, lse), the same math's in the test dtype),
+    on the tables' values now."""
     tables64, tables_low = _oracle_tables(tables)
     score64, mask64 = _mods(case, tables64)
     score_low, mask_low = _mods(case, tables_low)
-    bm = create_block_mask(mask_mod, case.B, case.Hq, case.L, case.S, device=device,
-                           BLOCK_SIZE=block) if mask_mod else None
-    with torch.no_grad():
-        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
-                             enable_gqa=case.Hq != case.Hkv, backend=backend)
-        ref, _ = dense_attention(q, k, v, score64, mask64, dtype=torch.float64)
-        low, _ = dense_attention(q, k, v, score_low, mask_low, dtype=case.dtype)
-    assert_close_to_oracle("out after the tables changed", out, ref, low, floor)
+    return (tables64, dense_attention(q, k, v, score64, mask64, dtype=torch.float64),
+            dense_attention(q, k, v, score_low, mask_low, dtype=case.dtype))
 
 
 # --------------------------------------------------------------------------- tests

@@ -286,15 +286,9 @@ def test_the_backward_builds_its_choice_once_per_configuration(monkeypatch):
         sm90.backward(call, *args)
     sm90.backward(call, *args, config=Config.of(bwd_config="m128+shuffle+dvafter+lpt"))
     sm90.backward(call, *args)
-    with _deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
         sm90.backward(call, *args)
+    finally:
+        torch.use_deterministic_algorithms(False)
     assert ran == [1, 1, 1, 2, 1, 3] and len(built) == 3
-
-
-class _deterministic:
-    def __enter__(self):
-        self.was = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True)
-
-    def __exit__(self, *exc):
-        torch.use_deterministic_algorithms(self.was)
