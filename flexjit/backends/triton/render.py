@@ -115,7 +115,7 @@ class _Lowering:
     temporary ``t<k>`` computed once.
     """
 
-    def __init__(self, roots: list[Node], prefix: str = "t"):
+    def __init__(self, roots: list[Node], prefix: str = "t", heads_vary: bool = False):
         self.lines: list[str] = []
         self.names: dict[int, str] = {}
         self.loads: dict[int, _Load] = {}
@@ -123,6 +123,8 @@ class _Lowering:
         self.exact = exact_float_nodes(roots)
         self.sign: dict = {}
         self.varies: dict = {}  # ir.varies_with's memo
+        if heads_vary:  # the decode tile's rows span query heads: ``off_h`` is a row vector there
+            self.varies.update((id(n), frozenset({"q"})) for n in ir.toposort(roots) if n.op is Op.H)
         self.clamped: dict[tuple[int, int, int], str] = {}  # (slot, dim, index node) -> name
         self._count = 0
 
@@ -379,7 +381,7 @@ def _grad_atomics(p: Program, low: _Lowering) -> list[str]:
 
 
 def render_holes(p: Program, which: str) -> dict[str, list[str]]:
-    """The lines each hole of template ``which`` ("fwd" or "bwd") is replaced by."""
+    """The lines each hole of template ``which`` ("fwd", "bwd" or "decode") is replaced by."""
     caps = capture_names(p)
     holes = {"CAPTURE_PARAMS": [", ".join(caps) + ","] if caps else [],
              "CAPTURE_ARGS": [", ".join(caps) + ","] if caps else []}
@@ -391,7 +393,8 @@ def render_holes(p: Program, which: str) -> dict[str, list[str]]:
         dns += _unspecialized(grads)
     # The template's own LENGTH_ARGS (block-list strides, tile counts) stay unspecialised too.
     holes["DO_NOT_SPECIALIZE"] = [f"DO_NOT_SPECIALIZE = LENGTH_ARGS + {dns!r}"]
-    score_low = _Lowering([n for _, n in _score_roots(p, which == "bwd")], "t")
+    heads_vary = which == "decode"
+    score_low = _Lowering([n for _, n in _score_roots(p, which == "bwd")], "t", heads_vary)
     score_lines = score_low.assign(_score_roots(p, which == "bwd"))
     if p.score is not None and ir.varies_with(p.score, {}) != {"q", "kv"}:
         # A score that varies with neither index, or one (``h + 0.5``, ``q_idx * 0.01``), is a
@@ -399,7 +402,7 @@ def render_holes(p: Program, which: str) -> dict[str, list[str]]:
         score_lines.append("score = tl.full(qk.shape, 0.0, tl.float32) + score")
     holes["SCORE_BWD" if which == "bwd" else "SCORE_MOD"] = score_lines
     if p.mask is not None:
-        holes["MASK_MOD"] = _Lowering([p.mask], "m").assign([("mask", p.mask)])
+        holes["MASK_MOD"] = _Lowering([p.mask], "m", heads_vary).assign([("mask", p.mask)])
     if which == "bwd":
         holes["GRAD_ATOMICS"] = _grad_atomics(p, score_low) or ["pass"]
     return holes

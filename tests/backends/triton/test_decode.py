@@ -169,6 +169,19 @@ def test_per_head_lists(interp):
     check(q, k, v, score_mod, mask_mod, bm, splits=3)
 
 
+def test_uniform_and_head_bools(interp):
+    """A bool uniform over the tile (a table read at a fixed index) combined with one that varies
+    with the head: the decode tile's rows span heads, so the second is a row vector there."""
+    B, Hq, Hkv, L, S = 1, 4, 2, 2, 76
+    q, k, v = _qkv(B, Hq, Hkv, L, S, 32, torch.bfloat16, seed=6)
+    flags, on = torch.tensor([True, False, True, False]), torch.tensor([-1.0, 2.0])
+    rows = torch.tensor([[True, False, False, True, False]])
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return ~rows[b, q_idx % 5] | ((on[1] > 0.0) & flags[h]) | ((kv_idx < 9) ^ (on[0] > 0.0))
+    check(q, k, v, None, mask_mod, _mask(mask_mod, B, Hq, L, S, per_head=True), splits=2)
+
+
 def test_batch_dependent_and_empty_rows(interp):
     """Per-batch lengths, and a batch whose rows see no key in some splits (45 keys, 5 splits)."""
     B, Hq, Hkv, L, S = 3, 4, 2, 1, 290
