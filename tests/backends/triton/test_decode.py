@@ -25,11 +25,10 @@ from flexjit import create_block_mask
 from flexjit.api.attention import flex_attention
 from flexjit import mods
 from flexjit.api.attention import prepare_call
-from flexjit.backends import triton as tb_entry
 from flexjit.backends.triton import prefill as tb
 from flexjit.backends.triton import decode as td
 from flexjit.planner.block_mask import BlockMask
-from oracle import FLOOR, assert_close_to_oracle, dense_attention, dense_scores, max_err
+from oracle import FLOOR, assert_close_to_oracle, dense_attention, dense_scores
 
 
 @pytest.fixture(scope="module", autouse=True)
