@@ -19,7 +19,10 @@ worker, or by any process: its done marker) measures them on its own inputs: CUD
 warm-up launch each, then up to ``MAX_ROUNDS`` rounds with the candidates interleaved (the order
 rotates, so clock drift hits each alike; each round is led by an untimed launch, so that no
 timed one starts on an idle GPU and counts its host work), within ``BUDGET_S`` of launches (a
-huge call gets fewer rounds), the median per candidate. Each launch writes fresh outputs,
+huge call gets fewer rounds), the median per candidate. Where every warm-up launch takes
+``ONE_LAUNCH_MS`` or more (a million tokens: seconds a launch), the warm-up launches are the
+measurement: their host work and kernel loading are under 1% of them, and each further launch
+would add seconds to the user's first call. Each launch writes fresh outputs,
 which are dropped; the call's own outputs come from the winner, launched once more. A candidate that is not
 ``TIE`` faster than the default loses to it, so noise never flips a choice between runs. A
 candidate whose compile failed or whose launch raises is dropped with a logged reason.
@@ -65,6 +68,7 @@ log = logging.getLogger("flexjit")
 TIE = 0.02  # a candidate must beat the default by more than this share of its time
 MAX_ROUNDS = 10
 BUDGET_S = 0.2  # measured launches of one class, past the warm-up
+ONE_LAUNCH_MS = 1000.0  # warm-up launches this long are the samples (module doc)
 FORMAT = 1  # the record's layout: another is a foreign file
 _HOOKS = {"fwd": "tuning", "bwd": "backward_tuning"}
 
@@ -79,14 +83,15 @@ class CudaTimer:
         props = torch.cuda.get_device_properties(device)
         return f"{props.name} ({props.multi_processor_count} SMs)"
 
-    def round(self, fns: list[Callable[[], object]]) -> list[float]:
-        """Run each of ``fns`` once, in order; the milliseconds each took on the GPU. The last
-        runs once more first, untimed, so that the GPU is busy while the host enqueues the
-        first timed launch: timed from an idle GPU, a launch also counts its host work (0.05-0.12
-        ms on an 8k window call, a quarter of its kernels' time)."""
+    def round(self, fns: list[Callable[[], object]], lead: bool = True) -> list[float]:
+        """Run each of ``fns`` once, in order; the milliseconds each took on the GPU. With
+        ``lead``, the last runs once more first, untimed, so that the GPU is busy while the host
+        enqueues the first timed launch: timed from an idle GPU, a launch also counts its host
+        work (0.05-0.12 ms on an 8k window call, a quarter of its kernels' time)."""
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                  for _ in fns]
-        fns[-1]()
+        if lead:
+            fns[-1]()
         for fn, (start, end) in zip(fns, marks):
             start.record()
             fn()
@@ -384,11 +389,14 @@ def _measure(tuning: Tuning, state: _Class, launch) -> Decision:
         errors.clear()
 
     errors: dict = {}
+    warm = {}
     for c in list(alive):  # warm-up: loads each kernel, and finds the ones that raise
-        timer.round([attempt(c)])
+        (warm[c],) = timer.round([attempt(c)], lead=False)
     prune()
     samples: dict[Config, list[float]] = {c: [] for c in alive}
     rounds, r = 1, 0
+    if alive and min(warm[c] for c in alive) >= ONE_LAUNCH_MS:
+        samples, rounds = {c: [warm[c]] for c in alive}, 0
     while r < rounds and alive:
         order = alive[r % len(alive):] + alive[:r % len(alive)]
         for c, t in zip(order, timer.round([attempt(c) for c in order])):
@@ -402,7 +410,8 @@ def _measure(tuning: Tuning, state: _Class, launch) -> Decision:
         return Decision(tuning.default, "failed", {}, failed)
     times = {str(c): statistics.median(samples[c]) for c in alive}
     if config.settings.debug:
-        print(f"[flexjit] tuning {tuning.family} [{_shape(tuning)}], {r} rounds: " +
+        print(f"[flexjit] tuning {tuning.family} [{_shape(tuning)}], "
+              f"{f'{r} rounds' if rounds else 'the warm-up launches'}: " +
               ", ".join(f"{c}: {' '.join(f'{t:.3f}' for t in samples[c])} ms" for c in alive))
     best = min(alive, key=lambda c: times[str(c)])
     if tuning.default in alive and best != tuning.default and \

@@ -11,7 +11,8 @@ Checked: the order pin → AUTOTUNE=False → memory → disk → measurement �
 once per class, never before its first call or after its decision; the winner, the tie rule,
 dropped candidates; the record on disk (its fields, a second process that reads it instead of
 measuring, a damaged or foreign one healed with one warning); never measuring while capturing,
-compiling, on the CPU or inside explain; the round budget and the interleaving; explain's text;
+compiling, on the CPU or inside explain; the round budget, the interleaving and a huge call decided
+on its warm-up launches; explain's text;
 and the backward measured on scratch gradients with autograd seeing one result.
 """
 import json
@@ -67,7 +68,7 @@ class FakeTimer:
     """Times each launch by the configuration the backend ran (``backend.times``)."""
 
     def __init__(self, backend):
-        self.backend, self.rounds = backend, []
+        self.backend, self.rounds, self.leads = backend, [], []
 
     def usable(self, device):
         return True
@@ -75,8 +76,9 @@ class FakeTimer:
     def device_name(self, device):
         return "Fake GPU (132 SMs)"
 
-    def round(self, fns):
+    def round(self, fns, lead=True):
         times, order = [], []
+        self.leads.append(lead)
         for fn in fns:
             fn()
             ran = self.backend.launched[-1]
@@ -376,6 +378,26 @@ def test_rounds_interleave_and_a_long_call_gets_fewer(env, capsys, monkeypatch):
     env.backend.key = ("shape=long",)
     env.timer.rounds.clear()
     assert _run(env) == _number(M128P)
+    assert [len(r) for r in env.timer.rounds] == [1, 1, 1, 3]
+    assert env.timer.leads[-4:] == [False, False, False, True]  # the warm-up is not led
+
+
+def test_a_huge_call_is_decided_on_its_warm_up_launches(env, capsys, monkeypatch):
+    """Seconds a launch (a million tokens): one launch each, then the winner's for the answer."""
+    monkeypatch.setenv("FLEXJIT_DEBUG", "1")
+    env.backend.times = {M128: 1500.0, M128P: 1400.0, M192: 1600.0}
+    _ready_after_first_call(env)
+    launched = len(env.backend.launched)
+    assert _run(env) == _number(M128P)
+    assert env.timer.rounds == [[M128], [M128P], [M192]]
+    assert env.backend.launched[launched:] == [M128, M128P, M192, M128P]
+    assert "tuning sm90-fwd [shape=a], the warm-up launches: tile_m=128: 1500.000 ms" in \
+        capsys.readouterr().out
+    # Just under the mark, the rounds run as before.
+    env.backend.times = {M128: 999.0, M128P: 990.0, M192: 1600.0}
+    env.backend.key = ("shape=b",)
+    env.timer.rounds.clear()
+    assert _run(env) == _number(M128)  # 990 is within the tie rule's 2% of the default's 999
     assert [len(r) for r in env.timer.rounds] == [1, 1, 1, 3]
 
 
