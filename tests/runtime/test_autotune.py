@@ -22,7 +22,6 @@ import types
 import pytest
 import torch
 
-from flexjit import mods
 from flexjit.api.attention import explain, flex_attention, prepare_call
 from flexjit.backends import kernel_cache as cache, reference
 from flexjit.backends.base import Config, Tuning
