@@ -131,7 +131,7 @@ class Decision:
 
 
 def _ms(t: float) -> str:
-    return f"{t:.3g} ms"
+    return f"{t / 1e3:.3g} s" if t >= 1e3 else f"{t:.3g} ms"  # not "1.4e+03 ms"
 
 
 @dataclasses.dataclass

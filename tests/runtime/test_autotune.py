@@ -392,6 +392,9 @@ def test_a_huge_call_is_decided_on_its_warm_up_launches(env, capsys, monkeypatch
     assert env.backend.launched[launched:] == [M128, M128P, M192, M128P]
     assert "tuning sm90-fwd [shape=a], the warm-up launches: tile_m=128: 1500.000 ms" in \
         capsys.readouterr().out
+    assert autotune.describe(env.backend, _call(), "fwd") == (
+        "config tile_m=128, persistent: measured 1.4 s against 1.5 s (tile_m=128), "
+        "1.6 s (tile_m=192)")
     # Just under the mark, the rounds run as before.
     env.backend.times = {M128: 999.0, M128P: 990.0, M192: 1600.0}
     env.backend.key = ("shape=b",)
