@@ -825,6 +825,14 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 
+# Tensor methods that turn a captured tensor's values into Python values (by the name the call
+# reaches the tracer under, as the user wrote it).
+_VALUE_READS = {"item": ".item()", "tolist": ".tolist()", "numpy": ".numpy()", "__array__": "numpy.asarray()",
+                "__float__": "float()", "__int__": "int()", "__index__": "using a tensor as an index",
+                "__bool__": "bool() (an `if` or `and`)", "__complex__": "complex()",
+                "is_nonzero": ".is_nonzero()", "equal": "torch.equal", "allclose": "torch.allclose"}
+
+
 def _new_values(result, args, kwargs) -> bool:
     """Whether ``result`` holds a tensor of new storage (not a view of an argument)."""
     made = _tensors(result)
@@ -868,6 +876,13 @@ def _dispatch(ctx: _Context, func, args=(), kwargs=None, first=None):
         if name == "__setitem__" or name.endswith("_") and not name.startswith("_"):
             ctx.fail(f"in-place op `{name}` on a captured tensor: the mod would change it while "
                      "being traced", "compute a new value instead; change the tensor outside the mod")
+        if name in _VALUE_READS:
+            # The trace is reused while the tensor's values change (an optimizer step, a new
+            # batch's lengths): a number read here would stay the one read at the first call.
+            ctx.fail(f"`{_VALUE_READS[name]}` reads a captured tensor's value into Python while the mod "
+                     "is traced, so the kernel would keep that value after the tensor changes",
+                     "use the tensor itself (`score * t[0]`, read when the kernel runs), or convert "
+                     "outside the mod and capture the Python number")
         result = func(*args, **kwargs)
         if not _new_values(result, args, kwargs):
             return result  # metadata (t.shape), a number, or a view: read when the kernel runs

@@ -411,6 +411,41 @@ def test_an_in_place_op_on_a_capture_is_refused_before_it_runs():
     assert torch.equal(table, torch.zeros(4))
 
 
+@pytest.mark.parametrize("read, how", [
+    (lambda t: t[0].item(), r"\.item\(\)"),
+    (lambda t: float(t[0]), r"float\(\)"),
+    (lambda t: int(t[1]), r"int\(\)"),
+    (lambda t: t.tolist()[0], r"\.tolist\(\)"),
+    (lambda t: [1.0, 2.0][PICK[1]], "as an index"),
+])
+def test_reading_a_captured_tensor_into_python_is_refused(read, how):
+    # The trace is reused while the tensor's values change, so a number read at trace time
+    # would be the first call's forever: flexjit computed with 1.0 after the table held 3.0.
+    table = torch.tensor([1.0, 1.0])
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * read(table)
+    with pytest.raises(TraceError, match=how + ".*captured tensor's value"):
+        trace_mod(scaled, SCORE_MOD)
+
+
+PICK = torch.tensor([0, 1])
+
+
+def test_a_captured_element_used_as_a_tensor_follows_its_changes():
+    from flexjit import flex_attention
+    table = torch.tensor([1.0, 1.0])
+    q, k, v = (torch.randn(1, 1, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * table[0]
+    for value in (1.0, 3.0):
+        table[0] = value
+        want, _ = dense_attention(q, k, v, lambda s, *_: s * value, dtype=torch.float64)
+        got = flex_attention(q, k, v, score_mod=scaled)
+        assert (got.double() - want).abs().max().item() < 1e-5
+
+
 # --------------------------------------------------------------------------- float indices
 
 
