@@ -881,8 +881,8 @@ def _dispatch(ctx: _Context, func, args=(), kwargs=None, first=None):
             # batch's lengths): a number read here would stay the one read at the first call.
             ctx.fail(f"`{_VALUE_READS[name]}` reads a captured tensor's value into Python while the mod "
                      "is traced, so the kernel would keep that value after the tensor changes",
-                     "use the tensor itself (`score * t[0]`, read when the kernel runs), or convert "
-                     "outside the mod and capture the Python number")
+                     "keep it a tensor (`t[0]`, not `float(t[0])`: read when the kernel runs), or "
+                     "convert outside the mod and capture the Python number")
         result = func(*args, **kwargs)
         if not _new_values(result, args, kwargs):
             return result  # metadata (t.shape), a number, or a view: read when the kernel runs

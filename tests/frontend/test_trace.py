@@ -429,6 +429,16 @@ def test_reading_a_captured_tensor_into_python_is_refused(read, how):
         trace_mod(scaled, SCORE_MOD)
 
 
+def test_a_mask_reading_a_captured_length_into_python_is_refused_when_planned():
+    from flexjit import create_block_mask
+    lengths = torch.tensor([40, 100])
+
+    def padding(b, h, q_idx, kv_idx):
+        return kv_idx < lengths[0].item()
+    with pytest.raises(TraceError, match=r"(?s)mask_mod `padding`.*`\.item\(\)` reads"):
+        create_block_mask(padding, None, None, 128, 128, device="cpu")
+
+
 PICK = torch.tensor([0, 1])
 
 
