@@ -885,7 +885,7 @@ def _dispatch(ctx: _Context, func, args=(), kwargs=None, first=None):
                      "convert outside the mod and capture the Python number")
         result = func(*args, **kwargs)
         if not _new_values(result, args, kwargs):
-            return result  # metadata (t.shape), a number, or a view: read when the kernel runs
+            return result  # metadata (t.shape, t.numel()) or a view: read when the kernel runs
         # New values computed from captured tensors (t[3] + 1.0, t.sigmoid()): computed here
         # they would be frozen into the trace, which is reused while the tensors' values change
         # (an optimizer step). Traced instead, they are read when the kernel runs.

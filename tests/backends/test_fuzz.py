@@ -309,10 +309,10 @@ def run_case(case: Case, backend: str, device: str = "cpu", block: int = 32):
             raise
         _note(f"{backend} does not claim it: {e}")
         return
-    tables64, (ref, ref_lse), lows = _oracles(case, tables, q, k, v)
+    tables64, (ref, ref_lse), (lows, low_lses) = _oracles(case, tables, q, k, v)
     floor = FLOOR[case.dtype]
-    assert_close_to_oracle("out", out, ref, [o for o, _ in lows], floor)
-    assert_close_to_oracle("lse", lse, ref_lse, [m for _, m in lows], floor)
+    assert_close_to_oracle("out", out, ref, lows, floor)
+    assert_close_to_oracle("lse", lse, ref_lse, low_lses, floor)
     g = torch.Generator().manual_seed(case.seed + 1)
     dout = torch.randn(out.shape, generator=g).to(device)
     dlse = torch.randn(lse.shape, generator=g).to(device)
@@ -335,7 +335,7 @@ def run_case(case: Case, backend: str, device: str = "cpu", block: int = 32):
                                                    retain_graph=True), inputs64[3:])
     want = _or_zeros(torch.autograd.grad(loss(ref, ref_lse), inputs64, allow_unused=True), inputs64)
     lowg = [_or_zeros(torch.autograd.grad(loss(o, m), inputs, allow_unused=True), inputs)
-            for o, m in lows]
+            for o, m in zip(lows, low_lses)]
     extra = [0.0] * 3 + [2 * c.abs().max().item() for c in common]
     for name, a, b, *c, e in zip(["dq", "dk", "dv"] + [f"d{n}" for n in learn], got, want, *lowg, extra):
         # A captured table's gradient sums over many scores: the floor scales with its size.
@@ -356,8 +356,8 @@ def _after_an_update(case: Case, backend: str, tables: dict, score_mod, mask_mod
             tables[n].add_(0.25)
         out = flex_attention(q, k, v, score_mod=score_mod, block_mask=_block_mask(case, mask_mod, device, block),
                              enable_gqa=case.Hq != case.Hkv, backend=backend)
-        _, (ref, _), lows = _oracles(case, tables, q, k, v)
-    assert_close_to_oracle("out after the tables changed", out, ref, [o for o, _ in lows], floor)
+        _, (ref, _), (lows, _) = _oracles(case, tables, q, k, v)
+    assert_close_to_oracle("out after the tables changed", out, ref, lows, floor)
 
 
 def _block_mask(case: Case, mask_mod, device, block: int):
@@ -366,8 +366,8 @@ def _block_mask(case: Case, mask_mod, device, block: int):
 
 
 def _oracles(case: Case, tables: dict, q, k, v):
-    """(the float64 tables, the float64 truth's (out, lse), [the same math's (out, lse) in the
-    test dtype, in two summation orders of q·k]), on the tables' values now.
+    """(the float64 tables, the float64 truth's (out, lse), the same math's ([out], [lse]) in the
+    test dtype, in two summation orders of q·k), on the tables' values now.
 
     The kernel sums q·k in its own order. One order of the eager math is one sample of that
     rounding, and a mod that amplifies it (score ** 6 multiplies a score's relative error by six)
@@ -378,9 +378,10 @@ def _oracles(case: Case, tables: dict, q, k, v):
     score64, mask64 = _mods(case, tables64)
     score_low, mask_low = _mods(case, tables_low)
     rev = torch.arange(q.shape[-1] - 1, -1, -1, device=q.device)
+    lows = [dense_attention(q, k, v, score_low, mask_low, dtype=case.dtype),
+            dense_attention(q[..., rev], k[..., rev], v, score_low, mask_low, dtype=case.dtype)]
     return (tables64, dense_attention(q, k, v, score64, mask64, dtype=torch.float64),
-            [dense_attention(q, k, v, score_low, mask_low, dtype=case.dtype),
-             dense_attention(q[..., rev], k[..., rev], v, score_low, mask_low, dtype=case.dtype)])
+            ([o for o, _ in lows], [m for _, m in lows]))
 
 
 # --------------------------------------------------------------------------- tests
